@@ -1,0 +1,3 @@
+"""timetotrain: the MLPerf Training suite as one PyTorch-native package."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from timetotrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,202 @@
+"""`ttt`: the command line. Each subcommand parses its flags and calls one function."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from timetotrain.errors import UserError
+
+EXIT_USAGE = 2
+
+EPILOG = """\
+examples:
+  ttt list
+  ttt data prepare c4 --src ../shared/data/c4/en --split train --out data/c4
+  ttt data prepare c4 --src ../shared/data/c4/en --split validation --out data/c4
+  ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
+  ttt check logs/llama31_8b/tiny/result_0.txt
+"""
+
+
+def _cmd_list(args) -> int:
+    from timetotrain import suite
+
+    rows = []
+    for name in suite.names():
+        b = suite.get(name)
+        for t in b.tiers.values():
+            rows.append(
+                {
+                    "benchmark": name,
+                    "tier": t.name,
+                    "target": t.target,
+                    "metric": b.metric,
+                    "eval_every_samples": t.eval_every_samples,
+                    "eval_samples": t.eval_samples,
+                    "global_batch_size": t.global_batch_size,
+                    "seq_len": t.seq_len,
+                    "runs": t.runs,
+                    "division": t.division,
+                    "description": t.description,
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    head = f"{'benchmark':<14}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'seq':>6}{'runs':>6}  about"
+    print(head)
+    for r in rows:
+        print(
+            f"{r['benchmark']:<14}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
+            f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['seq_len']:>6}{r['runs']:>6}  {r['description']}"
+        )
+    print(
+        "\ntarget: eval metric (mean validation cross-entropy) at or below which a run stops; eval cadence and"
+    )
+    print("eval set are in samples (sequences); runs: the number of runs a submission needs.")
+    return 0
+
+
+def _cmd_prepare(args) -> int:
+    from timetotrain.data import c4
+
+    if args.dataset != "c4":
+        raise UserError(f"unknown dataset {args.dataset!r}: this version prepares c4")
+    info = c4.prepare(
+        Path(args.src), args.split, args.tokenizer, Path(args.out), args.workers, eod=not args.no_eod
+    )
+    print(
+        f"c4 {args.split}: {info['documents']:,} documents, {info['tokens']:,} tokens -> "
+        f"{Path(args.out) / c4.prefix_name(args.split)}.{{bin,idx}} (manifest {c4.dataset_name(args.split)}.manifest.json)"
+    )
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from timetotrain.train.loop import RunOptions, run
+
+    opts = RunOptions(
+        benchmark=args.benchmark,
+        tier=args.tier,
+        data=Path(args.data),
+        logdir=Path(args.logdir),
+        seed=args.seed,
+        max_steps=args.max_steps,
+        sets=args.set or [],
+        device=args.device,
+        org=args.org,
+        platform=args.platform,
+        echo=not args.quiet,
+    )
+    res = run(opts)
+    print(
+        f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
+        f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
+        file=sys.stderr,
+    )
+    return res.exit_code
+
+
+def _cmd_check(args) -> int:
+    from timetotrain.mlperf.compliance import check_log
+
+    path = Path(args.log)
+    if not path.is_file():
+        raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
+    verdict = check_log(path, args.ruleset)
+    if args.verbose or not verdict.ok:
+        print(verdict.output)
+    print(
+        f"{'PASS' if verdict.ok else 'FAIL'}: {path} (rules: {verdict.config}, official mlperf_logging engine)"
+    )
+    return 0 if verdict.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ttt",
+        description="timetotrain: MLPerf Training benchmarks as one PyTorch package.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("list", help="benchmarks x tiers: target, eval cadence, runs required")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_cmd_list)
+
+    d = sub.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    s = d.add_parser(
+        "prepare",
+        help="tokenize raw data into Megatron-compatible indexed files",
+        description="Tokenize allenai/c4 json.gz files into .bin/.idx files (byte-compatible with "
+        "megatron-core's IndexedDataset), a token histogram and a manifest with checksums.",
+    )
+    s.add_argument("dataset", choices=["c4"], help="dataset to prepare")
+    s.add_argument("--src", required=True, help="folder with c4-<split>.*.json.gz (allenai/c4 `en`)")
+    s.add_argument("--split", required=True, choices=["train", "validation"])
+    s.add_argument("--tokenizer", default="llama3", help="tokenizer (default: llama3, from llama-models)")
+    s.add_argument("--out", required=True, help="output folder (created if missing)")
+    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    s.add_argument("--no-eod", action="store_true", help="do not append end-of-text after each document")
+    s.set_defaults(func=_cmd_prepare)
+
+    s = sub.add_parser(
+        "run",
+        help="a timed training run to the quality target, logged in the MLPerf format",
+        description="Train BENCH at TIER until the eval metric meets the target. Writes one new "
+        "<logdir>/<benchmark>/<tier>/result_<k>.txt per run. Exit 0 on success, non-zero when aborted.",
+    )
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument(
+        "--tier", required=True, help="tier: tiny (2 CPU cores, minutes) or reference (closed config)"
+    )
+    s.add_argument("--data", required=True, help="folder with the prepared dataset (`ttt data prepare`)")
+    s.add_argument("--logdir", required=True, help="where result files go (created if missing)")
+    s.add_argument("--seed", type=int, default=None, help="run seed (default: fresh random, logged)")
+    s.add_argument(
+        "--max-steps", type=int, default=None, help="stop after N steps (aborted if not converged)"
+    )
+    s.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="change a tier setting, e.g. --set global_batch_size=32",
+    )
+    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    s.add_argument("--org", default="timetotrain", help="submission_org to log")
+    s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
+    s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
+    s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
+    s.add_argument("log", help="a result_<k>.txt")
+    s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
+    s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
+    s.set_defaults(func=_cmd_check)
+    return p
+
+
+def _one_line_warning(message, category, filename, lineno, line=None):
+    return f"ttt: warning: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"ttt: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ttt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

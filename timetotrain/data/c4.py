@@ -1,0 +1,149 @@
+"""`ttt data prepare c4`: allenai/c4 `*.json.gz` → Megatron indexed files + manifest + token counts.
+
+Document order is kept (files in name order, lines in file order) so a prepared validation split is the
+same stream the reference evaluates on. Each document is followed by the tokenizer's end-of-text id.
+Decision (spec §6.2 leaves it unconfirmed whether the hosted stream has separators): we append EOD, as
+Megatron's `--append-eod` does, because without a separator the model cannot tell where one unrelated
+web page ends and the next begins, and gpt_oss_20b's EOD loss mask needs them. `--no-eod` turns it off.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from timetotrain.data import tokenizer as tok
+from timetotrain.data.indexed import IndexedWriter, best_dtype
+from timetotrain.data.manifest import sha256_file, write_manifest
+from timetotrain.errors import UserError
+from timetotrain.progress import LiveLine
+
+SPLITS = ("train", "validation")
+_BATCH_DOCS = 128
+
+
+def prefix_name(split: str) -> str:
+    return f"c4-{split}_text_document"
+
+
+def dataset_name(split: str) -> str:
+    return f"c4-{split}"
+
+
+def counts_name(split: str) -> str:
+    return f"c4-{split}_token_counts.npy"
+
+
+def source_files(src: Path, split: str) -> list[Path]:
+    if not src.is_dir():
+        raise UserError(
+            f"--src {src} is not a directory: point it at the folder holding c4-{split}.*.json.gz"
+        )
+    files = sorted(src.glob(f"c4-{split}.*.json.gz"))
+    if not files:
+        raise UserError(
+            f"--src {src} has no c4-{split}.*.json.gz files: point it at allenai/c4's `en` folder"
+        )
+    return files
+
+
+def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for path in files:
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    try:
+                        batch.append(json.loads(line)["text"])
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        raise UserError(
+                            f"{path}:{lineno} is not a C4 record with a `text` field ({e})"
+                        ) from e
+                    if len(batch) == _BATCH_DOCS:
+                        yield batch
+                        batch = []
+        except (OSError, EOFError) as e:
+            raise UserError(f"{path} cannot be read as gzip ({e}): download it again") from e
+    if batch:
+        yield batch
+
+
+_worker_tok = None
+
+
+def _worker_init(name: str) -> None:
+    global _worker_tok
+    _worker_tok = tok.load(name)
+
+
+def _encode_batch(job: tuple[list[str], bool]) -> tuple[np.ndarray, np.ndarray]:
+    """One flat array per batch (not a list per document) keeps pickling and the parent's work small."""
+    texts, eod = job
+    docs = _worker_tok.encode_batch(texts)
+    if eod:
+        for d in docs:
+            d.append(_worker_tok.eos_id)
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    flat = np.fromiter((i for d in docs for i in d), dtype=np.int64, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def prepare(
+    src: Path, split: str, tokenizer: str, out: Path, workers: int | None = None, eod: bool = True
+) -> dict:
+    if split not in SPLITS:
+        raise UserError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
+    files = source_files(src, split)
+    t = tok.load(tokenizer)  # fail here, before any output, if the tokenizer is missing
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".ttt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--out {out} is not writable ({e.strerror}): choose another directory") from e
+
+    workers = workers or min(os.cpu_count() or 1, 8)
+    dtype = best_dtype(t.vocab_size)
+    counts = np.zeros(t.vocab_size, dtype=np.int64)
+    n_docs = n_tokens = 0
+    live = LiveLine()
+    t0 = time.monotonic()
+    prefix = out / prefix_name(split)
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with IndexedWriter(prefix, dtype) as writer, ctx.Pool(workers, _worker_init, (tokenizer,)) as pool:
+        # imap keeps input order while both cores tokenize.
+        jobs = ((texts, eod) for texts in _iter_texts(files))
+        for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
+            flat = flat.astype(dtype, copy=False)
+            for doc in np.split(flat, np.cumsum(lengths)[:-1]):
+                writer.add_document(doc)
+            counts += np.bincount(flat, minlength=t.vocab_size)
+            n_docs += lengths.size
+            n_tokens += flat.size
+            rate = n_tokens / max(time.monotonic() - t0, 1e-9)
+            live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens, {rate:,.0f} tokens/s")
+    live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens", force=True)
+    live.close()
+
+    counts_path = out / counts_name(split)
+    np.save(counts_path, counts)
+    info = {
+        "split": split,
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "eod_appended": eod,
+        "dtype": np.dtype(dtype).name,
+        "tokenizer": t.identity(),
+        "sources": {p.name: sha256_file(p) for p in files},
+    }
+    files_out = [Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), counts_path]
+    write_manifest(out, dataset_name(split), files_out, info)
+    return info

@@ -1,0 +1,179 @@
+"""A tier's training and validation token streams: locate, verify (preflight), then open (after run_start)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from timetotrain.data.gpt_dataset import GPTWindows
+from timetotrain.data.indexed import IndexedDataError, IndexedDataset
+from timetotrain.data.manifest import read_manifest, verify_manifest
+from timetotrain.errors import UserError
+
+_SUFFIX = "_text_document"
+
+
+@dataclass(frozen=True)
+class ResolvedData:
+    train_prefix: Path
+    val_prefix: Path
+    counts_file: Path | None  # training-split token histogram, for vocabulary narrowing
+
+    def files(self) -> list[Path]:
+        out = [Path(f"{p}{ext}") for p in (self.train_prefix, self.val_prefix) for ext in (".bin", ".idx")]
+        return out + ([self.counts_file] if self.counts_file else [])
+
+
+def _find(data_dir: Path, prefixes: tuple[str, ...], split: str) -> Path:
+    for name in prefixes:
+        if Path(data_dir, name + ".idx").exists() or Path(data_dir, name + ".bin").exists():
+            return data_dir / name
+    raise UserError(
+        f"--data {data_dir} has no {split} split (looked for {' or '.join(p + '.idx' for p in prefixes)}): "
+        f"run `ttt data prepare c4 --src <c4/en> --split {split} --out {data_dir}`"
+    )
+
+
+def resolve(data, data_dir: Path, verify: bool = True) -> ResolvedData:
+    """Preflight: every file present, checksums match the manifest, tokenizer as the tier expects,
+    index headers consistent with the token files. Reads metadata and hashes, never builds samples."""
+    if not data_dir.is_dir():
+        raise UserError(f"--data {data_dir} does not exist: pass the folder written by `ttt data prepare c4`")
+    train = _find(data_dir, data.train_prefixes, "train")
+    val = _find(data_dir, data.val_prefixes, "validation")
+    counts = None
+    for prefix in (train, val):
+        name = prefix.name.removesuffix(_SUFFIX)
+        manifest = read_manifest(data_dir, name)
+        if manifest is None:
+            warnings.warn(
+                f"{data_dir}/{name}.manifest.json not found: checksums of {prefix.name} not verified",
+                stacklevel=2,
+            )
+        else:
+            tok = manifest.get("tokenizer", {})
+            if tok.get("name") != data.tokenizer:
+                raise UserError(
+                    f"{prefix}: prepared with tokenizer {tok.get('name')!r}, this tier needs {data.tokenizer!r}: "
+                    f"re-run `ttt data prepare c4 --tokenizer {data.tokenizer}`"
+                )
+            if verify:
+                verify_manifest(data_dir, manifest)
+        try:
+            IndexedDataset(prefix)
+        except IndexedDataError as e:
+            raise UserError(str(e)) from e
+    if data.vocab_keep is not None:
+        counts = data_dir / f"{train.name.removesuffix(_SUFFIX)}_token_counts.npy"
+        if not counts.is_file():
+            raise UserError(
+                f"{counts} is missing (this tier narrows the vocabulary by training-split frequency): "
+                "re-run `ttt data prepare c4 --split train`"
+            )
+    return ResolvedData(train, val, counts)
+
+
+def drop_page_cache(files: list[Path]) -> bool:
+    """MLPerf `cache_clear`: evict the dataset from the page cache so every run reads from storage."""
+    ok = True
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            ok = False
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            ok = False
+        finally:
+            os.close(fd)
+    return ok
+
+
+def vocab_table(counts_file: Path, keep: int) -> torch.Tensor:
+    """Old id -> new id: the `keep` most frequent training ids by rank (ties: lower id first), others -> keep."""
+    counts = np.load(counts_file)
+    order = np.argsort(-counts, kind="stable")[:keep]
+    table = np.full(counts.size, keep, dtype=np.int64)
+    table[order] = np.arange(keep)
+    return torch.from_numpy(table)
+
+
+class TokenSource:
+    """Global batches in step order; `shard` gives a rank its contiguous part of each global batch."""
+
+    def __init__(
+        self, windows: GPTWindows, gbs: int, table: torch.Tensor | None, rank: int = 0, world: int = 1
+    ):
+        if gbs % world:
+            raise UserError(f"global_batch_size {gbs} is not divisible by the {world} data-parallel ranks")
+        self.windows, self.gbs, self.table = windows, gbs, table
+        self.local = gbs // world
+        self.offset = rank * self.local
+
+    def batch(self, step: int) -> torch.Tensor:
+        start = step * self.gbs + self.offset
+        tokens = self.windows.batch(np.arange(start, start + self.local))
+        return self.table[tokens] if self.table is not None else tokens
+
+
+class Prefetcher:
+    """Fetches step n+1's tokens on a thread and copies them to the device without blocking the host."""
+
+    def __init__(self, source: TokenSource, first_step: int, device: torch.device, depth: int = 2):
+        self.source, self.device = source, device
+        self.pin = device.type == "cuda"
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._step = first_step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, daemon=True)
+        self._thread.start()
+
+    def _work(self):
+        step = self._step
+        while not self._stop.is_set():
+            try:
+                t = self.source.batch(step)
+                if self.pin:
+                    t = t.pin_memory()
+            except Exception as e:  # surfaced on the consumer's thread
+                self._q.put(e)
+                return
+            self._q.put(t)
+            step += 1
+
+    def next(self) -> torch.Tensor:
+        item = self._q.get()
+        if isinstance(item, Exception):
+            raise item
+        return item.to(self.device, non_blocking=True)
+
+    def close(self):
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def open_train(res: ResolvedData, seq_len: int, num_samples: int, seed: int) -> GPTWindows:
+    return GPTWindows(IndexedDataset(res.train_prefix), seq_len, num_samples, seed, shuffle=True)
+
+
+def open_val(res: ResolvedData, seq_len: int, num_samples: int) -> GPTWindows:
+    val = GPTWindows(IndexedDataset(res.val_prefix), seq_len, num_samples, seed=0, shuffle=False)
+    if len(val) < num_samples:
+        raise UserError(
+            f"{res.val_prefix}: only {len(val)} validation windows of {seq_len + 1} tokens, the tier needs "
+            f"{num_samples}: prepare more validation documents"
+        )
+    return val
