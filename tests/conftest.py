@@ -2,6 +2,7 @@
 
 import importlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +20,36 @@ def require(name: str):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{message}; required under CI=true", pytrace=False)
         pytest.skip(f"{message}; install the test extras to run this test")
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    return Path(os.environ.get("TTT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def require_file(path: Path) -> Path:
+    """A fixture file from ../shared/data: skip locally when absent, fail under CI=true."""
+    if not path.exists():
+        message = f"fixture {path} not found (set TTT_SHARED_DATA to the shared data folder)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message}; required under CI=true", pytrace=False)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="session")
+def c4_src() -> Path:
+    return require_file(shared_data_dir() / "c4" / "en")
+
+
+@pytest.fixture(scope="session")
+def c4_prepared(c4_src, tmp_path_factory) -> Path:
+    """The shared C4 sample tokenized once per session, as `ttt data prepare` writes it."""
+    from timetotrain.data import c4
+
+    out = tmp_path_factory.mktemp("c4")
+    for split in ("train", "validation"):
+        c4.prepare(c4_src, split, "llama3", out, workers=2)
+    return out

@@ -13,7 +13,11 @@ from timetotrain.data.indexed import (
     best_dtype,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Transformer Engine and Apex:UserWarning")
+# Importing megatron-core emits optional-dependency and deprecation notices that are not ours.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Transformer Engine and Apex:UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 VOCAB = {np.uint16: 32000, np.int32: 128256}
 
@@ -199,8 +203,16 @@ CORRUPTIONS = {
     "oversized_idx": (".idx", lambda p: _append(p, b"\x00" * 30), "oversized"),
     "truncated_bin": (".bin", lambda p: _truncate(p, os.path.getsize(p) - 2), "truncated"),
     "oversized_bin": (".bin", lambda p: _append(p, b"\x00\x00"), "larger than its index"),
-    "bad_doc_index": (".idx", lambda p: _patch(p, os.path.getsize(p) - 8, (99).to_bytes(8, "little")), "document"),
-    "bad_last_pointer": (".idx", lambda p: _patch(p, 34 + 4 * 30 + 8 * 29, (1 << 40).to_bytes(8, "little")), "pointers"),
+    "bad_doc_index": (
+        ".idx",
+        lambda p: _patch(p, os.path.getsize(p) - 8, (99).to_bytes(8, "little")),
+        "document",
+    ),
+    "bad_last_pointer": (
+        ".idx",
+        lambda p: _patch(p, 34 + 4 * 30 + 8 * 29, (1 << 40).to_bytes(8, "little")),
+        "pointers",
+    ),
 }
 
 

@@ -123,8 +123,7 @@ def prepare(
         jobs = ((texts, eod) for texts in _iter_texts(files))
         for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
             flat = flat.astype(dtype, copy=False)
-            for doc in np.split(flat, np.cumsum(lengths)[:-1]):
-                writer.add_document(doc)
+            writer.add_documents(flat, lengths)
             counts += np.bincount(flat, minlength=t.vocab_size)
             n_docs += lengths.size
             n_tokens += flat.size

@@ -123,7 +123,7 @@ class IndexedWriter:
             return np.ascontiguousarray(arr)
         if arr.size == 0:
             return np.empty(0, self.dtype)
-        if arr.dtype.kind not in "iub":
+        if arr.dtype.kind not in "iu":
             raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
         # Megatron's builder would silently wrap out-of-range ids; a wrapped id is a wrong token.
         if not np.can_cast(arr.dtype, self.dtype):
@@ -208,10 +208,11 @@ class IndexedWriter:
 class IndexedDataset:
     """Memory-mapped reader for a ``prefix.bin``/``prefix.idx`` pair.
 
-    Opening reads the 34-byte header and maps both files; it checks the header, the exact
-    ``.idx`` size and that the ``.bin`` size equals the end of the last sequence. Those checks are
-    O(1), so a multi-GB file opens instantly; ``verify=True`` adds an O(sequences) pass over the
-    index (non-negative sizes, contiguous pointers, monotone document index). ``remedy`` is the
+    Opening maps both files without reading the ``.bin``; it checks the header, the exact
+    ``.idx`` size, the document index end points, that the last pointer agrees with the summed
+    sequence lengths and that the ``.bin`` holds exactly that many tokens. Only the lengths table
+    (4 bytes a sequence) is read in full. ``verify=True`` adds a pass over every pointer and the
+    whole document index (non-negative lengths, contiguous pointers, monotone). ``remedy`` is the
     fix that error messages suggest.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -165,15 +166,24 @@ class Prefetcher:
             pass
 
 
-def open_train(res: ResolvedData, seq_len: int, num_samples: int, seed: int) -> GPTWindows:
-    return GPTWindows(IndexedDataset(res.train_prefix), seq_len, num_samples, seed, shuffle=True)
+def reference_num_samples(train_samples: int) -> int:
+    """The sample count megatron's blended builder asks GPTDataset for. The references pass the training
+    file as a one-entry weighted blend (weight 10 -> 1.0), and the builder pads each request by 0.5%:
+    ceil(ceil(n * 1.0) * 1.005). The count sets the number of epochs and so the shuffle; using it gives the
+    reference's exact windows for a given seed."""
+    return math.ceil(train_samples * 1.005)
+
+
+def open_train(res: ResolvedData, seq_len: int, train_samples: int, seed: int) -> GPTWindows:
+    n = reference_num_samples(train_samples)
+    return GPTWindows(IndexedDataset(res.train_prefix), seq_len, n, seed, shuffle=True)
 
 
 def open_val(res: ResolvedData, seq_len: int, num_samples: int) -> GPTWindows:
-    val = GPTWindows(IndexedDataset(res.val_prefix), seq_len, num_samples, seed=0, shuffle=False)
-    if len(val) < num_samples:
+    try:
+        return GPTWindows(IndexedDataset(res.val_prefix), seq_len, num_samples, seed=None, shuffle=False)
+    except ValueError as e:
         raise UserError(
-            f"{res.val_prefix}: only {len(val)} validation windows of {seq_len + 1} tokens, the tier needs "
-            f"{num_samples}: prepare more validation documents"
-        )
-    return val
+            f"{res.val_prefix}: fewer than {num_samples} validation windows of {seq_len + 1} tokens ({e}): "
+            "prepare more validation documents"
+        ) from e

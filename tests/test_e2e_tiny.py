@@ -1,0 +1,128 @@
+"""End to end: the llama31_8b tiny tier to its target, its log through the official compliance engine,
+and the ways a run ends aborted (step limit, SIGTERM, non-finite loss)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from timetotrain.mlperf.compliance import check_log
+
+
+def mllog(path: Path) -> list[dict]:
+    return [
+        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
+    ]
+
+
+def ttt(*argv, **kw):
+    return subprocess.run([sys.executable, "-m", "timetotrain", *argv], capture_output=True, text=True, **kw)
+
+
+def tiny(data, logdir, *extra):
+    return [
+        "run",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--data",
+        str(data),
+        "--logdir",
+        str(logdir),
+        "--quiet",
+        *extra,
+    ]
+
+
+def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_path):
+    proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "1234"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    recs = mllog(log)
+    keys = [r["key"] for r in recs]
+    # Order of the timed run.
+    assert keys[0] == "cache_clear" and keys[1] == "init_start"
+    assert keys.index("init_stop") + 1 == keys.index("run_start")
+    assert keys.index("seed") < keys.index("init_stop")
+    assert keys[-1] == "run_stop" and recs[-1]["metadata"]["status"] == "success"
+    evals = [r for r in recs if r["key"] == "eval_accuracy"]
+    assert [e["metadata"]["samples_count"] for e in evals] == [320 * (i + 1) for i in range(len(evals))]
+    assert evals[-1]["value"] <= 4.8 < min(e["value"] for e in evals[:-1])
+    steps = [r for r in recs if r["key"] == "train_loss"]
+    assert len(steps) == evals[-1]["metadata"]["samples_count"] // 16
+    assert next(r["value"] for r in recs if r["key"] == "seed") == 1234
+    verdict = check_log(log)
+    assert verdict.ok, verdict.output
+    print(
+        f"tiny seed 1234: {len(steps)} steps, eval {evals[-1]['value']:.4f}; {proc.stderr.strip().splitlines()[-1]}"
+    )
+
+
+def test_step_limit_aborts_with_nonzero_exit_and_never_overwrites(c4_prepared, tmp_path):
+    for k in range(2):
+        proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "7", "--max-steps", "3"))
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        log = tmp_path / "llama31_8b" / "tiny" / f"result_{k}.txt"
+        recs = mllog(log)
+        assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["status"] == "aborted"
+        assert [r["key"] for r in recs].count("run_stop") == 1
+        assert not check_log(log).ok  # the target was never met
+    first = (tmp_path / "llama31_8b" / "tiny" / "result_0.txt").read_text()
+    assert first.count("run_start") == 1  # the second run did not append to it
+
+
+def test_sigterm_aborts_with_flushed_log(c4_prepared, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timetotrain", *tiny(c4_prepared, tmp_path, "--seed", "3")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and '"train_loss"' in log.read_text()):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    recs = mllog(log)
+    assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["status"] == "aborted"
+    assert "signal SIGTERM" in err
+
+
+def test_non_finite_loss_aborts(c4_prepared, tmp_path, monkeypatch):
+    from timetotrain.train import loop
+
+    def nan_step(*args, **kwargs):
+        return torch.tensor(float("nan"))
+
+    monkeypatch.setattr(loop, "train_step", nan_step)
+    res = loop.run(
+        loop.RunOptions("llama31_8b", "tiny", c4_prepared, tmp_path, seed=5, echo=False, max_steps=50)
+    )
+    assert res.status == "aborted" and "non-finite" in res.reason and res.exit_code == 1
+    assert mllog(res.log_path)[-1]["metadata"]["status"] == "aborted"
+    assert res.steps <= 2  # caught within one step of lag
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT])
+def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timetotrain", *tiny(c4_prepared, tmp_path, "--seed", "4")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and '"run_start"' in log.read_text()):
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig
+    assert mllog(log)[-1]["metadata"]["status"] == "aborted"

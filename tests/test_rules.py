@@ -1,0 +1,103 @@
+"""Tier settings against the rule files: the official closed yamls for `reference`, ours for `tiny`."""
+
+import dataclasses
+
+import pytest
+
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.suite import get
+from timetotrain.suite.base import apply_overrides
+from timetotrain.train.loop import check_rules, hyperparameters, submission_keys
+
+BENCH = get("llama31_8b")
+CLOSED = [official_rules_dir() / f for f in BENCH.closed_rules]
+
+
+def logged(tier):
+    return submission_keys(BENCH, tier, "org", "platform") + hyperparameters(BENCH, tier)
+
+
+def test_reference_block_passes_every_official_closed_rule():
+    tier = BENCH.tier("reference")
+    assert hparam_violations(CLOSED, logged(tier)) == []
+    # Every hyperparameter rule of closed_llama31_8b.yaml was actually exercised (not silently absent).
+    keys = {k for k, _ in logged(tier)}
+    import yaml
+
+    for f in CLOSED:
+        for item in yaml.safe_load(f.read_text()):
+            name = item.get("KEY", {}).get("NAME")
+            if name and name != "eval_accuracy":
+                assert name in keys, f"{f.name} rule for {name} not covered by our log"
+
+
+@pytest.mark.parametrize(
+    "field,value,key",
+    [
+        ("max_steps", 1_000_000, "max_steps"),
+        ("seq_len", 4096, "max_sequence_length"),
+        ("eval_samples", 512, "eval_samples"),
+    ],
+)
+def test_reference_block_violations_are_caught(field, value, key):
+    tier = dataclasses.replace(BENCH.tier("reference"), **{field: value})
+    problems = hparam_violations(CLOSED, logged(tier))
+    assert any(p.startswith(key) for p in problems), problems
+
+
+def test_decay_steps_rule_tracks_warmup():
+    tier = dataclasses.replace(BENCH.tier("reference"), warmup_steps=128)
+    assert hparam_violations(CLOSED, logged(tier)) == []  # decay = 1.2M - warmup follows automatically
+    bad = [(k, v + 1 if k == "opt_learning_rate_decay_steps" else v) for k, v in logged(tier)]
+    assert any("opt_learning_rate_decay_steps" in p for p in hparam_violations(CLOSED, bad))
+
+
+def test_fixed_optimizer_constants_are_checked():
+    bad = [(k, 1e-8 if k == "opt_adamw_epsilon" else v) for k, v in logged(BENCH.tier("reference"))]
+    assert any("opt_adamw_epsilon" in p for p in hparam_violations(CLOSED, bad))
+
+
+def test_tiny_block_passes_our_rule_file():
+    tier = BENCH.tier("tiny")
+    assert hparam_violations([rule_file("llama31_8b", "tiny")], logged(tier)) == []
+    wrong = dataclasses.replace(tier, seq_len=128)
+    assert hparam_violations([rule_file("llama31_8b", "tiny")], logged(wrong))
+
+
+def test_gbs_override_takes_rcp_hparams():
+    tier = apply_overrides(BENCH, BENCH.tier("reference"), ["global_batch_size=64"])
+    assert (tier.lr, tier.warmup_steps, tier.end_lr) == (8e-4, 96, pytest.approx(8e-5))
+    assert tier.eval_every_steps == 192
+    check_rules(BENCH, tier)  # still a closed configuration
+    explicit = apply_overrides(BENCH, BENCH.tier("reference"), ["global_batch_size=64", "lr=1e-3"])
+    assert explicit.lr == 1e-3 and explicit.warmup_steps == 96
+
+
+def test_eval_points_round_up_to_whole_steps():
+    tier = apply_overrides(BENCH, BENCH.tier("reference"), ["global_batch_size=96"])
+    assert tier.eval_every_steps == 128  # 12288 / 96
+    tier = apply_overrides(BENCH, BENCH.tier("reference"), ["global_batch_size=80", "lr=1e-3"])
+    assert tier.eval_every_steps == 154  # ceil(12288 / 80) = 153.6 -> 154
+
+
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["lr"], "not key=value"),
+        (["colour=blue"], "is not a setting"),
+        (["global_batch_size=abc"], "expected an integer"),
+        (["micro_batch_size=5"], "must divide"),
+        (["warmup_steps=5000000"], "warmup_steps"),
+    ],
+)
+def test_bad_set_is_one_clear_error(sets, needle):
+    with pytest.raises(UserError, match=needle):
+        apply_overrides(BENCH, BENCH.tier("reference"), sets)
+
+
+def test_closed_run_refuses_a_config_the_rules_reject():
+    tier = apply_overrides(BENCH, BENCH.tier("reference"), ["seq_len=4096"])
+    with pytest.raises(UserError, match="max_sequence_length"):
+        check_rules(BENCH, tier)
+    check_rules(BENCH, apply_overrides(BENCH, BENCH.tier("reference"), ["seq_len=4096", "division=open"]))
