@@ -96,12 +96,12 @@ def test_sigterm_aborts_with_flushed_log(c4_prepared, tmp_path):
 
 
 def test_non_finite_loss_aborts(c4_prepared, tmp_path, monkeypatch):
-    from timetotrain.train import loop
+    from timetotrain.train import loop, step
 
     def nan_step(*args, **kwargs):
         return torch.tensor(float("nan"))
 
-    monkeypatch.setattr(loop, "train_step", nan_step)
+    monkeypatch.setattr(step.Training, "step", nan_step)
     res = loop.run(
         loop.RunOptions("llama31_8b", "tiny", c4_prepared, tmp_path, seed=5, echo=False, max_steps=50)
     )
@@ -126,3 +126,13 @@ def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig
     assert mllog(log)[-1]["metadata"]["status"] == "aborted"
+
+
+def test_runs_gives_distinct_logged_seeds_and_numbered_files(c4_prepared, tmp_path):
+    proc = ttt(*tiny(c4_prepared, tmp_path, "--runs", "3", "--max-steps", "2"))
+    assert proc.returncode == 1  # none can meet the target in 2 steps, but the set still completes
+    logs = sorted((tmp_path / "llama31_8b" / "tiny").glob("result_*.txt"))
+    assert [p.name for p in logs] == ["result_0.txt", "result_1.txt", "result_2.txt"]
+    seeds = [next(r["value"] for r in mllog(p) if r["key"] == "seed") for p in logs]
+    assert len(set(seeds)) == 3
+    assert "0/3 runs met the target" in proc.stderr

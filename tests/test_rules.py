@@ -6,9 +6,9 @@ import pytest
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.mlperf.keys import check_rules, hyperparameters, submission_keys
 from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
-from timetotrain.train.loop import check_rules, hyperparameters, submission_keys
 
 BENCH = get("llama31_8b")
 CLOSED = [official_rules_dir() / f for f in BENCH.closed_rules]

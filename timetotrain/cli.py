@@ -76,29 +76,83 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
+def _run_seeds(seed: int | None, runs: int) -> list[int]:
+    """Distinct seeds for a set of runs: SEED, SEED+1, ... when given, else fresh random ones."""
+    import secrets
+
+    if seed is not None:
+        return [seed + i for i in range(runs)]
+    seeds: list[int] = []
+    while len(seeds) < runs:
+        s = secrets.randbelow(2**31 - 1)
+        if s not in seeds:
+            seeds.append(s)
+    return seeds
+
+
 def _cmd_run(args) -> int:
     from timetotrain.train.loop import RunOptions, run
 
-    opts = RunOptions(
-        benchmark=args.benchmark,
-        tier=args.tier,
-        data=Path(args.data),
-        logdir=Path(args.logdir),
-        seed=args.seed,
-        max_steps=args.max_steps,
-        sets=args.set or [],
-        device=args.device,
-        org=args.org,
-        platform=args.platform,
-        echo=not args.quiet,
+    if args.runs < 1:
+        raise UserError(f"--runs {args.runs} must be at least 1")
+    results = []
+    for i, seed in enumerate(_run_seeds(args.seed, args.runs)):
+        if args.runs > 1:
+            print(f"run {i + 1}/{args.runs} (seed {seed})", file=sys.stderr)
+        opts = RunOptions(
+            benchmark=args.benchmark,
+            tier=args.tier,
+            data=Path(args.data),
+            logdir=Path(args.logdir),
+            seed=seed,
+            max_steps=args.max_steps,
+            sets=args.set or [],
+            device=args.device,
+            org=args.org,
+            platform=args.platform,
+            echo=not args.quiet,
+        )
+        res = run(opts)  # a UserError or crash stops the set; a run that misses its target does not
+        results.append((seed, res))
+        print(
+            f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
+            f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
+            file=sys.stderr,
+        )
+        if res.exit_code > 128:  # stopped by a signal: the user wants the whole set to stop
+            break
+    if len(results) > 1:
+        print(f"\n{'seed':>12}  {'status':<8}{'samples':>10}{'seconds':>10}  log", file=sys.stderr)
+        for seed, r in results:
+            print(
+                f"{seed:>12}  {r.status:<8}{r.samples:>10,}{r.seconds:>10.1f}  {r.log_path}", file=sys.stderr
+            )
+        ok = sum(r.status == "success" for _, r in results)
+        print(f"{ok}/{len(results)} runs met the target", file=sys.stderr)
+    return max(r.exit_code for _, r in results)
+
+
+def _cmd_synth(args) -> int:
+    from timetotrain.train.synth import SynthOptions, format_table, synth
+
+    summary = synth(
+        SynthOptions(
+            benchmark=args.benchmark,
+            tier=args.tier,
+            steps=args.steps,
+            warmup_steps=args.warmup_steps,
+            micro_batch=args.micro_batch,
+            logdir=Path(args.logdir),
+            sets=args.set or [],
+            device=args.device,
+            precision=args.precision,
+            seed=args.seed,
+        )
     )
-    res = run(opts)
-    print(
-        f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
-        f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
-        file=sys.stderr,
-    )
-    return res.exit_code
+    if "log" in summary:  # rank 0 only
+        print(format_table(summary))
+        print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")
+    return 0
 
 
 def _cmd_check(args) -> int:
@@ -157,7 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--data", required=True, help="folder with the prepared dataset (`ttt data prepare`)")
     s.add_argument("--logdir", required=True, help="where result files go (created if missing)")
-    s.add_argument("--seed", type=int, default=None, help="run seed (default: fresh random, logged)")
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="run seed (default: fresh random, logged); with --runs: SEED, SEED+1, ...",
+    )
+    s.add_argument(
+        "--runs", type=int, default=1, help="N consecutive runs, distinct seeds, one result file each"
+    )
     s.add_argument(
         "--max-steps", type=int, default=None, help="stop after N steps (aborted if not converged)"
     )
@@ -172,6 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
     s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
     s.set_defaults(func=_cmd_run)
+
+    s = sub.add_parser(
+        "synth",
+        help="throughput with random weights and random tokens: no data needed",
+        description="Run the benchmark's real model (its own init rule, random weights) on random tokens drawn "
+        "on the device, with real forward/backward/optimizer steps, and report tokens/s, step times, model "
+        "TFLOP/s, MFU and peak memory. Writes an MLPerf-format log and summary.json to "
+        "<logdir>/synth/<benchmark>/<tier>/. Works under torchrun (one log, figures summed over ranks).",
+    )
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument("--tier", default="tiny", help="tiny (default) or reference (the full closed model)")
+    s.add_argument("--steps", type=int, default=None, help="timed steps (default 30 tiny, 20 reference)")
+    s.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 5)")
+    s.add_argument("--micro-batch", type=int, default=None, help="micro-batch per rank (sets accumulation)")
+    s.add_argument("--logdir", default="logs", help="where the log and summary go (default: ./logs)")
+    s.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"
+    )
+    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    s.add_argument(
+        "--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on GPU, fp32 on CPU"
+    )
+    s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
+    s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
     s.add_argument("log", help="a result_<k>.txt")

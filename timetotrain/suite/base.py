@@ -82,6 +82,10 @@ class Benchmark:
     schedule_rule: str  # warmup off-by-one of the reference framework, see train/schedule.py
     build_model: Callable[[Tier], Any]  # called under a meta-device context; must not touch weights
     init_model: Callable[[Any, Any], None]  # (model, torch.Generator): the benchmark's own init rule
+    # `ttt synth` plug-ins: a random batch drawn on the device, and the model FLOPs of one training sample
+    # (forward + backward), counting only what the model computes.
+    synthetic_batch: Callable[[Tier, int, Any, Any], Any]  # (tier, batch, generator, device) -> tensor
+    flops_per_sample: Callable[[Tier], float]
     # GBS -> (lr, warmup_steps) of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, tuple[float, int]] = field(default_factory=dict)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from timetotrain.models.llama import LLAMA31_8B, Llama, LlamaConfig, init_weights
+import torch
+
+from timetotrain.models.llama import LLAMA31_8B, Llama, LlamaConfig, flops_per_token, init_weights
 from timetotrain.suite.base import Benchmark, DataSpec, Tier
 
 C4_DATA = DataSpec(
@@ -75,6 +77,18 @@ def build_model(tier: Tier) -> Llama:
     return Llama(tier.model)
 
 
+def synthetic_batch(tier: Tier, batch: int, generator: torch.Generator, device) -> torch.Tensor:
+    """Uniform random token windows of seq_len + 1 (inputs and shifted labels), made on the device."""
+    return torch.randint(
+        0, tier.model.vocab_size, (batch, tier.seq_len + 1), generator=generator, device=device
+    )
+
+
+def flops_per_sample(tier: Tier) -> float:
+    # Causal attention: SDPA's flash kernels skip the masked upper triangle, so only half the square counts.
+    return tier.seq_len * flops_per_token(tier.model, tier.seq_len, causal=True)
+
+
 BENCHMARK = Benchmark(
     name="llama31_8b",
     area="Small LLM pretraining",
@@ -92,6 +106,8 @@ BENCHMARK = Benchmark(
     schedule_rule="nemo",
     build_model=build_model,
     init_model=init_weights,
+    synthetic_batch=synthetic_batch,
+    flops_per_sample=flops_per_sample,
     rcp_hparams=RCP_HPARAMS,
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama31_8b.yaml"),
 )

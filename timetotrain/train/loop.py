@@ -8,8 +8,6 @@ an eval at every eval point -> run_stop success at the first eval <= target, els
 from __future__ import annotations
 
 import math
-import os
-import platform
 import secrets
 import signal
 import time
@@ -22,12 +20,12 @@ import torch.nn.functional as F
 from timetotrain import suite
 from timetotrain.data import loader
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.mlperf.keys import check_rules, hyperparameters, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.progress import LiveLine
-from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train.optim import build_adamw, set_lr
-from timetotrain.train.schedule import WarmupCosine
+from timetotrain.suite.base import apply_overrides
+from timetotrain.train.device import default_device, platform_name
+from timetotrain.train.step import build_training
 
 EXIT_ABORTED = 1
 
@@ -84,70 +82,6 @@ class _Signals:
             signal.signal(sig, old)
 
 
-def hyperparameters(bench: Benchmark, tier: Tier) -> list[tuple[str, object]]:
-    """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
-    hp = [
-        ("global_batch_size", tier.global_batch_size),
-        ("gradient_accumulation_steps", tier.grad_accum),
-        ("micro_batch_size", tier.micro_batch_size),
-        ("max_sequence_length", tier.seq_len),
-        ("max_steps", tier.max_steps),
-        ("opt_base_learning_rate", tier.lr),
-        ("opt_end_learning_rate", tier.end_lr),
-        ("opt_learning_rate_warmup_steps", tier.warmup_steps),
-        ("opt_learning_rate_decay_steps", tier.decay_steps),
-    ]
-    hp += list(bench.fixed_hparams.items())
-    hp += [("train_samples", tier.max_steps * tier.global_batch_size), ("eval_samples", tier.eval_samples)]
-    return hp
-
-
-def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[tuple[str, object]]:
-    return [
-        ("submission_benchmark", bench.name),
-        ("submission_org", org),
-        ("submission_division", tier.division),
-        ("submission_status", "onprem"),
-        ("submission_platform", plat),
-    ]
-
-
-def check_rules(bench: Benchmark, tier: Tier) -> None:
-    """Refuse, before any log line, a configuration the rule file of its division would reject."""
-    if tier.name == "reference":
-        if tier.division != "closed":
-            return
-        files = [official_rules_dir() / f for f in bench.closed_rules]
-    else:
-        files = [rule_file(bench.name, tier.name)]
-    logged = submission_keys(bench, tier, "x", "x") + hyperparameters(bench, tier)
-    problems = hparam_violations(files, logged)
-    if problems:
-        hint = " (or --set division=open)" if tier.name == "reference" else ""
-        raise UserError(f"{bench.name} {tier.name}: {problems[0]}: change the --set value{hint}")
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def platform_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"1x{torch.cuda.get_device_name(device)}"
-    return f"{os.cpu_count()}-core {_cpu_model()}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 class Evaluator:
     """Mean next-token cross-entropy over the fixed validation windows (token-weighted)."""
 
@@ -170,32 +104,6 @@ class Evaluator:
             count += chunk[:, 1:].numel()
         model.train(was_training)
         return (total / count).item()
-
-
-def train_step(model, opt, tokens: torch.Tensor, accum: int, clip: float, params) -> torch.Tensor:
-    """One optimizer step over a local batch split into `accum` equal micro-batches. Returns the mean loss
-    as a device tensor: no host sync here."""
-    total = torch.zeros((), device=tokens.device)
-    for mb in tokens.chunk(accum):
-        logits = model(mb[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / accum
-        loss.backward()
-        total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return total
-
-
-def _warmup(model, tier: Tier, device, vocab: int) -> None:
-    """Touch every kernel once before the clock (allocator, kernel selection); weights are re-initialized
-    afterwards, so nothing learned here survives."""
-    mb = min(tier.micro_batch_size, 2)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab, (mb, tier.seq_len + 1), generator=g).to(device)
-    logits = model(x[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
-    model.zero_grad(set_to_none=True)
 
 
 def run(opts: RunOptions) -> RunResult:
@@ -233,22 +141,7 @@ def run(opts: RunOptions) -> RunResult:
             log.event("lowest_numerical_precision_in_linear", "fp32")
 
             torch.manual_seed(seed)
-            # Built on the meta device and materialised where it runs: an 8B model never exists on the host.
-            with torch.device("meta"):
-                model = bench.build_model(tier)
-            model.to_empty(device=device)
-            bench.init_model(model, torch.Generator(device=device).manual_seed(seed + 1))
-            _warmup(model, tier, device, tier.model.vocab_size)
-            bench.init_model(model, torch.Generator(device=device).manual_seed(seed))
-            model.train()
-            fx = bench.fixed_hparams
-            opt = build_adamw(
-                model, tier.lr, (fx["opt_adamw_beta_1"], fx["opt_adamw_beta_2"]),
-                fx["opt_adamw_epsilon"], fx["opt_adamw_weight_decay"],
-            )  # fmt: skip
-            sched = WarmupCosine(tier.lr, tier.end_lr, tier.warmup_steps, tier.max_steps, bench.schedule_rule)
-            params = [p for p in model.parameters() if p.requires_grad]
-            clip = fx["opt_gradient_clip_norm"]
+            tr = build_training(bench, tier, device, seed)
             log.end("init_stop")
 
             log.start("run_start")
@@ -273,8 +166,7 @@ def run(opts: RunOptions) -> RunResult:
                     if sig.caught is not None:
                         reason = f"signal {signal.Signals(sig.caught).name}"
                         break
-                    set_lr(opt, sched(step))
-                    loss = train_step(model, opt, fetch.next(), tier.grad_accum, clip, params)
+                    loss = tr.step(step, fetch.next(), tier.grad_accum)
                     step += 1
                     tokens_done += tokens_per_step
                     if pending is not None and not _report(
@@ -291,7 +183,7 @@ def run(opts: RunOptions) -> RunResult:
                         samples = step * gbs
                         log.end("block_stop", metadata={"samples_count": samples})
                         log.start("eval_start", metadata={"samples_count": samples})
-                        last_eval = evaluate(model)
+                        last_eval = evaluate(tr.model)
                         log.event("eval_accuracy", last_eval, metadata={"samples_count": samples})
                         log.end("eval_stop", metadata={"samples_count": samples})
                         live.print(

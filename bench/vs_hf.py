@@ -1,0 +1,122 @@
+"""Our Llama training step vs HF transformers' `LlamaForCausalLM`, side by side in one process.
+
+    python bench/vs_hf.py [--reps 5] [--steps 3] [--configs tiny,20m]
+
+Same config, same weights, same batch and sequence, same optimizer (AdamW, Megatron decay mask), same loss
+(mean token cross-entropy computed outside the model) and clipping. The two step loops alternate within
+each repetition so drift in machine load hits both; medians and their ratio are printed, with our CPU MFU
+against a matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token, hf_config_kwargs, to_hf_state_dict
+from timetotrain.suite.llama31_8b import TINY
+from timetotrain.train.optim import build_adamw
+from timetotrain.train.peak import measure_cpu_peak
+
+CONFIGS = {
+    # The llama31_8b tiny tier's model and batch.
+    "tiny": (TINY.model, 16, 256),
+    # ~20 M non-embedding parameters: d 512, 8 layers, 8 query / 4 KV heads, FFN 1024, 32k vocabulary.
+    "20m": (
+        LlamaConfig(
+            dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1024, vocab_size=32_000, max_seq_len=512
+        ),
+        4,
+        512,
+    ),
+}
+
+
+def make_step(model, forward):
+    opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-5, 0.1)
+    params = [p for p in model.parameters()]
+
+    def step(tokens):
+        logits = forward(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step, tokens, n) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(tokens)
+    return time.perf_counter() - t0
+
+
+def bench(name: str, reps: int, steps: int, peak: float) -> dict:
+    import transformers
+
+    cfg, batch, seq = CONFIGS[name]
+    torch.manual_seed(0)
+    ours = Llama(cfg)
+    hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(cfg), attn_implementation="sdpa")
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
+    n_params = sum(p.numel() for p in ours.parameters())
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    step_ours = make_step(ours, ours)
+    step_hf = make_step(hf, lambda x: hf(input_ids=x, use_cache=False).logits)
+    for s in (step_ours, step_hf):  # warm-up: allocator, thread pool, kernel choice
+        s(tokens)
+    tok = batch * seq * steps
+    ours_tps, hf_tps = [], []
+    for _ in range(reps):
+        ours_tps.append(tok / timed(step_ours, tokens, steps))
+        hf_tps.append(tok / timed(step_hf, tokens, steps))
+    mo, mh = statistics.median(ours_tps), statistics.median(hf_tps)
+    flops = flops_per_token(cfg, seq, causal=True)
+    return {
+        "config": name,
+        "params": n_params,
+        "batch": batch,
+        "seq": seq,
+        "ours_tokens_per_s": mo,
+        "hf_tokens_per_s": mh,
+        "ratio": mo / mh,
+        "ours_mfu": mo * flops / peak,
+        "hf_mfu": mh * flops / peak,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
+    ap.add_argument("--configs", default="tiny,20m")
+    args = ap.parse_args()
+    import transformers
+
+    peak = measure_cpu_peak(seconds=1.0)
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"{'config':<7}{'params':>12}{'batch x seq':>13}{'ours tok/s':>12}{'HF tok/s':>11}{'ratio':>8}{'our MFU':>9}"
+    )
+    for name in args.configs.split(","):
+        r = bench(name, args.reps, args.steps, peak)
+        print(
+            f"{r['config']:<7}{r['params']:>12,}{r['batch']:>7} x {r['seq']:<4}{r['ours_tokens_per_s']:>12,.0f}"
+            f"{r['hf_tokens_per_s']:>11,.0f}{r['ratio']:>7.2f}x{r['ours_mfu']:>9.1%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""`ttt synth`: random weights on random tokens, a complete log, sane figures, one log under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from timetotrain.train.synth import SynthOptions, _percentile, synth
+
+
+def mllog(path: Path) -> list[dict]:
+    return [
+        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
+    ]
+
+
+def test_synth_tiny_writes_log_and_summary(tmp_path):
+    s = synth(SynthOptions("llama31_8b", "tiny", steps=3, warmup_steps=1, logdir=tmp_path, seed=11))
+    d = tmp_path / "synth" / "llama31_8b" / "tiny"
+    assert Path(s["log"]) == d / "result_0.txt"
+    on_disk = json.loads((d / "summary.json").read_text())
+    assert on_disk == json.loads((d / "summary_0.json").read_text())
+    assert on_disk["tokens_per_s"] == pytest.approx(s["tokens_per_s"])
+    assert s["tokens_per_s"] > 0 and 0 < s["mfu"] <= 1
+    assert s["samples_per_s"] == pytest.approx(s["tokens_per_s"] / 256)
+    assert s["step_time_s"]["p50"] <= s["step_time_s"]["p90"] <= s["step_time_s"]["max"]
+    # FLOPs identity: achieved = tokens/s x FLOPs/token.
+    assert s["model_tflops_per_s"] * 1e12 == pytest.approx(s["tokens_per_s"] * s["model_flops_per_token"])
+    # Random tokens: the model cannot beat the uniform guess by much after 4 steps.
+    assert abs(s["final_loss"] - s["uniform_loss"]) < 1.0
+    recs = mllog(d / "result_0.txt")
+    keys = [r["key"] for r in recs]
+    for k in (
+        "cache_clear",
+        "init_start",
+        "submission_benchmark",
+        "seed",
+        "global_batch_size",
+        "opt_name",
+        "init_stop",
+        "run_start",
+        "block_start",
+        "block_stop",
+        "run_stop",
+        "ttt_synth_tokens_per_s",
+    ):
+        assert k in keys, k  # fmt: skip
+    assert keys.index("init_stop") < keys.index("run_start") < keys.index("run_stop")
+    assert recs[-1]["metadata"]["status"] == "success"
+    assert recs[-1]["metadata"]["samples_count"] == 4 * 16
+
+
+def test_synth_second_run_never_overwrites(tmp_path):
+    synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=1))
+    synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=2))
+    d = tmp_path / "synth" / "llama31_8b" / "tiny"
+    assert sorted(p.name for p in d.glob("result_*.txt")) == ["result_0.txt", "result_1.txt"]
+    assert json.loads((d / "summary.json").read_text())["seed"] == 2
+    assert json.loads((d / "summary_0.json").read_text())["seed"] == 1
+
+
+def test_synth_unwritable_logdir_is_one_line_before_any_model():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "timetotrain",
+            "synth",
+            "llama31_8b",
+            "--tier",
+            "tiny",
+            "--logdir",
+            "/proc/forbidden",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "not writable" in proc.stderr
+    assert ":::MLLOG" not in proc.stdout
+
+
+def test_synth_under_torchrun_two_processes_one_log(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    cmd += [
+        "-m",
+        "timetotrain",
+        "synth",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+    ]
+    cmd += ["--logdir", str(tmp_path), "--seed", "5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes share two cores
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = tmp_path / "synth" / "llama31_8b" / "tiny"
+    assert [p.name for p in d.glob("result_*.txt")] == ["result_0.txt"]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["tokens_per_s_per_device"] == pytest.approx(s["tokens_per_s"] / 2)
+    recs = mllog(d / "result_0.txt")
+    assert [r["key"] for r in recs].count("run_start") == 1  # only rank 0 logged
+
+
+def test_percentile():
+    assert _percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    assert _percentile([3.0], 0.5) == 3.0

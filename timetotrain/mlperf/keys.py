@@ -1,0 +1,51 @@
+"""The MLPerf keys a run logs before the clock: submission keys and the hyperparameter block, and the
+check of that block against the rule file of its division."""
+
+from __future__ import annotations
+
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.suite.base import Benchmark, Tier
+
+
+def hyperparameters(bench: Benchmark, tier: Tier) -> list[tuple[str, object]]:
+    """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
+    hp = [
+        ("global_batch_size", tier.global_batch_size),
+        ("gradient_accumulation_steps", tier.grad_accum),
+        ("micro_batch_size", tier.micro_batch_size),
+        ("max_sequence_length", tier.seq_len),
+        ("max_steps", tier.max_steps),
+        ("opt_base_learning_rate", tier.lr),
+        ("opt_end_learning_rate", tier.end_lr),
+        ("opt_learning_rate_warmup_steps", tier.warmup_steps),
+        ("opt_learning_rate_decay_steps", tier.decay_steps),
+    ]
+    hp += list(bench.fixed_hparams.items())
+    hp += [("train_samples", tier.max_steps * tier.global_batch_size), ("eval_samples", tier.eval_samples)]
+    return hp
+
+
+def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[tuple[str, object]]:
+    return [
+        ("submission_benchmark", bench.name),
+        ("submission_org", org),
+        ("submission_division", tier.division),
+        ("submission_status", "onprem"),
+        ("submission_platform", plat),
+    ]
+
+
+def check_rules(bench: Benchmark, tier: Tier) -> None:
+    """Refuse, before any log line, a configuration the rule file of its division would reject."""
+    if tier.name == "reference":
+        if tier.division != "closed":
+            return
+        files = [official_rules_dir() / f for f in bench.closed_rules]
+    else:
+        files = [rule_file(bench.name, tier.name)]
+    logged = submission_keys(bench, tier, "x", "x") + hyperparameters(bench, tier)
+    problems = hparam_violations(files, logged)
+    if problems:
+        hint = " (or --set division=open)" if tier.name == "reference" else ""
+        raise UserError(f"{bench.name} {tier.name}: {problems[0]}: change the --set value{hint}")

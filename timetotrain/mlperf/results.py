@@ -1,0 +1,264 @@
+"""Result logs as data: parsing `result_<k>.txt`, finding the result folders of a tree, and the official
+compliance verdict of each file.
+
+Two layouts are understood. A submission tree `ORG/results/SYSTEM/BENCH/result_*.txt` with
+`ORG/systems/SYSTEM.json` (what the official result_summarizer and package_checker read), and any other
+folder holding result files, e.g. `<logdir>/<benchmark>/<tier>/` as `ttt run` writes it; there the
+submitter, system and benchmark come from the logs' own `submission_*` keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from timetotrain.errors import UserError
+
+TOKEN = ":::MLLOG "
+_RESULT_RE = re.compile(r"^result_(.*)\.txt$")
+# Benchmarks whose convergence point is counted in samples (`samples_count`); the others (dlrm_dcnv2,
+# rgat, ...) in epochs (`epoch_num`), which the official RCP checker rounds to 3 decimals (spec §2.8).
+SAMPLE_BENCHMARKS = frozenset(
+    {
+        "llama2_70b_lora",
+        "flux1",
+        "llama31_405b",
+        "llama31_8b",
+        "gpt_oss_20b",
+        "deepseekv3_671b",
+        "qwen35_397b_grpo",
+        "dlrmv4",
+    }
+)
+NOT_CONVERGED = 1e9  # the official RCP checker's stand-in for a run that did not converge
+
+
+@dataclass
+class RunLog:
+    """One result file, reduced to what scoring, RCPs, packaging and plots need."""
+
+    path: Path
+    keys: dict[str, object] = field(default_factory=dict)  # first value of each key
+    run_start_ms: float | None = None
+    run_stop_ms: float | None = None
+    status: str | None = None
+    evals: list[tuple[float, float]] = field(default_factory=list)  # (samples or epoch, metric)
+    converge_point: float | None = None  # samples/epoch of the last eval before a successful run_stop
+    seed_lines: list[tuple[str, int, object]] = field(default_factory=list)  # (file, lineno, seed)
+    parse_errors: int = 0
+
+    @property
+    def benchmark(self) -> str:
+        return str(self.keys.get("submission_benchmark", ""))
+
+    @property
+    def tier(self) -> str:
+        return str(self.keys.get("ttt_tier", "reference"))
+
+    @property
+    def division(self) -> str:
+        return str(self.keys.get("submission_division", ""))
+
+    @property
+    def seed(self):
+        return self.keys.get("seed")
+
+    @property
+    def global_batch_size(self):
+        return self.keys.get("global_batch_size")
+
+    @property
+    def minutes(self) -> float | None:
+        """run_start -> run_stop in minutes, computed exactly as the result_summarizer does."""
+        if self.run_start_ms is None or self.run_stop_ms is None:
+            return None
+        return (self.run_stop_ms - self.run_start_ms) / 60 / 1000
+
+    @property
+    def converged(self) -> bool:
+        return self.status == "success"
+
+    @property
+    def samples_to_converge(self) -> float:
+        """The RCP checker's convergence value: NOT_CONVERGED unless run_stop says success."""
+        if not self.converged or self.converge_point is None:
+            return NOT_CONVERGED
+        return self.converge_point
+
+
+def parse_log(path: Path) -> RunLog:
+    """Read a result file the way the official parsers do: latin-1, any line containing the MLLOG token
+    (a rank prefix before it is ignored), the remainder JSON."""
+    log = RunLog(Path(path))
+    bench = None
+    last_point = None
+    try:
+        text = Path(path).read_text(encoding="latin-1")
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror}): check the path and permissions") from e
+    for line in text.splitlines():
+        _, sep, payload = line.partition(TOKEN)
+        if not sep:
+            continue
+        try:
+            rec = json.loads(payload)
+            key, value, meta = rec["key"], rec.get("value"), rec.get("metadata") or {}
+            t = float(rec["time_ms"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            log.parse_errors += 1
+            continue
+        log.keys.setdefault(key, value)
+        if key == "submission_benchmark":
+            bench = value
+        elif key == "seed":
+            log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
+        elif key == "run_start" and log.run_start_ms is None:
+            log.run_start_ms = t
+        elif key == "run_stop" and log.run_stop_ms is None:
+            log.run_stop_ms = t
+            log.status = meta.get("status")
+            if log.status == "success":
+                log.converge_point = last_point
+        elif key in ("eval_accuracy", "eval_error"):
+            point = _eval_point(bench, meta)
+            if point is not None:
+                last_point = point
+                if isinstance(value, int | float):
+                    log.evals.append((point, float(value)))
+    return log
+
+
+def _eval_point(bench, meta: dict):
+    if bench in SAMPLE_BENCHMARKS or "epoch_num" not in meta:
+        return meta.get("samples_count")
+    return round(meta["epoch_num"], 3)
+
+
+def result_files(folder: Path) -> list[Path]:
+    """`result_*.txt` (the official glob), ordered by their run index where it is a number."""
+
+    def order(p: Path):
+        idx = _RESULT_RE.match(p.name).group(1)
+        return (0, int(idx), "") if idx.isdigit() else (1, 0, idx)
+
+    return sorted((p for p in folder.glob("result_*.txt") if p.is_file()), key=order)
+
+
+@dataclass
+class ResultGroup:
+    """The result files of one system x benchmark (one tier), and where its context comes from."""
+
+    folder: Path
+    files: list[Path]
+    logs: list[RunLog]
+    submitter: str
+    system: str
+    benchmark: str
+    tier: str
+    division: str
+    system_json: Path | None  # set for the submission layout
+
+    @property
+    def layout(self) -> str:
+        return "submission" if self.system_json else "folder"
+
+
+def find_groups(root: Path) -> list[ResultGroup]:
+    """Every folder under `root` (itself included) that directly holds result files."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(
+            f"{root} is not a directory: pass a folder of result_<k>.txt files or a submission tree"
+        )
+    folders = sorted({p.parent for p in root.rglob("result_*.txt") if p.is_file()})
+    groups = [_group(f) for f in folders]
+    if not groups:
+        raise UserError(
+            f"no result_*.txt files under {root}: pass the --logdir of `ttt run` or an ORG/results/... tree"
+        )
+    return groups
+
+
+def _group(folder: Path) -> ResultGroup:
+    files = result_files(folder)
+    logs = [parse_log(f) for f in files]
+    first = logs[0]
+    tiers = sorted({lg.tier for lg in logs})
+    sysjson = None
+    if folder.parent.parent.name == "results":
+        cand = folder.parents[2] / "systems" / f"{folder.parent.name}.json"
+        sysjson = cand if cand.is_file() else None
+    if sysjson is not None:
+        desc = _read_json(sysjson)
+        submitter = str(desc.get("submitter", folder.parents[2].name))
+        division = str(desc.get("division", first.division))
+        system, benchmark = folder.parent.name, folder.name
+    else:
+        submitter = str(first.keys.get("submission_org", ""))
+        system = str(first.keys.get("submission_platform", ""))
+        division = first.division
+        benchmark = first.benchmark or folder.name
+    return ResultGroup(folder, files, logs, submitter, system, benchmark, "+".join(tiers), division, sysjson)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not readable JSON ({e}): fix or remove the file") from e
+
+
+@contextlib.contextmanager
+def captured_logging():
+    """The official checkers report through the root logger; collect their lines instead of printing."""
+    lines: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    root.handlers = [_Collect()]
+    root.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        root.handlers = saved_handlers
+        root.setLevel(saved_level)
+
+
+def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
+    """The official compliance engine, in process, with the rule file `ttt check` would use: the
+    ruleset's common.yaml for reference logs (as the result_summarizer does), ours for other tiers."""
+    from mlperf_logging.compliance_checker import mlp_compliance
+
+    from timetotrain.mlperf.compliance import read_log_keys, rule_file
+
+    keys = read_log_keys(path)
+    tier = str(keys.get("ttt_tier", "reference"))
+    try:
+        rules = rule_file(str(keys.get("submission_benchmark", "")), tier)
+    except FileNotFoundError as e:
+        return False, str(e)
+    config = str(rules) if rules is not None else f"training_{ruleset}/common.yaml"
+    # The engine queues rule files in a module-level list; a check that raised would leave files queued
+    # for the next one.
+    mlp_compliance.enqueued_configs.clear()
+    checker = mlp_compliance.make_checker("training", ruleset, quiet=False, werror=False)
+    with captured_logging() as lines:
+        try:
+            valid, *_ = mlp_compliance.main(str(path), config, checker)
+        except Exception as e:  # the engine evaluates rule code; a crash is a failed check, as in its CLI
+            valid = False
+            lines.append(f"compliance engine error: {type(e).__name__}: {e}")
+        finally:
+            mlp_compliance.enqueued_configs.clear()
+    problems = [
+        ln.strip() for ln in lines if not ln.lstrip().startswith(("Running compliance", "Compliance checks"))
+    ]
+    return bool(valid), "\n".join(problems)

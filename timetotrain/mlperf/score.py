@@ -1,0 +1,239 @@
+"""`ttt score`: the MLPerf Training score of each system x benchmark in a tree of result logs.
+
+The arithmetic is the official result_summarizer's (spec §4.4), so a submission tree scores to the same
+number: a run counts iff the official compliance engine accepts its file; its time is run_start ->
+run_stop in minutes; the score is the olympic mean (drop the fastest and the slowest; a dropped,
+non-compliant run counts as the slowest; more than one -> no score), times `scaling.json`'s factor when
+the folder has one. For 3-run benchmarks the olympic mean is the median.
+
+Unlike the summarizer, nothing is written into the tree: the summarizer's RCP check rewrites
+`scaling.json`, so its score on a fresh tree changes between its first and second run. The RCP
+normalization factor is reported instead (`rcp.norm_factor`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import RULESET
+from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
+from timetotrain.mlperf.results import NOT_CONVERGED, ResultGroup, find_groups, official_compliance
+
+
+@dataclass
+class RunScore:
+    file: str
+    seed: object
+    minutes: float | None
+    status: str | None
+    converged: bool
+    compliant: bool
+    samples_to_converge: float | None
+    problem: str = ""  # the compliance engine's first complaint, when not compliant
+
+
+@dataclass
+class Score:
+    submitter: str
+    system: str
+    benchmark: str
+    tier: str
+    division: str
+    folder: str
+    ruleset: str
+    global_batch_size: object
+    runs_required: int | None
+    runs: list[RunScore]
+    score_minutes: float | None
+    olympic_minutes: float | None
+    scaling_factor: float
+    dropped: int
+    samples_to_converge: float | None  # olympic mean, as the summarizer's detailed table
+    cv_minutes: float | None
+    cv_samples: float | None
+    rcp: RcpResult
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rcp"] = self.rcp.to_dict()
+        return d
+
+
+def required_runs(benchmark: str, tier: str) -> int | None:
+    from timetotrain import suite
+
+    if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
+        return suite.get(benchmark).tiers[tier].runs
+    from mlperf_logging.benchmark_meta import get_result_file_counts
+
+    return get_result_file_counts("training").get(benchmark)
+
+
+def scaling_factor(folder: Path) -> float:
+    path = Path(folder) / "scaling.json"
+    if not path.is_file():
+        return 1.0
+    try:
+        return float(json.loads(path.read_text())["scaling_factor"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path} has no readable scaling_factor ({e}): fix or remove it") from e
+
+
+def olympic_score(minutes: list[float], dropped: int, max_dropped: int = 1) -> float | None:
+    """The summarizer's olympic average: each dropped (failed) run stands in for one slowest run."""
+    if dropped > max_dropped:
+        return None
+    kept = sorted(minutes)[max_dropped : len(minutes) - (max_dropped - dropped)]
+    if not kept:
+        return None
+    return sum(kept) * 1.0 / len(kept)
+
+
+def _cv(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = float(np.mean(values))
+    return float(np.std(values, ddof=1)) / mean if mean else None
+
+
+def score_group(group: ResultGroup, ruleset: str = RULESET) -> Score:
+    runs = []
+    for lg in group.logs:
+        ok, why = official_compliance(lg.path, ruleset)
+        if ok and lg.minutes is None:  # cannot happen for a compliant log; kept for hand-made rule files
+            ok, why = False, "run_start or run_stop not recorded"
+        stc = lg.samples_to_converge
+        runs.append(
+            RunScore(
+                lg.path.name,
+                lg.seed,
+                lg.minutes,
+                lg.status,
+                lg.converged,
+                ok,
+                None if stc == NOT_CONVERGED else stc,
+                "" if ok else _first_problem(why),
+            )
+        )
+    notes = []
+    counted = [r.minutes for r in runs if r.compliant]
+    dropped = len(runs) - len(counted)
+    max_dropped = 4 if group.benchmark == "unet3d" else 1
+    olympic = olympic_score(counted, dropped, max_dropped)
+    factor = scaling_factor(group.folder)
+    if dropped > max_dropped:
+        notes.append(f"{dropped} runs are not compliant; at most {max_dropped} may be dropped: no score")
+    elif olympic is None:
+        notes.append(f"{len(runs)} runs are too few for an olympic mean")
+    elif dropped:
+        notes.append(f"{dropped} non-compliant run dropped as the slowest (olympic scoring)")
+    need = required_runs(group.benchmark, group.tier)
+    if need is not None and need != len(runs):
+        notes.append(f"{group.benchmark} needs exactly {need} runs, found {len(runs)}")
+    if factor != 1.0:
+        notes.append(f"scaled by scaling.json factor {factor}")
+    _, points, _ = submission_points(group.logs)
+    samples = olympic_mean(points) if points is not None and len(points) >= 3 else None
+    rcp = _rcp(group, ruleset, need or len(runs))
+    return Score(
+        group.submitter,
+        group.system,
+        group.benchmark,
+        group.tier,
+        group.division,
+        str(group.folder),
+        ruleset,
+        group.logs[0].global_batch_size,
+        need,
+        runs,
+        None if olympic is None else olympic * factor,
+        olympic,
+        factor,
+        dropped,
+        samples,
+        _cv(counted),
+        _cv([r.samples_to_converge for r in runs if r.samples_to_converge is not None]),
+        rcp,
+        notes,
+    )
+
+
+def _rcp(group: ResultGroup, ruleset: str, runs: int) -> RcpResult:
+    if "+" in group.tier:
+        return RcpResult("Fail", f"{group.folder} mixes tiers {group.tier}: keep one tier per folder")
+    if group.tier == "reference":
+        return check_reference(group.folder, group.logs, ruleset)
+    return check_tier(group.benchmark, group.tier, group.logs, runs)
+
+
+def _first_problem(text: str) -> str:
+    for line in text.splitlines():
+        line = line.strip(" -")
+        if line:
+            return line[:200]
+    return "not compliant"
+
+
+def score_tree(root: Path, ruleset: str = RULESET) -> list[Score]:
+    return [score_group(g, ruleset) for g in find_groups(Path(root))]
+
+
+def _num(v, fmt: str = ",.0f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_text(scores: list[Score]) -> str:
+    out = []
+    for s in scores:
+        out.append(
+            f"{s.submitter} / {s.system} / {s.benchmark}  (tier {s.tier}, {s.division or '?'} division, "
+            f"GBS {s.global_batch_size}, ruleset {s.ruleset})"
+        )
+        out.append(f"  {s.folder}")
+        out.append(f"  {'run':<16}{'seed':>12}{'minutes':>11}  {'status':<9}{'samples':>12}  compliant")
+        for r in s.runs:
+            flag = "yes" if r.compliant else f"NO: {r.problem}"
+            out.append(
+                f"  {r.file:<16}{r.seed!s:>12}{_num(r.minutes, '.3f'):>11}  {r.status or '-':<9}"
+                f"{_num(r.samples_to_converge):>12}  {flag}"
+            )
+        if s.score_minutes is None:
+            out.append("  score: none")
+        else:
+            out.append(
+                f"  score: {s.score_minutes:.4f} min (olympic mean {s.olympic_minutes:.4f} x scaling {s.scaling_factor:.6f})"
+            )
+        cvs = []
+        if s.cv_minutes is not None:
+            cvs.append(f"CV of times {100 * s.cv_minutes:.2f}%")
+        if s.cv_samples is not None:
+            cvs.append(f"CV of samples to converge {100 * s.cv_samples:.2f}%")
+        if s.samples_to_converge is not None:
+            cvs.append(f"olympic samples to converge {s.samples_to_converge:,.1f}")
+        if cvs:
+            out.append("  " + ", ".join(cvs))
+        out.append("  " + rcp_line(s.rcp))
+        for n in s.notes:
+            out.append(f"  note: {n}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def rcp_line(r: RcpResult) -> str:
+    verdict = r.verdict + (" (interpolated)" if r.interpolated and r.verdict == "Pass" else "")
+    text = f"RCP: {verdict} - {r.message}"
+    if r.rcp_mean is not None:
+        text += f"; BS {r.bs}: runs {_num(r.submission_mean, ',.1f')} vs RCP mean {r.rcp_mean:,.1f}, min {r.rcp_min:,.1f}"
+        if r.norm_factor != 1.0:
+            text += f"; normalization factor {r.norm_factor:.6f}"
+    return text
+
+
+def to_json(scores: list[Score]) -> str:
+    return json.dumps({"results": [s.to_dict() for s in scores]}, indent=2, default=str)

@@ -1,0 +1,62 @@
+"""torch.distributed set-up from the environment `torchrun` provides (RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def from_env() -> Dist:
+    return Dist(
+        rank=int(os.environ.get("RANK", "0")),
+        world=int(os.environ.get("WORLD_SIZE", "1")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def setup(d: Dist, device_pref: str | None, timeout_s: float = 600.0) -> torch.device:
+    """Pick this rank's device and join the process group (NCCL on GPUs, gloo on CPUs)."""
+    if device_pref:
+        device = torch.device(device_pref)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", d.local_rank if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    if d.active and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def all_reduce(values: list[float], op: str = "sum", device: torch.device | None = None) -> list[float]:
+    if not dist.is_initialized():
+        return list(values)
+    dev = device if device is not None and dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

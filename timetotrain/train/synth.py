@@ -1,0 +1,290 @@
+"""`ttt synth`: the benchmark's real model with random weights on random tokens, timed in steady state.
+
+No dataset, tokenizer or checkpoint: weights come from the benchmark's own init rule, batches are drawn
+on the device (no host-to-device copy in the timed loop), and real forward/backward/optimizer steps run.
+The first W steps are warm-up; the device is synchronised only at the start and end of the timed window
+(per-step times come from CUDA events on GPUs, from the host clock on CPUs, where execution is synchronous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import secrets
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from timetotrain import suite
+from timetotrain.errors import UserError
+from timetotrain.mlperf.keys import hyperparameters, submission_keys
+from timetotrain.mlperf.logger import ResultLog, check_writable
+from timetotrain.suite.base import apply_overrides, validate
+from timetotrain.train import distributed
+from timetotrain.train.device import platform_name
+from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
+from timetotrain.train.step import build_training
+
+
+@dataclass
+class SynthOptions:
+    benchmark: str
+    tier: str
+    steps: int | None = None
+    warmup_steps: int | None = None
+    micro_batch: int | None = None
+    logdir: Path = Path("logs")
+    sets: list[str] = field(default_factory=list)
+    device: str | None = None
+    precision: str | None = None  # fp32 | bf16 (autocast); default bf16 on GPUs, fp32 on CPUs
+    seed: int | None = None
+    echo: bool = False
+
+
+# Default lengths: enough steps for a stable median without making a first try slow.
+DEFAULT_STEPS = {"tiny": 30, "reference": 20}
+DEFAULT_WARMUP = {"tiny": 5, "reference": 5}
+
+
+class _StepClock:
+    """Per-step durations without host syncs inside the timed window."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def _energy_mj(device: torch.device) -> float | None:
+    """Total energy counter of this GPU in millijoules (NVML), or None where NVML is unavailable."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+    except Exception:
+        return None
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def synth(opts: SynthOptions) -> dict:
+    bench = suite.get(opts.benchmark)
+    tier = apply_overrides(bench, bench.tier(opts.tier), opts.sets)
+    steps = opts.steps if opts.steps is not None else DEFAULT_STEPS.get(tier.name, 20)
+    warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
+    if steps < 2:
+        raise UserError(f"--steps {steps}: need at least 2 timed steps")
+    if warmup < 0:
+        raise UserError(f"--warmup-steps {warmup} must be >= 0")
+    # The schedule must cover every step we take, whatever the tier's max_steps.
+    tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
+    d = distributed.from_env()
+    if tier.global_batch_size % d.world:
+        raise UserError(f"global_batch_size {tier.global_batch_size} is not divisible by {d.world} ranks")
+    local = tier.global_batch_size // d.world
+    micro = opts.micro_batch or min(tier.micro_batch_size, local)
+    if micro <= 0 or local % micro:
+        raise UserError(f"--micro-batch {micro} must divide the per-rank batch {local}")
+    tier = dataclasses.replace(tier, micro_batch_size=micro)
+    validate(tier)
+    accum = local // micro
+    precision = opts.precision
+    # -- preflight before any model is built: the log dir --
+    logdir = check_writable(opts.logdir / "synth" / bench.name / tier.name)
+
+    device = distributed.setup(d, opts.device)
+    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise UserError(f"--precision {precision!r}: choose fp32 or bf16")
+    seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31 - 1)
+    log = ResultLog(logdir if d.main else None, echo=opts.echo)
+    plat = platform_name(device) if d.world == 1 else f"{d.world}x{platform_name(device).split('x', 1)[-1]}"
+    try:
+        log.event("cache_clear", value=False)  # no dataset: nothing to evict
+        log.start("init_start")
+        for k, v in submission_keys(bench, dataclasses.replace(tier, division="open"), "timetotrain", plat):
+            log.event(k, v)
+        log.event("seed", seed)
+        for k, v in hyperparameters(bench, tier):
+            if k == "gradient_accumulation_steps":
+                v = accum
+            log.event(k, v)
+        log.event("ttt_mode", "synthetic")
+        log.event("ttt_tier", tier.name)
+        log.event("lowest_numerical_precision_in_linear", "bfloat16" if precision == "bf16" else "fp32")
+        peak, peak_src = _peak(device)
+        torch.manual_seed(seed)
+        tr = build_training(bench, tier, device, seed)
+        if precision == "bf16":
+            tr.autocast = torch.bfloat16
+        if d.active:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            tr.model = DDP(tr.model, device_ids=[device.index] if device.type == "cuda" else None)
+        gen = torch.Generator(device=device).manual_seed(seed + 1000 * d.rank)
+        log.end("init_stop")
+
+        log.start("run_start")
+        log.start("block_start", metadata={"samples_count": 0})
+        clock = _StepClock(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        loss = None
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(device)
+                e0 = _energy_mj(device)
+                t0 = time.perf_counter()
+                clock.mark()
+            tokens = bench.synthetic_batch(tier, local, gen, device)
+            loss = tr.step(i, tokens, accum)
+            if i >= warmup:
+                clock.mark()
+        _sync(device)
+        wall = time.perf_counter() - t0
+        e1 = _energy_mj(device)
+        final_loss = float(loss.item())
+        per_step = clock.durations()
+        samples = (warmup + steps) * tier.global_batch_size
+        log.end("block_stop", metadata={"samples_count": samples})
+
+        mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak_rss()
+        energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
+        local_tokens_s = steps * local * tier.seq_len / wall
+        tot_tokens_s, tot_energy, have_energy = distributed.all_reduce(
+            [local_tokens_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
+        )
+        max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
+        flops_tok = bench.flops_per_sample(tier) / tier.seq_len
+        achieved = tot_tokens_s * flops_tok
+        summary = {
+            "benchmark": bench.name,
+            "tier": tier.name,
+            "mode": "synthetic (random weights, random tokens)",
+            "device": plat,
+            "world_size": d.world,
+            "precision": precision,
+            "seed": seed,
+            "global_batch_size": tier.global_batch_size,
+            "micro_batch_size": micro,
+            "gradient_accumulation_steps": accum,
+            "seq_len": tier.seq_len,
+            "steps_timed": steps,
+            "warmup_steps": warmup,
+            "seconds_timed": max_wall,
+            "tokens_per_s": tot_tokens_s,
+            "tokens_per_s_per_device": tot_tokens_s / d.world,
+            "samples_per_s": tot_tokens_s / tier.seq_len,
+            "step_time_s": {
+                "p50": statistics.median(per_step),
+                "p90": _percentile(per_step, 0.9),
+                "max": max(per_step),
+                "mean": statistics.fmean(per_step),
+            },
+            "model_flops_per_token": flops_tok,
+            "model_tflops_per_s": achieved / 1e12,
+            "model_tflops_per_s_per_device": achieved / d.world / 1e12,
+            "peak_tflops_per_device": peak / 1e12,
+            "peak_source": peak_src,
+            "mfu": achieved / d.world / peak,
+            "peak_memory_bytes": int(max_mem),
+            "peak_memory_kind": "GPU max allocated"
+            if device.type == "cuda"
+            else "host peak RSS (whole process)",
+            "energy_joules": tot_energy if have_energy == d.world else None,
+            "energy_scope": "GPU only (NVML)" if have_energy == d.world else "unavailable",
+            "final_loss": final_loss,
+            "uniform_loss": math.log(tier.model.vocab_size),
+        }
+        for key in ("tokens_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
+            log.event(f"ttt_synth_{key}", summary[key])
+        log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])
+        log.event("train_loss", final_loss, metadata={"samples_count": samples})
+        log.end("run_stop", metadata={"status": "success", "samples_count": samples})
+    except BaseException:
+        log.end("run_stop", metadata={"status": "aborted"})
+        raise
+    finally:
+        log.close()
+    if d.main:
+        summary["log"] = str(log.path)
+        k = log.path.stem.split("_")[-1]
+        text = json.dumps(summary, indent=2) + "\n"
+        # Each run keeps its own summary next to its result file; summary.json is the latest.
+        (logdir / f"summary_{k}.json").write_text(text)
+        (logdir / "summary.json").write_text(text)
+        summary["summary_path"] = str(logdir / "summary.json")
+    distributed.teardown()
+    return summary
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _peak(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = accelerator_peak(name)
+        if known is None:
+            raise UserError(
+                f"no peak figure for {name!r}: MFU needs one; add it to timetotrain/train/peak.py BF16_DENSE_TFLOPS"
+            )
+        return known
+    threads = torch.get_num_threads()
+    return measure_cpu_peak(), f"measured fp32 matmul peak, {threads} threads, pid {os.getpid()}"
+
+
+def format_table(s: dict) -> str:
+    rows = [
+        ("benchmark / tier", f"{s['benchmark']} / {s['tier']} ({s['mode']})"),
+        ("system", f"{s['device']}, world size {s['world_size']}, {s['precision']}"),
+        ("batch", f"GBS {s['global_batch_size']} x seq {s['seq_len']} (micro {s['micro_batch_size']}, "
+                  f"accum {s['gradient_accumulation_steps']})"),
+        ("steps", f"{s['steps_timed']} timed after {s['warmup_steps']} warm-up, {s['seconds_timed']:.2f} s"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device"),
+        ("samples/s", f"{s['samples_per_s']:,.2f}"),
+        ("step time", "p50 {p50:.4f} s, p90 {p90:.4f} s, max {max:.4f} s".format(**s["step_time_s"])),
+        ("model FLOPs/token", f"{s['model_flops_per_token'] / 1e6:,.2f} M"),
+        ("model TFLOP/s", f"{s['model_tflops_per_s']:,.3f} global, {s['model_tflops_per_s_per_device']:,.3f} per device"),
+        ("MFU", f"{s['mfu']:.1%} of {s['peak_tflops_per_device']:,.3f} TFLOP/s ({s['peak_source']})"),
+        ("peak memory", f"{s['peak_memory_bytes'] / 2**30:,.2f} GiB ({s['peak_memory_kind']})"),
+        ("energy", f"{s['energy_joules']:,.1f} J ({s['energy_scope']})" if s["energy_joules"] is not None
+                   else s["energy_scope"]),
+        ("loss", f"{s['final_loss']:.3f} (uniform guess: {s['uniform_loss']:.3f})"),
+    ]  # fmt: skip
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
