@@ -99,7 +99,7 @@ def test_non_finite_loss_aborts(c4_prepared, tmp_path, monkeypatch):
     from timetotrain.train import loop, step
 
     def nan_step(*args, **kwargs):
-        return torch.tensor(float("nan"))
+        return torch.tensor([float("nan"), 0.0])
 
     monkeypatch.setattr(step.Training, "step", nan_step)
     res = loop.run(

@@ -91,10 +91,19 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
 
 
 def _cmd_run(args) -> int:
-    from timetotrain.train.loop import RunOptions, run
+    # Entered before torch is imported: threads torch starts later inherit the blocked SIGTERM/SIGINT,
+    # which only the abort watcher then receives (see train/abort.py).
+    from timetotrain.train.abort import Aborter
 
-    if args.runs < 1:
-        raise UserError(f"--runs {args.runs} must be at least 1")
+    with Aborter() as aborter:
+        from timetotrain.train.loop import RunOptions, run
+
+        if args.runs < 1:
+            raise UserError(f"--runs {args.runs} must be at least 1")
+        return _run_set(args, aborter, run, RunOptions)
+
+
+def _run_set(args, aborter, run, RunOptions) -> int:  # noqa: N803 - the class, imported late
     results = []
     for i, seed in enumerate(_run_seeds(args.seed, args.runs)):
         if args.runs > 1:
@@ -111,9 +120,18 @@ def _cmd_run(args) -> int:
             org=args.org,
             platform=args.platform,
             echo=not args.quiet,
+            parallel=args.parallel,
+            precision=args.precision,
+            activation_checkpointing=args.ac,
+            compile=args.compile,
+            dist_timeout=args.dist_timeout,
+            abort_grace=args.abort_grace,
+            aborter=aborter,
         )
         res = run(opts)  # a UserError or crash stops the set; a run that misses its target does not
         results.append((seed, res))
+        if res.log_path is None:  # not global rank 0: the log and the report are rank 0's
+            continue
         print(
             f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
             f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
@@ -121,7 +139,7 @@ def _cmd_run(args) -> int:
         )
         if res.exit_code > 128:  # stopped by a signal: the user wants the whole set to stop
             break
-    if len(results) > 1:
+    if len(results) > 1 and results[0][1].log_path is not None:
         print(f"\n{'seed':>12}  {'status':<8}{'samples':>10}{'seconds':>10}  log", file=sys.stderr)
         for seed, r in results:
             print(
@@ -147,6 +165,9 @@ def _cmd_synth(args) -> int:
             device=args.device,
             precision=args.precision,
             seed=args.seed,
+            parallel=args.parallel,
+            activation_checkpointing=args.ac,
+            compile=args.compile,
         )
     )
     if "log" in summary:  # rank 0 only
@@ -168,6 +189,23 @@ def _cmd_check(args) -> int:
         f"{'PASS' if verdict.ok else 'FAIL'}: {path} (rules: {verdict.config}, official mlperf_logging engine)"
     )
     return 0 if verdict.ok else 1
+
+
+def _add_scale_flags(s, precision_default: str | None) -> None:
+    s.add_argument(
+        "--parallel",
+        default=None,
+        help="under torchrun: dp=N (DDP) or fsdp=N (FSDP2, sharded per block); default dp over all processes",
+    )
+    s.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default=precision_default,
+        help="bf16: autocast (DDP) or bf16 parameters with fp32 master weights and fp32 reduce (FSDP2)"
+        + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
+    )
+    s.add_argument("--ac", action="store_true", help="activation checkpointing per block (less memory)")
+    s.add_argument("--compile", action="store_true", help="torch.compile each block")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,6 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--org", default="timetotrain", help="submission_org to log")
     s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
     s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
+    _add_scale_flags(s, precision_default="fp32")
+    s.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a collective may wait for a peer (default 600)",
+    )
+    s.add_argument(
+        "--abort-grace",
+        type=float,
+        default=10.0,
+        help="after SIGTERM/SIGINT, seconds to finish the step and log run_stop before exiting (default 10)",
+    )
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser(
@@ -253,11 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"
     )
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    s.add_argument(
-        "--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on GPU, fp32 on CPU"
-    )
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
+    _add_scale_flags(s, precision_default=None)
     s.set_defaults(func=_cmd_synth)
+
+    from timetotrain.mlperf.commands import add_commands
+
+    add_commands(sub)
 
     s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
     s.add_argument("log", help="a result_<k>.txt")

@@ -8,12 +8,12 @@ from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir,
 from timetotrain.suite.base import Benchmark, Tier
 
 
-def hyperparameters(bench: Benchmark, tier: Tier) -> list[tuple[str, object]]:
-    """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
+def hyperparameters(bench: Benchmark, tier: Tier, accum: int | None = None) -> list[tuple[str, object]]:
+    """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it).
+    `accum`: micro-batches per rank per step, when data parallelism makes it differ from the tier's."""
     hp = [
         ("global_batch_size", tier.global_batch_size),
-        ("gradient_accumulation_steps", tier.grad_accum),
-        ("micro_batch_size", tier.micro_batch_size),
+        ("gradient_accumulation_steps", accum or tier.grad_accum),
         ("max_sequence_length", tier.seq_len),
         ("max_steps", tier.max_steps),
         ("opt_base_learning_rate", tier.lr),
@@ -49,3 +49,15 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""
         raise UserError(f"{bench.name} {tier.name}: {problems[0]}: change the --set value{hint}")
+
+
+def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
+    """The optional parallelism and precision keys of the 6.0 rules (integers / approved precision names)."""
+    return [
+        ("tensor_parallelism", 1),
+        ("pipeline_parallelism", 1),
+        ("context_parallelism", 1),
+        ("expert_parallelism", getattr(plan, "ep", 1)),
+        ("micro_batch_size", micro_batch),
+        ("lowest_numerical_precision_in_linear", "bfloat16" if plan.precision == "bf16" else "fp32"),
+    ]

@@ -407,20 +407,3 @@ def build_rcp_json(benchmark: str, tier: str, logs: list[RunLog | Path | str]) -
 
 def _point(v):
     return int(v) if float(v).is_integer() else v
-
-
-def summary(table: RcpTable) -> list[dict]:
-    """Rows for display: every record with its statistics and whether it survived pruning."""
-    kept = {r.name for r in table.pruned}
-    return [
-        {
-            "name": r.name,
-            "bs": r.bs,
-            "n": r.n,
-            "mean": r.mean,
-            "stdev": r.stdev,
-            "min": r.min_mean,
-            "pruned_in": r.name in kept,
-        }
-        for r in table.records
-    ]

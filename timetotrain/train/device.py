@@ -8,14 +8,12 @@ import platform
 import torch
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def platform_name(device: torch.device) -> str:
+def platform_name(device: torch.device, world: int = 1) -> str:
+    """`submission_platform`: processes x accelerator, or the host CPU for CPU runs."""
     if device.type == "cuda":
-        return f"1x{torch.cuda.get_device_name(device)}"
-    return f"{os.cpu_count()}-core {_cpu_model()}"
+        return f"{world}x{torch.cuda.get_device_name(device)}"
+    host = f"{os.cpu_count()}-core {_cpu_model()}"
+    return host if world == 1 else f"{world} processes on {host}"
 
 
 def _cpu_model() -> str:

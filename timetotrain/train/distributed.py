@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -60,3 +61,16 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shared_seed(seed: int | None, device: torch.device) -> int:
+    """One seed for every rank (identical initial weights, one data order): the user's, or rank 0's fresh
+    one broadcast to the others."""
+    if seed is None:
+        seed = secrets.randbelow(2**31 - 1)
+    if dist.is_initialized():
+        dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([seed], dtype=torch.int64, device=dev)
+        dist.broadcast(t, src=0)
+        seed = int(t.item())
+    return seed

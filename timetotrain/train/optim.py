@@ -19,11 +19,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_adamw(model: nn.Module, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, lr: float, betas, eps: float, weight_decay: float, fused: bool | None = None
+) -> torch.optim.AdamW:
+    """`fused=None` picks the fused kernel where the device has one, else the foreach implementation."""
     params = param_groups(model, weight_decay)
     dev = next(model.parameters()).device
-    # fused kernels exist for CUDA/XPU/CPU in recent torch; foreach is the portable fallback.
-    kwargs = {"fused": True} if dev.type in ("cuda", "cpu") else {"foreach": True}
+    if fused is None:
+        fused = dev.type in ("cuda", "cpu")
+    kwargs = {"fused": True} if fused else {"foreach": True}
     try:
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, **kwargs)
     except (RuntimeError, TypeError):

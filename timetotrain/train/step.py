@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from timetotrain.suite.base import Benchmark, Tier
+from timetotrain.train import parallel
 from timetotrain.train.optim import build_adamw, set_lr
 from timetotrain.train.schedule import WarmupCosine
 
@@ -16,16 +18,18 @@ def train_step(
     model, opt, tokens: torch.Tensor, accum: int, clip: float, params, autocast=None
 ) -> torch.Tensor:
     """One optimizer step over a local batch split into `accum` equal micro-batches (so the mean of the
-    micro-batch means is the batch mean). Returns the loss as a device tensor: no host sync here.
-    `autocast` (e.g. torch.bfloat16) runs the forward in that precision; weights and optimizer stay fp32."""
+    micro-batch means is the batch mean). Returns the local loss as a device tensor: no host sync here.
+    `autocast` (e.g. torch.bfloat16) runs the forward in that precision; weights and optimizer stay fp32.
+    Under DDP/FSDP gradients are reduced once, on the last micro-batch."""
     total = torch.zeros((), device=tokens.device)
-    for mb in tokens.chunk(accum):
-        with torch.autocast(
-            tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
-        ):
-            logits = model(mb[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / accum
-        loss.backward()
+    for i, mb in enumerate(tokens.chunk(accum)):
+        with parallel.grad_sync(model, i == accum - 1):
+            with torch.autocast(
+                tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+            ):
+                logits = model(mb[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / accum
+            loss.backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
     opt.step()
@@ -35,21 +39,32 @@ def train_step(
 
 @dataclass
 class Training:
-    model: torch.nn.Module
+    model: torch.nn.Module  # what to call: possibly a DDP wrapper
     opt: torch.optim.Optimizer
     sched: WarmupCosine
     params: list
     clip: float
     autocast: torch.dtype | None = None
+    world: int = 1
 
-    def step(self, step: int, tokens: torch.Tensor, accum: int) -> torch.Tensor:
+    def step(self, step: int, tokens: torch.Tensor, accum: int, stop_vote: bool = False) -> torch.Tensor:
+        """Returns [global mean loss, number of ranks voting to stop] as one device tensor, reduced in a
+        single collective so every rank sees the same values and takes the same decision."""
         set_lr(self.opt, self.sched(step))
-        return train_step(self.model, self.opt, tokens, accum, self.clip, self.params, self.autocast)
+        loss = train_step(self.model, self.opt, tokens, accum, self.clip, self.params, self.autocast)
+        out = torch.stack([loss / self.world, torch.tensor(float(stop_vote), device=loss.device)])
+        if self.world > 1:
+            dist.all_reduce(out)  # SUM (gloo has no AVG): the loss was pre-divided
+        return out
 
 
-def build_training(bench: Benchmark, tier: Tier, device: torch.device, seed: int) -> Training:
-    """Model on the meta device, materialised on `device`, warmed up once, then initialised by the
-    benchmark's own rule from `seed`; a fresh optimizer. Nothing from the warm-up survives."""
+def build_training(
+    bench: Benchmark, tier: Tier, device: torch.device, seed: int, plan: parallel.Plan | None = None
+) -> Training:
+    """Model on the meta device, materialised on `device`, warmed up once, initialised by the benchmark's
+    own rule from `seed` (the same on every rank), then parallelised per `plan`, then a fresh optimizer
+    over the (possibly sharded) parameters. Nothing from the warm-up survives."""
+    plan = plan or parallel.Plan()
     with torch.device("meta"):
         model = bench.build_model(tier)
     model.to_empty(device=device)
@@ -57,12 +72,17 @@ def build_training(bench: Benchmark, tier: Tier, device: torch.device, seed: int
     _warmup(model, tier, device)
     bench.init_model(model, torch.Generator(device=device).manual_seed(seed))
     model.train()
+    wrapped = parallel.apply(model, plan, device)
     fx = bench.fixed_hparams
     betas = (fx["opt_adamw_beta_1"], fx["opt_adamw_beta_2"])
-    opt = build_adamw(model, tier.lr, betas, fx["opt_adamw_epsilon"], fx["opt_adamw_weight_decay"])
+    # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
+    fused = None if plan.fsdp == 1 else False
+    opt = build_adamw(model, tier.lr, betas, fx["opt_adamw_epsilon"], fx["opt_adamw_weight_decay"], fused)
     sched = WarmupCosine(tier.lr, tier.end_lr, tier.warmup_steps, tier.max_steps, bench.schedule_rule)
     params = [p for p in model.parameters() if p.requires_grad]
-    return Training(model, opt, sched, params, fx["opt_gradient_clip_norm"])
+    return Training(
+        wrapped, opt, sched, params, fx["opt_gradient_clip_norm"], parallel.autocast_dtype(plan), plan.world
+    )
 
 
 def _warmup(model, tier: Tier, device) -> None:

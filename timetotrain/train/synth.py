@@ -13,7 +13,6 @@ import json
 import math
 import os
 import resource
-import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,10 +22,10 @@ import torch
 
 from timetotrain import suite
 from timetotrain.errors import UserError
-from timetotrain.mlperf.keys import hyperparameters, submission_keys
+from timetotrain.mlperf.keys import hyperparameters, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import apply_overrides, validate
-from timetotrain.train import distributed
+from timetotrain.train import distributed, parallel
 from timetotrain.train.device import platform_name
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
 from timetotrain.train.step import build_training
@@ -42,9 +41,12 @@ class SynthOptions:
     logdir: Path = Path("logs")
     sets: list[str] = field(default_factory=list)
     device: str | None = None
-    precision: str | None = None  # fp32 | bf16 (autocast); default bf16 on GPUs, fp32 on CPUs
+    precision: str | None = None  # fp32 | bf16; default bf16 on GPUs, fp32 on CPUs
     seed: int | None = None
     echo: bool = False
+    parallel: str | None = None  # e.g. "dp=8", "fsdp=8"; default: dp over all ranks
+    activation_checkpointing: bool = False
+    compile: bool = False
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -116,39 +118,33 @@ def synth(opts: SynthOptions) -> dict:
     tier = dataclasses.replace(tier, micro_batch_size=micro)
     validate(tier)
     accum = local // micro
-    precision = opts.precision
     # -- preflight before any model is built: the log dir --
     logdir = check_writable(opts.logdir / "synth" / bench.name / tier.name)
-
+    cuda = (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    plan = parallel.parse(
+        opts.parallel, d.world, precision=opts.precision or ("bf16" if cuda else "fp32"),
+        activation_checkpointing=opts.activation_checkpointing, compile=opts.compile,
+    )  # fmt: skip
+    precision = plan.precision
     device = distributed.setup(d, opts.device)
-    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
-    if precision not in ("fp32", "bf16"):
-        raise UserError(f"--precision {precision!r}: choose fp32 or bf16")
-    seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31 - 1)
+    seed = distributed.shared_seed(opts.seed, device)
     log = ResultLog(logdir if d.main else None, echo=opts.echo)
-    plat = platform_name(device) if d.world == 1 else f"{d.world}x{platform_name(device).split('x', 1)[-1]}"
+    plat = platform_name(device, d.world)
     try:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
         log.start("init_start")
         for k, v in submission_keys(bench, dataclasses.replace(tier, division="open"), "timetotrain", plat):
             log.event(k, v)
         log.event("seed", seed)
-        for k, v in hyperparameters(bench, tier):
-            if k == "gradient_accumulation_steps":
-                v = accum
+        for k, v in hyperparameters(bench, tier, accum):
             log.event(k, v)
         log.event("ttt_mode", "synthetic")
         log.event("ttt_tier", tier.name)
-        log.event("lowest_numerical_precision_in_linear", "bfloat16" if precision == "bf16" else "fp32")
+        for k, v in parallel_keys(plan, micro):
+            log.event(k, v)
         peak, peak_src = _peak(device)
         torch.manual_seed(seed)
-        tr = build_training(bench, tier, device, seed)
-        if precision == "bf16":
-            tr.autocast = torch.bfloat16
-        if d.active:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            tr.model = DDP(tr.model, device_ids=[device.index] if device.type == "cuda" else None)
+        tr = build_training(bench, tier, device, seed, plan)
         gen = torch.Generator(device=device).manual_seed(seed + 1000 * d.rank)
         log.end("init_stop")
 
@@ -171,7 +167,7 @@ def synth(opts: SynthOptions) -> dict:
         _sync(device)
         wall = time.perf_counter() - t0
         e1 = _energy_mj(device)
-        final_loss = float(loss.item())
+        final_loss = float(loss[0].item())
         per_step = clock.durations()
         samples = (warmup + steps) * tier.global_batch_size
         log.end("block_stop", metadata={"samples_count": samples})
@@ -192,6 +188,7 @@ def synth(opts: SynthOptions) -> dict:
             "device": plat,
             "world_size": d.world,
             "precision": precision,
+            "parallel": plan.describe(),
             "seed": seed,
             "global_batch_size": tier.global_batch_size,
             "micro_batch_size": micro,

@@ -1,0 +1,141 @@
+"""Small, fabricated MLPerf result logs for scoring, RCP, packaging and report tests.
+
+A fabricated tier log carries the keys `ttt run` logs (from the suite's tier data), so the tier's rule
+file and the official engine accept it exactly when a real one would; the numbers are made up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+T0 = 1_767_225_600_000  # 2026-01-01, ms
+
+
+def _line(t: int, event: str, key: str, value=None, **meta) -> str:
+    md = {"file": "timetotrain/train/loop.py", "lineno": meta.pop("lineno", 100), **meta}
+    rec = {"namespace": "", "time_ms": t, "event_type": event, "key": key, "value": value, "metadata": md}
+    return ":::MLLOG " + json.dumps(rec)
+
+
+def tier_log(
+    path: Path,
+    seed: int,
+    converge_at: int | None,
+    minutes: float,
+    *,
+    benchmark: str = "llama31_8b",
+    tier: str = "tiny",
+    start_ms: int = T0,
+    gbs: int | None = None,
+    curve=None,
+) -> Path:
+    """A run of `tier` that reaches the target at sample `converge_at` (None: never, then aborted) and
+    whose run_start -> run_stop takes `minutes`."""
+    from timetotrain import suite
+
+    bench = suite.get(benchmark)
+    t = bench.tiers[tier]
+    gbs = gbs or t.global_batch_size
+    every = t.eval_every_samples
+    last = converge_at if converge_at is not None else 6 * every
+    points = list(range(every, last + 1, every))
+    curve = curve or (
+        lambda k, n: t.target + 0.8 * (n - 1 - k) / max(n - 1, 1) + (0.0 if k == n - 1 else 0.05)
+    )
+    values = [curve(k, len(points)) for k in range(len(points))]
+    if converge_at is None:
+        values = [max(v, t.target + 0.1) for v in values]
+    lines = [
+        _line(start_ms - 3000, "POINT_IN_TIME", "cache_clear", True),
+        _line(start_ms - 3000, "INTERVAL_START", "init_start"),
+    ]
+    keys = [
+        ("submission_benchmark", benchmark),
+        ("submission_org", "timetotrain"),
+        ("submission_division", t.division),
+        ("submission_status", "onprem"),
+        ("submission_platform", "test-box"),
+        ("seed", seed),
+        ("global_batch_size", gbs),
+        ("gradient_accumulation_steps", max(1, gbs // t.micro_batch_size)),
+        ("micro_batch_size", min(t.micro_batch_size, gbs)),
+        ("max_sequence_length", t.seq_len),
+        ("max_steps", t.max_steps),
+        ("opt_base_learning_rate", t.lr),
+        ("opt_end_learning_rate", t.end_lr),
+        ("opt_learning_rate_warmup_steps", t.warmup_steps),
+        ("opt_learning_rate_decay_steps", t.decay_steps),
+        *bench.fixed_hparams.items(),
+        ("train_samples", t.max_steps * gbs),
+        ("eval_samples", t.eval_samples),
+        ("ttt_tier", tier),
+        ("ttt_eval_every_samples", every),
+        ("lowest_numerical_precision_in_linear", "fp32"),
+    ]
+    for i, (k, v) in enumerate(keys):
+        lines.append(_line(start_ms - 2000, "POINT_IN_TIME", k, v, lineno=200 + i))
+    lines.append(_line(start_ms, "INTERVAL_END", "init_stop"))
+    lines.append(_line(start_ms, "INTERVAL_START", "run_start"))
+    stop = start_ms + round(minutes * 60_000)
+    lines.append(_line(start_ms + 1, "INTERVAL_START", "block_start", samples_count=0))
+    for k, (s, v) in enumerate(zip(points, values, strict=True)):
+        ts = start_ms + 1 + round((stop - start_ms - 2) * (k + 1) / len(points))
+        lines.append(_line(ts - 1, "INTERVAL_END", "block_stop", samples_count=s))
+        lines.append(_line(ts - 1, "INTERVAL_START", "eval_start", samples_count=s))
+        lines.append(_line(ts - 1, "POINT_IN_TIME", "eval_accuracy", v, samples_count=s))
+        lines.append(_line(ts - 1, "INTERVAL_END", "eval_stop", samples_count=s))
+        if k < len(points) - 1:
+            lines.append(_line(ts - 1, "INTERVAL_START", "block_start", samples_count=s))
+    status = "success" if converge_at is not None else "aborted"
+    lines.append(_line(stop, "INTERVAL_END", "run_stop", status=status, samples_count=last))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rcp_only_log(
+    path: Path, benchmark: str, gbs: int, converge_at: float | None, key: str = "samples_count"
+) -> Path:
+    """Just the lines the RCP checker reads: enough to compare verdicts, not a compliant log."""
+    lines = [
+        _line(T0, "POINT_IN_TIME", "submission_benchmark", benchmark),
+        _line(T0, "POINT_IN_TIME", "global_batch_size", gbs),
+        _line(T0 + 1, "POINT_IN_TIME", "eval_accuracy", 1.0, **{key: converge_at or 1}),
+        _line(T0 + 2, "INTERVAL_END", "run_stop", status="success" if converge_at else "aborted"),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_runs(folder: Path, n: int = 10, aborted: tuple[int, ...] = (), start_seed: int = 100) -> list[Path]:
+    """n tiny-tier runs with distinct seeds; convergence between 3,200 and 4,480 samples."""
+    out = []
+    for i in range(n):
+        conv = None if i in aborted else 320 * (10 + (i * 7) % 5)
+        minutes = 1.0 + 0.05 * ((i * 3) % 7)
+        out.append(
+            tier_log(folder / f"result_{i}.txt", start_seed + i, conv, minutes, start_ms=T0 + i * 600_000)
+        )
+    return out
+
+
+def ttt_main(argv: list[str]) -> int:
+    """score/package/report as `ttt` runs them: parsed by the parser `add_commands` builds, a UserError
+    turned into exit 2 as cli.main does."""
+    import argparse
+
+    from timetotrain.errors import UserError
+    from timetotrain.mlperf.commands import add_commands
+
+    parser = argparse.ArgumentParser(prog="ttt")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        import sys
+
+        print(f"ttt: error: {e}", file=sys.stderr)
+        return 2

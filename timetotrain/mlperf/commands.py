@@ -1,0 +1,149 @@
+"""`ttt score`, `ttt package`, `ttt report`: registered on the CLI's subparsers by `add_commands(sub)`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import RULESET
+
+_RULESET_HELP = (
+    f"MLPerf ruleset of the logs (default {RULESET}); use 5.1.0 for MLPerf Training v5.1 results. "
+    "It picks the compliance rules and the official RCP files of reference-tier logs."
+)
+
+
+def _existing_dir(path: str, flag: str) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{flag} {p} is not a directory: pass the folder holding the result logs")
+    return p
+
+
+def _cmd_score(args) -> int:
+    from timetotrain.mlperf.score import format_text, score_tree, to_json
+
+    scores = score_tree(_existing_dir(args.dir, "DIR"), args.ruleset)
+    print(to_json(scores) if args.json else format_text(scores), end="" if not args.json else "\n")
+    return 0 if all(s.score_minutes is not None for s in scores) else 1
+
+
+def _cmd_package(args) -> int:
+    from timetotrain.mlperf.package import build_package, check_package
+
+    system_json = Path(args.system_json) if args.system_json else None
+    if system_json is not None and not system_json.is_file():
+        raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
+    res = build_package(
+        args.org,
+        args.system,
+        _existing_dir(args.results, "--results"),
+        Path(args.out),
+        system_json,
+        args.tier,
+    )
+    print(f"package written to {res.out}")
+    for bench, n in res.benchmarks.items():
+        print(f"  results/{args.system}/{bench}: {n} result files")
+    print(
+        f"  systems/{args.system}.json"
+        + (" (from --system-json)" if system_json else " (filled from this host)")
+    )
+    if res.todo:
+        print(f"fields to fill in {res.system_json}:")
+        for k in res.todo:
+            print(f"  {k}")
+    for n in res.notes:
+        print(f"note: {n}")
+    if args.check:
+        ok, output = check_package(res.out, args.ruleset)
+        print("\n".join(output.splitlines()[-15:]))
+        print(f"official package checker ({args.ruleset}): {'PASS' if ok else 'FAIL'}")
+        return 0 if ok else 1
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from timetotrain.report import make_report
+
+    rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
+    for p in rep.plots:
+        print(f"plot: {p}")
+    print(f"summary: {rep.summary}")
+    print(f"scores: {rep.scores_json}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register score, package and report on an argparse subparsers object."""
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    s = sub.add_parser(
+        "score",
+        help="MLPerf score of result logs: olympic mean, CVs, RCP verdict",
+        formatter_class=fmt,
+        description=(
+            "Score every system x benchmark found under DIR, as the official result_summarizer does.\n"
+            "DIR may be a submission tree (ORG/results/SYSTEM/BENCH/result_*.txt with ORG/systems/SYSTEM.json),\n"
+            "a folder of several such trees, or any folder of result files such as the --logdir of `ttt run`.\n\n"
+            "Per run: minutes run_start->run_stop, status, samples to converge, official compliance.\n"
+            "Per benchmark: olympic mean of compliant runs (one non-compliant run counts as the slowest;\n"
+            "the median for 3-run benchmarks) x scaling.json, CV of times and of samples to converge, and\n"
+            "the RCP verdict (Pass / Fail / Interp. Fail / Missing) with the RCP mean and minimum.\n"
+            "Nothing under DIR is modified. Exit 1 when a benchmark has no valid score."
+        ),
+        epilog="examples:\n  ttt score logs\n  ttt score ../shared/data/mlperf_results_v5.1 --ruleset 5.1.0 --json",
+    )
+    s.add_argument("dir", metavar="DIR", help="folder with result_<k>.txt files (searched recursively)")
+    s.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON')
+    s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
+    s.set_defaults(func=_cmd_score)
+
+    s = sub.add_parser(
+        "package",
+        help="build the submission tree the official package checker expects",
+        formatter_class=fmt,
+        description=(
+            "Copy result logs into OUT/results/SYSTEM/BENCH/result_<i>.txt (ordered by run_start,\n"
+            "renumbered from 0), write OUT/systems/SYSTEM.json (filled from this host; unknown fields are\n"
+            "'TODO: fill in' and listed) and OUT/benchmarks/BENCH/implementations/timetotrain/ with a\n"
+            "README.md and a run_and_time.sh that repeats the runs with their logged seeds.\n"
+            "OUT must not exist. One folder of results per benchmark (use --tier to choose)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  ttt package --org MyOrg --system my_box --results logs --out submission/MyOrg --tier tiny\n"
+            "  ttt package --org AMD --system MI355X_EPYC_9575F_pytorch --results AMD/results \\\n"
+            "      --system-json AMD/systems/MI355X_EPYC_9575F_pytorch.json --out /tmp/AMD --check --ruleset 5.1.0"
+        ),
+    )
+    s.add_argument("--org", required=True, help="submitting organization (`submitter` of systems/NAME.json)")
+    s.add_argument("--system", required=True, metavar="NAME", help="system description id: systems/NAME.json")
+    s.add_argument(
+        "--results", required=True, metavar="DIR", help="folder with result logs (searched recursively)"
+    )
+    s.add_argument("--out", required=True, metavar="DIR", help="new folder for the package (must not exist)")
+    s.add_argument(
+        "--system-json", metavar="FILE", help="start systems/NAME.json from this file, not from the host"
+    )
+    s.add_argument("--tier", help="only logs of this tier (when --results holds several)")
+    s.add_argument("--check", action="store_true", help="then run the official package checker on OUT")
+    s.add_argument("--ruleset", default=RULESET, help="ruleset for --check (default %(default)s)")
+    s.set_defaults(func=_cmd_package)
+
+    s = sub.add_parser(
+        "report",
+        help="plots (eval metric vs samples) and a markdown score summary",
+        formatter_class=fmt,
+        description=(
+            "For every system x benchmark under DIR: OUT/<benchmark>-<tier>.png with the eval metric of\n"
+            "each run against training samples, the target (horizontal) and the RCP mean and minimum\n"
+            "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json."
+        ),
+        epilog="example:\n  ttt report logs --out report",
+    )
+    s.add_argument("dir", metavar="DIR", help="folder with result_<k>.txt files (searched recursively)")
+    s.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and summary.md (created)")
+    s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
+    s.set_defaults(func=_cmd_report)

@@ -1,0 +1,125 @@
+"""Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
+with activation checkpointing, torch.compile and mixed precision as switches.
+
+`--parallel` takes comma-separated degrees, e.g. `dp=8` or `fsdp=8`; their product must equal the world size.
+Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from timetotrain.errors import UserError
+
+KINDS = ("dp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    fsdp: int = 1
+    precision: str = "fp32"  # fp32 | bf16
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.fsdp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples (all of them, for DDP and FSDP)."""
+        return self.dp * self.fsdp
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in KINDS if getattr(self, k) > 1] or ["single process"]
+        return (
+            ", ".join(parts)
+            + f", {self.precision}"
+            + (", AC" if self.activation_checkpointing else "")
+            + (", compiled" if self.compile else "")
+        )
+
+
+def parse(spec: str | None, world: int, **switches) -> Plan:
+    """`None` means plain data parallel over all ranks."""
+    degrees = {"dp": 1, "fsdp": 1}
+    if not spec:
+        degrees["dp"] = world
+    else:
+        for item in spec.split(","):
+            key, sep, val = item.strip().partition("=")
+            if key not in KINDS or not sep or not val.isdigit() or int(val) < 1:
+                raise UserError(
+                    f"--parallel {spec!r}: use comma-separated degrees like dp=8 or fsdp=8 ({', '.join(KINDS)})"
+                )
+            degrees[key] = int(val)
+        if degrees["dp"] > 1 and degrees["fsdp"] > 1:
+            raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
+    plan = Plan(**degrees, **switches)
+    if plan.world != world:
+        raise UserError(
+            f"--parallel {spec or 'dp'} needs {plan.world} processes but torchrun started {world}: "
+            f"match --nproc_per_node x --nnodes"
+        )
+    if plan.precision not in ("fp32", "bf16"):
+        raise UserError(f"--precision {plan.precision!r}: choose fp32 or bf16")
+    return plan
+
+
+def apply(model: nn.Module, plan: Plan, device: torch.device) -> nn.Module:
+    """Wrap `model` per plan; returns the module to call (the same object for FSDP2, a DDP wrapper else)."""
+    blocks = model.layers
+    if plan.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)
+    if plan.compile:
+        for block in blocks:
+            block.compile()
+    if plan.fsdp > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if plan.precision == "bf16" else None, reduce_dtype=torch.float32
+        )
+        for block in blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    if plan.dp > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def autocast_dtype(plan: Plan) -> torch.dtype | None:
+    """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
+    if plan.precision == "bf16" and plan.fsdp == 1:
+        return torch.bfloat16
+    return None
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
