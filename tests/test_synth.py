@@ -112,3 +112,13 @@ def test_synth_under_torchrun_two_processes_one_log(tmp_path):
 def test_percentile():
     assert _percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
     assert _percentile([3.0], 0.5) == 3.0
+
+
+def test_compiled_blocks_train_on_cpu(tmp_path):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    s = synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=3, compile=True))
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks really went through torch.compile
+    assert s["parallel"].endswith("compiled")
+    assert abs(s["final_loss"] - s["uniform_loss"]) < 1.0

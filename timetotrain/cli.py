@@ -176,6 +176,18 @@ def _cmd_synth(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from timetotrain import suite
+    from timetotrain.suite.base import apply_overrides
+    from timetotrain.train.memory import format_plan, plan
+
+    bench = suite.get(args.benchmark)
+    tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
+    n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=args.precision == "bf16")
+    print(format_plan(bench, tier, n, rows, best, args.gpus, args.gpu_mem))
+    return 0 if best is not None else 1
+
+
 def _cmd_check(args) -> int:
     from timetotrain.mlperf.compliance import check_log
 
@@ -307,6 +319,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
     _add_scale_flags(s, precision_default=None)
     s.set_defaults(func=_cmd_synth)
+
+    s = sub.add_parser(
+        "plan",
+        help="estimate per-GPU memory and suggest a parallel configuration before launching",
+        description="Estimate per-GPU memory (model states, bf16 copies, activations with and without "
+        "activation checkpointing) for a tier on N GPUs, and suggest --parallel/--ac/micro-batch settings.",
+    )
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument("--tier", default="reference")
+    s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
+    s.add_argument("--parallel", default=None, help="only consider this kind: dp=N or fsdp=N")
+    s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
+    s.set_defaults(func=_cmd_plan)
 
     from timetotrain.mlperf.commands import add_commands
 

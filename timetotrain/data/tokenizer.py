@@ -34,6 +34,8 @@ _NAMED_SPECIALS = [
     "<|image|>",
 ]
 N_SPECIAL = 256
+# End-of-text ids, known without loading the BPE file (a run needs the id, not the tokenizer).
+EOS_IDS = {"llama3": 128001}
 # tiktoken's Rust core panics on very long runs without a split point; C4 has a few such documents.
 _MAX_RUN = 25_000
 _MAX_CHUNK = 400_000

@@ -89,6 +89,9 @@ class Benchmark:
     # GBS -> (lr, warmup_steps) of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, tuple[float, int]] = field(default_factory=dict)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
+    eod_mask_loss: bool = False  # ignore the loss where the input token is end-of-document (Megatron)
+    # (model) -> ({extra log key: value}, short text for the live output), read at each eval point.
+    telemetry: Callable[[Any], tuple[dict, str]] | None = None
 
     def tier(self, name: str) -> Tier:
         if name not in self.tiers:

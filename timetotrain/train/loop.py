@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from timetotrain import suite
 from timetotrain.data import loader
+from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules, hyperparameters, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
@@ -35,7 +36,7 @@ from timetotrain.suite.base import apply_overrides
 from timetotrain.train import distributed, parallel
 from timetotrain.train.abort import Aborter
 from timetotrain.train.device import platform_name
-from timetotrain.train.step import build_training
+from timetotrain.train.step import build_training, targets
 
 EXIT_ABORTED = 1
 # Fault injection for the fault-tolerance tests: "RANK:STEP" makes that rank raise before that step.
@@ -82,7 +83,9 @@ class Evaluator:
     """Mean next-token cross-entropy over the fixed validation windows (token-weighted), each rank
     computing a contiguous share and the sums reduced across ranks."""
 
-    def __init__(self, windows, n: int, table, device, micro_batch: int, rank: int = 0, world: int = 1):
+    def __init__(
+        self, windows, n: int, table, device, micro_batch: int, rank: int = 0, world: int = 1, eod_id=None
+    ):
         lo, hi = n * rank // world, n * (rank + 1) // world
         tokens = windows.batch(list(range(lo, hi)))
         if table is not None:
@@ -91,6 +94,7 @@ class Evaluator:
         self.micro_batch = micro_batch
         self.world = world
         self.device = device
+        self.eod_id = eod_id
 
     @torch.no_grad()
     def __call__(self, model, autocast=None) -> float:
@@ -102,8 +106,9 @@ class Evaluator:
                 self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
                 logits = model(chunk[:, :-1])
-            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum")
-            sums[1] += chunk[:, 1:].numel()
+            labels = targets(chunk, self.eod_id).flatten()
+            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), labels, reduction="sum")
+            sums[1] += (labels != -100).sum()
         if self.world > 1:
             dist.all_reduce(sums)
         model.train(was_training)
@@ -205,10 +210,11 @@ def run(opts: RunOptions) -> RunResult:
             table = (
                 loader.vocab_table(res.counts_file, tier.data.vocab_keep) if tier.data.vocab_keep else None
             )
+            tr.eod_id = _eod_id(bench, tier, table)
             train = loader.open_train(res, tier.seq_len, tier.max_steps * tier.global_batch_size, seed)
             evaluate = Evaluator(
                 loader.open_val(res, tier.seq_len, tier.eval_samples), tier.eval_samples, table, device,
-                tier.micro_batch_size, d.rank, plan.data_parallel,
+                tier.micro_batch_size, d.rank, plan.data_parallel, tr.eod_id,
             )  # fmt: skip
             source = loader.TokenSource(train, tier.global_batch_size, table, d.rank, plan.data_parallel)
             fetch = loader.Prefetcher(source, 0, device)
@@ -236,6 +242,7 @@ def run(opts: RunOptions) -> RunResult:
                             break
                         pending = None
                         samples = step * gbs
+                        stats = _telemetry(bench, tr.model, log, samples)
                         log.end("block_stop", metadata={"samples_count": samples})
                         log.start("eval_start", metadata={"samples_count": samples})
                         last_eval = evaluate(tr.model, tr.autocast)
@@ -244,7 +251,7 @@ def run(opts: RunOptions) -> RunResult:
                         if live:
                             live.print(
                                 f"eval at {samples:,} samples (step {step}): {last_eval:.4f}  target "
-                                f"{tier.target}  [{time.monotonic() - t_run0:.1f} s]"
+                                f"{tier.target}  [{time.monotonic() - t_run0:.1f} s]{stats}"
                             )
                         if math.isfinite(last_eval) and last_eval <= tier.target:
                             status, reason = "success", f"eval {last_eval:.4f} <= target {tier.target}"
@@ -278,6 +285,32 @@ def run(opts: RunOptions) -> RunResult:
         status, reason, log.path, step, step * tier.global_batch_size, last_eval, seconds,
         tokens_done / max(seconds, 1e-9), code,
     )  # fmt: skip
+
+
+def _eod_id(bench, tier, table) -> int | None:
+    """The end-of-document id as the model sees it, for benchmarks that mask the loss after EOD."""
+    if not bench.eod_mask_loss:
+        return None
+    eos = EOS_IDS[tier.data.tokenizer]
+    if table is None:
+        return eos
+    eod = int(table[eos])
+    if eod == tier.data.vocab_keep:  # narrowed away: masking "other" would drop unrelated tokens
+        raise UserError(
+            f"end-of-document id {eos} is not among the {tier.data.vocab_keep} kept ids of this tier"
+        )
+    return eod
+
+
+def _telemetry(bench, model, log, samples: int) -> str:
+    """Benchmark-specific figures at each eval point (MoE: tokens per expert), logged as extra keys;
+    returns a short text for the live output. Reading them syncs the host, once per eval."""
+    if bench.telemetry is None:
+        return ""
+    figures, text = bench.telemetry(getattr(model, "module", model))
+    for key, value in figures.items():
+        log.event(key, value, metadata={"samples_count": samples})
+    return text
 
 
 def _report(log, live, step, loss_t, tokens_done, t0, last_eval, gbs) -> str:

@@ -14,13 +14,29 @@ from timetotrain.train.optim import build_adamw, set_lr
 from timetotrain.train.schedule import WarmupCosine
 
 
+def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
+    """Next-token labels; with `eod_id`, positions whose *input* is end-of-document are ignored (Megatron's
+    `eod_mask_loss`: the token after an EOD starts an unrelated document and cannot be predicted)."""
+    labels = tokens[:, 1:]
+    if eod_id is None:
+        return labels
+    return labels.masked_fill(tokens[:, :-1] == eod_id, -100)
+
+
 def train_step(
-    model, opt, tokens: torch.Tensor, accum: int, clip: float, params, autocast=None
+    model,
+    opt,
+    tokens: torch.Tensor,
+    accum: int,
+    clip: float,
+    params,
+    autocast=None,
+    eod_id: int | None = None,
 ) -> torch.Tensor:
-    """One optimizer step over a local batch split into `accum` equal micro-batches (so the mean of the
-    micro-batch means is the batch mean). Returns the local loss as a device tensor: no host sync here.
-    `autocast` (e.g. torch.bfloat16) runs the forward in that precision; weights and optimizer stay fp32.
-    Under DDP/FSDP gradients are reduced once, on the last micro-batch."""
+    """One optimizer step over a local batch split into `accum` equal micro-batches; each micro-batch's
+    loss is its mean token cross-entropy, and the step's loss their mean. Returns the local loss as a device
+    tensor: no host sync here. `autocast` (e.g. torch.bfloat16) runs the forward in that precision; weights
+    and optimizer stay fp32. Under DDP/FSDP gradients are reduced once, on the last micro-batch."""
     total = torch.zeros((), device=tokens.device)
     for i, mb in enumerate(tokens.chunk(accum)):
         with parallel.grad_sync(model, i == accum - 1):
@@ -28,7 +44,7 @@ def train_step(
                 tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
                 logits = model(mb[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb[:, 1:].flatten()) / accum
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets(mb, eod_id).flatten()) / accum
             loss.backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
@@ -46,12 +62,15 @@ class Training:
     clip: float
     autocast: torch.dtype | None = None
     world: int = 1
+    eod_id: int | None = None  # set by the caller when the benchmark masks the loss after EOD
 
     def step(self, step: int, tokens: torch.Tensor, accum: int, stop_vote: bool = False) -> torch.Tensor:
         """Returns [global mean loss, number of ranks voting to stop] as one device tensor, reduced in a
         single collective so every rank sees the same values and takes the same decision."""
         set_lr(self.opt, self.sched(step))
-        loss = train_step(self.model, self.opt, tokens, accum, self.clip, self.params, self.autocast)
+        loss = train_step(
+            self.model, self.opt, tokens, accum, self.clip, self.params, self.autocast, self.eod_id
+        )
         out = torch.stack([loss / self.world, torch.tensor(float(stop_vote), device=loss.device)])
         if self.world > 1:
             dist.all_reduce(out)  # SUM (gloo has no AVG): the loss was pre-divided

@@ -1,0 +1,43 @@
+"""`ttt plan`: the memory estimate's arithmetic and its suggestion."""
+
+import pytest
+
+from timetotrain.suite import get
+from timetotrain.train.memory import GiB, activation_bytes, estimate, plan
+
+BENCH = get("llama31_8b")
+REF = BENCH.tier("reference")
+
+
+def test_states_are_16_bytes_per_parameter_sharded_by_fsdp():
+    n = 8_030_261_248
+    dp = estimate(REF, n, 8, 80, "dp", False, 1, bf16=True)
+    fsdp = estimate(REF, n, 8, 80, "fsdp", False, 1, bf16=True)
+    assert dp.states == 16 * n and fsdp.states == 2 * n
+    assert dp.compute_copies == 2 * n  # autocast's bf16 weight cache under DDP
+
+
+def test_activation_count_for_the_8b_block():
+    cfg = REF.model
+    # 9.5h + 4f elements per token per block at kv/heads = 1/4 (see the module docstring).
+    per_block = 9.5 * 4096 + 4 * 14336
+    head = 128_256 * 2 + 128_256 * 8 + 3 * 4096 * 2
+    assert activation_bytes(cfg, 8192, 1, 2, ac=False) == pytest.approx(8192 * (32 * per_block * 2 + head))
+    with_ac = activation_bytes(cfg, 8192, 1, 2, ac=True)
+    assert with_ac == pytest.approx(8192 * (32 * 4096 * 2 + per_block * 2 + head))
+    assert with_ac < activation_bytes(cfg, 8192, 1, 2, ac=False) / 4
+
+
+def test_8b_on_8x80_needs_fsdp():
+    n, rows, best = plan(BENCH, REF, 8, 80, None)
+    assert n == 8_030_261_248
+    assert all(r.total > 80 * GiB for r in rows if r.parallel == "dp=8")  # 128 GB of states alone
+    assert best is not None and best.parallel == "fsdp=8" and best.total <= 0.9 * 80 * GiB
+    tight = next(r for r in rows if r.parallel == "fsdp=8" and not r.ac and r.micro_batch == 1)
+    assert 0.9 * 80 * GiB < tight.total <= 80 * GiB  # fits on paper, too close to suggest
+    assert best.ac
+
+
+def test_nothing_fits_on_one_small_gpu():
+    _, _, best = plan(BENCH, REF, 1, 24, None)
+    assert best is None

@@ -1,0 +1,255 @@
+"""Expert parallelism (EP) for the MoE layers of `timetotrain.models.moe`, applied from outside the model.
+
+`apply_expert_parallel(model, group)` leaves every rank of `group` (size `ep`) with a contiguous slice of
+`E / ep` experts per MoE layer (rank r owns experts `[r*L, (r+1)*L)`, `L = E / ep`) and swaps the layer's
+class for `ExpertParallelMoE`, whose forward moves the token copies to the rank that owns their expert and
+back. Parameter names stay as they were (`...moe.experts.w1`), only the expert tensors shrink to `[L, ...]`.
+
+Token flow of one layer on rank r, for its `N` local tokens:
+
+1. route (router replicated): probs, expert ids `[N, k]`;
+2. `permute`: the `N*k` copies grouped by expert (`counts[E]`), so they are also grouped by owning rank;
+3. all-gather of `counts` -> table `[ep, E]` (`table[s, e]`: copies rank s sends to expert e). One tiny
+   collective gives both split-size lists and the global telemetry; an all-to-all of counts would carry
+   only this rank's column block and need a second collective for the global counts;
+4. all-to-all of the grouped copies packed with their router probs (one collective, see `_Dispatch`): send
+   `sum(table[r, experts of d])` rows to each rank d, receive `sum(table[s, my experts])` rows from each
+   rank s, source-major;
+5. regroup the received rows by local expert with a stable sort (source-major within an expert: the rows
+   of rank 0 first, then rank 1, ..., exactly the order the single-process layer sees on the concatenated
+   batch, so the expert math is the same matmuls on the same rows);
+6. `GroupedExperts` on the local slice; the probs weight the activation inside it as in the plain layer;
+7. undo the regroup, inverse all-to-all (same splits, swapped), `unpermute` (sum of the k slots).
+
+The all-to-alls are autograd functions whose backward is the reverse all-to-all, so gradients of the
+copies return to the rank that routed them; gloo (CPU) and NCCL both implement `all_to_all_single`.
+
+Telemetry: `tokens_per_expert` holds the GLOBAL per-expert counts `table.sum(0)`, shape `[E]`, identical on
+every rank and equal to what one process would count on the concatenated batch; it comes free with step 3.
+
+Gradients (the training convention: each rank's loss is the mean over its own samples, and the global loss
+is the mean of the rank losses over the `dp` data-parallel ranks):
+
+- replicated parameters (embeddings, attention, norms, router, head) see only local tokens, so their grad
+  on a rank is that of the rank's own loss: average them over the data-parallel ranks as usual (DDP);
+- an expert on rank r receives, through the all-to-all backward, the gradient of EVERY EP rank's loss for
+  the copies it processed: its local grad is the SUM over the EP group of the rank-loss gradients, i.e. `ep`
+  times its share of the global-mean gradient. `apply_expert_parallel` therefore registers a hook that
+  divides expert gradients by `ep` (exact for power-of-two `ep`). With `ep == dp` (EP over the data-parallel
+  ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` the expert
+  grads must additionally be AVERAGED over the `edp` ranks that hold the same slice (sum / ep / edp = the
+  mean over all dp ranks).
+
+So the caller keeps DDP for the replicated parameters and hides the expert slices from it
+(`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor
+broadcasts rank 0's slice over the others' at construction, and keeps its bucketed, backward-overlapped
+all-reduce and `no_sync` for accumulation. `is_expert_sharded` / `expert_sharded_names` tell which
+parameters are sharded; `clip_grad_norm_ep` clips by the true global norm.
+
+Apply EP to the bare model after its weights are initialised (identically on every rank: slicing the same
+full tensors keeps the same model), before activation checkpointing, compile, DDP and the optimizer.
+Not combinable with FSDP here. State dicts hold only the local slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from timetotrain.models.moe import MoE, permute, unpermute
+
+# Marks expert-sharded Parameters; an attribute on the tensor survives DDP and optimizers holding it.
+_SHARDED = "_ttt_expert_sharded"
+
+# `all_gather_into_tensor` is deprecated in recent torch in favour of `all_gather_single`; keep both working.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Row all-to-all; backward sends the gradient rows back where they came from (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _pack(rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """`[n, d]` rows and `[n]` probs as one `[n, bytes]` uint8 tensor (dtypes may differ, e.g. bf16 + fp32)."""
+    return torch.cat(
+        [rows.contiguous().view(torch.uint8), probs.contiguous().unsqueeze(1).view(torch.uint8)], 1
+    )
+
+
+def _unpack(buf: torch.Tensor, rows_dtype: torch.dtype, probs_dtype: torch.dtype):
+    width = buf.shape[1] - probs_dtype.itemsize
+    rows, probs = buf.split([width, probs_dtype.itemsize], dim=1)
+    return rows.contiguous().view(rows_dtype), probs.contiguous().view(probs_dtype).squeeze(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """All-to-all of the grouped copies together with their router probs, in ONE collective each way.
+
+    Two separate all-to-alls would each need their backward to run on every rank in the same order, but
+    autograd orders them by when their gradients become ready, which depends on the local graph (a rank
+    that receives no rows, the loop vs grouped_mm expert path); one fused collective cannot be misordered.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, probs, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        ctx.dtypes = rows.dtype, probs.dtype
+        buf = _all_to_all(_pack(rows, probs), out_splits, in_splits, group)
+        return _unpack(buf, rows.dtype, probs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_probs):
+        # Unused outputs arrive as zeros (materialised grads), so every rank sends the same layout back.
+        buf = _all_to_all(_pack(grad_rows, grad_probs), ctx.in_splits, ctx.out_splits, ctx.group)
+        return (*_unpack(buf, *ctx.dtypes), None, None, None)
+
+
+class ExpertParallelMoE(MoE):
+    """`MoE` holding experts `[ep_rank * L, (ep_rank + 1) * L)` of `n_experts`; see the module docstring.
+
+    Installed by swapping the class of an existing `MoE` (as FSDP2 does), so names and parameters stay put.
+    """
+
+    ep_group: dist.ProcessGroup | None
+    ep_size: int
+    ep_rank: int
+    n_local_experts: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs, experts = self.router(x)
+        grouped, grouped_probs, counts, order = permute(x, experts, probs, self.n_experts)
+
+        ep, local, rank, group = self.ep_size, self.n_local_experts, self.ep_rank, self.ep_group
+        table = counts.new_empty(ep * self.n_experts)
+        _all_gather(table, counts, group=group)
+        table = table.view(ep, self.n_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(table.sum(0))
+        mine = table[:, rank * local : (rank + 1) * local]  # [ep, L]: rows each source sends to my experts
+        # to_rank[s][d]: rows source s sends to rank d. The one host sync of the layer: splits are lists.
+        to_rank = table.view(ep, ep, local).sum(-1).tolist()
+        send = to_rank[rank]
+        recv = [to_rank[s][rank] for s in range(ep)]
+
+        rx, rp = _Dispatch.apply(grouped, grouped_probs, recv, send, group)
+        regroup = None
+        if local > 1:
+            # Received rows are source-major, then by expert; a stable sort by local expert keeps source order.
+            ids = torch.arange(local, device=x.device).repeat(ep)
+            ids = ids.repeat_interleave(mine.reshape(-1), output_size=sum(recv))
+            regroup = torch.sort(ids, stable=True).indices
+            rx, rp = rx.index_select(0, regroup), rp.index_select(0, regroup)
+
+        w1, w2 = self.experts.w1, self.experts.w2
+        if sum(recv) == 0:
+            # No rows for any local expert. Keep the received rows and the weights in the graph anyway: the
+            # dispatch's backward is a collective every rank must enter, and the weights get zero gradients
+            # (not None) like the single-process layer's idle experts, so AdamW updates them in step.
+            y = rx.new_zeros(0, w2.shape[1]) + 0 * (rx.sum() + rp.sum() + w1.sum() + w2.sum()).to(rx.dtype)
+        else:
+            y = self.experts(rx, mine.sum(0), rp)
+        if regroup is not None:
+            inverse = torch.empty_like(regroup).scatter_(
+                0, regroup, torch.arange(regroup.numel(), device=regroup.device)
+            )
+            y = y.index_select(0, inverse)
+        y = _AllToAll.apply(y, send, recv, group)
+        return unpermute(y, order, self.top_k).view(shape)
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Shard the experts of every `MoE` in `model` over `group` (default: all ranks), in place.
+
+    A group of one rank leaves the model as it is. Raises if a layer's expert count is not a multiple of
+    the group size or EP was already applied.
+    """
+    ep = dist.get_world_size(group)
+    if ep == 1:
+        return
+    rank = dist.get_rank(group)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError("apply_expert_parallel: the model has no MoE layers")
+    for moe in layers:
+        if isinstance(moe, ExpertParallelMoE):
+            raise ValueError("apply_expert_parallel: expert parallelism is already applied")
+        if moe.n_experts % ep:
+            raise ValueError(f"{moe.n_experts} experts do not split evenly over {ep} expert-parallel ranks")
+        local = moe.n_experts // ep
+        lo = rank * local
+        for name in ("w1", "w2"):
+            full = getattr(moe.experts, name)
+            # A fresh Parameter (clone, not a view) so the full stack is freed and the optimizer sees [L, ...].
+            shard = nn.Parameter(full.detach()[lo : lo + local].clone(), requires_grad=full.requires_grad)
+            setattr(shard, _SHARDED, True)
+            # Each rank's expert grad sums all EP ranks' loss gradients: divide by ep (module docstring).
+            shard.register_hook(lambda g, ep=ep: g / ep)
+            setattr(moe.experts, name, shard)
+        moe.__class__ = ExpertParallelMoE
+        moe.ep_group, moe.ep_size, moe.ep_rank, moe.n_local_experts = group, ep, rank, local
+
+
+def is_expert_sharded(p: torch.Tensor) -> bool:
+    return getattr(p, _SHARDED, False)
+
+
+def expert_sharded_names(model: nn.Module) -> list[str]:
+    """Qualified names of the expert-sharded parameters of `model` (as `model.named_parameters` spells them)."""
+    return [n for n, p in model.named_parameters() if is_expert_sharded(p)]
+
+
+def ignore_experts_in_ddp(model: nn.Module) -> None:
+    """Call on the module about to be wrapped in DDP: DDP then neither all-reduces nor broadcasts the
+    expert slices. (`_set_params_and_buffers_to_ignore_for_model` is DDP's static hook for exactly this.)"""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_sharded_names(model))
+
+
+@torch.no_grad()
+def clip_grad_norm_ep(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup | None = None,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """`clip_grad_norm_` (2-norm) over a model whose experts are sharded over `group`; returns the norm.
+
+    Replicated gradients (already averaged, so equal on every rank) count once; the squared norms of the
+    expert slices are summed over `group`. Every rank of `group` must call it (one all-reduce). Without an
+    initialised process group it is plain global-norm clipping.
+    """
+    params = [p for p in params if p.grad is not None]
+    replicated = [p.grad for p in params if not is_expert_sharded(p)]
+    sharded = [p.grad for p in params if is_expert_sharded(p)]
+    device = params[0].grad.device if params else torch.device("cpu")
+    zero = torch.zeros((), device=device, dtype=torch.float32)
+    rep = torch.nn.utils.get_total_norm(replicated, foreach=foreach) if replicated else zero
+    shard_sq = torch.nn.utils.get_total_norm(sharded, foreach=foreach) ** 2 if sharded else zero.clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(shard_sq, group=group)
+    total = (rep**2 + shard_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total

@@ -1,0 +1,137 @@
+"""`ttt plan`: per-GPU memory of a tier under a parallel configuration, estimated before launching.
+
+Where the numbers come from (an estimate, not a measurement):
+- Model states, per parameter: fp32 weights 4 B + fp32 gradients 4 B + AdamW moments 8 B = 16 B; divided
+  by the shard count under FSDP, whole under DDP. bf16 compute adds the bf16 copies: under FSDP2 the
+  unsharded bf16 parameters of about two blocks at a time (the one computing and the one prefetched); under
+  DDP autocast's cached bf16 copy of every weight (2 B per parameter).
+- Activations: a count of the tensors autograd keeps per token for one Llama block of our model
+  (`models/llama.py`): RMSNorm keeps its input, the normalised values and the weighted output (3h, twice per
+  block); SDPA keeps rotated q, k, v and its output (q h, k and v h*kv/heads each, out h); the output
+  projection its input (h); SwiGLU keeps fc1's output (2f), silu's output (f) and the product fed to fc2
+  (f). That is 9.5h + 4f elements at h = dim, f = FFN width when kv/heads = 1/4, in the compute precision.
+  The head adds the logits in the compute precision plus an fp32 copy and its log-softmax (fp32).
+  Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
+  its recomputation.
+- A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from timetotrain.errors import UserError
+
+GiB = 2**30
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parallel: str
+    ac: bool
+    micro_batch: int
+    states: float
+    compute_copies: float
+    activations: float
+    margin: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.compute_copies + self.activations + self.margin
+
+
+def _block_params(cfg) -> int:
+    return (
+        cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        + cfg.n_heads * cfg.head_dim * cfg.dim
+        + (3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim)
+    )
+
+
+def activation_bytes(cfg, seq: int, micro_batch: int, act_bytes: int, ac: bool) -> float:
+    h, f = cfg.dim, cfg.ffn_dim
+    kv = cfg.n_kv_heads * cfg.head_dim
+    q = cfg.n_heads * cfg.head_dim
+    per_block = 3 * h + (q + 2 * kv) + h + h + 3 * h + 4 * f  # elements per token, see the module docstring
+    head = cfg.vocab_size * act_bytes + cfg.vocab_size * 4 * 2 + 3 * h * act_bytes  # logits, fp32 copy, lsm
+    tokens = micro_batch * seq
+    if ac:
+        body = cfg.n_layers * h * act_bytes + per_block * act_bytes
+    else:
+        body = cfg.n_layers * per_block * act_bytes
+    return tokens * (body + head)
+
+
+def estimate(tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool):
+    cfg = tier.model
+    if not hasattr(cfg, "ffn_dim"):
+        raise UserError(f"ttt plan has no memory model for {type(cfg).__name__} yet")
+    shards = gpus if kind == "fsdp" else 1
+    states = 16 * n_params / shards
+    if bf16:
+        copies = 2 * 2 * _block_params(cfg) if kind == "fsdp" else 2 * n_params
+    else:
+        copies = 4 * 2 * _block_params(cfg) if kind == "fsdp" else 0
+    act = activation_bytes(cfg, tier.seq_len, micro, 2 if bf16 else 4, ac)
+    margin = 0.05 * gpu_mem_gib * GiB + GiB
+    return Estimate(f"{kind}={gpus}", ac, micro, states, copies, act, margin)
+
+
+def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16: bool = True):
+    """All candidate configurations with their estimates, and the suggested one (or None if none fits)."""
+    from timetotrain.models.llama import param_count
+
+    if gpus < 1 or gpu_mem_gib <= 0:
+        raise UserError("--gpus and --gpu-mem must be positive")
+    n = param_count(tier.model)
+    kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
+    for k in kinds:
+        if k not in ("dp", "fsdp"):
+            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N and fsdp=N")
+    local = max(1, tier.global_batch_size // gpus)
+    micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
+    rows = [
+        estimate(tier, n, gpus, gpu_mem_gib, k, ac, m, bf16)
+        for k in kinds
+        for ac in (False, True)
+        for m in micros
+    ]
+    # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
+    cap = HEADROOM * gpu_mem_gib * GiB
+    fitting = [r for r in rows if r.total <= cap]
+    # Prefer no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
+    best = max(fitting, key=lambda r: (not r.ac, r.micro_batch, r.parallel.startswith("dp")), default=None)
+    return n, rows, best
+
+
+def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
+    out = [
+        f"{bench.name} {tier.name}: {n_params / 1e9:.2f} B parameters, seq {tier.seq_len}, "
+        f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
+        f"{'parallel':<10}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
+        f"{'margin':>9}{'total':>9}  fits",
+    ]
+    for r in rows:
+        cap = gpu_mem_gib * GiB
+        fits = "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
+        out.append(
+            f"{r.parallel:<10}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
+            f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
+            f"{r.total / GiB:>8.1f}G  {fits}"
+        )
+    if best is None:
+        out.append("suggestion: nothing fits; use more GPUs or larger ones")
+    else:
+        flags = f"--parallel {best.parallel} --precision bf16 --set micro_batch_size={best.micro_batch}"
+        flags += " --ac" if best.ac else ""
+        out.append(
+            f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
+            f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):\n  torchrun --nproc_per_node {gpus} -m "
+            f"timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {flags}"
+        )
+    out.append(
+        "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
+    )
+    out.append("timetotrain/train/memory.py); allocator fragmentation and NCCL buffers can add 5-10%.")
+    return "\n".join(out)
