@@ -118,7 +118,9 @@ def test_compiled_blocks_train_on_cpu(tmp_path):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    s = synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=3, compile=True))
+    s = synth(
+        SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=3, compile=True)
+    )
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks really went through torch.compile
     assert s["parallel"].endswith("compiled")
     assert abs(s["final_loss"] - s["uniform_loss"]) < 1.0

@@ -6,7 +6,10 @@ import importlib
 
 from timetotrain.errors import UserError
 
-_MODULES = {"llama31_8b": "timetotrain.suite.llama31_8b"}
+_MODULES = {
+    "llama31_8b": "timetotrain.suite.llama31_8b",
+    "gpt_oss_20b": "timetotrain.suite.gpt_oss_20b",
+}
 
 
 def names() -> list[str]:

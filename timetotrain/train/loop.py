@@ -160,6 +160,11 @@ def run(opts: RunOptions) -> RunResult:
             f"global_batch_size {tier.global_batch_size} must split into {plan.data_parallel} ranks x whole "
             f"micro-batches of {micro}: change --set micro_batch_size or the process count"
         )
+    if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
+        # Expert all-to-alls need every rank in every eval forward: equal eval shares.
+        raise UserError(
+            f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
+        )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
     accum = local_batch // micro
     check_rules(bench, tier)

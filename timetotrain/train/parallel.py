@@ -1,8 +1,10 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8` or `fsdp=8`; their product must equal the world size.
-Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8` or `ep=8`; dp x fsdp must equal the world
+size. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the same N
+ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`). Model families expose their repeated blocks
+as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from torch import nn
 
 from timetotrain.errors import UserError
 
-KINDS = ("dp", "fsdp")
+KINDS = ("dp", "fsdp", "ep")
 
 
 @dataclass(frozen=True)
 class Plan:
     dp: int = 1
     fsdp: int = 1
+    ep: int = 1
     precision: str = "fp32"  # fp32 | bf16
     activation_checkpointing: bool = False
     compile: bool = False
@@ -47,7 +50,7 @@ class Plan:
 
 def parse(spec: str | None, world: int, **switches) -> Plan:
     """`None` means plain data parallel over all ranks."""
-    degrees = {"dp": 1, "fsdp": 1}
+    degrees = {"dp": 1, "fsdp": 1, "ep": 1}
     if not spec:
         degrees["dp"] = world
     else:
@@ -60,6 +63,16 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
             degrees[key] = int(val)
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
+        if degrees["ep"] > 1:
+            if degrees["fsdp"] > 1:
+                raise UserError(
+                    f"--parallel {spec!r}: ep with fsdp is not supported yet; use ep=N (with dp=N)"
+                )
+            degrees["dp"] = degrees["dp"] if degrees["dp"] > 1 else world
+            if degrees["ep"] != degrees["dp"]:
+                raise UserError(
+                    f"--parallel {spec!r}: ep must equal the data-parallel degree ({degrees['dp']})"
+                )
     plan = Plan(**degrees, **switches)
     if plan.world != world:
         raise UserError(
@@ -71,8 +84,19 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
     return plan
 
 
-def apply(model: nn.Module, plan: Plan, device: torch.device) -> nn.Module:
-    """Wrap `model` per plan; returns the module to call (the same object for FSDP2, a DDP wrapper else)."""
+def apply(model: nn.Module, plan: Plan, device: torch.device):
+    """Wrap `model` per plan. Returns (the module to call: the same object for FSDP2, a DDP wrapper else;
+    the expert-parallel process group or None). Expert sharding comes first: it slices the experts of
+    the initialised model, before checkpoint wrappers, compile and DDP see the parameters."""
+    ep_group = None
+    if plan.ep > 1:
+        import torch.distributed as dist
+
+        from timetotrain.train.expert_parallel import apply_expert_parallel
+
+        # A group of its own keeps the all-to-alls apart from DDP's gradient all-reduces.
+        ep_group = dist.new_group(list(range(plan.ep)))
+        apply_expert_parallel(model, ep_group)
     blocks = model.layers
     if plan.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -92,12 +116,17 @@ def apply(model: nn.Module, plan: Plan, device: torch.device) -> nn.Module:
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        return model
+        return model, ep_group
     if plan.dp > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
+        if ep_group is not None:
+            from timetotrain.train.expert_parallel import ignore_experts_in_ddp
+
+            # Each rank holds different experts: DDP must neither broadcast nor average them.
+            ignore_experts_in_ddp(model)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), ep_group
+    return model, ep_group
 
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:

@@ -32,6 +32,7 @@ def train_step(
     params,
     autocast=None,
     eod_id: int | None = None,
+    ep_group=None,
 ) -> torch.Tensor:
     """One optimizer step over a local batch split into `accum` equal micro-batches; each micro-batch's
     loss is its mean token cross-entropy, and the step's loss their mean. Returns the local loss as a device
@@ -47,7 +48,12 @@ def train_step(
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets(mb, eod_id).flatten()) / accum
             loss.backward()
         total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    if ep_group is None:
+        torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    else:  # expert slices differ per rank: the global norm sums them across the group
+        from timetotrain.train.expert_parallel import clip_grad_norm_ep
+
+        clip_grad_norm_ep(params, clip, ep_group)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total
@@ -63,13 +69,22 @@ class Training:
     autocast: torch.dtype | None = None
     world: int = 1
     eod_id: int | None = None  # set by the caller when the benchmark masks the loss after EOD
+    ep_group: object = None  # expert-parallel process group, when experts are sharded
 
     def step(self, step: int, tokens: torch.Tensor, accum: int, stop_vote: bool = False) -> torch.Tensor:
         """Returns [global mean loss, number of ranks voting to stop] as one device tensor, reduced in a
         single collective so every rank sees the same values and takes the same decision."""
         set_lr(self.opt, self.sched(step))
         loss = train_step(
-            self.model, self.opt, tokens, accum, self.clip, self.params, self.autocast, self.eod_id
+            self.model,
+            self.opt,
+            tokens,
+            accum,
+            self.clip,
+            self.params,
+            self.autocast,
+            self.eod_id,
+            self.ep_group,
         )
         out = torch.stack([loss / self.world, torch.tensor(float(stop_vote), device=loss.device)])
         if self.world > 1:
@@ -91,7 +106,7 @@ def build_training(
     _warmup(model, tier, device)
     bench.init_model(model, torch.Generator(device=device).manual_seed(seed))
     model.train()
-    wrapped = parallel.apply(model, plan, device)
+    wrapped, ep_group = parallel.apply(model, plan, device)
     fx = bench.fixed_hparams
     betas = (fx["opt_adamw_beta_1"], fx["opt_adamw_beta_2"])
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
@@ -100,8 +115,9 @@ def build_training(
     sched = WarmupCosine(tier.lr, tier.end_lr, tier.warmup_steps, tier.max_steps, bench.schedule_rule)
     params = [p for p in model.parameters() if p.requires_grad]
     return Training(
-        wrapped, opt, sched, params, fx["opt_gradient_clip_norm"], parallel.autocast_dtype(plan), plan.world
-    )
+        wrapped, opt, sched, params, fx["opt_gradient_clip_norm"], parallel.autocast_dtype(plan), plan.world,
+        ep_group=ep_group,
+    )  # fmt: skip
 
 
 def _warmup(model, tier: Tier, device) -> None:
