@@ -124,3 +124,38 @@ def test_compiled_blocks_train_on_cpu(tmp_path):
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks really went through torch.compile
     assert s["parallel"].endswith("compiled")
     assert abs(s["final_loss"] - s["uniform_loss"]) < 1.0
+
+
+def test_bf16_with_activation_checkpointing_on_cpu(tmp_path):
+    s = synth(
+        SynthOptions(
+            "llama31_8b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=3, precision="bf16",
+            activation_checkpointing=True,
+        )
+    )  # fmt: skip
+    assert s["precision"] == "bf16" and "AC" in s["parallel"]
+    recs = mllog(Path(s["log"]))
+    assert next(r["value"] for r in recs if r["key"] == "lowest_numerical_precision_in_linear") == "bfloat16"
+    assert abs(s["final_loss"] - s["uniform_loss"]) < 1.0
+
+
+def test_fsdp_bf16_under_torchrun(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518"]
+    cmd += [
+        "-m",
+        "timetotrain",
+        "synth",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+    ]
+    cmd += ["--logdir", str(tmp_path), "--seed", "5", "--parallel", "fsdp=2", "--precision", "bf16", "--ac"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())
+    assert s["parallel"].startswith("fsdp=2, bf16, AC") and s["world_size"] == 2

@@ -91,6 +91,16 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
 
 
 def _cmd_run(args) -> int:
+    if args.runs < 1:
+        raise UserError(f"--runs {args.runs} must be at least 1")
+    results = run_set(args, _run_seeds(args.seed, args.runs))
+    return max(r.exit_code for _, r in results)
+
+
+def run_set(args, seeds: list[int], **fixed) -> list:
+    """Consecutive runs, one per seed. A UserError or a crash stops the set; a run that misses its target
+    does not (it is a result); a signal stops it after that run's log is complete. `fixed` overrides
+    RunOptions fields that `args` does not carry."""
     # Entered before torch is imported: threads torch starts later inherit the blocked SIGTERM/SIGINT,
     # which only the abort watcher then receives (see train/abort.py).
     from timetotrain.train.abort import Aborter
@@ -98,47 +108,33 @@ def _cmd_run(args) -> int:
     with Aborter() as aborter:
         from timetotrain.train.loop import RunOptions, run
 
-        if args.runs < 1:
-            raise UserError(f"--runs {args.runs} must be at least 1")
-        return _run_set(args, aborter, run, RunOptions)
-
-
-def _run_set(args, aborter, run, RunOptions) -> int:  # noqa: N803 - the class, imported late
-    results = []
-    for i, seed in enumerate(_run_seeds(args.seed, args.runs)):
-        if args.runs > 1:
-            print(f"run {i + 1}/{args.runs} (seed {seed})", file=sys.stderr)
-        opts = RunOptions(
-            benchmark=args.benchmark,
-            tier=args.tier,
-            data=Path(args.data),
-            logdir=Path(args.logdir),
-            seed=seed,
-            max_steps=args.max_steps,
-            sets=args.set or [],
-            device=args.device,
-            org=args.org,
-            platform=args.platform,
-            echo=not args.quiet,
-            parallel=args.parallel,
-            precision=args.precision,
-            activation_checkpointing=args.ac,
-            compile=args.compile,
-            dist_timeout=args.dist_timeout,
-            abort_grace=args.abort_grace,
-            aborter=aborter,
-        )
-        res = run(opts)  # a UserError or crash stops the set; a run that misses its target does not
-        results.append((seed, res))
-        if res.log_path is None:  # not global rank 0: the log and the report are rank 0's
-            continue
-        print(
-            f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
-            f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
-            file=sys.stderr,
-        )
-        if res.exit_code > 128:  # stopped by a signal: the user wants the whole set to stop
-            break
+        flags = {
+            k: getattr(args, a)
+            for k, a in [("max_steps", "max_steps"), ("device", "device"), ("org", "org"), ("platform", "platform"),
+                         ("parallel", "parallel"), ("precision", "precision"), ("activation_checkpointing", "ac"),
+                         ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace")]
+            if hasattr(args, a)
+        }  # fmt: skip
+        results = []
+        for i, seed in enumerate(seeds):
+            if len(seeds) > 1:
+                print(f"run {i + 1}/{len(seeds)} (seed {seed})", file=sys.stderr)
+            opts = RunOptions(
+                benchmark=args.benchmark, tier=args.tier, data=Path(args.data), logdir=Path(args.logdir),
+                seed=seed, sets=args.set or [], echo=not getattr(args, "quiet", True), aborter=aborter,
+                **{**flags, **fixed},
+            )  # fmt: skip
+            res = run(opts)
+            results.append((seed, res))
+            if res.log_path is None:  # not global rank 0: the log and the report are rank 0's
+                continue
+            print(
+                f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
+                f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
+                file=sys.stderr,
+            )
+            if res.exit_code > 128:
+                break
     if len(results) > 1 and results[0][1].log_path is not None:
         print(f"\n{'seed':>12}  {'status':<8}{'samples':>10}{'seconds':>10}  log", file=sys.stderr)
         for seed, r in results:
@@ -147,7 +143,7 @@ def _run_set(args, aborter, run, RunOptions) -> int:  # noqa: N803 - the class, 
             )
         ok = sum(r.status == "success" for _, r in results)
         print(f"{ok}/{len(results)} runs met the target", file=sys.stderr)
-    return max(r.exit_code for _, r in results)
+    return results
 
 
 def _cmd_synth(args) -> int:
@@ -174,6 +170,39 @@ def _cmd_synth(args) -> int:
         print(format_table(summary))
         print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")
     return 0
+
+
+def _cmd_rcp_build(args) -> int:
+    """Run the tier N times (distinct seeds), then write the official-format RCP JSON of its converged runs."""
+    import json
+
+    from timetotrain.mlperf.rcp import build_rcp_json, rcp_path
+
+    out = Path(args.out) if args.out else rcp_path(args.benchmark, args.tier)
+    if args.tier == "reference":
+        raise UserError("--tier reference uses the official MLCommons RCPs; ttt rcp build is for our tiers")
+    if args.runs < 3:
+        raise UserError(f"--runs {args.runs}: an RCP needs at least 3 converged runs")
+    results = run_set(args, _run_seeds(args.seed, args.runs))
+    if any(r.exit_code > 128 for _, r in results):
+        return max(r.exit_code for _, r in results)
+    from timetotrain.mlperf.results import parse_log
+
+    converged = [parse_log(r.log_path) for _, r in results if r.status == "success"]
+    doc = build_rcp_json(args.benchmark, args.tier, converged)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    for name, rec in doc.items():
+        print(
+            f"{name}: BS {rec['BS']}, {len(converged)}/{len(results)} runs converged, "
+            f"samples to converge {rec[_points_key(rec)]}"
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+def _points_key(rec: dict) -> str:
+    return next(k for k in rec if k.lower().endswith("to converge"))
 
 
 def _cmd_plan(args) -> int:
@@ -334,6 +363,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("rcp", help="reference convergence points of our tiers").add_subparsers(
+        dest="rcp_command", required=True
+    )
+    s = r.add_parser(
+        "build",
+        help="run a tier N times and write its RCP file in the official format",
+        description="Runs BENCH at TIER --runs times with distinct seeds (logs kept in --logdir), then writes "
+        "the official-format RCP JSON of the converged runs. By default it goes where the package looks for "
+        "it (timetotrain/mlperf/rcps/<bench>_<tier>.json), so `ttt score` checks later tiny runs against it.",
+    )
+    s.add_argument("benchmark")
+    s.add_argument("--tier", default="tiny")
+    s.add_argument("--runs", type=int, default=10, help="runs to make (default 10)")
+    s.add_argument("--data", required=True, help="prepared dataset folder")
+    s.add_argument("--logdir", required=True, help="where the runs' result files go")
+    s.add_argument("--seed", type=int, default=None, help="first seed (default: fresh random seeds)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting")
+    s.add_argument("--out", default=None, help="RCP file to write (default: the package's)")
+    s.set_defaults(func=_cmd_rcp_build)
 
     from timetotrain.mlperf.commands import add_commands
 
