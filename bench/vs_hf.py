@@ -5,7 +5,8 @@
 Same config, same weights, same batch and sequence, same optimizer (AdamW, Megatron decay mask), same loss
 (mean token cross-entropy computed outside the model) and clipping. The two step loops alternate within
 each repetition so drift in machine load hits both; medians and their ratio are printed, with our CPU MFU
-against a matmul peak measured in the same run.
+against a matmul peak measured in the same run. Ours is timed twice: eager, and with its blocks compiled
+(`--compile` of `ttt run` / `ttt synth`); HF runs eager, as its Trainer does by default.
 """
 
 from __future__ import annotations
@@ -64,21 +65,27 @@ def bench(name: str, reps: int, steps: int, peak: float) -> dict:
     cfg, batch, seq = CONFIGS[name]
     torch.manual_seed(0)
     ours = Llama(cfg)
+    compiled = Llama(cfg)
+    compiled.load_state_dict(ours.state_dict())
+    for block in compiled.layers:  # what `ttt run/synth --compile` does
+        block.compile()
     hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(cfg), attn_implementation="sdpa")
     hf = transformers.LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
     n_params = sum(p.numel() for p in ours.parameters())
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     step_ours = make_step(ours, ours)
+    step_comp = make_step(compiled, compiled)
     step_hf = make_step(hf, lambda x: hf(input_ids=x, use_cache=False).logits)
-    for s in (step_ours, step_hf):  # warm-up: allocator, thread pool, kernel choice
+    for s in (step_ours, step_comp, step_comp, step_hf):  # warm-up: allocator, threads, kernels, compilation
         s(tokens)
     tok = batch * seq * steps
-    ours_tps, hf_tps = [], []
+    ours_tps, comp_tps, hf_tps = [], [], []
     for _ in range(reps):
         ours_tps.append(tok / timed(step_ours, tokens, steps))
+        comp_tps.append(tok / timed(step_comp, tokens, steps))
         hf_tps.append(tok / timed(step_hf, tokens, steps))
-    mo, mh = statistics.median(ours_tps), statistics.median(hf_tps)
+    mo, mc, mh = statistics.median(ours_tps), statistics.median(comp_tps), statistics.median(hf_tps)
     flops = flops_per_token(cfg, seq, causal=True)
     return {
         "config": name,
@@ -86,9 +93,12 @@ def bench(name: str, reps: int, steps: int, peak: float) -> dict:
         "batch": batch,
         "seq": seq,
         "ours_tokens_per_s": mo,
+        "compiled_tokens_per_s": mc,
         "hf_tokens_per_s": mh,
         "ratio": mo / mh,
+        "compiled_ratio": mc / mh,
         "ours_mfu": mo * flops / peak,
+        "compiled_mfu": mc * flops / peak,
         "hf_mfu": mh * flops / peak,
     }
 
@@ -107,13 +117,15 @@ def main() -> int:
         f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
     print(
-        f"{'config':<7}{'params':>12}{'batch x seq':>13}{'ours tok/s':>12}{'HF tok/s':>11}{'ratio':>8}{'our MFU':>9}"
+        f"{'config':<7}{'params':>12}{'batch x seq':>13}{'ours tok/s':>12}{'compiled':>10}{'HF tok/s':>10}"
+        f"{'ratio':>7}{'compiled':>9}{'our MFU':>9}{'compiled':>9}"
     )
     for name in args.configs.split(","):
         r = bench(name, args.reps, args.steps, peak)
         print(
             f"{r['config']:<7}{r['params']:>12,}{r['batch']:>7} x {r['seq']:<4}{r['ours_tokens_per_s']:>12,.0f}"
-            f"{r['hf_tokens_per_s']:>11,.0f}{r['ratio']:>7.2f}x{r['ours_mfu']:>9.1%}"
+            f"{r['compiled_tokens_per_s']:>10,.0f}{r['hf_tokens_per_s']:>10,.0f}{r['ratio']:>6.2f}x"
+            f"{r['compiled_ratio']:>8.2f}x{r['ours_mfu']:>9.1%}{r['compiled_mfu']:>9.1%}"
         )
     return 0
 

@@ -250,17 +250,18 @@ def test_llama31_405b_allowance_in_the_official_path(tmp_path):
     assert res.rcp_min == pytest.approx(239_264.1, abs=0.05)
 
 
-def test_shipped_tiny_rcp_is_official_format_and_judges_like_the_official_checker():
-    """The RCP file `ttt rcp build llama31_8b --tier tiny --runs 10` produced, as the package ships it."""
+@pytest.mark.parametrize("bench", ["llama31_8b", "gpt_oss_20b"])
+def test_shipped_tiny_rcp_is_official_format_and_judges_like_the_official_checker(bench):
+    """The RCP files `ttt rcp build BENCH --tier tiny --runs 10` produced, as the package ships them."""
     from mlperf_logging.rcp_checker import rcp_checker
 
     from timetotrain.mlperf.rcp import rcp_path
 
-    path = rcp_path("llama31_8b", "tiny")
+    path = rcp_path(bench, "tiny")
     (rec,) = json.loads(path.read_text()).values()
     assert rec["BS"] == 16 and len(rec["Epochs to converge"]) == 10 and len(set(rec["Seeds"])) == 10
     with captured_logging(), open(path) as f:
-        official = rcp_checker.RCP_Checker("training", "6.0.0", "llama31_8b", False, rcp_file=f)
+        official = rcp_checker.RCP_Checker("training", "6.0.0", bench, False, rcp_file=f)
     (o,) = official.rcp_data.values()
-    ours = RcpTable.load(path, "llama31_8b", 10)
+    ours = RcpTable.load(path, bench, 10)
     assert (ours.records[0].mean, ours.records[0].min_mean) == (o["RCP Mean"], o["Min Epochs"])
