@@ -83,8 +83,9 @@ def test_synth_unwritable_logdir_is_one_line_before_any_model():
     assert ":::MLLOG" not in proc.stdout
 
 
-def test_synth_under_torchrun_two_processes_one_log(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+def torchrun_synth(port: int, *args: str) -> subprocess.CompletedProcess:
+    """`ttt synth llama31_8b --tier tiny` for 2+1 steps in 2 gloo processes sharing the 2 cores."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     cmd += [
         "-m",
         "timetotrain",
@@ -97,9 +98,12 @@ def test_synth_under_torchrun_two_processes_one_log(tmp_path):
         "--warmup-steps",
         "1",
     ]
-    cmd += ["--logdir", str(tmp_path), "--seed", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes share two cores
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_synth_under_torchrun_two_processes_one_log(tmp_path):
+    proc = torchrun_synth(29517, "--logdir", str(tmp_path), "--seed", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = tmp_path / "synth" / "llama31_8b" / "tiny"
     assert [p.name for p in d.glob("result_*.txt")] == ["result_0.txt"]
@@ -140,22 +144,9 @@ def test_bf16_with_activation_checkpointing_on_cpu(tmp_path):
 
 
 def test_fsdp_bf16_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518"]
-    cmd += [
-        "-m",
-        "timetotrain",
-        "synth",
-        "llama31_8b",
-        "--tier",
-        "tiny",
-        "--steps",
-        "2",
-        "--warmup-steps",
-        "1",
-    ]
-    cmd += ["--logdir", str(tmp_path), "--seed", "5", "--parallel", "fsdp=2", "--precision", "bf16", "--ac"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = torchrun_synth(
+        29518, "--logdir", str(tmp_path), "--seed", "5", "--parallel", "fsdp=2", "--precision", "bf16", "--ac"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())
     assert s["parallel"].startswith("fsdp=2, bf16, AC") and s["world_size"] == 2

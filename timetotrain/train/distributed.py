@@ -58,8 +58,17 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     return t.tolist()
 
 
-def teardown() -> None:
+def teardown(barrier: bool = False) -> None:
+    """Leave the process group. Callers drop their DDP-wrapped model first: a reducer that outlives its
+    process group can abort the interpreter at exit ("terminate called without an active exception").
+    `barrier` (normal completion only; a failed peer would make it hang) keeps one rank from tearing down
+    while another still has collectives in flight."""
     if dist.is_initialized():
+        import gc
+
+        gc.collect()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

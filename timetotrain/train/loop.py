@@ -181,6 +181,8 @@ def run(opts: RunOptions) -> RunResult:
     last_eval = None
     status, reason = "aborted", ""
     tokens_done = 0
+    tr = None
+    clean = False
 
     def on_timeout(sig: int) -> None:
         stop("aborted", step * tier.global_batch_size)
@@ -274,6 +276,7 @@ def run(opts: RunOptions) -> RunResult:
                 reason = f"signal {signal_name(aborter.caught)}"
             stop(status, step * gbs)
             aborter.finish()
+            clean = aborter.caught is None
     except BaseException as e:
         reason = reason or f"{type(e).__name__}: {e}"
         stop("aborted", step * tier.global_batch_size)
@@ -282,7 +285,8 @@ def run(opts: RunOptions) -> RunResult:
         if live:
             live.close()
         log.close()
-        distributed.teardown()
+        tr = None  # noqa: F841 - release the DDP/FSDP model before its process group
+        distributed.teardown(barrier=clean)
     seconds = time.monotonic() - (t_run0 or time.monotonic())
     sig = aborter.caught
     code = 0 if status == "success" else (128 + sig if sig else EXIT_ABORTED)

@@ -130,6 +130,7 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
             f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):\n  torchrun --nproc_per_node {gpus} -m "
             f"timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {flags}"
         )
+    out.append("fits: within 90% of the device (only those are suggested); tight: within 100%.")
     out.append(
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
     )

@@ -239,7 +239,8 @@ def synth(opts: SynthOptions) -> dict:
         (logdir / f"summary_{k}.json").write_text(text)
         (logdir / "summary.json").write_text(text)
         summary["summary_path"] = str(logdir / "summary.json")
-    distributed.teardown()
+    del tr
+    distributed.teardown(barrier=True)
     return summary
 
 
