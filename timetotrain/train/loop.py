@@ -218,6 +218,8 @@ def run(opts: RunOptions) -> RunResult:
                 loader.vocab_table(res.counts_file, tier.data.vocab_keep) if tier.data.vocab_keep else None
             )
             tr.eod_id = _eod_id(bench, tier, table)
+            if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
+                live.update("building the shuffled training sample index ...", force=True)
             train = loader.open_train(res, tier.seq_len, tier.max_steps * tier.global_batch_size, seed)
             evaluate = Evaluator(
                 loader.open_val(res, tier.seq_len, tier.eval_samples), tier.eval_samples, table, device,
