@@ -70,6 +70,7 @@ class Training:
     world: int = 1
     eod_id: int | None = None  # set by the caller when the benchmark masks the loss after EOD
     ep_group: object = None  # expert-parallel process group, when experts are sharded
+    _votes: torch.Tensor | None = None
 
     def step(self, step: int, tokens: torch.Tensor, accum: int, stop_vote: bool = False) -> torch.Tensor:
         """Returns [global mean loss, number of ranks voting to stop] as one device tensor, reduced in a
@@ -86,7 +87,9 @@ class Training:
             self.eod_id,
             self.ep_group,
         )
-        out = torch.stack([loss / self.world, torch.tensor(float(stop_vote), device=loss.device)])
+        if self._votes is None:  # made once: a fresh device scalar every step would be a host-to-device copy
+            self._votes = torch.tensor([0.0, 1.0], device=loss.device)
+        out = torch.stack([loss / self.world, self._votes[int(stop_vote)]])
         if self.world > 1:
             dist.all_reduce(out)  # SUM (gloo has no AVG): the loss was pre-divided
         return out
