@@ -3,10 +3,16 @@
     python bench/vs_hf.py [--reps 5] [--steps 3] [--configs tiny,20m]
 
 Same config, same weights, same batch and sequence, same optimizer (AdamW, Megatron decay mask), same loss
-(mean token cross-entropy computed outside the model) and clipping. The two step loops alternate within
-each repetition so drift in machine load hits both; medians and their ratio are printed, with our CPU MFU
-against a matmul peak measured in the same run. Ours is timed twice: eager, and with its blocks compiled
-(`--compile` of `ttt run` / `ttt synth`); HF runs eager, as its Trainer does by default.
+(mean token cross-entropy) and clipping. Ours runs `train_step` exactly as `ttt run` and `ttt synth` do:
+the model applies the LM head and the loss together in chunks (`models/head_loss.py`) and splits QKV and
+SwiGLU with hand-written backward passes (`models/fused.py`). HF runs as its users run it: logits out of
+the model, upcast to fp32, `F.cross_entropy` (what its causal-LM loss does). The step loops alternate
+within each repetition so drift in machine load hits both; medians and their ratio are printed, with our
+CPU MFU against a matmul peak measured in the same run. Ours is timed twice: eager, and with its blocks
+compiled (`--compile` of `ttt run` / `ttt synth`); HF runs eager, as its Trainer does by default.
+
+Both run in one process, so they share the allocator: set `MALLOC_TRIM_THRESHOLD_` / `MALLOC_MMAP_THRESHOLD_`
+in the environment to see how much of a difference is the cost of page faults on large fresh allocations.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token, hf_con
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.train.optim import build_adamw
 from timetotrain.train.peak import measure_cpu_peak
+from timetotrain.train.step import train_step
 
 CONFIGS = {
     # The llama31_8b tiny tier's model and batch.
@@ -37,12 +44,17 @@ CONFIGS = {
 }
 
 
-def make_step(model, forward):
+def make_step(model, hf: bool):
+    """Ours: `train_step` exactly as `ttt run` / `ttt synth` call it (the model applies head and loss together,
+    `models/head_loss.py`). HF: the same step written the way HF computes its causal-LM loss (logits upcast to
+    fp32, then `F.cross_entropy`), with the same optimizer, clipping and zeroing."""
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-5, 0.1)
     params = [p for p in model.parameters()]
+    if not hf:
+        return lambda tokens: train_step(model, opt, tokens, 1, 1.0, params)
 
     def step(tokens):
-        logits = forward(tokens[:, :-1])
+        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
@@ -74,9 +86,9 @@ def bench(name: str, reps: int, steps: int, peak: float) -> dict:
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
     n_params = sum(p.numel() for p in ours.parameters())
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-    step_ours = make_step(ours, ours)
-    step_comp = make_step(compiled, compiled)
-    step_hf = make_step(hf, lambda x: hf(input_ids=x, use_cache=False).logits)
+    step_ours = make_step(ours, hf=False)
+    step_comp = make_step(compiled, hf=False)
+    step_hf = make_step(hf, hf=True)
     for s in (step_ours, step_comp, step_comp, step_hf):  # warm-up: allocator, threads, kernels, compilation
         s(tokens)
     tok = batch * seq * steps

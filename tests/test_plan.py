@@ -19,12 +19,18 @@ def test_states_are_16_bytes_per_parameter_sharded_by_fsdp():
 
 def test_activation_count_for_the_8b_block():
     cfg = REF.model
-    # 9.5h + 4f elements per token per block at kv/heads = 1/4 (see the module docstring).
-    per_block = 9.5 * 4096 + 4 * 14336
-    head = 128_256 * 2 + 128_256 * 8 + 3 * 4096 * 2
-    assert activation_bytes(cfg, 8192, 1, 2, ac=False) == pytest.approx(8192 * (32 * per_block * 2 + head))
+    # 9.5h + 3f elements per token per block at kv/heads = 1/4, and 4h per token for the head (see the module
+    # docstring); once per micro-batch the fp32 head-weight gradient and one chunk of logits (fp32 plus two
+    # bf16 copies) of 1 GiB / (4 * vocab) rows.
+    per_block = 9.5 * 4096 + 3 * 14336
+    head = 4 * 4096 * 2
+    rows = (1 << 30) // (4 * 128_256)
+    fixed = 128_256 * 4096 * 4 + rows * 128_256 * (4 + 4)
+    assert activation_bytes(cfg, 8192, 1, 2, ac=False) == pytest.approx(
+        8192 * (32 * per_block * 2 + head) + fixed
+    )
     with_ac = activation_bytes(cfg, 8192, 1, 2, ac=True)
-    assert with_ac == pytest.approx(8192 * (32 * 4096 * 2 + per_block * 2 + head))
+    assert with_ac == pytest.approx(8192 * (32 * 4096 * 2 + per_block * 2 + head) + fixed)
     assert with_ac < activation_bytes(cfg, 8192, 1, 2, ac=False) / 4
 
 
@@ -33,9 +39,10 @@ def test_8b_on_8x80_needs_fsdp():
     assert n == 8_030_261_248
     assert all(r.total > 80 * GiB for r in rows if r.parallel == "dp=8")  # 128 GB of states alone
     assert best is not None and best.parallel == "fsdp=8" and best.total <= 0.9 * 80 * GiB
-    tight = next(r for r in rows if r.parallel == "fsdp=8" and not r.ac and r.micro_batch == 1)
-    assert 0.9 * 80 * GiB < tight.total <= 80 * GiB  # fits on paper, too close to suggest
-    assert best.ac
+    # Without checkpointing only micro-batch 1 fits (about 65 GiB); two sequences need it on.
+    no_ac = {r.micro_batch: r.total for r in rows if r.parallel == "fsdp=8" and not r.ac}
+    assert no_ac[1] <= 0.9 * 80 * GiB < no_ac[2]
+    assert not best.ac and best.micro_batch == 1
 
 
 def test_nothing_fits_on_one_small_gpu():

@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.models.fused import qkv_rope, swiglu
+from timetotrain.models.head_loss import linear_cross_entropy
+
 # `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -152,12 +155,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`x` `[B, T, dim]`; `cos`/`sin` `[T, head_dim // 2]`."""
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_kv_heads, self.group + 2, self.head_dim)
-        q, k, v = qkv.split([self.group, 1, 1], dim=3)
-        q = apply_rope(q.reshape(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.squeeze(3), cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        q, k, v = qkv_rope(qkv, cos, sin)  # split + RoPE with a copy-free backward (fused.py)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.group == 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif _SDPA_HAS_GQA:
@@ -176,8 +178,7 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        return self.fc2(swiglu(self.fc1(x)))  # silu(gate) * up, gate rows first in fc1
 
 
 class Block(nn.Module):
@@ -226,16 +227,21 @@ class Llama(nn.Module):
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos = self.rope_cos[:T].unsqueeze(1)
-        sin = self.rope_sin[:T].unsqueeze(1)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed(tokens)
         for block in self.layers:
             x = block(x, cos, sin)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`."""
-        return self.head(self.hidden(tokens))
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
+        -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
+        h = self.hidden(tokens)
+        if labels is None:
+            return self.head(h)
+        return linear_cross_entropy(h, self.head.weight, labels, reduction)
 
 
 @torch.no_grad()

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.models.fused import swiglu
+from timetotrain.models.head_loss import linear_cross_entropy
 from timetotrain.models.llama import RMSNorm, apply_rope, rope_tables
 
 
@@ -223,8 +225,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _swiglu(h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    a = F.silu(gate) * up
+    a = swiglu(h)  # silu(gate) * up with a copy-free backward
     if probs is None:
         return a
     # Megatron's `activation_func_with_probs`: weight in the probs' dtype (fp32), round back once.
@@ -405,9 +406,15 @@ class GptOss(nn.Module):
             x = block(x, cos, sin, mask if block.sliding else None)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`."""
-        return self.head(self.hidden(tokens))
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
+        -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
+        h = self.hidden(tokens)
+        if labels is None:
+            return self.head(h)
+        return linear_cross_entropy(h, self.head.weight, labels, reduction)
 
     def tokens_per_expert(self) -> torch.Tensor:
         """`[n_layers, n_experts]` token copies routed to each expert in the last forward (on device)."""

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from timetotrain import suite
 from timetotrain.data import loader
@@ -105,9 +104,8 @@ class Evaluator:
             with torch.autocast(
                 self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
-                logits = model(chunk[:, :-1])
-            labels = targets(chunk, self.eod_id).flatten()
-            sums[0] += F.cross_entropy(logits.flatten(0, 1).float(), labels, reduction="sum")
+                labels = targets(chunk, self.eod_id)
+                sums[0] += model(chunk[:, :-1], labels=labels, reduction="sum")
             sums[1] += (labels != -100).sum()
         if self.world > 1:
             dist.all_reduce(sums)

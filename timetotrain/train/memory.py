@@ -8,9 +8,11 @@ Where the numbers come from (an estimate, not a measurement):
 - Activations: a count of the tensors autograd keeps per token for one Llama block of our model
   (`models/llama.py`): RMSNorm keeps its input, the normalised values and the weighted output (3h, twice per
   block); SDPA keeps rotated q, k, v and its output (q h, k and v h*kv/heads each, out h); the output
-  projection its input (h); SwiGLU keeps fc1's output (2f), silu's output (f) and the product fed to fc2
-  (f). That is 9.5h + 4f elements at h = dim, f = FFN width when kv/heads = 1/4, in the compute precision.
-  The head adds the logits in the compute precision plus an fp32 copy and its log-softmax (fp32).
+  projection its input (h); SwiGLU keeps fc1's output (2f, `fused.swiglu`) and fc2 its input (f). That is
+  9.5h + 3f elements at h = dim, f = FFN width when kv/heads = 1/4, in the compute precision.
+  The head and loss (`models/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
+  hidden states (h) per token, plus, once per micro-batch, the fp32 head-weight gradient and one chunk of
+  logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation.
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from timetotrain.errors import UserError
+from timetotrain.models.head_loss import chunk_rows
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -53,14 +58,18 @@ def activation_bytes(cfg, seq: int, micro_batch: int, act_bytes: int, ac: bool) 
     h, f = cfg.dim, cfg.ffn_dim
     kv = cfg.n_kv_heads * cfg.head_dim
     q = cfg.n_heads * cfg.head_dim
-    per_block = 3 * h + (q + 2 * kv) + h + h + 3 * h + 4 * f  # elements per token, see the module docstring
-    head = cfg.vocab_size * act_bytes + cfg.vocab_size * 4 * 2 + 3 * h * act_bytes  # logits, fp32 copy, lsm
+    per_block = 3 * h + (q + 2 * kv) + h + h + 3 * h + 3 * f  # elements per token, see the module docstring
+    head = 4 * h * act_bytes
     tokens = micro_batch * seq
+    rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
+    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * (
+        4 + (2 * act_bytes if act_bytes < 4 else 0)
+    )
     if ac:
         body = cfg.n_layers * h * act_bytes + per_block * act_bytes
     else:
         body = cfg.n_layers * per_block * act_bytes
-    return tokens * (body + head)
+    return tokens * (body + head) + head_fixed
 
 
 def estimate(tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool):

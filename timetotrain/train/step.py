@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from timetotrain.suite.base import Benchmark, Tier
 from timetotrain.train import parallel
@@ -44,8 +43,8 @@ def train_step(
             with torch.autocast(
                 tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
-                logits = model(mb[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets(mb, eod_id).flatten()) / accum
+                # The model applies its head and the loss together (models/head_loss.py).
+                loss = model(mb[:, :-1], labels=targets(mb, eod_id)) / accum
             loss.backward()
         total += loss.detach()
     if ep_group is None:
@@ -128,6 +127,5 @@ def _warmup(model, tier: Tier, device) -> None:
     mb = min(tier.micro_batch_size, 2)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, tier.model.vocab_size, (mb, tier.seq_len + 1), generator=g, device=device)
-    logits = model(x[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+    model(x[:, :-1], labels=x[:, 1:]).backward()
     model.zero_grad(set_to_none=True)
