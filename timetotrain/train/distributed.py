@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from timetotrain.train.device import keep_freed_memory
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -43,6 +45,8 @@ def setup(d: Dist, device_pref: str | None, timeout_s: float = 600.0) -> torch.d
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank if device.index is None else device.index)
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     if d.active and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
