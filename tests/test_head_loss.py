@@ -97,3 +97,31 @@ def test_chunk_rows():
     assert chunk_rows(100, 32_000, cpu) == 100
     assert chunk_rows(8192, 128_256, gpu) == (1 << 30) // (4 * 128_256)
     assert chunk_rows(10**6, 10**9, gpu) == 16
+
+
+@pytest.mark.parametrize("bench", ["llama31_8b", "gpt_oss_20b"])
+def test_model_with_labels_gives_the_loss_of_its_logits_and_the_same_gradients(bench):
+    """`model(tokens, labels=...)`, what every step and eval calls, equals cross-entropy of the model's logits."""
+    from timetotrain.suite import get
+
+    b = get(bench)
+    tier = b.tier("tiny")
+
+    def model():
+        torch.manual_seed(0)
+        return b.build_model(tier).double()
+
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, tier.model.vocab_size, (2, 33), generator=gen)
+    labels = tokens[:, 1:].masked_fill(tokens[:, :-1] % 5 == 0, -100)
+    a, m = model(), model()
+    ref = F.cross_entropy(a(tokens[:, :-1]).flatten(0, 1), labels.flatten())
+    got = m(tokens[:, :-1], labels=labels)
+    ref.backward()
+    got.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    for (name, pa), pb in zip(a.named_parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-9, atol=1e-13, msg=name)
+    with torch.no_grad():
+        total = m(tokens[:, :-1], labels=labels, reduction="sum")
+    torch.testing.assert_close(total, ref.detach() * (labels != -100).sum(), rtol=1e-12, atol=0)

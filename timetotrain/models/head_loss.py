@@ -65,10 +65,21 @@ def linear_cross_entropy(
     rows = rows or chunk_rows(h.shape[0], weight.shape[0], h.device)
     grads = torch.is_grad_enabled()
     want = (grads and h.requires_grad, grads and weight.requires_grad)
-    total = _LinearCrossEntropy.apply(h, weight, y, dtype, rows, want)
+    valid = y != IGNORE_INDEX
+    total = _LinearCrossEntropy.apply(h, weight, y, valid, dtype, rows, want)
     if reduction == "sum":
         return total
-    return total / (y != IGNORE_INDEX).sum()
+    return total / valid.sum()
+
+
+def logits_or_loss(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor | None, reduction: str = "mean"
+) -> torch.Tensor:
+    """What a causal LM's `forward` returns from its final hidden states: the logits of `head` without
+    `labels`; with them, the token cross-entropy computed here without materialising the logits."""
+    if labels is None:
+        return head(hidden)
+    return linear_cross_entropy(hidden, head.weight, labels, reduction)
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -86,7 +97,7 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, dtype, rows, want):
+    def forward(ctx, h, weight, y, valid, dtype, rows, want):
         want_dh, want_dw = want
         dev = h.device
         with torch.autocast(dev.type, enabled=False):
@@ -94,7 +105,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             w = weight.to(dtype)
             # The softmax runs in fp32 at least (fp64 stays fp64, which the exactness tests use).
             acc = torch.promote_types(dtype, torch.float32)
-            valid = y != IGNORE_INDEX
             target = torch.where(valid, y, 0).unsqueeze(1)
             total = torch.zeros((), dtype=acc, device=dev)
             dh = torch.empty_like(x) if want_dh else None
@@ -138,4 +148,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: these buffers are ours and become the gradients, with no further allocation.
         grad_h = None if dh is None else dh.mul_(grad_total).to(h_dtype)
         grad_w = None if dw is None else dw.mul_(grad_total).to(w_dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None

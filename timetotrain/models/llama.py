@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timetotrain.models.fused import qkv_rope, swiglu
-from timetotrain.models.head_loss import linear_cross_entropy
+from timetotrain.models.head_loss import logits_or_loss
 
 # `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -238,10 +238,7 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
         -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
-        h = self.hidden(tokens)
-        if labels is None:
-            return self.head(h)
-        return linear_cross_entropy(h, self.head.weight, labels, reduction)
+        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
 
 
 @torch.no_grad()

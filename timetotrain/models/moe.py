@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timetotrain.models.fused import swiglu
-from timetotrain.models.head_loss import linear_cross_entropy
+from timetotrain.models.head_loss import logits_or_loss
 from timetotrain.models.llama import RMSNorm, apply_rope, rope_tables
 
 
@@ -411,10 +411,7 @@ class GptOss(nn.Module):
     ) -> torch.Tensor:
         """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
         -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
-        h = self.hidden(tokens)
-        if labels is None:
-            return self.head(h)
-        return linear_cross_entropy(h, self.head.weight, labels, reduction)
+        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
 
     def tokens_per_expert(self) -> torch.Tensor:
         """`[n_layers, n_experts]` token copies routed to each expert in the last forward (on device)."""

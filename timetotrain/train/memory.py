@@ -62,9 +62,9 @@ def activation_bytes(cfg, seq: int, micro_batch: int, act_bytes: int, ac: bool) 
     head = 4 * h * act_bytes
     tokens = micro_batch * seq
     rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
-    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * (
-        4 + (2 * act_bytes if act_bytes < 4 else 0)
-    )
+    # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
+    chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
+    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
     if ac:
         body = cfg.n_layers * h * act_bytes + per_block * act_bytes
     else:
