@@ -53,3 +53,34 @@ def c4_prepared(c4_src, tmp_path_factory) -> Path:
     for split in ("train", "validation"):
         c4.prepare(c4_src, split, "llama3", out, workers=2)
     return out
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it), for torchrun's rendezvous: fixed ports collide
+    when test runs overlap on one machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mllog(path: Path) -> list[dict]:
+    """The MLLOG records of a result file, in order."""
+    import json
+
+    return [
+        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
+    ]
+
+
+def ttt_command(*argv: str, nproc: int = 1) -> list[str]:
+    """`python -m timetotrain ARGV`, or under torchrun with `nproc` local processes on a free port."""
+    import sys
+
+    if nproc == 1:
+        return [sys.executable, "-m", "timetotrain", *argv]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(free_port()), "-m", "timetotrain", *argv,
+    ]  # fmt: skip

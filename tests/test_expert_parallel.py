@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from timetotrain.models.moe import GptOss, MoE, MoEConfig
+from timetotrain.models.gpt_oss import GptOss, GptOssConfig
+from timetotrain.models.moe import MoE, TopKRouter
 from timetotrain.train.expert_parallel import (
     apply_expert_parallel,
     clip_grad_norm_ep,
@@ -28,7 +29,7 @@ from timetotrain.train.optim import build_adamw
 WORLD = 2
 TOL = 1e-5
 STEPS = 5
-CFG = MoEConfig(
+CFG = GptOssConfig(
     dim=32,
     n_layers=2,
     n_heads=4,
@@ -58,7 +59,9 @@ def _layer_case(avoid: list[list[int]]) -> tuple[MoE, torch.Tensor, torch.Tensor
 
     Router rows are orthonormal (times 2), so pushing a token against row e lowers only logit e."""
     gen = torch.Generator().manual_seed(0)
-    moe = MoE(CFG)
+    moe = MoE(
+        TopKRouter(CFG.dim, CFG.n_experts, CFG.top_k), CFG.n_experts, CFG.top_k, CFG.dim, CFG.expert_ffn_dim
+    )
     with torch.no_grad():
         q, _ = torch.linalg.qr(torch.randn(CFG.dim, CFG.n_experts, generator=gen))
         moe.router.weight.copy_(2 * q.T)
@@ -239,7 +242,7 @@ def test_training_matches_single_process(results):
         ep = res["ep"]
         assert res["ep"]["n_sharded"] == 2 * CFG.n_layers
         assert ep["sharded"] == [
-            f"layers.{i}.moe.experts.{w}" for i in range(CFG.n_layers) for w in ("w1", "w2")
+            f"layers.{i}.ffn.experts.{w}" for i in range(CFG.n_layers) for w in ("w1", "w2")
         ]
         loss = torch.tensor(ep["loss"], dtype=torch.float64)
         norm = torch.tensor(ep["norm"], dtype=torch.float64)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from timetotrain.models.fused import qkv_rope, swiglu
-from timetotrain.models.llama import apply_rope
+from timetotrain.models.layers import apply_rope
 
 
 def test_qkv_rope_matches_split_and_apply_rope():

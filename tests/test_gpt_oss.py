@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir, rule_file
-from timetotrain.mlperf.keys import hyperparameters, submission_keys
-from timetotrain.models import moe
+from timetotrain.mlperf.keys import submission_keys
+from timetotrain.models import gpt_oss as moe
 from timetotrain.suite import get
-from timetotrain.train.step import targets
+from timetotrain.tasks.causal_lm import targets
 from timetotrain.train.synth import SynthOptions, synth
 
 BENCH = get("gpt_oss_20b")
@@ -27,7 +27,7 @@ def mllog(path: Path) -> list[dict]:
 
 
 def logged(tier):
-    return submission_keys(BENCH, tier, "org", "platform") + hyperparameters(BENCH, tier)
+    return submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier)
 
 
 def test_reference_block_passes_official_closed_rules():
@@ -57,7 +57,7 @@ def test_eod_mask_ignores_the_token_after_eod():
 def test_synth_counts_active_flops(tmp_path):
     s = synth(SynthOptions("gpt_oss_20b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=2))
     tier = BENCH.tier("tiny")
-    assert s["model_flops_per_token"] == pytest.approx(moe.flops_per_token(tier.model, 256, causal=True))
+    assert s["model_flops_per_item"] == pytest.approx(moe.flops_per_token(tier.model, 256, causal=True))
     assert s["tokens_per_s"] > 0 and 0 < s["mfu"] <= 1
 
 

@@ -109,7 +109,7 @@ def test_model_with_labels_gives_the_loss_of_its_logits_and_the_same_gradients(b
 
     def model():
         torch.manual_seed(0)
-        return b.build_model(tier).double()
+        return b.family.build(tier.model).double()
 
     gen = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, tier.model.vocab_size, (2, 33), generator=gen)

@@ -4,19 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from timetotrain.models.moe import (
+from timetotrain.models.gpt_oss import (
     GPT_OSS_20B,
     GptOss,
-    MoE,
-    MoEConfig,
-    Router,
     active_param_count,
     flops_per_token,
-    grouped_mm_supported,
     init_weights,
     param_count,
-    sliding_window_mask,
 )
+from timetotrain.models.gpt_oss import GptOssConfig as MoEConfig
+from timetotrain.models.layers import sliding_window_mask
+from timetotrain.models.moe import MoE, grouped_mm_supported
+from timetotrain.models.moe import TopKRouter as Router
 
 # A window of 4 against 20-token sequences makes the band bite on every windowed layer.
 TINY = MoEConfig(
@@ -37,6 +36,13 @@ TINY = MoEConfig(
 # Closed forms for GPT_OSS_20B (see the test below for the arithmetic).
 GPT_OSS_20B_PARAMS = 20_488_418_112
 GPT_OSS_20B_ACTIVE = 3_766_907_712
+
+
+def moe_layer(cfg) -> MoE:
+    """The MoE layer of a GPT-OSS block, on its own."""
+    return MoE(
+        Router(cfg.dim, cfg.n_experts, cfg.top_k), cfg.n_experts, cfg.top_k, cfg.dim, cfg.expert_ffn_dim
+    )
 
 
 # --- MoE layer: grouped vs a naive per-token reference -----------------------------------------------------
@@ -61,7 +67,7 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 def _uneven_moe(dtype: torch.dtype) -> tuple[MoE, torch.Tensor]:
     torch.manual_seed(0)
-    moe = MoE(TINY).to(dtype)
+    moe = moe_layer(TINY).to(dtype)
     with torch.no_grad():
         for p in (moe.router.weight, moe.experts.w1, moe.experts.w2):
             p.normal_(0.0, 0.3)
@@ -213,18 +219,18 @@ def test_sliding_window_mask_band():
 def test_attention_matches_naive(layer):
     model = _tiny_model()
     block = model.layers[layer]
-    assert block.sliding == (layer == 0)  # 1-indexed odd layers slide
+    assert (block.window is not None) == (layer == 0)  # 1-indexed odd layers slide
     T = 20
     x = torch.randn(2, T, TINY.dim, dtype=torch.float64)
-    cos, sin = model.rope_cos[:T].unsqueeze(1).double(), model.rope_sin[:T].unsqueeze(1).double()
-    mask = model.window_mask(T, x.device) if block.sliding else None
+    cos, sin = model.rope_cos[:T].double(), model.rope_sin[:T].double()
+    mask = model.window_mask(T, block.window, x.device)
     out = block.attn(x, cos, sin, mask)
-    window = TINY.sliding_window if block.sliding else None
+    window = block.window
     ref = _naive_attention(block.attn, x, TINY.rope_theta, window)
     # fp64 inputs, but the model's RoPE tables and its norms (llama.RMSNorm upcasts to exactly fp32) are fp32
     # by design: ~1e-8 differences; a wrong band or layout would differ at ~1e-1.
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
-    if block.sliding:
+    if block.window is not None:
         # The band really changes the result (guards against a mask that is silently ignored).
         full = _naive_attention(block.attn, x, TINY.rope_theta, None)
         assert (out - full).abs().max() > 1e-6
@@ -232,7 +238,7 @@ def test_attention_matches_naive(layer):
 
 def test_window_mask_cached_per_length():
     model = _tiny_model()
-    assert model.window_mask(20, torch.device("cpu")) is model.window_mask(20, torch.device("cpu"))
+    assert model.window_mask(20, 4, torch.device("cpu")) is model.window_mask(20, 4, torch.device("cpu"))
 
 
 # --- model, init, telemetry --------------------------------------------------------------------------------
@@ -272,10 +278,10 @@ def test_init_statistics():
         "embed.weight": std,
         "head.weight": std,
         "attn.qkv.weight": std,
-        "moe.router.weight": std,
-        "moe.experts.w1": std,
+        "ffn.router.weight": std,
+        "ffn.experts.w1": std,
         "attn.proj.weight": res,
-        "moe.experts.w2": res,
+        "ffn.experts.w2": res,
     }
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -301,7 +307,7 @@ def test_reference_param_counts_on_meta():
     # experts 32 * 3 * 2880^2, norms 2*2880 + 2*64; final norm 2880.
     per_layer = 2880 * 5120 + 4096 * 2880 + 2880 * 32 + 32 * 3 * 2880**2 + 2 * 2880 + 2 * 64
     assert total == 24 * per_layer + 2 * 128_256 * 2880 + 2880
-    assert [b.sliding for b in model.layers] == [i % 2 == 0 for i in range(24)]
+    assert [b.window is not None for b in model.layers] == [i % 2 == 0 for i in range(24)]
 
 
 def test_flops_window_layers_count_the_band():

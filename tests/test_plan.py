@@ -11,8 +11,8 @@ REF = BENCH.tier("reference")
 
 def test_states_are_16_bytes_per_parameter_sharded_by_fsdp():
     n = 8_030_261_248
-    dp = estimate(REF, n, 8, 80, "dp", False, 1, bf16=True)
-    fsdp = estimate(REF, n, 8, 80, "fsdp", False, 1, bf16=True)
+    dp = estimate(BENCH, REF, n, 8, 80, "dp", False, 1, bf16=True)
+    fsdp = estimate(BENCH, REF, n, 8, 80, "fsdp", False, 1, bf16=True)
     assert dp.states == 16 * n and fsdp.states == 2 * n
     assert dp.compute_copies == 2 * n  # autocast's bf16 weight cache under DDP
 
@@ -26,12 +26,12 @@ def test_activation_count_for_the_8b_block():
     head = 4 * 4096 * 2
     rows = (1 << 30) // (4 * 128_256)
     fixed = 128_256 * 4096 * 4 + rows * 128_256 * (4 + 4)
-    assert activation_bytes(cfg, 8192, 1, 2, ac=False) == pytest.approx(
+    assert activation_bytes(BENCH.family, cfg, 8192, 2, ac=False) == pytest.approx(
         8192 * (32 * per_block * 2 + head) + fixed
     )
-    with_ac = activation_bytes(cfg, 8192, 1, 2, ac=True)
+    with_ac = activation_bytes(BENCH.family, cfg, 8192, 2, ac=True)
     assert with_ac == pytest.approx(8192 * (32 * 4096 * 2 + per_block * 2 + head) + fixed)
-    assert with_ac < activation_bytes(cfg, 8192, 1, 2, ac=False) / 4
+    assert with_ac < activation_bytes(BENCH.family, cfg, 8192, 2, ac=False) / 4
 
 
 def test_8b_on_8x80_needs_fsdp():
@@ -48,3 +48,17 @@ def test_8b_on_8x80_needs_fsdp():
 def test_nothing_fits_on_one_small_gpu():
     _, _, best = plan(BENCH, REF, 1, 24, None)
     assert best is None
+
+
+def test_moe_family_hook_gives_the_gpt_oss_estimate():
+    """The MoE family's hook: total parameters for the states, active parameters reported, a suggestion."""
+    bench = get("gpt_oss_20b")
+    tier = bench.tier("reference")
+    n, rows, best = plan(bench, tier, 8, 80, None)
+    assert n == 20_488_418_112 == bench.family.param_count(tier.model)
+    assert bench.family.active_param_count(tier.model) == 3_766_907_712
+    assert rows[0].states == 16 * n  # dp=8: states of all 20.5 B parameters on every GPU
+    # Activations scale with the k routed copies: more per token than a dense block of the same width.
+    dense_like = bench.family.activation_elements(tier.model) - 4 * tier.model.top_k * tier.model.dim
+    assert bench.family.activation_elements(tier.model) > dense_like
+    assert best is not None and best.parallel == "fsdp=8"

@@ -38,7 +38,7 @@ def _cmd_list(args) -> int:
                     "eval_every_samples": t.eval_every_samples,
                     "eval_samples": t.eval_samples,
                     "global_batch_size": t.global_batch_size,
-                    "seq_len": t.seq_len,
+                    "sample": "{1:,} {0}".format(*b.task.sample_items(t)),
                     "runs": t.runs,
                     "division": t.division,
                     "description": t.description,
@@ -47,12 +47,12 @@ def _cmd_list(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = f"{'benchmark':<14}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'seq':>6}{'runs':>6}  about"
+    head = f"{'benchmark':<14}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
     print(head)
     for r in rows:
         print(
             f"{r['benchmark']:<14}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
-            f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['seq_len']:>6}{r['runs']:>6}  {r['description']}"
+            f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
         )
     print(
         "\ntarget: eval metric (mean validation cross-entropy) at or below which a run stops; eval cadence and"
@@ -130,7 +130,7 @@ def run_set(args, seeds: list[int], **fixed) -> list:
                 continue
             print(
                 f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
-                f"run_start->run_stop, {res.tokens_per_s:,.0f} tokens/s; log {res.log_path}",
+                f"run_start->run_stop, {res.items_per_s:,.0f} {res.item_name}/s; log {res.log_path}",
                 file=sys.stderr,
             )
             if res.exit_code > 128:
@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a tier N times and write its RCP file in the official format",
         description="Runs BENCH at TIER --runs times with distinct seeds (logs kept in --logdir), then writes "
         "the official-format RCP JSON of the converged runs. By default it goes where the package looks for "
-        "it (timetotrain/mlperf/rcps/<bench>_<tier>.json), so `ttt score` checks later tiny runs against it.",
+        "it (timetotrain/suite/rcps/<bench>_<tier>.json), so `ttt score` checks later tiny runs against it.",
     )
     s.add_argument("benchmark")
     s.add_argument("--tier", default="tiny")

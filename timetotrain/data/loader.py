@@ -127,9 +127,10 @@ class TokenSource:
 
 
 class Prefetcher:
-    """Fetches step n+1's tokens on a thread and copies them to the device without blocking the host."""
+    """Fetches step n+1's batch (a dict of tensors, from `source.batch(step)`) on a thread and copies it to
+    the device without blocking the host."""
 
-    def __init__(self, source: TokenSource, first_step: int, device: torch.device, depth: int = 2):
+    def __init__(self, source, first_step: int, device: torch.device, depth: int = 2):
         self.source, self.device = source, device
         self.pin = device.type == "cuda"
         self._q: queue.Queue = queue.Queue(maxsize=depth)
@@ -142,20 +143,20 @@ class Prefetcher:
         step = self._step
         while not self._stop.is_set():
             try:
-                t = self.source.batch(step)
+                batch = self.source.batch(step)
                 if self.pin:
-                    t = t.pin_memory()
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
             except Exception as e:  # surfaced on the consumer's thread
                 self._q.put(e)
                 return
-            self._q.put(t)
+            self._q.put(batch)
             step += 1
 
-    def next(self) -> torch.Tensor:
+    def next(self) -> dict[str, torch.Tensor]:
         item = self._q.get()
         if isinstance(item, Exception):
             raise item
-        return item.to(self.device, non_blocking=True)
+        return {k: v.to(self.device, non_blocking=True) for k, v in item.items()}
 
     def close(self):
         self._stop.set()

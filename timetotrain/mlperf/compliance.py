@@ -1,7 +1,8 @@
 """Compliance: the official engine on whole logs, and the official hyperparameter rules before a run.
 
-Rule files are data: the official `training_6.0.0/*.yaml` for reference tiers, ours under `rules/` for
-tiers that are not closed configurations. Both are evaluated by mlperf_logging's own engine.
+Rule files are data: the official `training_6.0.0/*.yaml` for reference tiers, ours (in each benchmark's
+`rules_dir`, `suite/rules/` for the packaged ones) for tiers that are not closed configurations. Both are
+evaluated by mlperf_logging's own engine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 import yaml
 
 RULESET = "6.0.0"
-_TIER_RULES = Path(__file__).parent / "rules"
 
 
 def official_rules_dir() -> Path:
@@ -30,7 +30,9 @@ def rule_file(benchmark: str, tier: str) -> Path | None:
     """None means: the official ruleset entry point (common.yaml), as for a real submission."""
     if tier == "reference":
         return None
-    path = _TIER_RULES / f"{benchmark}_{tier}.yaml"
+    from timetotrain import suite
+
+    path = suite.get(benchmark).rules_dir / f"{benchmark}_{tier}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no rule file for {benchmark} tier {tier} at {path}")
     return path

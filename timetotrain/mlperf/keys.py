@@ -1,29 +1,12 @@
-"""The MLPerf keys a run logs before the clock: submission keys and the hyperparameter block, and the
-check of that block against the rule file of its division."""
+"""The MLPerf keys a run logs before the clock: submission keys, the parallelism keys, and the check of
+the hyperparameter block (each task writes its own: `Benchmark.hyperparameters`) against the rule file of
+its division."""
 
 from __future__ import annotations
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
 from timetotrain.suite.base import Benchmark, Tier
-
-
-def hyperparameters(bench: Benchmark, tier: Tier, accum: int | None = None) -> list[tuple[str, object]]:
-    """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it).
-    `accum`: micro-batches per rank per step, when data parallelism makes it differ from the tier's."""
-    hp = [
-        ("global_batch_size", tier.global_batch_size),
-        ("gradient_accumulation_steps", accum or tier.grad_accum),
-        ("max_sequence_length", tier.seq_len),
-        ("max_steps", tier.max_steps),
-        ("opt_base_learning_rate", tier.lr),
-        ("opt_end_learning_rate", tier.end_lr),
-        ("opt_learning_rate_warmup_steps", tier.warmup_steps),
-        ("opt_learning_rate_decay_steps", tier.decay_steps),
-    ]
-    hp += list(bench.fixed_hparams.items())
-    hp += [("train_samples", tier.max_steps * tier.global_batch_size), ("eval_samples", tier.eval_samples)]
-    return hp
 
 
 def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[tuple[str, object]]:
@@ -44,7 +27,7 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
         files = [official_rules_dir() / f for f in bench.closed_rules]
     else:
         files = [rule_file(bench.name, tier.name)]
-    logged = submission_keys(bench, tier, "x", "x") + hyperparameters(bench, tier)
+    logged = submission_keys(bench, tier, "x", "x") + bench.hyperparameters(tier)
     problems = hparam_violations(files, logged)
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""

@@ -379,7 +379,6 @@ _SETTINGS = {
     "opt_learning_rate_warmup_steps": "warmup_steps",
     "max_steps": "max_steps",
     "eval_samples": "eval_samples",
-    "max_sequence_length": "seq_len",
     "ttt_eval_every_samples": "eval_every_samples",
     "submission_division": "division",
 }
@@ -393,8 +392,11 @@ def _overrides(log: RunLog) -> list[str]:
     if tier is None:
         return []
     sets = []
-    for key, name in _SETTINGS.items():
-        if key in log.keys and log.keys[key] != getattr(tier, name):
+    from timetotrain.suite.base import setting
+
+    names = {**_SETTINGS, **{key: name for name, key in bench.task.settable.items()}}
+    for key, name in names.items():
+        if key in log.keys and log.keys[key] != setting(tier, name):
             sets.append(f"{name}={log.keys[key]}")
     return sets
 

@@ -2,7 +2,7 @@
 
 Reference tiers are judged by the official `mlperf_logging.rcp_checker` against its own JSON files.
 Other tiers (e.g. `tiny`) are judged by the same algorithm (spec §5), implemented here, against an RCP
-JSON in the official format shipped at `timetotrain/mlperf/rcps/<bench>_<tier>.json`; `build_rcp_json`
+JSON in the official format shipped at `timetotrain/suite/rcps/<bench>_<tier>.json`; `build_rcp_json`
 writes such a record from converged result logs of the tier.
 
 The algorithm, per record: the RCP mean is the olympic mean of its convergence list, the stdev the
@@ -27,7 +27,7 @@ from timetotrain.mlperf.results import NOT_CONVERGED, RunLog, captured_logging, 
 
 ALPHA = 0.05
 TOLERANCE = 1e-4  # bisection stops below this width, in the benchmark's own unit (samples or epochs)
-_RCP_DIR = Path(__file__).parent / "rcps"
+_RCP_DIR = Path(__file__).parents[1] / "suite" / "rcps"
 # Benchmarks whose official RCP files call the convergence list "samples to converge".
 _SAMPLES_KEY_BENCHMARKS = ("llama2_70b_lora", "flux1")
 # llama31_405b from ruleset 5.0.0 on: the pass threshold is lowered by one v5.0 eval interval.

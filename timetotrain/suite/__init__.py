@@ -1,8 +1,14 @@
-"""The benchmark registry: name -> Benchmark. Modules import lazily so `ttt list` stays fast."""
+"""The benchmark registry: name -> Benchmark. Modules import lazily so `ttt list` stays fast.
+
+Benchmarks outside the package (one in development, or a test's) are added by naming their modules in
+the environment variable TTT_EXTRA_BENCHMARKS (comma-separated import paths, each defining `BENCHMARK`);
+every `ttt` command then knows them, and `ttt list` shows those with `listed=True`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 
 from timetotrain.errors import UserError
 
@@ -10,13 +16,35 @@ _MODULES = {
     "llama31_8b": "timetotrain.suite.llama31_8b",
     "gpt_oss_20b": "timetotrain.suite.gpt_oss_20b",
 }
+EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 
 
-def names() -> list[str]:
-    return list(_MODULES)
+def _extra() -> dict[str, object]:
+    out = {}
+    for path in filter(None, (p.strip() for p in os.environ.get(EXTRA_ENV, "").split(","))):
+        try:
+            bench = importlib.import_module(path).BENCHMARK
+        except (ImportError, AttributeError) as e:
+            raise UserError(
+                f"{EXTRA_ENV}: {path!r} is not an importable module with a BENCHMARK ({e})"
+            ) from e
+        out[bench.name] = bench
+    return out
+
+
+def names(listed_only: bool = True) -> list[str]:
+    extra = [n for n, b in _extra().items() if b.listed or not listed_only]
+    return list(_MODULES) + extra
 
 
 def get(name: str):
-    if name not in _MODULES:
-        raise UserError(f"unknown benchmark {name!r}: choose one of {', '.join(_MODULES)} (see `ttt list`)")
-    return importlib.import_module(_MODULES[name]).BENCHMARK
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name]).BENCHMARK
+    extra = _extra()
+    if name in extra:
+        return extra[name]
+    raise UserError(f"unknown benchmark {name!r}: choose one of {', '.join(names())} (see `ttt list`)")
+
+
+def known(name: str) -> bool:
+    return name in _MODULES or name in _extra()

@@ -1,33 +1,26 @@
-"""What a benchmark and its tiers are, as data. One module per benchmark fills these in."""
+"""What a benchmark and its tiers are, as data. One module per benchmark fills these in
+(docs/adding-a-benchmark.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from timetotrain.errors import UserError
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """Where a tier's tokens come from. Prefixes are tried in order (ours first, then MLCommons' names)."""
-
-    train_prefixes: tuple[str, ...]
-    val_prefixes: tuple[str, ...]
-    tokenizer: str = "llama3"
-    # Keep the K most frequent training ids and map every other id to one extra "other" id (tiny tiers):
-    # the full 128k-row embedding and head would dominate a 2-core run (spec DESIGN "Tiers").
-    vocab_keep: int | None = None
+from timetotrain.models.family import ModelFamily
+from timetotrain.tasks.base import Task
 
 
 @dataclass(frozen=True)
 class Tier:
+    """One size of a benchmark: model shape, data, batch, schedule lengths, eval cadence, target, runs."""
+
     name: str
     model: Any  # the family's config dataclass
-    seq_len: int
+    data: Any  # the task's data spec (e.g. tasks.causal_lm.LMData)
     global_batch_size: int
     micro_batch_size: int
     lr: float
@@ -39,7 +32,6 @@ class Tier:
     target: float
     runs: int
     division: str
-    data: DataSpec
     description: str = ""
 
     @property
@@ -48,7 +40,7 @@ class Tier:
 
     @property
     def eval_every_steps(self) -> int:
-        """Eval points are in samples; rounded up to whole steps (training rules §2.6)."""
+        """Eval points are in samples; rounded up to whole steps (MLPerf training rules, "Evaluation")."""
         return math.ceil(self.eval_every_samples / self.global_batch_size)
 
     @property
@@ -56,7 +48,8 @@ class Tier:
         return self.max_steps - self.warmup_steps
 
 
-# Fields a user may change with --set; the model shape is part of the tier, not a knob.
+# Fields a user may change with --set (plus the task's `settable` data fields); the model shape is part of
+# the tier, not a knob.
 SETTABLE = (
     "global_batch_size",
     "micro_batch_size",
@@ -67,31 +60,61 @@ SETTABLE = (
     "eval_every_samples",
     "eval_samples",
     "target",
-    "seq_len",
     "division",
 )
 
 
 @dataclass(frozen=True)
+class Optimizer:
+    """The optimizer a benchmark's rules fix, and how its constants are logged."""
+
+    name: str = "adamw"  # "adamw" | "adam" (the log's `opt_name`)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float | None = None  # global-norm gradient clipping, None for none
+    # Which parameters decay: "megatron" (not biases and other 1-D tensors such as norm weights) or "all".
+    decay_mask: str = "megatron"
+    schedule_name: str | None = None  # logged as opt_learning_rate_decay_schedule when given
+
+    def log_keys(self) -> list[tuple[str, object]]:
+        p = f"opt_{self.name}_"
+        keys = [
+            ("opt_name", self.name),
+            (p + "beta_1", self.betas[0]),
+            (p + "beta_2", self.betas[1]),
+            (p + "epsilon", self.eps),
+            (p + "weight_decay", self.weight_decay),
+        ]
+        if self.clip is not None:
+            keys.append(("opt_gradient_clip_norm", self.clip))
+        if self.schedule_name is not None:
+            keys.append(("opt_learning_rate_decay_schedule", self.schedule_name))
+        return keys
+
+
+@dataclass(frozen=True)
 class Benchmark:
+    """A benchmark as data: its task, model family, tiers, optimizer and schedule rules, and closed rules."""
+
     name: str
     area: str
-    metric: str
+    task: Task
+    family: ModelFamily
     tiers: dict[str, Tier]
-    fixed_hparams: dict[str, Any]  # closed-rule constants logged verbatim (betas, eps, wd, clip, ...)
-    schedule_rule: str  # warmup off-by-one of the reference framework, see train/schedule.py
-    build_model: Callable[[Tier], Any]  # called under a meta-device context; must not touch weights
-    init_model: Callable[[Any, Any], None]  # (model, torch.Generator): the benchmark's own init rule
-    # `ttt synth` plug-ins: a random batch drawn on the device, and the model FLOPs of one training sample
-    # (forward + backward), counting only what the model computes.
-    synthetic_batch: Callable[[Tier, int, Any, Any], Any]  # (tier, batch, generator, device) -> tensor
-    flops_per_sample: Callable[[Tier], float]
+    optimizer: Optimizer
+    schedule: str  # the reference framework's schedule, see train/schedule.py (nemo, megatron, ...)
+    closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
     # GBS -> (lr, warmup_steps) of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, tuple[float, int]] = field(default_factory=dict)
-    closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
-    eod_mask_loss: bool = False  # ignore the loss where the input token is end-of-document (Megatron)
-    # (model) -> ({extra log key: value}, short text for the live output), read at each eval point.
-    telemetry: Callable[[Any], tuple[dict, str]] | None = None
+    listed: bool = True  # False: a test-only benchmark, not shown by `ttt list`
+    # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
+    # checks the logs of those tiers against them.
+    rules_dir: Path = Path(__file__).parent / "rules"
+
+    @property
+    def metric(self) -> str:
+        return self.task.metric.describe()
 
     def tier(self, name: str) -> Tier:
         if name not in self.tiers:
@@ -100,18 +123,31 @@ class Benchmark:
             )
         return self.tiers[name]
 
+    def hyperparameters(self, tier: Tier, accum: int | None = None) -> list[tuple[str, object]]:
+        return self.task.hyperparameters(self, tier, accum or tier.grad_accum)
+
+    def flops_per_sample(self, tier: Tier) -> float:
+        return self.task.flops_per_sample(self.family, tier)
+
 
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set."""
     changes: dict[str, Any] = {}
+    data_changes: dict[str, Any] = {}
     for item in sets:
         key, sep, raw = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not raw:
             raise UserError(f"--set {item!r} is not key=value (e.g. --set lr=2e-3)")
+        if key in bench.task.settable:
+            data_changes[key] = _parse(key, raw, type(getattr(tier.data, key)))
+            continue
         if key not in SETTABLE:
-            raise UserError(f"--set {key!r} is not a setting: choose from {', '.join(SETTABLE)}")
+            choices = ", ".join((*SETTABLE, *bench.task.settable))
+            raise UserError(f"--set {key!r} is not a setting: choose from {choices}")
         changes[key] = _parse(key, raw, type(getattr(tier, key)))
+    if data_changes:
+        changes["data"] = dataclasses.replace(tier.data, **data_changes)
     gbs = changes.get("global_batch_size")
     if gbs is not None and gbs in bench.rcp_hparams:
         lr, warmup = bench.rcp_hparams[gbs]
@@ -122,7 +158,7 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if "micro_batch_size" not in changes and gbs is not None and tier.micro_batch_size > gbs:
         changes["micro_batch_size"] = gbs
     new = dataclasses.replace(tier, **changes)
-    validate(new)
+    validate(bench, new)
     return new
 
 
@@ -140,15 +176,13 @@ def _parse(key: str, raw: str, kind: type):
         ) from e
 
 
-def validate(t: Tier) -> None:
-    for key in (
-        "global_batch_size",
-        "micro_batch_size",
-        "max_steps",
-        "seq_len",
-        "eval_samples",
-        "eval_every_samples",
-    ):
+def setting(tier: Tier, name: str):
+    """The value of a `--set` name: a Tier field or a field of the task's data spec."""
+    return getattr(tier, name) if name in SETTABLE else getattr(tier.data, name)
+
+
+def validate(bench: Benchmark, t: Tier) -> None:
+    for key in ("global_batch_size", "micro_batch_size", "max_steps", "eval_samples", "eval_every_samples"):
         if getattr(t, key) <= 0:
             raise UserError(f"--set {key}={getattr(t, key)}: must be positive")
     if t.global_batch_size % t.micro_batch_size:
@@ -161,5 +195,4 @@ def validate(t: Tier) -> None:
         raise UserError(f"--set lr={t.lr} end_lr={t.end_lr}: need 0 <= end_lr <= lr and lr > 0")
     if t.division not in ("closed", "open"):
         raise UserError(f"--set division={t.division!r}: choose closed or open")
-    if t.seq_len > t.model.max_seq_len:
-        raise UserError(f"--set seq_len={t.seq_len} exceeds the model's context {t.model.max_seq_len}")
+    bench.task.validate(t)

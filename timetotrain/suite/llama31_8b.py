@@ -1,13 +1,14 @@
-"""llama31_8b: Llama 3.1 8B pretrained from scratch on C4 (spec §6)."""
+"""llama31_8b: Llama 3.1 8B pretrained from scratch on C4 (docs/benchmarks/llama31_8b.md)."""
 
 from __future__ import annotations
 
-from timetotrain.models.llama import LLAMA31_8B, Llama, LlamaConfig, flops_per_token, init_weights
-from timetotrain.suite.base import Benchmark, Tier
-from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, synthetic_batch, tiny_tier
+from timetotrain.models.llama import FAMILY, LLAMA31_8B, LlamaConfig
+from timetotrain.suite.base import Benchmark
+from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
+from timetotrain.tasks.causal_lm import CausalLM
 
-# GBS -> (base LR, warmup steps) of the 6.0 RCPs (spec §5.1). GBS 96's warmup is recorded as "16348"
-# samples (a typo of 16,384 = 170.7 steps); we round up to 171 steps.
+# GBS -> (base LR, warmup steps) of the 6.0 RCPs. GBS 96's warmup is recorded as "16348" samples (a typo of
+# 16,384 = 170.7 steps); we round up to 171 steps.
 RCP_HPARAMS = {16: (4e-4, 16), 32: (8e-4, 128), 64: (8e-4, 96), 96: (1e-3, 171), 128: (2e-3, 256)}
 
 # NeMo min_lr = 0.1 x max_lr.
@@ -29,27 +30,14 @@ TINY = tiny_tier(
     target=4.8,
 )
 
-
-def build_model(tier: Tier) -> Llama:
-    return Llama(tier.model)
-
-
-def flops_per_sample(tier: Tier) -> float:
-    # Causal attention: SDPA's flash kernels skip the masked upper triangle, so only half the square counts.
-    return tier.seq_len * flops_per_token(tier.model, tier.seq_len, causal=True)
-
-
 BENCHMARK = Benchmark(
     name="llama31_8b",
     area="Small LLM pretraining",
-    metric="validation log-perplexity (mean cross-entropy), lower is better",
+    task=CausalLM(),
+    family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},
-    fixed_hparams=CLOSED_ADAMW,
-    schedule_rule="nemo",
-    build_model=build_model,
-    init_model=init_weights,
-    synthetic_batch=synthetic_batch,
-    flops_per_sample=flops_per_sample,
-    rcp_hparams=RCP_HPARAMS,
+    optimizer=CLOSED_ADAMW,
+    schedule="nemo",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama31_8b.yaml"),
+    rcp_hparams=RCP_HPARAMS,
 )

@@ -1,9 +1,10 @@
 """Expert parallelism (EP) for the MoE layers of `timetotrain.models.moe`, applied from outside the model.
 
 `apply_expert_parallel(model, group)` leaves every rank of `group` (size `ep`) with a contiguous slice of
-`E / ep` experts per MoE layer (rank r owns experts `[r*L, (r+1)*L)`, `L = E / ep`) and swaps the layer's
-class for `ExpertParallelMoE`, whose forward moves the token copies to the rank that owns their expert and
-back. Parameter names stay as they were (`...moe.experts.w1`), only the expert tensors shrink to `[L, ...]`.
+`E / ep` experts per MoE layer (rank r owns experts `[r*L, (r+1)*L)`, `L = E / ep`) and installs an
+`ExpertParallelDispatch` as the layer's dispatch hook (`MoE.dispatcher`), which moves the token copies to
+the rank that owns their expert and back. Any MoE model built on `models.moe.MoE` gets it. Parameter names
+stay as they were (`...ffn.experts.w1`), only the expert tensors shrink to `[L, ...]`.
 
 Token flow of one layer on rank r, for its `N` local tokens:
 
@@ -59,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from timetotrain.models.moe import MoE, permute, unpermute
+from timetotrain.models.moe import MoE
 
 # Marks expert-sharded Parameters; an attribute on the tensor survives DDP and optimizers holding it.
 _SHARDED = "_ttt_expert_sharded"
@@ -124,29 +125,21 @@ class _Dispatch(torch.autograd.Function):
         return (*_unpack(buf, *ctx.dtypes), None, None, None)
 
 
-class ExpertParallelMoE(MoE):
-    """`MoE` holding experts `[ep_rank * L, (ep_rank + 1) * L)` of `n_experts`; see the module docstring.
+class ExpertParallelDispatch:
+    """Installed as `MoE.dispatcher` on a layer holding experts `[ep_rank * L, (ep_rank + 1) * L)` of
+    `n_experts`; moves the grouped copies to the rank owning their expert and back (module docstring)."""
 
-    Installed by swapping the class of an existing `MoE` (as FSDP2 does), so names and parameters stay put.
-    """
+    def __init__(self, group: dist.ProcessGroup | None, ep: int, rank: int, local: int):
+        self.group, self.ep, self.rank, self.local = group, ep, rank, local
 
-    ep_group: dist.ProcessGroup | None
-    ep_size: int
-    ep_rank: int
-    n_local_experts: int
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        probs, experts = self.router(x)
-        grouped, grouped_probs, counts, order = permute(x, experts, probs, self.n_experts)
-
-        ep, local, rank, group = self.ep_size, self.n_local_experts, self.ep_rank, self.ep_group
-        table = counts.new_empty(ep * self.n_experts)
+    def __call__(self, layer: MoE, grouped: torch.Tensor, grouped_probs: torch.Tensor, counts: torch.Tensor):
+        ep, local, rank, group = self.ep, self.local, self.rank, self.group
+        n_experts = layer.n_experts
+        table = counts.new_empty(ep * n_experts)
         _all_gather(table, counts, group=group)
-        table = table.view(ep, self.n_experts)
+        table = table.view(ep, n_experts)
         with torch.no_grad():
-            self.tokens_per_expert.copy_(table.sum(0))
+            layer.tokens_per_expert.copy_(table.sum(0))
         mine = table[:, rank * local : (rank + 1) * local]  # [ep, L]: rows each source sends to my experts
         # to_rank[s][d]: rows source s sends to rank d. The one host sync of the layer: splits are lists.
         to_rank = table.view(ep, ep, local).sum(-1).tolist()
@@ -157,26 +150,25 @@ class ExpertParallelMoE(MoE):
         regroup = None
         if local > 1:
             # Received rows are source-major, then by expert; a stable sort by local expert keeps source order.
-            ids = torch.arange(local, device=x.device).repeat(ep)
+            ids = torch.arange(local, device=grouped.device).repeat(ep)
             ids = ids.repeat_interleave(mine.reshape(-1), output_size=sum(recv))
             regroup = torch.sort(ids, stable=True).indices
             rx, rp = rx.index_select(0, regroup), rp.index_select(0, regroup)
 
-        w1, w2 = self.experts.w1, self.experts.w2
+        w1, w2 = layer.experts.w1, layer.experts.w2
         if sum(recv) == 0:
             # No rows for any local expert. Keep the received rows and the weights in the graph anyway: the
             # dispatch's backward is a collective every rank must enter, and the weights get zero gradients
             # (not None) like the single-process layer's idle experts, so AdamW updates them in step.
             y = rx.new_zeros(0, w2.shape[1]) + 0 * (rx.sum() + rp.sum() + w1.sum() + w2.sum()).to(rx.dtype)
         else:
-            y = self.experts(rx, mine.sum(0), rp)
+            y = layer.experts(rx, mine.sum(0), rp)
         if regroup is not None:
             inverse = torch.empty_like(regroup).scatter_(
                 0, regroup, torch.arange(regroup.numel(), device=regroup.device)
             )
             y = y.index_select(0, inverse)
-        y = _AllToAll.apply(y, send, recv, group)
-        return unpermute(y, order, self.top_k).view(shape)
+        return _AllToAll.apply(y, send, recv, group)
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -193,7 +185,7 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     if not layers:
         raise ValueError("apply_expert_parallel: the model has no MoE layers")
     for moe in layers:
-        if isinstance(moe, ExpertParallelMoE):
+        if moe.dispatcher is not None:
             raise ValueError("apply_expert_parallel: expert parallelism is already applied")
         if moe.n_experts % ep:
             raise ValueError(f"{moe.n_experts} experts do not split evenly over {ep} expert-parallel ranks")
@@ -207,8 +199,7 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
             # Each rank's expert grad sums all EP ranks' loss gradients: divide by ep (module docstring).
             shard.register_hook(lambda g, ep=ep: g / ep)
             setattr(moe.experts, name, shard)
-        moe.__class__ = ExpertParallelMoE
-        moe.ep_group, moe.ep_size, moe.ep_rank, moe.n_local_experts = group, ep, rank, local
+        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local)
 
 
 def is_expert_sharded(p: torch.Tensor) -> bool:

@@ -1,18 +1,20 @@
-"""The timed run with MLPerf semantics (DESIGN.md "The timed run"; spec §2.6, §3.5).
+"""The timed run with MLPerf semantics (README "What a run does").
 
 preflight (no log line yet) -> cache_clear, init_start, submission keys, seed, hyperparameters, model build
 and warm-up, init_stop -> run_start (clock on; first dataset access after this) -> blocks of training with
-an eval at every eval point -> run_stop success at the first eval <= target, else aborted and exit != 0.
+an eval at every eval point -> run_stop success at the first eval meeting the target (<= or >=, as the
+task's metric says), else aborted and exit != 0.
 
-Under torchrun every rank runs this function; only global rank 0 writes the log. Each rank trains on its
-contiguous share of every global batch and evaluates its share of the eval windows; losses are averaged
-and eval sums reduced across ranks, so `samples_count` and every logged figure are global.
+The loop knows a benchmark only through its task (data, loss, evaluation, metric) and model family
+(build, init, telemetry): tasks/base.py. Under torchrun every rank runs this function; only global rank 0
+writes the log. Each rank trains on its contiguous share of every global batch and evaluates its share of
+the eval set; losses are averaged and eval sums reduced across ranks, so `samples_count` and every logged
+figure are global.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import signal
@@ -21,21 +23,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from timetotrain import suite
 from timetotrain.data import loader
-from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
-from timetotrain.mlperf.keys import check_rules, hyperparameters, parallel_keys, submission_keys
-from timetotrain.mlperf.logger import ResultLog, check_writable
+from timetotrain.mlperf.keys import check_rules
+from timetotrain.mlperf.logger import ResultLog
 from timetotrain.progress import LiveLine
-from timetotrain.suite.base import apply_overrides
-from timetotrain.train import distributed, parallel
+from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
-from timetotrain.train.device import platform_name
-from timetotrain.train.step import build_training, targets
 
 EXIT_ABORTED = 1
 # Fault injection for the fault-tolerance tests: "RANK:STEP" makes that rank raise before that step.
@@ -74,44 +68,9 @@ class RunResult:
     samples: int
     last_eval: float | None
     seconds: float
-    tokens_per_s: float
+    items_per_s: float  # throughput in the task's items (tokens, images, ...) per second
+    item_name: str
     exit_code: int
-
-
-class Evaluator:
-    """Mean next-token cross-entropy over the fixed validation windows (token-weighted), each rank
-    computing a contiguous share and the sums reduced across ranks."""
-
-    def __init__(
-        self, windows, n: int, table, device, micro_batch: int, rank: int = 0, world: int = 1, eod_id=None
-    ):
-        lo, hi = n * rank // world, n * (rank + 1) // world
-        tokens = windows.batch(list(range(lo, hi)))
-        if table is not None:
-            tokens = table[tokens]
-        self.tokens = tokens.to(device)
-        self.micro_batch = micro_batch
-        self.world = world
-        self.device = device
-        self.eod_id = eod_id
-
-    @torch.no_grad()
-    def __call__(self, model, autocast=None) -> float:
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
-        for chunk in self.tokens.split(self.micro_batch):
-            with torch.autocast(
-                self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
-            ):
-                labels = targets(chunk, self.eod_id)
-                sums[0] += model(chunk[:, :-1], labels=labels, reduction="sum")
-            sums[1] += (labels != -100).sum()
-        if self.world > 1:
-            dist.all_reduce(sums)
-        model.train(was_training)
-        total, count = sums.tolist()
-        return total / count
 
 
 class _Stopper:
@@ -138,48 +97,34 @@ def _fault_step(rank: int) -> int | None:
 
 
 def run(opts: RunOptions) -> RunResult:
-    bench = suite.get(opts.benchmark)
-    tier = apply_overrides(bench, bench.tier(opts.tier), opts.sets)
+    # -- preflight: nothing logged, nothing built, until all of this passes --
+    bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
     if opts.max_steps is not None and opts.max_steps <= 0:
         raise UserError(f"--max-steps {opts.max_steps} must be positive")
     stop_after = min(opts.max_steps or tier.max_steps, tier.max_steps)
-    d = distributed.from_env()
-    # -- preflight: nothing logged, nothing built, until all of this passes --
-    logdir = check_writable(opts.logdir / bench.name / tier.name)
-    plan = parallel.parse(
-        opts.parallel, d.world, precision=opts.precision,
-        activation_checkpointing=opts.activation_checkpointing, compile=opts.compile,
+    prep = prepare.preflight(
+        bench, tier, opts.logdir / bench.name / tier.name, opts.parallel, opts.precision,
+        opts.activation_checkpointing, opts.compile,
     )  # fmt: skip
-    local_batch = tier.global_batch_size // plan.data_parallel
-    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches.
-    micro = min(tier.micro_batch_size, local_batch)
-    if tier.global_batch_size % plan.data_parallel or local_batch % micro:
-        raise UserError(
-            f"global_batch_size {tier.global_batch_size} must split into {plan.data_parallel} ranks x whole "
-            f"micro-batches of {micro}: change --set micro_batch_size or the process count"
-        )
-    if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
-        # Expert all-to-alls need every rank in every eval forward: equal eval shares.
-        raise UserError(
-            f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
-        )
-    tier = dataclasses.replace(tier, micro_batch_size=micro)
-    accum = local_batch // micro
+    tier, d, task = prep.tier, prep.dist, bench.task
     check_rules(bench, tier)
-    res = loader.resolve(tier.data, opts.data, verify=opts.verify_data and d.main)
-    device = distributed.setup(d, opts.device, opts.dist_timeout)
-    seed = distributed.shared_seed(opts.seed, device)
+    res = task.resolve(tier, opts.data, verify=opts.verify_data and d.main)
+    prepare.start_device(prep, opts.device, opts.dist_timeout, opts.seed)
+    device, seed = prep.device, prep.seed
     fault_at = _fault_step(d.rank)
+    metric = task.metric
+    item_name, items_per_sample = task.sample_items(tier)
 
-    log = ResultLog(logdir if d.main else None, echo=opts.echo and d.main)
+    log = ResultLog(prep.logdir if d.main else None, echo=opts.echo and d.main)
     stop = _Stopper(log)
     live = LiveLine() if d.main else None
     t_run0 = None
     step = 0
     last_eval = None
     status, reason = "aborted", ""
-    tokens_done = 0
+    items_done = 0
     tr = None
+    data = None
     clean = False
 
     def on_timeout(sig: int) -> None:
@@ -192,84 +137,69 @@ def run(opts: RunOptions) -> RunResult:
         with aborter if opts.aborter is None else contextlib.nullcontext():
             log.event("cache_clear", value=loader.drop_page_cache(res.files()))
             log.start("init_start")
-            for k, v in submission_keys(
-                bench, tier, opts.org, opts.platform or platform_name(device, d.world)
-            ):
-                log.event(k, v)
-            log.event("seed", seed)
-            for k, v in hyperparameters(bench, tier, accum):
-                log.event(k, v)
-            for k, v in parallel_keys(plan, tier.micro_batch_size):
-                log.event(k, v)
-            log.event("ttt_tier", tier.name)
-            log.event("ttt_parallel", plan.describe())
-            log.event("ttt_eval_every_samples", tier.eval_every_samples)
-
-            torch.manual_seed(seed)
-            tr = build_training(bench, tier, device, seed, plan)
+            extra = {
+                "ttt_tier": tier.name,
+                "ttt_parallel": prep.plan.describe(),
+                "ttt_eval_every_samples": tier.eval_every_samples,
+            }
+            prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
+            tr = prepare.build(prep)
             log.end("init_stop")
 
             log.start("run_start")
             t_run0 = time.monotonic()
             # -- the clock runs: dataset access from here on --
-            table = (
-                loader.vocab_table(res.counts_file, tier.data.vocab_keep) if tier.data.vocab_keep else None
-            )
-            tr.eod_id = _eod_id(bench, tier, table)
             if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
-                live.update("building the shuffled training sample index ...", force=True)
-            train = loader.open_train(res, tier.seq_len, tier.max_steps * tier.global_batch_size, seed)
-            evaluate = Evaluator(
-                loader.open_val(res, tier.seq_len, tier.eval_samples), tier.eval_samples, table, device,
-                tier.micro_batch_size, d.rank, plan.data_parallel, tr.eod_id,
-            )  # fmt: skip
-            source = loader.TokenSource(train, tier.global_batch_size, table, d.rank, plan.data_parallel)
-            fetch = loader.Prefetcher(source, 0, device)
-            gbs, every = tier.global_batch_size, tier.eval_every_steps
-            tokens_per_step = gbs * tier.seq_len
+                live.update("opening the data ...", force=True)
+            data = task.open(tier, res, seed, d.rank, prep.plan.data_parallel, device)
+            fetch = loader.Prefetcher(data, 0, device)
+            gbs, every, accum = tier.global_batch_size, tier.eval_every_steps, prep.accum
+            items_per_step = gbs * items_per_sample
             pending = None  # (step, [loss, stop votes]): read one step late so the host never waits
-            log.start("block_start", metadata={"samples_count": 0})
+            log.start("block_start", metadata=_point(0, data, metric))
             try:
                 while True:
                     if fault_at is not None and step + 1 >= fault_at:
                         raise RuntimeError(
                             f"injected fault on rank {d.rank} at step {step + 1} ({FAULT_ENV})"
                         )
-                    loss = tr.step(step, fetch.next(), accum, stop_vote=aborter.caught is not None)
+                    loss = tr.step(step, fetch.next(), accum, data.loss, stop_vote=aborter.caught is not None)
                     step += 1
-                    tokens_done += tokens_per_step
+                    items_done += items_per_step
                     if pending is not None:
-                        reason = _report(log, live, *pending, tokens_done, t_run0, last_eval, gbs)
+                        reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
                         if reason:
                             break
                     pending = (step, loss)
                     if step % every == 0 or step == stop_after:
-                        reason = _report(log, live, *pending, tokens_done, t_run0, last_eval, gbs)
+                        reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
                         if reason:
                             break
                         pending = None
-                        samples = step * gbs
-                        stats = _telemetry(bench, tr.model, log, samples)
-                        log.end("block_stop", metadata={"samples_count": samples})
-                        log.start("eval_start", metadata={"samples_count": samples})
-                        last_eval = evaluate(tr.model, tr.autocast)
-                        log.event("eval_accuracy", last_eval, metadata={"samples_count": samples})
-                        log.end("eval_stop", metadata={"samples_count": samples})
+                        point = _point(step * gbs, data, metric)
+                        stats = _telemetry(bench, tr.bare, log, point)
+                        log.end("block_stop", metadata=point)
+                        log.start("eval_start", metadata=point)
+                        last_eval = data.evaluate(tr.model, tr.autocast)
+                        log.event("eval_accuracy", last_eval, metadata=point)
+                        log.end("eval_stop", metadata=point)
                         if live:
+                            where = ", ".join(f"{k} {v:,}" for k, v in point.items())
                             live.print(
-                                f"eval at {samples:,} samples (step {step}): {last_eval:.4f}  target "
-                                f"{tier.target}  [{time.monotonic() - t_run0:.1f} s]{stats}"
+                                f"eval at {where} (step {step}): {last_eval:.4f}  target "
+                                f"{metric.comparison} {tier.target}  [{time.monotonic() - t_run0:.1f} s]{stats}"
                             )
-                        if math.isfinite(last_eval) and last_eval <= tier.target:
-                            status, reason = "success", f"eval {last_eval:.4f} <= target {tier.target}"
+                        if metric.met(last_eval, tier.target):
+                            status = "success"
+                            reason = f"eval {last_eval:.4f} {metric.comparison} target {tier.target}"
                             break
                         if not math.isfinite(last_eval):
-                            reason = f"non-finite eval loss at step {step}"
+                            reason = f"non-finite eval metric at step {step}"
                             break
                         if step >= stop_after:
                             reason = f"reached {step} steps without meeting the target {tier.target}"
                             break
-                        log.start("block_start", metadata={"samples_count": samples})
+                        log.start("block_start", metadata=point)
             finally:
                 fetch.close()
             if status != "success" and aborter.caught:
@@ -285,6 +215,8 @@ def run(opts: RunOptions) -> RunResult:
         if live:
             live.close()
         log.close()
+        if data is not None:
+            data.close()
         tr = None  # noqa: F841 - release the DDP/FSDP model before its process group
         distributed.teardown(barrier=clean)
     seconds = time.monotonic() - (t_run0 or time.monotonic())
@@ -292,46 +224,38 @@ def run(opts: RunOptions) -> RunResult:
     code = 0 if status == "success" else (128 + sig if sig else EXIT_ABORTED)
     return RunResult(
         status, reason, log.path, step, step * tier.global_batch_size, last_eval, seconds,
-        tokens_done / max(seconds, 1e-9), code,
+        items_done / max(seconds, 1e-9), item_name, code,
     )  # fmt: skip
 
 
-def _eod_id(bench, tier, table) -> int | None:
-    """The end-of-document id as the model sees it, for benchmarks that mask the loss after EOD."""
-    if not bench.eod_mask_loss:
-        return None
-    eos = EOS_IDS[tier.data.tokenizer]
-    if table is None:
-        return eos
-    eod = int(table[eos])
-    if eod == tier.data.vocab_keep:  # narrowed away: masking "other" would drop unrelated tokens
-        raise UserError(
-            f"end-of-document id {eos} is not among the {tier.data.vocab_keep} kept ids of this tier"
-        )
-    return eod
+def _point(samples: int, data, metric) -> dict:
+    """The metadata of an eval point: `samples_count`, or `epoch_num` for tasks counted in epochs."""
+    if metric.unit == "epochs":
+        return {"epoch_num": samples / data.samples_per_epoch}
+    return {"samples_count": samples}
 
 
-def _telemetry(bench, model, log, samples: int) -> str:
-    """Benchmark-specific figures at each eval point (MoE: tokens per expert), logged as extra keys;
-    returns a short text for the live output. Reading them syncs the host, once per eval."""
-    if bench.telemetry is None:
+def _telemetry(bench, model, log, point: dict) -> str:
+    """Model-specific figures at each eval point (MoE: tokens per expert), logged as extra keys; returns a
+    short text for the live output. Reading them syncs the host, once per eval."""
+    if bench.family.telemetry is None:
         return ""
-    figures, text = bench.telemetry(getattr(model, "module", model))
+    figures, text = bench.family.telemetry(model)
     for key, value in figures.items():
-        log.event(key, value, metadata={"samples_count": samples})
+        log.event(key, value, metadata=point)
     return text
 
 
-def _report(log, live, step, loss_t, tokens_done, t0, last_eval, gbs) -> str:
+def _report(log, live, step, loss_t, items_done, item_name, t0, last_eval, gbs) -> str:
     """Log a step's loss; returns why the run must stop ('' to go on). Every rank reads the same reduced
     values, so every rank takes the same decision at the same step."""
     loss, votes = loss_t.tolist()
     log.event("train_loss", loss, metadata={"step_num": step, "samples_count": step * gbs})
     if live:
-        rate = tokens_done / max(time.monotonic() - t0, 1e-9)
+        rate = items_done / max(time.monotonic() - t0, 1e-9)
         ev = f"{last_eval:.4f}" if last_eval is not None else "-"
         live.update(
-            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}  {rate:,.0f} tok/s  last eval {ev}"
+            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}  {rate:,.0f} {item_name}/s  last eval {ev}"
         )
     if votes > 0:
         return "stopped by a signal"

@@ -5,11 +5,13 @@ Where the numbers come from (an estimate, not a measurement):
   by the shard count under FSDP, whole under DDP. bf16 compute adds the bf16 copies: under FSDP2 the
   unsharded bf16 parameters of about two blocks at a time (the one computing and the one prefetched); under
   DDP autocast's cached bf16 copy of every weight (2 B per parameter).
-- Activations: a count of the tensors autograd keeps per token for one Llama block of our model
-  (`models/llama.py`): RMSNorm keeps its input, the normalised values and the weighted output (3h, twice per
-  block); SDPA keeps rotated q, k, v and its output (q h, k and v h*kv/heads each, out h); the output
-  projection its input (h); SwiGLU keeps fc1's output (2f, `fused.swiglu`) and fc2 its input (f). That is
-  9.5h + 3f elements at h = dim, f = FFN width when kv/heads = 1/4, in the compute precision.
+- Activations: the model family's count of the elements autograd keeps per token for one block
+  (`ModelFamily.activation_elements`; for a Llama block: RMSNorm keeps its input, the normalised values and
+  the weighted output (3h, twice per block); SDPA keeps rotated q, k, v and its output (q h, k and v
+  h*kv/heads each, out h); the output projection its input (h); SwiGLU keeps fc1's output (2f,
+  `fused.swiglu`) and fc2 its input (f). That is 9.5h + 3f elements at h = dim, f = FFN width when
+  kv/heads = 1/4, in the compute precision. MoE families count per routed copy instead.) Tokens per
+  micro-batch come from the task (`sample_items`).
   The head and loss (`models/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
   hidden states (h) per token, plus, once per micro-batch, the fp32 head-weight gradient and one chunk of
   logits (fp32, with its compute-precision copies under bf16).
@@ -46,21 +48,10 @@ class Estimate:
         return self.states + self.compute_copies + self.activations + self.margin
 
 
-def _block_params(cfg) -> int:
-    return (
-        cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        + cfg.n_heads * cfg.head_dim * cfg.dim
-        + (3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim)
-    )
-
-
-def activation_bytes(cfg, seq: int, micro_batch: int, act_bytes: int, ac: bool) -> float:
-    h, f = cfg.dim, cfg.ffn_dim
-    kv = cfg.n_kv_heads * cfg.head_dim
-    q = cfg.n_heads * cfg.head_dim
-    per_block = 3 * h + (q + 2 * kv) + h + h + 3 * h + 3 * f  # elements per token, see the module docstring
+def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool) -> float:
+    h = cfg.dim
+    per_block = family.activation_elements(cfg)  # elements per token, see the module docstring
     head = 4 * h * act_bytes
-    tokens = micro_batch * seq
     rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
     # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
     chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
@@ -72,28 +63,30 @@ def activation_bytes(cfg, seq: int, micro_batch: int, act_bytes: int, ac: bool) 
     return tokens * (body + head) + head_fixed
 
 
-def estimate(tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool):
-    cfg = tier.model
-    if not hasattr(cfg, "ffn_dim"):
-        raise UserError(f"ttt plan has no memory model for {type(cfg).__name__} yet")
+def estimate(
+    bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool
+):
+    family, cfg = bench.family, tier.model
     shards = gpus if kind == "fsdp" else 1
     states = 16 * n_params / shards
+    block = family.block_params(cfg)
     if bf16:
-        copies = 2 * 2 * _block_params(cfg) if kind == "fsdp" else 2 * n_params
+        copies = 2 * 2 * block if kind == "fsdp" else 2 * n_params
     else:
-        copies = 4 * 2 * _block_params(cfg) if kind == "fsdp" else 0
-    act = activation_bytes(cfg, tier.seq_len, micro, 2 if bf16 else 4, ac)
+        copies = 4 * 2 * block if kind == "fsdp" else 0
+    tokens = micro * bench.task.sample_items(tier)[1]
+    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     margin = 0.05 * gpu_mem_gib * GiB + GiB
     return Estimate(f"{kind}={gpus}", ac, micro, states, copies, act, margin)
 
 
 def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16: bool = True):
     """All candidate configurations with their estimates, and the suggested one (or None if none fits)."""
-    from timetotrain.models.llama import param_count
-
     if gpus < 1 or gpu_mem_gib <= 0:
         raise UserError("--gpus and --gpu-mem must be positive")
-    n = param_count(tier.model)
+    if not all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers")):
+        raise UserError(f"ttt plan has no memory model for {type(tier.model).__name__} yet")
+    n = bench.family.param_count(tier.model)
     kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
     for k in kinds:
         if k not in ("dp", "fsdp"):
@@ -101,7 +94,7 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16:
     local = max(1, tier.global_batch_size // gpus)
     micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
     rows = [
-        estimate(tier, n, gpus, gpu_mem_gib, k, ac, m, bf16)
+        estimate(bench, tier, n, gpus, gpu_mem_gib, k, ac, m, bf16)
         for k in kinds
         for ac in (False, True)
         for m in micros
@@ -115,8 +108,13 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16:
 
 
 def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
+    active = bench.family.active_param_count(tier.model)
+    params = f"{n_params / 1e9:.2f} B parameters"
+    if active != n_params:
+        params += f" ({active / 1e9:.2f} B active per token)"
+    item, per_sample = bench.task.sample_items(tier)
     out = [
-        f"{bench.name} {tier.name}: {n_params / 1e9:.2f} B parameters, seq {tier.seq_len}, "
+        f"{bench.name} {tier.name}: {params}, {per_sample:,} {item} per sample, "
         f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
         f"{'parallel':<10}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}  fits",

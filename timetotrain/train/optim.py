@@ -1,4 +1,4 @@
-"""AdamW with the Megatron weight-decay mask, and global-norm clipping."""
+"""The optimizers the benchmarks' rules name (AdamW, Adam) with their weight-decay masks."""
 
 from __future__ import annotations
 
@@ -6,32 +6,47 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's rule: no decay on biases and other 1-D tensors (norm weights)."""
+def param_groups(model: nn.Module, weight_decay: float, mask: str = "megatron") -> list[dict]:
+    """mask "megatron": no decay on biases and other 1-D tensors (norm weights); "all": decay everything
+    (torchtitan's Flux)."""
+    if mask not in ("megatron", "all"):
+        raise ValueError(f"unknown weight-decay mask {mask!r}")
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 else decay).append(p)
+        (no_decay if mask == "megatron" and p.ndim <= 1 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
 
 
-def build_adamw(
-    model: nn.Module, lr: float, betas, eps: float, weight_decay: float, fused: bool | None = None
-) -> torch.optim.AdamW:
-    """`fused=None` picks the fused kernel where the device has one, else the foreach implementation."""
-    params = param_groups(model, weight_decay)
+def build_optimizer(model: nn.Module, spec, lr: float, fused: bool | None = None) -> torch.optim.Optimizer:
+    """`spec` is a `suite.base.Optimizer`. `fused=None` picks the fused kernel where the device has one, else
+    the foreach implementation (sharded DTensor parameters need foreach: pass fused=False)."""
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if spec.name not in kinds:
+        raise ValueError(f"unknown optimizer {spec.name!r}: choose one of {', '.join(kinds)}")
+    params = param_groups(model, spec.weight_decay, spec.decay_mask)
     dev = next(model.parameters()).device
     if fused is None:
         fused = dev.type in ("cuda", "cpu")
     kwargs = {"fused": True} if fused else {"foreach": True}
+    cls = kinds[spec.name]
     try:
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, **kwargs)
+        return cls(params, lr=lr, betas=spec.betas, eps=spec.eps, **kwargs)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps)
+        return cls(params, lr=lr, betas=spec.betas, eps=spec.eps)
+
+
+def build_adamw(
+    model: nn.Module, lr: float, betas, eps: float, weight_decay: float, fused: bool | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with Megatron's decay mask (kept for callers that have no optimizer spec)."""
+    from timetotrain.suite.base import Optimizer
+
+    return build_optimizer(model, Optimizer("adamw", tuple(betas), eps, weight_decay), lr, fused)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

@@ -1,6 +1,15 @@
-"""Learning-rate schedules with each reference framework's exact off-by-ones (spec §14.4).
+"""Learning-rate schedules with each reference framework's exact off-by-ones.
 
-`step` is the number of optimizer steps already completed (0 for the first update).
+`step` is the number of optimizer steps already completed (0 for the first update). `make(rule, ...)`
+returns a callable step -> lr; the rules:
+
+- "nemo" (NeMo CosineAnnealing; llama31_8b, llama31_405b): s <= W: base * (s + 1) / (W + 1); then cosine
+  from base to `end` measured from W over (total - W) steps; `end` after `total`.
+- "megatron" (Megatron OptimizerParamScheduler; gpt_oss_20b, deepseekv3_671b): s <= W: base * s / W, so the
+  very first update uses lr 0; then the same cosine.
+- "hf_cosine" (transformers `get_cosine_schedule_with_warmup`; llama2_70b_lora): s < W: base * s / W; then
+  base * 0.5 * (1 + cos(pi * (s - W) / (total - W))), clamped at 0; `end` is 0 by construction.
+- "warmup_constant" (torchtitan linear warmup, no decay; flux1): s < W: base * (s + 1) / W; then base.
 """
 
 from __future__ import annotations
@@ -8,17 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+RULES = ("nemo", "megatron", "hf_cosine", "warmup_constant")
+
 
 @dataclass(frozen=True)
 class WarmupCosine:
-    """Linear warmup then cosine decay from `base` to `end` at `total` steps, constant after.
-
-    warmup rules:
-      - "nemo" (NeMo CosineAnnealing, llama31_8b/405b): s <= W: base * (s + 1) / (W + 1); the decay
-        phase is measured from W over (total - W) steps.
-      - "megatron" (OptimizerParamScheduler, gpt_oss_20b/deepseek): s <= W: base * s / W, so the very
-        first update uses lr 0; decay over (total - W) steps.
-    """
+    """Linear warmup then cosine decay from `base` to `end` at `total` steps, constant after (NeMo, Megatron)."""
 
     base: float
     end: float
@@ -42,3 +46,38 @@ class WarmupCosine:
             return self.end
         frac = (step - w) / (self.total - w)
         return self.end + (self.base - self.end) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass(frozen=True)
+class HFCosine:
+    base: float
+    warmup: int
+    total: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * step / max(1, self.warmup)
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
+        return self.base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class WarmupConstant:
+    base: float
+    warmup: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * (step + 1) / self.warmup
+        return self.base
+
+
+def make(rule: str, base: float, end: float, warmup: int, total: int):
+    """The schedule of `rule` (see the module docstring) as a callable step -> lr."""
+    if rule in ("nemo", "megatron"):
+        return WarmupCosine(base, end, warmup, total, rule)
+    if rule == "hf_cosine":
+        return HFCosine(base, warmup, total)
+    if rule == "warmup_constant":
+        return WarmupConstant(base, warmup)
+    raise ValueError(f"unknown schedule rule {rule!r}: choose one of {', '.join(RULES)}")

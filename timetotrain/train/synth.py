@@ -20,15 +20,11 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import suite
 from timetotrain.errors import UserError
-from timetotrain.mlperf.keys import hyperparameters, parallel_keys, submission_keys
-from timetotrain.mlperf.logger import ResultLog, check_writable
-from timetotrain.suite.base import apply_overrides, validate
-from timetotrain.train import distributed, parallel
+from timetotrain.mlperf.logger import ResultLog
+from timetotrain.train import distributed, prepare
 from timetotrain.train.device import platform_name
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
-from timetotrain.train.step import build_training
 
 
 @dataclass
@@ -47,6 +43,7 @@ class SynthOptions:
     parallel: str | None = None  # e.g. "dp=8", "fsdp=8"; default: dp over all ranks
     activation_checkpointing: bool = False
     compile: bool = False
+    layers: int | None = None  # replace the tier's layer count (reference width, fewer layers)
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -98,54 +95,43 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def synth(opts: SynthOptions) -> dict:
-    bench = suite.get(opts.benchmark)
-    tier = apply_overrides(bench, bench.tier(opts.tier), opts.sets)
+    bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
     steps = opts.steps if opts.steps is not None else DEFAULT_STEPS.get(tier.name, 20)
     warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
     if steps < 2:
         raise UserError(f"--steps {steps}: need at least 2 timed steps")
     if warmup < 0:
         raise UserError(f"--warmup-steps {warmup} must be >= 0")
+    if opts.layers is not None:
+        tier = _with_layers(bench, tier, opts.layers)
     # The schedule must cover every step we take, whatever the tier's max_steps.
     tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
-    d = distributed.from_env()
-    if tier.global_batch_size % d.world:
-        raise UserError(f"global_batch_size {tier.global_batch_size} is not divisible by {d.world} ranks")
-    local = tier.global_batch_size // d.world
-    micro = opts.micro_batch or min(tier.micro_batch_size, local)
-    if micro <= 0 or local % micro:
-        raise UserError(f"--micro-batch {micro} must divide the per-rank batch {local}")
-    tier = dataclasses.replace(tier, micro_batch_size=micro)
-    validate(tier)
-    accum = local // micro
-    # -- preflight before any model is built: the log dir --
-    logdir = check_writable(opts.logdir / "synth" / bench.name / tier.name)
+    # -- preflight before any model is built: the log dir, the batch split --
     cuda = (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    plan = parallel.parse(
-        opts.parallel, d.world, precision=opts.precision or ("bf16" if cuda else "fp32"),
-        activation_checkpointing=opts.activation_checkpointing, compile=opts.compile,
+    prep = prepare.preflight(
+        bench, tier, opts.logdir / "synth" / bench.name / tier.name, opts.parallel,
+        opts.precision or ("bf16" if cuda else "fp32"), opts.activation_checkpointing, opts.compile,
+        micro_batch=opts.micro_batch, micro_flag="--micro-batch",
     )  # fmt: skip
-    precision = plan.precision
-    device = distributed.setup(d, opts.device)
-    seed = distributed.shared_seed(opts.seed, device)
-    log = ResultLog(logdir if d.main else None, echo=opts.echo)
-    plat = platform_name(device, d.world)
+    tier, d, plan, local, accum = prep.tier, prep.dist, prep.plan, prep.local_batch, prep.accum
+    prepare.start_device(prep, opts.device, seed=opts.seed)
+    device, seed = prep.device, prep.seed
+    item_name, items_per_sample = bench.task.sample_items(tier)
+    log = ResultLog(prep.logdir if d.main else None, echo=opts.echo)
+    tr = None
     try:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
         log.start("init_start")
-        for k, v in submission_keys(bench, dataclasses.replace(tier, division="open"), "timetotrain", plat):
-            log.event(k, v)
-        log.event("seed", seed)
-        for k, v in hyperparameters(bench, tier, accum):
-            log.event(k, v)
-        log.event("ttt_mode", "synthetic")
-        log.event("ttt_tier", tier.name)
-        for k, v in parallel_keys(plan, micro):
-            log.event(k, v)
+        prep.tier = dataclasses.replace(tier, division="open")  # never a closed result
+        prepare.log_init_keys(
+            log, prep, "timetotrain", None, {"ttt_mode": "synthetic", "ttt_tier": tier.name}
+        )
+        prep.tier = tier
         peak, peak_src = _peak(device)
-        torch.manual_seed(seed)
-        tr = build_training(bench, tier, device, seed, plan)
-        gen = torch.Generator(device=device).manual_seed(seed + 1000 * d.rank)
+        tr = prepare.build(prep)
+        data = bench.task.synthetic(
+            tier, local, torch.Generator(device=device).manual_seed(seed + 1000 * d.rank), device
+        )
         log.end("init_stop")
 
         log.start("run_start")
@@ -160,8 +146,7 @@ def synth(opts: SynthOptions) -> dict:
                 e0 = _energy_mj(device)
                 t0 = time.perf_counter()
                 clock.mark()
-            tokens = bench.synthetic_batch(tier, local, gen, device)
-            loss = tr.step(i, tokens, accum)
+            loss = tr.step(i, data.batch(i), accum, data.loss)
             if i >= warmup:
                 clock.mark()
         _sync(device)
@@ -174,39 +159,42 @@ def synth(opts: SynthOptions) -> dict:
 
         mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak_rss()
         energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
-        local_tokens_s = steps * local * tier.seq_len / wall
-        tot_tokens_s, tot_energy, have_energy = distributed.all_reduce(
-            [local_tokens_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
+        local_samples_s = steps * local / wall
+        tot_samples_s, tot_energy, have_energy = distributed.all_reduce(
+            [local_samples_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
         )
         max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
-        flops_tok = bench.flops_per_sample(tier) / tier.seq_len
-        achieved = tot_tokens_s * flops_tok
+        flops_sample = bench.flops_per_sample(tier)
+        achieved = tot_samples_s * flops_sample
+        tot_items_s = tot_samples_s * items_per_sample
         summary = {
             "benchmark": bench.name,
             "tier": tier.name,
-            "mode": "synthetic (random weights, random tokens)",
-            "device": plat,
+            "mode": "synthetic (random weights, random data)",
+            "device": platform_name(device, d.world),
             "world_size": d.world,
-            "precision": precision,
+            "precision": plan.precision,
             "parallel": plan.describe(),
             "seed": seed,
             "global_batch_size": tier.global_batch_size,
-            "micro_batch_size": micro,
+            "micro_batch_size": tier.micro_batch_size,
             "gradient_accumulation_steps": accum,
-            "seq_len": tier.seq_len,
+            "item": item_name,
+            "items_per_sample": items_per_sample,
             "steps_timed": steps,
             "warmup_steps": warmup,
             "seconds_timed": max_wall,
-            "tokens_per_s": tot_tokens_s,
-            "tokens_per_s_per_device": tot_tokens_s / d.world,
-            "samples_per_s": tot_tokens_s / tier.seq_len,
+            f"{item_name}_per_s": tot_items_s,
+            f"{item_name}_per_s_per_device": tot_items_s / d.world,
+            "samples_per_s": tot_samples_s,
             "step_time_s": {
                 "p50": statistics.median(per_step),
                 "p90": _percentile(per_step, 0.9),
                 "max": max(per_step),
                 "mean": statistics.fmean(per_step),
             },
-            "model_flops_per_token": flops_tok,
+            "model_flops_per_sample": flops_sample,
+            "model_flops_per_item": flops_sample / items_per_sample,
             "model_tflops_per_s": achieved / 1e12,
             "model_tflops_per_s_per_device": achieved / d.world / 1e12,
             "peak_tflops_per_device": peak / 1e12,
@@ -219,9 +207,11 @@ def synth(opts: SynthOptions) -> dict:
             "energy_joules": tot_energy if have_energy == d.world else None,
             "energy_scope": "GPU only (NVML)" if have_energy == d.world else "unavailable",
             "final_loss": final_loss,
-            "uniform_loss": math.log(tier.model.vocab_size),
+            "baseline_loss": bench.task.baseline_loss(tier),
         }
-        for key in ("tokens_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
+        if opts.layers is not None:
+            summary["layers"] = opts.layers
+        for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
         log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])
         log.event("train_loss", final_loss, metadata={"samples_count": samples})
@@ -236,12 +226,20 @@ def synth(opts: SynthOptions) -> dict:
         k = log.path.stem.split("_")[-1]
         text = json.dumps(summary, indent=2) + "\n"
         # Each run keeps its own summary next to its result file; summary.json is the latest.
-        (logdir / f"summary_{k}.json").write_text(text)
-        (logdir / "summary.json").write_text(text)
-        summary["summary_path"] = str(logdir / "summary.json")
+        (prep.logdir / f"summary_{k}.json").write_text(text)
+        (prep.logdir / "summary.json").write_text(text)
+        summary["summary_path"] = str(prep.logdir / "summary.json")
     del tr
     distributed.teardown(barrier=True)
     return summary
+
+
+def _with_layers(bench, tier, layers: int):
+    """The tier's model with `layers` repeated blocks (same width): a full-width model that fits one device,
+    for throughput checks. Logged as `ttt_layers`; the run is never a closed result."""
+    if layers <= 0 or not hasattr(tier.model, "n_layers"):
+        raise UserError(f"--layers {layers}: must be positive, for a model with repeated layers")
+    return dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=layers))
 
 
 def _sync(device: torch.device) -> None:
@@ -267,22 +265,27 @@ def _peak(device: torch.device) -> tuple[float, str]:
 
 
 def format_table(s: dict) -> str:
+    item = s["item"]
+    loss = f"{s['final_loss']:.3f}"
+    if s["baseline_loss"] is not None:
+        loss += f" (uninformed guess: {s['baseline_loss']:.3f})"
     rows = [
-        ("benchmark / tier", f"{s['benchmark']} / {s['tier']} ({s['mode']})"),
+        ("benchmark / tier", f"{s['benchmark']} / {s['tier']} ({s['mode']})"
+                             + (f", {s['layers']} layers" if "layers" in s else "")),
         ("system", f"{s['device']}, world size {s['world_size']}, {s['precision']}"),
-        ("batch", f"GBS {s['global_batch_size']} x seq {s['seq_len']} (micro {s['micro_batch_size']}, "
-                  f"accum {s['gradient_accumulation_steps']})"),
+        ("batch", f"GBS {s['global_batch_size']} x {s['items_per_sample']} {item} (micro "
+                  f"{s['micro_batch_size']}, accum {s['gradient_accumulation_steps']})"),
         ("steps", f"{s['steps_timed']} timed after {s['warmup_steps']} warm-up, {s['seconds_timed']:.2f} s"),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f} global, {s['tokens_per_s_per_device']:,.0f} per device"),
+        (f"{item}/s", f"{s[item + '_per_s']:,.0f} global, {s[item + '_per_s_per_device']:,.0f} per device"),
         ("samples/s", f"{s['samples_per_s']:,.2f}"),
         ("step time", "p50 {p50:.4f} s, p90 {p90:.4f} s, max {max:.4f} s".format(**s["step_time_s"])),
-        ("model FLOPs/token", f"{s['model_flops_per_token'] / 1e6:,.2f} M"),
+        (f"model FLOPs/{item}", f"{s['model_flops_per_item'] / 1e6:,.2f} M"),
         ("model TFLOP/s", f"{s['model_tflops_per_s']:,.3f} global, {s['model_tflops_per_s_per_device']:,.3f} per device"),
         ("MFU", f"{s['mfu']:.1%} of {s['peak_tflops_per_device']:,.3f} TFLOP/s ({s['peak_source']})"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**30:,.2f} GiB ({s['peak_memory_kind']})"),
         ("energy", f"{s['energy_joules']:,.1f} J ({s['energy_scope']})" if s["energy_joules"] is not None
                    else s["energy_scope"]),
-        ("loss", f"{s['final_loss']:.3f} (uniform guess: {s['uniform_loss']:.3f})"),
+        ("loss", loss),
     ]  # fmt: skip
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -1,0 +1,123 @@
+"""The decoder stack every LLM family here shares: token embedding -> N pre-norm blocks -> final RMSNorm
+-> untied LM head, with RoPE tables as buffers. A family supplies its config and its blocks; parallelism,
+activation checkpointing and compilation are applied from outside, per `Decoder.layers[i]`.
+
+A block is `x + attn(attn_norm(x))`, then `h + ffn(ffn_norm(h))`, where `ffn` is a dense SwiGLU
+(`layers.FeedForward`) or a mixture of experts (`moe.MoE`). A block's `window` (None or a width) selects
+a sliding-window attention band for that layer.
+
+The config is read by attribute: `dim`, `n_layers`, `head_dim`, `vocab_size`, `max_seq_len`, `norm_eps`,
+`rope_theta`, `rope_scaling` (None for plain RoPE) and `init_std`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from timetotrain.models.head_loss import logits_or_loss
+from timetotrain.models.layers import RMSNorm, rope_tables, sliding_window_mask
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, norm_eps: float, attn: nn.Module, ffn: nn.Module, window: int | None = None):
+        super().__init__()
+        self.window = window
+        self.attn_norm = RMSNorm(dim, norm_eps)
+        self.attn = attn
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.ffn = ffn
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return h + self.ffn(self.ffn_norm(h))
+
+    def init_weights(self, normal, std: float, residual_std: float) -> None:
+        self.attn.init_weights(normal, std, residual_std)
+        self.ffn.init_weights(normal, std, residual_std)
+        nn.init.ones_(self.attn_norm.weight)
+        nn.init.ones_(self.ffn_norm.weight)
+
+
+class Decoder(nn.Module):
+    """Built initialised (`init_weights` with the global RNG); on the meta device nothing is computed."""
+
+    def __init__(self, cfg, blocks):
+        super().__init__()
+        self.cfg = cfg
+        # nn.Embedding / nn.Linear (not bare Parameters) so module-swapping tools (float8, TP plans) find them.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Non-persistent: derived from the config, so checkpoints stay weights-only; `init_weights` and
+        # `reset_rope` recompute them after a meta-device build + `to_empty`.
+        half = cfg.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+        # One mask per (length, window, device), shared by the windowed layers and kept across steps.
+        self._window_masks: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self.init_weights()
+
+    def reset_rope(self) -> None:
+        """Fill the RoPE tables; needed after `to_empty` when weights are loaded instead of initialised."""
+        if self.rope_cos.is_meta:
+            return
+        c = self.cfg
+        cos, sin = rope_tables(c.head_dim, c.rope_theta, c.max_seq_len, c.rope_scaling)
+        with torch.no_grad():
+            # Built on the CPU and copied, so every device gets bit-identical tables.
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def window_mask(self, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The band mask of a windowed layer; None (the causal kernel) where the band is the whole triangle."""
+        if window is None or seq_len <= window + 1:
+            return None
+        key = (seq_len, window, device)
+        if key not in self._window_masks:
+            self._window_masks[key] = sliding_window_mask(seq_len, window, device)
+        return self._window_masks[key]
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states `[B, T, dim]`; lets a loss apply the head in chunks."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, cos, sin, self.window_mask(T, block.window, tokens.device))
+        return self.norm(x)
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
+        -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
+        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Megatron-Core initialisation in place; also (re)computes the RoPE tables.
+
+        N(0, init_std) for the embedding, the LM head and every matmul weight except the two that write into
+        the residual stream (attention output, FFN/expert down projection), which get N(0, init_std /
+        sqrt(2 * n_layers)); norm weights 1. Works on a model built on the meta device after `to_empty`.
+        """
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+
+        def normal(t: torch.Tensor, s: float) -> None:
+            nn.init.normal_(t, mean=0.0, std=s, generator=generator)
+
+        normal(self.embed.weight, std)
+        for block in self.layers:
+            block.init_weights(normal, std, residual_std)
+        nn.init.ones_(self.norm.weight)
+        normal(self.head.weight, std)
+        self.reset_rope()

@@ -1,0 +1,62 @@
+"""What the harness may ask of a model family, as one record of functions, so that the timed loop,
+`ttt synth` and `ttt plan` never import a family by name.
+
+All of them take the family's config dataclass (a tier's `model`):
+- `build(cfg)`: the module, called under a meta-device context by the harness (must not touch weights);
+- `init(model, generator)`: the benchmark's own initialisation, in place, after `to_empty`;
+- `param_count(cfg)` / `active_param_count(cfg)`: all trainable parameters / those one token touches
+  (equal for dense models; MoE models count `top_k` experts);
+- `flops_per_token(cfg, seq_len, causal)`: training FLOPs per token (forward + backward);
+- `block_params(cfg)` and `activation_elements(cfg)`: one repeated block's parameters, and the elements
+  autograd keeps per token for it, for `ttt plan`'s memory model;
+- `telemetry(model)`: optional figures read at each eval point: ({log key: value}, short text), or None;
+- `hf_mapping(cfg)`: optional, our parameter name -> `Source` (the Hugging Face tensors it is built from),
+  for `train/checkpoint.load_hf_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    build: Callable[[Any], Any]
+    init: Callable[[Any, Any], None]
+    param_count: Callable[[Any], int]
+    active_param_count: Callable[[Any], int]
+    flops_per_token: Callable[..., float]
+    block_params: Callable[[Any], int]
+    activation_elements: Callable[[Any], float]
+    telemetry: Callable[[Any], tuple[dict, str]] | None = None
+    hf_mapping: Callable[[Any], dict] | None = None
+
+
+def _single(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our parameters comes from: the HF tensors it needs and how to combine them.
+
+    `combine` receives the tensors in `hf_names` order and returns our full (unsharded) tensor; the default
+    passes a single tensor through. A family's mapping is `dict[our parameter name, Source]`.
+    """
+
+    hf_names: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] = _single
+
+    def __post_init__(self) -> None:
+        # A bare string would be iterated character by character; duplicates would break the bookkeeping.
+        if not isinstance(self.hf_names, tuple) or not self.hf_names:
+            raise TypeError(f"Source.hf_names must be a non-empty tuple, got {self.hf_names!r}")
+        if len(set(self.hf_names)) != len(self.hf_names):
+            raise TypeError(f"Source.hf_names has duplicates: {self.hf_names}")
+        if self.combine is _single and len(self.hf_names) != 1:
+            raise TypeError(f"Source with several hf_names {self.hf_names} needs a combine function")

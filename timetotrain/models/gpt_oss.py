@@ -1,0 +1,219 @@
+"""GPT-OSS-20B-shaped mixture-of-experts decoder (the MLPerf `gpt_oss_20b` model, docs/benchmarks/gpt_oss_20b.md).
+
+This is the Megatron/Primus reference configuration, not Hugging Face's GPT-OSS: Llama 3.1 vocabulary, plain
+RoPE (theta 150k, no YaRN), no biases, no attention sinks, no shared expert, a plain SwiGLU (no clamp),
+RMSNorm on per-head Q and K, and a router that takes the top-k logits and softmaxes over those k only.
+
+Block: RMSNorm -> GQA attention (QK-norm, RoPE, causal; every other layer a 128-token sliding window) ->
+residual, RMSNorm -> MoE (router + top-k of E SwiGLU experts, dropless) -> residual. Final RMSNorm, untied
+head.
+
+Readings of the reference that are not spelled out in the spec table:
+
+- Which layers slide. Megatron's `window_attn_skip_freq` list is indexed by the 1-indexed layer number
+  (`list[layer_number - 1]`, truthy = windowed); the reference list is [1, 0, 1, 0, ...], so 1-indexed layers
+  1, 3, ..., 23 slide, i.e. 0-indexed layers 0, 2, ..., 22. `MoEConfig.window_pattern` is that list, repeated
+  cyclically over the layers so that tiny configs can reuse it.
+- Window width. Megatron passes `window_size=(128, 0)` to the kernel with flash-attn / Transformer Engine
+  semantics: query `i` sees keys `i - 128 <= j <= i` inclusive, i.e. 129 keys counting itself (Megatron's own
+  unfused mask, `get_sliding_window_causal_mask`, is the same band). HF's GPT-OSS `sliding_window=128` means
+  `i - 128 < j <= i` (128 keys); we follow Megatron.
+- QK-norm order. Megatron applies `q_layernorm` / `k_layernorm` inside `get_query_key_value_tensors`, before
+  the rotary embedding in `forward`; so do we. The norm runs over `head_dim` with one weight vector shared by
+  all heads (Megatron builds it with `hidden_size=kv_channels`).
+- Epsilon. Megatron-LM's `core_transformer_config_from_args` overwrites `layernorm_epsilon` with
+  `args.norm_epsilon`, so the experiment's `layernorm_epsilon: 1e-5` has no effect and every RMSNorm,
+  QK-norm included, uses 1e-6.
+- Expert weighting. Like Megatron's experts, the router probability scales the SwiGLU activation before the
+  down projection (`act(x) * p` in fp32, cast back); the combine is then a plain sum over the k slots.
+
+The layers are the shared ones (`layers.py`, `decoder.py`, `moe/`); this file holds the configuration,
+the assembly of the blocks, and the sizes and FLOPs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from timetotrain.models.decoder import Block, Decoder
+from timetotrain.models.family import ModelFamily
+from timetotrain.models.layers import Attention, attention_keys_per_query
+from timetotrain.models.moe import MoE, TopKRouter
+
+
+@dataclass
+class GptOssConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    # Explicit: the reference has 64 heads of 64 on a 2880-wide model (Q projection 2880 -> 4096).
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 150_000.0
+    sliding_window: int = 128
+    # Megatron `window_attn_skip_freq` list semantics (1 = windowed), applied cyclically from layer 0.
+    window_pattern: tuple[int, ...] = (1, 0)
+    qk_norm: bool = True
+    init_std: float = 0.008
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts={self.n_experts}]")
+        if not self.window_pattern:
+            raise ValueError("window_pattern must not be empty")
+        self.window_pattern = tuple(int(bool(w)) for w in self.window_pattern)
+
+    @property
+    def rope_scaling(self) -> None:
+        # Plain RoPE (no YaRN), read by the shared decoder.
+        return None
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether 0-indexed `layer` uses the sliding window."""
+        return bool(self.window_pattern[layer % len(self.window_pattern)])
+
+
+GPT_OSS_20B = GptOssConfig(
+    dim=2880,
+    n_layers=24,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=64,
+    n_experts=32,
+    top_k=4,
+    expert_ffn_dim=2880,
+    vocab_size=128_256,
+    max_seq_len=8192,
+    norm_eps=1e-6,
+    rope_theta=150_000.0,
+    sliding_window=128,
+    window_pattern=(1, 0),
+    qk_norm=True,
+    init_std=0.008,
+)
+
+
+class GptOss(Decoder):
+    def __init__(self, cfg: GptOssConfig):
+        blocks = [
+            Block(
+                cfg.dim,
+                cfg.norm_eps,
+                Attention(
+                    cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps if cfg.qk_norm else None
+                ),
+                MoE(
+                    TopKRouter(cfg.dim, cfg.n_experts, cfg.top_k),
+                    cfg.n_experts,
+                    cfg.top_k,
+                    cfg.dim,
+                    cfg.expert_ffn_dim,
+                ),
+                window=cfg.sliding_window if cfg.is_window_layer(i) else None,
+            )
+            for i in range(cfg.n_layers)
+        ]
+        super().__init__(cfg, blocks)
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """`[n_layers, n_experts]` token copies routed to each expert in the last forward (on device)."""
+        return torch.stack([block.ffn.tokens_per_expert for block in self.layers])
+
+
+def init_weights(model: GptOss, generator: torch.Generator | None = None) -> None:
+    """Megatron initialisation with `init_method_std` (σ, and σ/√(2L) on attention output and expert fc2)."""
+    model.init_weights(generator)
+
+
+def _layer_matmul_params(cfg: GptOssConfig, experts: int) -> int:
+    qkv = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    proj = cfg.n_heads * cfg.head_dim * cfg.dim
+    router = cfg.dim * cfg.n_experts
+    return qkv + proj + router + experts * 3 * cfg.dim * cfg.expert_ffn_dim
+
+
+def _norm_params(cfg: GptOssConfig) -> int:
+    per_layer = 2 * cfg.dim + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return cfg.n_layers * per_layer + cfg.dim
+
+
+def param_count(cfg: GptOssConfig) -> int:
+    """All trainable parameters: embedding + head + per layer (attention, router, all experts, norms)."""
+    layers = cfg.n_layers * _layer_matmul_params(cfg, cfg.n_experts)
+    return layers + 2 * cfg.vocab_size * cfg.dim + _norm_params(cfg)
+
+
+def active_param_count(cfg: GptOssConfig) -> int:
+    """Parameters one token touches: as `param_count` but `top_k` experts per layer instead of all."""
+    layers = cfg.n_layers * _layer_matmul_params(cfg, cfg.top_k)
+    return layers + 2 * cfg.vocab_size * cfg.dim + _norm_params(cfg)
+
+
+def flops_per_token(cfg: GptOssConfig, seq_len: int, causal: bool = True) -> float:
+    """Training (forward + backward) FLOPs per token over the ACTIVE weights, as the llama family counts them.
+
+    6 * (attention, router, `top_k` experts per layer, LM head matmul weights) + attention scores/weighted sum
+    at 12 * H * hd FLOPs per (query, key) pair a layer computes, averaged per query:
+    - full layers: `T` keys over the full square, or `T / 2` with `causal` (the llama convention);
+    - window layers (W = `sliding_window`): only the band a windowed kernel computes: `min(W, T)` keys, or
+      with `causal` the band's area per query, `W - W^2 / (2T)` for `T > W` (else `T / 2`, the full triangle).
+    Router softmax/top-k, permutation, norms, RoPE and element-wise work are left out.
+    """
+    full_keys = attention_keys_per_query(seq_len, None, causal)
+    window_keys = attention_keys_per_query(seq_len, cfg.sliding_window, causal)
+    n_window = sum(cfg.is_window_layer(i) for i in range(cfg.n_layers))
+    keys = (cfg.n_layers - n_window) * full_keys + n_window * window_keys
+    matmul = cfg.n_layers * _layer_matmul_params(cfg, cfg.top_k) + cfg.dim * cfg.vocab_size
+    return 6 * matmul + 12 * cfg.n_heads * cfg.head_dim * keys
+
+
+def activation_elements(cfg: GptOssConfig) -> float:
+    """Elements autograd keeps per token for one block (see train/memory.py): the attention part as in the
+    llama family plus the QK-norm inputs and outputs (2 (q + kv)); the router's fp32 logits and top-k
+    (counted as 2E + 2k); per routed copy (k of them): the permuted input (h), fc1's output (2f), the
+    weighted activation (f) and the expert output (h); the combine's input (k h)."""
+    h, f, k = cfg.dim, cfg.expert_ffn_dim, cfg.top_k
+    kv = cfg.n_kv_heads * cfg.head_dim
+    q = cfg.n_heads * cfg.head_dim
+    attention = 3 * h + (q + 2 * kv) + h + h + 2 * (q + kv)
+    moe = 3 * h + 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h
+    return attention + moe
+
+
+def telemetry(model: GptOss) -> tuple[dict, str]:
+    """Tokens routed to each expert in the last training forward: per layer, and the load spread."""
+    per_layer = model.tokens_per_expert().tolist()
+    totals = [sum(col) for col in zip(*per_layer, strict=True)]
+    mean = statistics.fmean(totals)
+    cv = statistics.pstdev(totals) / mean if mean else 0.0
+    figures = {
+        "ttt_tokens_per_expert": per_layer,
+        "ttt_expert_load": {"min": min(totals), "max": max(totals), "cv": cv},
+    }
+    return figures, f"  experts min {min(totals)} max {max(totals)} CV {cv:.2f}"
+
+
+FAMILY = ModelFamily(
+    name="gpt_oss",
+    build=GptOss,
+    init=init_weights,
+    param_count=param_count,
+    active_param_count=active_param_count,
+    flops_per_token=flops_per_token,
+    block_params=lambda cfg: _layer_matmul_params(cfg, cfg.n_experts) + _norm_params(cfg) // cfg.n_layers,
+    activation_elements=activation_elements,
+    telemetry=telemetry,
+)

@@ -1,0 +1,189 @@
+"""The layers every decoder family here is built from, written once: RMSNorm, RoPE (plain and Llama 3.1
+scaled), grouped-query attention over a fused QKV projection (optionally with per-head QK-norm and a
+sliding-window band), and the SwiGLU feed-forward.
+
+Fused weight layouts (chosen to equal Megatron-Core's global layouts, so that Megatron checkpoints and
+tensor-parallel column sharding map onto them without reshuffling):
+
+- `Attention.qkv.weight`: shape `[(n_heads + 2 * n_kv_heads) * head_dim, dim]`. Rows are grouped by KV head:
+  viewed as `[n_kv_heads, n_heads // n_kv_heads + 2, head_dim, dim]`, group `j` holds the query heads
+  `j*g .. j*g+g-1` (g = n_heads // n_kv_heads), then key head `j`, then value head `j`. Query head `h`
+  therefore attends with KV head `h // g`, the same pairing as HF's `repeat_kv`.
+- `FeedForward.fc1.weight`: shape `[2 * ffn_dim, dim]`, gate rows first, then up rows;
+  the block computes `fc2(silu(gate) * up)`.
+- RoPE rotates the two halves of each head (`x[:hd/2]`, `x[hd/2:]`) as a pair, the convention of
+  HF transformers' Llama and Megatron (non-interleaved); HF Llama weights therefore need no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timetotrain.models.fused import qkv_rope, swiglu
+
+# `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
+_SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling: long wavelengths are stretched by `factor`, short ones kept."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse frequencies (fp32, `[head_dim // 2]`), with Llama 3.1 scaling when `scaling` is given.
+
+    Computed in fp32 the same way Megatron and HF do, so the rounding of the tables matches theirs.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    # How many wavelengths fit in the original context decides the blend: fewer than low_freq_factor ->
+    # fully stretched (weight 0), more than high_freq_factor -> untouched (weight 1), linear in between.
+    # Clamping gives exactly inv/factor and inv at the two ends, as the piecewise definition does.
+    keep = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    keep = keep.clamp(0.0, 1.0)
+    return (1 - keep) * inv_freq / scaling.factor + keep * inv_freq
+
+
+def rope_tables(
+    head_dim: int, theta: float, max_seq_len: int, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables on the CPU, fp32, shape `[max_seq_len, head_dim // 2]`."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[B, T, heads, head_dim]` by position; `cos`/`sin` broadcast as `[T, 1, head_dim // 2]`."""
+    # Under autocast q/k come out of the linear in bf16 while the tables stay fp32; follow x.
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean `[T, T]` SDPA mask, True = attend: the band `i - window <= j <= i` (Megatron `(window, 0)`)."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device).unsqueeze(0)
+    return (j <= i) & (j >= i - window)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as Megatron/TE and HF do; bf16 mean-of-squares
+        # loses enough precision to change the training curve.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+        return y * self.weight
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention over the fused QKV layout above, no biases.
+
+    `qk_norm_eps`: RMSNorm over `head_dim` on every query and key head (one weight vector shared by the
+    heads, as Megatron builds it), applied before RoPE as Megatron does; None for none.
+    """
+
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm_eps: float | None = None
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.group = n_heads // n_kv_heads
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
+        self.proj = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x` `[B, T, dim]`; `cos`/`sin` `[T, head_dim // 2]`; `mask` None for full causal attention, else a
+        boolean `[T, T]` mask (True = attend)."""
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, self.n_kv_heads, self.group + 2, self.head_dim)
+        if self.q_norm is None:
+            q, k, v = qkv_rope(qkv, cos, sin)  # split + RoPE with a copy-free backward (fused.py)
+        else:  # the norm sits between the split and the rotation, so the fused op cannot serve
+            q, k, v = qkv.split([self.group, 1, 1], dim=3)
+            q, k, v = q.reshape(B, T, self.n_heads, self.head_dim), k.squeeze(3), v.squeeze(3)
+            q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is not None:
+            # Repeat KV rather than `enable_gqa`: on CUDA the memory-efficient kernel takes an arbitrary mask
+            # but not GQA; SDPA would otherwise fall back to the math kernel and materialise B*H*T*T scores.
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.group == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k = k.repeat_interleave(self.group, dim=1)
+            v = v.repeat_interleave(self.group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def init_weights(self, normal, std: float, residual_std: float) -> None:
+        normal(self.qkv.weight, std)
+        normal(self.proj.weight, residual_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                nn.init.ones_(norm.weight)
+
+    def matmul_params(self) -> int:
+        return self.qkv.weight.numel() + self.proj.weight.numel()
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: `fc2(silu(gate) * up)`, gate and up rows fused in `fc1`."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * ffn_dim, bias=False)
+        self.fc2 = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(swiglu(self.fc1(x)))  # silu(gate) * up with a copy-free backward
+
+    def init_weights(self, normal, std: float, residual_std: float) -> None:
+        normal(self.fc1.weight, std)
+        normal(self.fc2.weight, residual_std)
+
+
+def attention_keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
+    """Keys one query attends to on average, as a kernel computes them: the full square (`T`), its causal
+    half (`T / 2`), or for a sliding window `W` its band (`min(W, T)`; causal: the band's area per query,
+    `W - W^2 / (2T)` for `T > W`, else the causal triangle)."""
+    T = seq_len
+    if window is None:
+        return T / 2 if causal else T
+    W = window
+    if causal:
+        return W - W * W / (2 * T) if T > W else T / 2
+    return min(W, T)

@@ -1,0 +1,7 @@
+"""Mixture-of-experts pieces shared by MoE model families: routers, grouped experts, the MoE layer."""
+
+from timetotrain.models.moe.experts import GroupedExperts, grouped_mm_supported, permute, unpermute
+from timetotrain.models.moe.layer import MoE
+from timetotrain.models.moe.router import TopKRouter
+
+__all__ = ["GroupedExperts", "MoE", "TopKRouter", "grouped_mm_supported", "permute", "unpermute"]

@@ -1,0 +1,117 @@
+"""The interface between a kind of training (a task) and the harness.
+
+The timed loop (`train/loop.py`), `ttt synth` (`train/synth.py`) and `ttt plan` (`train/memory.py`) know a
+benchmark only through this interface and `suite.base.Benchmark`; they never learn a benchmark's name.
+docs/adding-a-benchmark.md walks through it.
+
+A task answers, for a tier of a benchmark:
+- what its quality metric is (`Metric`: direction, and whether eval points count samples or epochs);
+- where its data is (`resolve`, the preflight: present and checksummed, before any log line) and how to
+  open it after `run_start` (`open` -> `RunData`: this rank's batches, the loss, the evaluation);
+- what a random batch is (`synthetic`, for `ttt synth` and the warm-up before the clock);
+- how many FLOPs one training sample costs, and what one sample holds ("tokens" x seq_len, "images" x 1);
+- which hyperparameter keys the log carries.
+
+Batches are dicts of tensors whose first dimension is the sample; the harness splits them into
+micro-batches along that dimension and never looks inside.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # e.g. "validation log-perplexity (mean cross-entropy)"
+    higher_is_better: bool = False
+    # How the log counts eval points: "samples" (`samples_count`) or "epochs" (`epoch_num`, fractional).
+    unit: str = "samples"
+
+    def met(self, value: float, target: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        return value >= target if self.higher_is_better else value <= target
+
+    def describe(self) -> str:
+        return f"{self.name}, {'higher' if self.higher_is_better else 'lower'} is better"
+
+    @property
+    def comparison(self) -> str:
+        return ">=" if self.higher_is_better else "<="
+
+
+class RunData(ABC):
+    """A tier's data opened for one rank of one run (after `run_start`), or synthetic data for `ttt synth`."""
+
+    # Training samples in one epoch, for tasks whose eval points are counted in epochs; else None.
+    samples_per_epoch: int | None = None
+
+    @abstractmethod
+    def batch(self, step: int) -> Batch:
+        """This rank's share of global batch `step` (on the host for real data; on the device if synthetic)."""
+
+    @abstractmethod
+    def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        """The training loss of `model` on (a micro-batch of) `batch`, a device scalar."""
+
+    def evaluate(self, model, autocast: torch.dtype | None = None) -> float:
+        """The quality metric on the eval set, reduced across ranks; every rank returns the same value."""
+        raise NotImplementedError(f"{type(self).__name__} has no eval set")
+
+    def close(self) -> None:  # noqa: B027 - optional: most data holds nothing to release
+        """Release files and threads."""
+
+
+class Task(ABC):
+    metric: Metric
+    # Fields of the tier's `data` spec that `--set` may change, besides the Tier's own, each with the log key
+    # that records it (e.g. {"seq_len": "max_sequence_length"}).
+    settable: dict[str, str] = {}
+
+    def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
+        """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""
+
+    @abstractmethod
+    def resolve(self, tier, data_dir: Path, verify: bool = True) -> Any:
+        """Preflight: locate and check the tier's data; returns a handle whose `files()` lists what is read."""
+
+    @abstractmethod
+    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
+        """The data of one run for one of `world` data-parallel ranks; called after `run_start`."""
+
+    @abstractmethod
+    def synthetic(self, tier, local_batch: int, generator: torch.Generator, device: torch.device) -> RunData:
+        """Random batches made on the device, for throughput runs and the warm-up."""
+
+    @abstractmethod
+    def flops_per_sample(self, family, tier) -> float:
+        """Model FLOPs of one training sample, forward and backward, counting only what the model computes."""
+
+    @abstractmethod
+    def sample_items(self, tier) -> tuple[str, int]:
+        """What one sample holds, for throughput figures: e.g. ("tokens", seq_len) or ("images", 1)."""
+
+    @abstractmethod
+    def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
+        """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
+
+    def baseline_loss(self, tier) -> float | None:
+        """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""
+        return None
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """`parts` equal micro-batches along the sample dimension (views, no copies)."""
+    if parts == 1:
+        return [batch]
+    chunks = {k: v.chunk(parts) for k, v in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(parts)]

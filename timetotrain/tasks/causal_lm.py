@@ -1,0 +1,196 @@
+"""Causal language-model pretraining on token windows (llama31_8b, gpt_oss_20b; docs/benchmarks/).
+
+Data: Megatron indexed files (`ttt data prepare c4`, or MLCommons' preprocessed C4), windows of
+`seq_len + 1` tokens drawn as megatron-core's GPTDataset draws them (`data/gpt_dataset.py`); the eval set
+is the first `eval_samples` windows of the validation file in document order. A tier may narrow the
+vocabulary to the K most frequent training ids plus one "other" id (`LMData.vocab_keep`).
+
+Loss: mean next-token cross-entropy, optionally ignoring the positions whose input is end-of-document
+(Megatron's `eod_mask_loss`). Metric: the token-weighted mean cross-entropy over the eval windows
+(log-perplexity), lower is better, eval points counted in samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from timetotrain.data import loader
+from timetotrain.data.tokenizer import EOS_IDS
+from timetotrain.errors import UserError
+from timetotrain.tasks.base import Batch, Metric, RunData, Task
+
+
+@dataclass(frozen=True)
+class LMData:
+    """A tier's token data. Prefixes are tried in order (ours first, then MLCommons' names)."""
+
+    seq_len: int
+    train_prefixes: tuple[str, ...]
+    val_prefixes: tuple[str, ...]
+    tokenizer: str = "llama3"
+    # Keep the K most frequent training ids and map every other id to one extra "other" id (tiny tiers):
+    # the full 128k-row embedding and head would dominate a 2-core run (README "Tiers").
+    vocab_keep: int | None = None
+
+
+def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
+    """Next-token labels; with `eod_id`, positions whose *input* is end-of-document are ignored (Megatron's
+    `eod_mask_loss`: the token after an EOD starts an unrelated document and cannot be predicted)."""
+    labels = tokens[:, 1:]
+    if eod_id is None:
+        return labels
+    return labels.masked_fill(tokens[:, :-1] == eod_id, -100)
+
+
+def lm_loss(model, tokens: torch.Tensor, eod_id: int | None, reduction: str = "mean") -> torch.Tensor:
+    # The model applies its head and the loss together (models/head_loss.py): no [tokens, vocab] logits.
+    return model(tokens[:, :-1], labels=targets(tokens, eod_id), reduction=reduction)
+
+
+class Evaluator:
+    """Mean next-token cross-entropy over the fixed validation windows (token-weighted), each rank
+    computing a contiguous share and the sums reduced across ranks."""
+
+    def __init__(
+        self, windows, n: int, table, device, micro_batch: int, rank: int = 0, world: int = 1, eod_id=None
+    ):
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        tokens = windows.batch(list(range(lo, hi)))
+        if table is not None:
+            tokens = table[tokens]
+        self.tokens = tokens.to(device)
+        self.micro_batch = micro_batch
+        self.world = world
+        self.device = device
+        self.eod_id = eod_id
+
+    @torch.no_grad()
+    def __call__(self, model, autocast=None) -> float:
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
+        for chunk in self.tokens.split(self.micro_batch):
+            with torch.autocast(
+                self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+            ):
+                labels = targets(chunk, self.eod_id)
+                sums[0] += model(chunk[:, :-1], labels=labels, reduction="sum")
+            sums[1] += (labels != -100).sum()
+        if self.world > 1:
+            dist.all_reduce(sums)
+        model.train(was_training)
+        total, count = sums.tolist()
+        return total / count
+
+
+class _TokenData(RunData):
+    def __init__(self, source: loader.TokenSource, evaluator: Evaluator, eod_id: int | None):
+        self.source, self.evaluator, self.eod_id = source, evaluator, eod_id
+
+    def batch(self, step: int) -> Batch:
+        return {"tokens": self.source.batch(step)}
+
+    def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        return lm_loss(model, batch["tokens"], self.eod_id, reduction)
+
+    def evaluate(self, model, autocast=None) -> float:
+        return self.evaluator(model, autocast)
+
+
+class _RandomTokens(RunData):
+    """Uniform random windows of seq_len + 1 tokens drawn on the device: no host-to-device copy."""
+
+    def __init__(self, vocab: int, local_batch: int, seq_len: int, generator, device):
+        self.shape = (local_batch, seq_len + 1)
+        self.vocab, self.generator, self.device = vocab, generator, device
+
+    def batch(self, step: int) -> Batch:
+        return {
+            "tokens": torch.randint(0, self.vocab, self.shape, generator=self.generator, device=self.device)
+        }
+
+    def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        return lm_loss(model, batch["tokens"], None, reduction)
+
+
+class CausalLM(Task):
+    metric = Metric("validation log-perplexity (mean cross-entropy)", higher_is_better=False, unit="samples")
+    settable = {"seq_len": "max_sequence_length"}
+
+    def __init__(self, eod_mask_loss: bool = False):
+        self.eod_mask_loss = eod_mask_loss
+
+    def validate(self, tier) -> None:
+        if tier.data.seq_len <= 0:
+            raise UserError(f"--set seq_len={tier.data.seq_len}: must be positive")
+        if tier.data.seq_len > tier.model.max_seq_len:
+            raise UserError(
+                f"--set seq_len={tier.data.seq_len} exceeds the model's context {tier.model.max_seq_len}"
+            )
+
+    def resolve(self, tier, data_dir: Path, verify: bool = True):
+        return loader.resolve(tier.data, data_dir, verify=verify)
+
+    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
+        data = tier.data
+        table = loader.vocab_table(resolved.counts_file, data.vocab_keep) if data.vocab_keep else None
+        eod_id = self._eod_id(tier, table)
+        train = loader.open_train(resolved, data.seq_len, tier.max_steps * tier.global_batch_size, seed)
+        evaluator = Evaluator(
+            loader.open_val(resolved, data.seq_len, tier.eval_samples), tier.eval_samples, table, device,
+            tier.micro_batch_size, rank, world, eod_id,
+        )  # fmt: skip
+        source = loader.TokenSource(train, tier.global_batch_size, table, rank, world)
+        return _TokenData(source, evaluator, eod_id)
+
+    def _eod_id(self, tier, table) -> int | None:
+        """The end-of-document id as the model sees it, when the loss is masked after EOD."""
+        if not self.eod_mask_loss:
+            return None
+        eos = EOS_IDS[tier.data.tokenizer]
+        if table is None:
+            return eos
+        eod = int(table[eos])
+        if eod == tier.data.vocab_keep:  # narrowed away: masking "other" would drop unrelated tokens
+            raise UserError(
+                f"end-of-document id {eos} is not among the {tier.data.vocab_keep} kept ids of this tier"
+            )
+        return eod
+
+    def synthetic(self, tier, local_batch: int, generator, device) -> RunData:
+        return _RandomTokens(tier.model.vocab_size, local_batch, tier.data.seq_len, generator, device)
+
+    def flops_per_sample(self, family, tier) -> float:
+        # Causal attention: the flash kernels skip the masked upper triangle, so only half the square counts
+        # (and only the band for sliding-window layers).
+        seq = tier.data.seq_len
+        return seq * family.flops_per_token(tier.model, seq, causal=True)
+
+    def sample_items(self, tier) -> tuple[str, int]:
+        return "tokens", tier.data.seq_len
+
+    def baseline_loss(self, tier) -> float:
+        return math.log(tier.model.vocab_size)
+
+    def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
+        hp = [
+            ("global_batch_size", tier.global_batch_size),
+            ("gradient_accumulation_steps", accum),
+            ("max_sequence_length", tier.data.seq_len),
+            ("max_steps", tier.max_steps),
+            ("opt_base_learning_rate", tier.lr),
+            ("opt_end_learning_rate", tier.end_lr),
+            ("opt_learning_rate_warmup_steps", tier.warmup_steps),
+            ("opt_learning_rate_decay_steps", tier.decay_steps),
+        ]
+        hp += bench.optimizer.log_keys()
+        hp += [
+            ("train_samples", tier.max_steps * tier.global_batch_size),
+            ("eval_samples", tier.eval_samples),
+        ]
+        return hp

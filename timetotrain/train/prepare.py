@@ -1,0 +1,96 @@
+"""The one preparation path of `ttt run` and `ttt synth`: preflight (nothing logged, nothing built until it
+passes), then the init phase's log block and the model, optimizer and schedule (`step.build_training`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from timetotrain import suite
+from timetotrain.errors import UserError
+from timetotrain.mlperf.keys import parallel_keys, submission_keys
+from timetotrain.mlperf.logger import ResultLog, check_writable
+from timetotrain.suite.base import Benchmark, Tier, apply_overrides
+from timetotrain.train import distributed, parallel
+from timetotrain.train.device import platform_name
+from timetotrain.train.step import Training, build_training
+
+
+@dataclass
+class Prepared:
+    bench: Benchmark
+    tier: Tier
+    plan: parallel.Plan
+    dist: distributed.Dist
+    logdir: Path
+    local_batch: int  # samples per rank per step
+    accum: int  # micro-batches per rank per step
+    device: torch.device | None = None
+    seed: int | None = None
+
+
+def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
+    bench = suite.get(benchmark)
+    return bench, apply_overrides(bench, bench.tier(tier), sets)
+
+
+def preflight(
+    bench: Benchmark, tier: Tier, logdir: Path, parallel_spec: str | None, precision: str, ac: bool,
+    compile: bool, micro_batch: int | None = None, micro_flag: str = "--set micro_batch_size",
+) -> Prepared:  # fmt: skip
+    """Checks that need no device and no data: log dir writable, parallel plan, batch split."""
+    d = distributed.from_env()
+    logdir = check_writable(logdir)
+    plan = parallel.parse(
+        parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile
+    )
+    if tier.global_batch_size % plan.data_parallel:
+        raise UserError(
+            f"global_batch_size {tier.global_batch_size} is not divisible by {plan.data_parallel} "
+            "data-parallel ranks: change --set global_batch_size or the process count"
+        )
+    local = tier.global_batch_size // plan.data_parallel
+    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches.
+    micro = micro_batch or min(tier.micro_batch_size, local)
+    if micro <= 0 or local % micro:
+        raise UserError(
+            f"{micro_flag}={micro} must divide the per-rank batch {local} into whole micro-batches"
+        )
+    if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
+        # Expert all-to-alls need every rank in every eval forward: equal eval shares.
+        raise UserError(
+            f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
+        )
+    tier = dataclasses.replace(tier, micro_batch_size=micro)
+    return Prepared(bench, tier, plan, d, logdir, local, local // micro)
+
+
+def start_device(
+    prep: Prepared, device: str | None, dist_timeout: float = 600.0, seed: int | None = None
+) -> None:
+    prep.device = distributed.setup(prep.dist, device, dist_timeout)
+    prep.seed = distributed.shared_seed(seed, prep.device)
+
+
+def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None, extra: dict) -> None:
+    """Everything between init_start and the model build: submission keys, seed, hyperparameters, the
+    parallelism keys, then our own `ttt_*` keys."""
+    tier = prep.tier
+    plat = platform or platform_name(prep.device, prep.dist.world)
+    for k, v in submission_keys(prep.bench, tier, org, plat):
+        log.event(k, v)
+    log.event("seed", prep.seed)
+    for k, v in prep.bench.hyperparameters(tier, prep.accum):
+        log.event(k, v)
+    for k, v in parallel_keys(prep.plan, tier.micro_batch_size):
+        log.event(k, v)
+    for k, v in extra.items():
+        log.event(k, v)
+
+
+def build(prep: Prepared) -> Training:
+    torch.manual_seed(prep.seed)
+    return build_training(prep.bench, prep.tier, prep.device, prep.seed, prep.plan)
