@@ -1,0 +1,295 @@
+"""Checkpoints in and out.
+
+- `load_hf_checkpoint`: Hugging Face safetensors weights (one file or index + shards) into our model, streamed
+  shard by shard. A model family supplies the name mapping: for each of our parameters, a `Source` naming
+  the HF tensors it is built from and how to combine them (fusing QKV, stacking experts, ...).
+- `save_checkpoint` / `load_checkpoint`: our own training state (model, optimizer, step) with
+  torch.distributed.checkpoint, so each rank of an FSDP2 run writes and reads only its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from timetotrain.errors import UserError
+from timetotrain.models.family import Source
+
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+META = "ttt_checkpoint.json"  # step + extra, written last, so its presence marks a complete checkpoint
+
+# Wrappers (activation checkpointing, torch.compile) insert these levels into parameter names.
+_WRAPPER_LEVELS = {"_checkpoint_wrapped_module", "_orig_mod"}
+
+
+@dataclass
+class LoadReport:
+    """What `load_hf_checkpoint` did."""
+
+    loaded: list[str] = field(default_factory=list)  # our parameter names, in load order
+    ignored: list[str] = field(default_factory=list)  # HF tensors in the checkpoint that nothing needs
+    peak_held_bytes: int = 0  # the most bytes of HF tensors held at once while loading
+
+
+def _clean_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
+
+
+def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
+    """HF tensor name -> shard file name, and the file that says so (the index or the single file)."""
+    from safetensors import safe_open
+
+    index = path / HF_INDEX
+    if index.is_file():
+        try:
+            return dict(json.loads(index.read_text())["weight_map"]), index
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{index}: not a safetensors index ({exc}); re-download the checkpoint") from None
+    single = path / HF_SINGLE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:  # reads the header only
+            return dict.fromkeys(f.keys(), HF_SINGLE), single
+    raise UserError(
+        f"{path}: neither {HF_SINGLE} nor {HF_INDEX} found; pass the folder of a Hugging Face safetensors checkpoint"
+    )
+
+
+def load_hf_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike,
+    mapping: Mapping[str, Source],
+    *,
+    truncate_rows: Mapping[str, int] | None = None,
+) -> LoadReport:
+    """Copy a Hugging Face safetensors checkpoint into `model` (plain CPU/GPU tensors, e.g. after a meta build
+    and `to_empty`), reading one shard at a time and holding only the HF tensors of parameters not yet
+    complete. `truncate_rows[name] = n` keeps the first n rows of our tensor `name`. Extra HF tensors are
+    ignored (listed in the report). Calls `model.reset_rope()` afterwards when the model has it.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such checkpoint folder; pass the folder holding the *.safetensors files")
+    truncate_rows = dict(truncate_rows or {})
+    params = {_clean_name(n): p for n, p in model.named_parameters()}
+    for what, names in (
+        ("model parameters without a source in the mapping", params.keys() - mapping.keys()),
+        ("mapping names that are not model parameters", mapping.keys() - params.keys()),
+        ("truncate_rows names that are not model parameters", truncate_rows.keys() - params.keys()),
+    ):
+        if names:
+            raise UserError(f"{path}: {what}: {sorted(names)[:4]}; the mapping does not fit this model")
+    on_meta = [n for n, p in params.items() if p.is_meta]
+    if on_meta:
+        raise UserError(f"{path}: {on_meta[0]} is on the meta device; call model.to_empty(device=...) first")
+
+    weight_map, listing = _weight_map(path)
+    consumers: dict[str, list[str]] = {}  # HF name -> our names built from it
+    for ours, src in mapping.items():
+        for hf in src.hf_names:
+            if hf not in weight_map:
+                raise UserError(
+                    f"{listing}: tensor {hf} (needed for {ours}) is missing; is this the right model?"
+                )
+            consumers.setdefault(hf, []).append(ours)
+    shards = sorted({weight_map[hf] for hf in consumers})
+    for shard in shards:
+        if not (path / shard).is_file():
+            raise UserError(
+                f"{path / shard}: shard listed in {listing.name} is missing; re-download the checkpoint"
+            )
+
+    report = LoadReport(ignored=sorted(weight_map.keys() - consumers.keys()))
+    held: dict[str, torch.Tensor] = {}
+    uses_left = {hf: len(ours) for hf, ours in consumers.items()}
+    held_bytes = 0
+    for shard in shards:
+        wanted = {hf for hf in consumers if weight_map[hf] == shard}
+        with safe_open(path / shard, framework="pt", device="cpu") as f:
+            absent = sorted(wanted - set(f.keys()))
+            if absent:
+                raise UserError(
+                    f"{path / shard}: tensor {absent[0]} listed in {listing.name} is not in this shard"
+                )
+            for hf in sorted(wanted):
+                held[hf] = f.get_tensor(hf)
+                held_bytes += held[hf].nbytes
+                report.peak_held_bytes = max(report.peak_held_bytes, held_bytes)
+                for ours in consumers[hf]:
+                    src = mapping[ours]
+                    if not all(name in held for name in src.hf_names):
+                        continue  # another input is in a later shard (or later in this one)
+                    inputs = [held[n] for n in src.hf_names]
+                    _assign(path, ours, params[ours], src, inputs, truncate_rows.get(ours))
+                    report.loaded.append(ours)
+                    for name in src.hf_names:  # free inputs no other parameter still needs
+                        uses_left[name] -= 1
+                        if not uses_left[name]:
+                            held_bytes -= held.pop(name).nbytes
+    reset_rope = getattr(model, "reset_rope", None)
+    if callable(reset_rope):
+        reset_rope()  # RoPE tables are non-persistent buffers: after to_empty they hold garbage
+    return report
+
+
+def _assign(path: Path, ours: str, param: torch.Tensor, src: Source, inputs: list, rows: int | None) -> None:
+    try:
+        value = src.combine(inputs)
+    except RuntimeError as exc:  # e.g. a view that does not fit: the checkpoint is for another config
+        shapes = [list(t.shape) for t in inputs]
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"{path}: cannot build {ours} from {', '.join(src.hf_names)} (shapes {shapes}): {reason}; "
+            "the model config does not match the checkpoint"
+        ) from None
+    if rows is not None:
+        if rows > value.shape[0]:
+            raise UserError(
+                f"{path}: truncate_rows[{ours}]={rows} but the checkpoint has {value.shape[0]} rows"
+            )
+        value = value[:rows]
+    if value.shape != param.shape:
+        raise UserError(
+            f"{path}: {ours} expects shape {list(param.shape)} but {', '.join(src.hf_names)} give "
+            f"{list(value.shape)}; the model config does not match the checkpoint"
+        )
+    with torch.no_grad():
+        param.data.copy_(value)  # casts to the parameter's dtype and device
+
+
+# --- our own checkpoints (torch.distributed.checkpoint) ---------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _no_single_process_warning():
+    # DCP warns on every call without a process group, though single-process use is intended here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    # Sharded (DTensor) entries under FSDP2: each rank saves and loads its own shards, nothing is gathered.
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    dirpath: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    extra: dict | None = None,
+) -> None:
+    """Save model + optimizer state, `step` and JSON-able `extra` to folder `dirpath`; call on every rank.
+
+    Written to `<dirpath>.partial` and renamed once every rank has finished, so `dirpath` is either absent,
+    the previous checkpoint, or complete. An existing `dirpath` is replaced.
+    """
+    final = Path(dirpath)
+    partial = final.with_name(final.name + ".partial")
+    meta = json.dumps({"step": int(step), "extra": extra or {}})  # fails here, before any writing
+    main = not _distributed() or dist.get_rank() == 0
+    if main and partial.exists():
+        shutil.rmtree(partial)  # left by a save that crashed
+    _barrier()
+    with _no_single_process_warning():
+        dcp.save(_state(model, optimizer), checkpoint_id=partial, no_dist=not _distributed())
+    _barrier()  # every rank's shards are on disk before the rename
+    if main:
+        with open(partial / META, "w") as f:
+            f.write(meta)
+            f.flush()
+            os.fsync(f.fileno())
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(final.parent)
+    _barrier()  # nobody reads `dirpath` before it exists
+
+
+def load_checkpoint(
+    dirpath: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[int, dict]:
+    """Load a `save_checkpoint` folder into `model` (and `optimizer`) in place, on every rank; any sharding
+    (FSDP2 or none, any world size) may differ from the saving run's. Returns (step, extra)."""
+    final = Path(dirpath)
+    if not (final / META).is_file():
+        partial = final.with_name(final.name + ".partial")
+        hint = f" ({partial.name} exists: that save was interrupted)" if partial.exists() else ""
+        raise UserError(
+            f"{final}: not a complete checkpoint (no {META}){hint}; pass a folder save_checkpoint wrote"
+        )
+    meta = json.loads((final / META).read_text())
+    state = _state(model, optimizer)
+    _check_fits(final, state)
+    with _no_single_process_warning():
+        dcp.load(state, checkpoint_id=final, no_dist=not _distributed())
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return meta["step"], meta["extra"]
+
+
+def _check_fits(final: Path, state: dict) -> None:
+    """Compare names and global shapes with the checkpoint's metadata first: every rank reads the same
+    file and so raises the same one-line error, instead of DCP's per-rank tracebacks."""
+    saved = dcp.FileSystemReader(final).read_metadata().state_dict_metadata
+    for name, t in state["model"].items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        entry = saved.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UserError(
+                f"{final}: the checkpoint has no model tensor {name}; it was saved from another model"
+            )
+        if tuple(entry.size) != tuple(t.shape):  # DTensor.shape is the global shape
+            raise UserError(
+                f"{final}: {name} is {list(entry.size)} in the checkpoint but {list(t.shape)} in this model; "
+                "build the model with the config the checkpoint was saved from"
+            )
+    if "optim" in state and not any(k.startswith("optim.") for k in saved):
+        raise UserError(f"{final}: the checkpoint has no optimizer state; load it with optimizer=None")
