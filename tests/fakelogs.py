@@ -122,12 +122,12 @@ def tiny_runs(folder: Path, n: int = 10, aborted: tuple[int, ...] = (), start_se
 
 
 def ttt_main(argv: list[str]) -> int:
-    """score/package/report as `ttt` runs them: parsed by the parser `add_commands` builds, a UserError
-    turned into exit 2 as cli.main does."""
+    """score/package/report/check as `ttt` runs them: parsed by the parser `add_commands` builds, a
+    UserError turned into exit 2 as cli.main does."""
     import argparse
 
+    from timetotrain.cli.results import add_commands
     from timetotrain.errors import UserError
-    from timetotrain.mlperf.commands import add_commands
 
     parser = argparse.ArgumentParser(prog="ttt")
     add_commands(parser.add_subparsers(dest="command", required=True))

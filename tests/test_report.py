@@ -6,10 +6,11 @@ import shutil
 import numpy as np
 import pytest
 from conftest import require, require_file, shared_data_dir
-from fakelogs import tiny_runs, ttt_main
+from fakelogs import rcp_only_log, tiny_runs, ttt_main
 
-from timetotrain import report
+from timetotrain import report, suite
 from timetotrain.mlperf import rcp
+from timetotrain.suite import official
 
 
 def color_pixels(png, hex_color: str, tol: float = 0.04) -> int:
@@ -71,3 +72,71 @@ def test_report_out_must_be_a_folder(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ttt_main(["report", str(tmp_path / "logs")])  # --out is required
+
+
+def _summarizer_benchmarks() -> set[str]:
+    from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+
+    return {b for rs in ("5.0.0", "5.1.0", "6.0.0") for b in get_allowed_benchmarks("training", rs)}
+
+
+def test_reference_plots_have_a_target_line_for_every_benchmark_the_summarizer_knows():
+    for b in _summarizer_benchmarks():
+        target = report.target_of(b, "reference")
+        if b == "stable_diffusion":  # FID and CLIP together: no single line to draw
+            assert target is None
+            continue
+        assert target is not None and target == official.get(b).target, b
+    assert report.target_of("retinanet", "reference") == 0.34
+    assert report.target_of("retinanet", "tiny") is None  # a closed target says nothing of other tiers
+    assert report.target_of("llama31_8b", "tiny") == suite.get("llama31_8b").tiers["tiny"].target
+
+
+def test_legend_numbers_are_rounded_by_magnitude():
+    assert report.point_label(0.7888888) == "0.7889"  # an epoch RCP mean, not "1"
+    assert report.point_label(4.0) == "4"
+    assert report.point_label(345.678) == "345.7"
+    assert report.point_label(178_858.7) == "178,859"
+    assert report.point_label(3_840) == "3,840"
+
+
+def test_every_benchmark_has_a_descriptive_y_label():
+    for b in _summarizer_benchmarks() | set(official.names()):
+        label = report.metric_label(b)
+        facts = official.get(b)
+        assert label.startswith("eval_accuracy: ") and facts.metric_label in label, b
+        if facts.target is not None:
+            assert label.endswith("higher is better" if facts.higher_is_better else "lower is better")
+    assert report.metric_label("stable_diffusion") == "eval_accuracy: FID (<= 90) and CLIP score (>= 0.15)"
+    assert "log perplexity" in report.metric_label("llama31_8b")
+    assert report.metric_label("retinanet") == "eval_accuracy: mAP, higher is better"
+    assert report.metric_label("not_a_benchmark") == "eval_accuracy"
+
+
+def test_epoch_benchmark_plot_shows_target_and_unrounded_rcp_marks(tmp_path, monkeypatch):
+    """rgat counts convergence in epochs (RCP mean 0.7889 at BS 4096, ruleset 5.1.0): the plot of its
+    runs gets the 0.72 target line, legend values to 4 digits and epoch/accuracy axis labels."""
+    import matplotlib.figure
+
+    folder = tmp_path / "logs" / "rgat"
+    for i in range(10):
+        rcp_only_log(folder / f"result_{i}.txt", "rgat", 4096, 0.78 + 0.01 * (i % 5), key="epoch_num")
+    figs = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figs.append(fig), save(fig, *a, **k))[1]
+    )
+    (s,) = report.make_report(tmp_path / "logs", tmp_path / "r", "5.1.0").scores
+    assert s.rcp.verdict == "Pass" and 0.78 < s.rcp.rcp_mean < 0.79
+    (fig,) = figs
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "target 0.72" in labels
+    assert f"RCP mean {s.rcp.rcp_mean:.4g}" in labels and "RCP mean 1" not in labels
+    assert any(lb.startswith("RCP min 0.") for lb in labels)
+    assert any(lb.startswith("runs' olympic mean 0.") for lb in labels)
+    full = fig.axes[0]
+    assert full.get_xlabel() == "training epochs"
+    assert full.get_ylabel() == "eval_accuracy: node classification accuracy, higher is better"
+    assert any(
+        len(set(line.get_ydata())) == 1 and line.get_ydata()[0] == 0.72 for line in full.get_lines()
+    )  # the target is drawn, not only listed

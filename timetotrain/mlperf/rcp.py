@@ -24,18 +24,11 @@ import scipy.stats
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.results import NOT_CONVERGED, RunLog, captured_logging, parse_log
+from timetotrain.suite import official
 
 ALPHA = 0.05
 TOLERANCE = 1e-4  # bisection stops below this width, in the benchmark's own unit (samples or epochs)
 _RCP_DIR = Path(__file__).parents[1] / "suite" / "rcps"
-# Benchmarks whose official RCP files call the convergence list "samples to converge".
-_SAMPLES_KEY_BENCHMARKS = ("llama2_70b_lora", "flux1")
-# llama31_405b from ruleset 5.0.0 on: the pass threshold is lowered by one v5.0 eval interval.
-_405B_ALLOWANCE = 46080
-
-
-def converge_key(benchmark: str) -> str:
-    return "samples to converge" if benchmark in _SAMPLES_KEY_BENCHMARKS else "Epochs to converge"
 
 
 def rcp_path(benchmark: str, tier: str) -> Path:
@@ -100,7 +93,7 @@ class RcpTable:
         self.benchmark, self.runs, self.source = benchmark, runs, source
         recs = []
         for name, r in raw.items():
-            key = converge_key(r["Benchmark"])
+            key = official.converge_key(r["Benchmark"])
             if key not in r:
                 raise UserError(f"{source}: RCP record {name!r} has no {key!r} list: fix the RCP file")
             points = sorted(r[key])
@@ -300,8 +293,9 @@ def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult
     if rec is not None:
         res.rcp_mean, res.rcp_stdev = float(rec["RCP Mean"]), float(rec["RCP Stdev"])
         low = float(rec["Min Epochs"])
-        if benchmark == "llama31_405b" and rcp_checker.is_version_at_least(ruleset, "5.0.0"):
-            low -= _405B_ALLOWANCE
+        facts = official.get(benchmark)
+        if facts is not None and facts.min_mean_allowance(ruleset):  # llama31_405b from 5.0.0 on
+            low -= facts.min_mean_allowance(ruleset)
         res.rcp_min = res.rcp_mean / (res.rcp_mean / low)
     return res
 
@@ -329,29 +323,26 @@ def _official_record(benchmark: str, ruleset: str, bs: int, msg: str) -> dict | 
 # --- building an RCP record from a tier's runs ---
 
 
-# Hyperparameters each official RCP file records, as functions of a log's keys. Warm-up is recorded in
-# samples for the LLM pretraining benchmarks (steps x GBS), as their official files do.
+# How to read an official RCP record's hyperparameter from a log where the log has no key of that name.
+# Warm-up is recorded in samples for the LLM pretraining benchmarks (steps x GBS), as their official
+# files do; every other name is the logged key itself.
 def _warmup_samples(k: dict):
     steps = k.get("opt_learning_rate_warmup_steps")
     return None if steps is None else int(steps) * int(k["global_batch_size"])
 
 
-_HPARAMS = {
-    "llama31_8b": {
-        "opt_base_learning_rate": lambda k: k.get("opt_base_learning_rate"),
-        "opt_learning_rate_warmup_samples": _warmup_samples,
-        "gradient_accumulation_steps": lambda k: k.get("gradient_accumulation_steps"),
-    },
-}
-_HPARAMS["gpt_oss_20b"] = _HPARAMS["llama31_8b"]
+_DERIVED = {"opt_learning_rate_warmup_samples": _warmup_samples}
 
 
 def _hyperparams(benchmark: str, keys: dict) -> dict:
-    spec = _HPARAMS.get(benchmark)
-    if spec is None:  # the optimizer keys as logged, like the flux1 and lora files
+    """The "Hyperparams" of an RCP record: the keys the official records of this benchmark carry; for a
+    benchmark without official RCPs, the optimizer keys as logged (as the flux1 and lora files do)."""
+    facts = official.get(benchmark)
+    if facts is not None:
+        names = list(facts.rcp_hparams)
+    else:
         names = sorted(k for k in keys if k.startswith("opt_")) + ["gradient_accumulation_steps"]
-        spec = {n: (lambda k, n=n: k.get(n)) for n in names}
-    out = {name: f(keys) for name, f in spec.items()}
+    out = {n: _DERIVED[n](keys) if n in _DERIVED else keys.get(n) for n in names}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -398,7 +389,7 @@ def build_rcp_json(benchmark: str, tier: str, logs: list[RunLog | Path | str]) -
             "Precision": str(first.get("lowest_numerical_precision_in_linear", "")).upper(),
             "BS": bs,
             "Hyperparams": _hyperparams(benchmark, first),
-            converge_key(benchmark): points,
+            official.converge_key(benchmark): points,
             "Tier": tier,
             "Seeds": [lg.seed for lg in group],
         }

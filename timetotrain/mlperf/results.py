@@ -17,23 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from timetotrain.errors import UserError
+from timetotrain.suite import official
 
 TOKEN = ":::MLLOG "
 _RESULT_RE = re.compile(r"^result_(.*)\.txt$")
-# Benchmarks whose convergence point is counted in samples (`samples_count`); the others (dlrm_dcnv2,
-# rgat, ...) in epochs (`epoch_num`), which the official RCP checker rounds to 3 decimals (spec §2.8).
-SAMPLE_BENCHMARKS = frozenset(
-    {
-        "llama2_70b_lora",
-        "flux1",
-        "llama31_405b",
-        "llama31_8b",
-        "gpt_oss_20b",
-        "deepseekv3_671b",
-        "qwen35_397b_grpo",
-        "dlrmv4",
-    }
-)
 NOT_CONVERGED = 1e9  # the official RCP checker's stand-in for a run that did not converge
 
 
@@ -133,7 +120,10 @@ def parse_log(path: Path) -> RunLog:
 
 
 def _eval_point(bench, meta: dict):
-    if bench in SAMPLE_BENCHMARKS or "epoch_num" not in meta:
+    """The convergence point of an eval line, in the unit the official RCP checker counts for this
+    benchmark: samples_count, or epoch_num rounded to 3 decimals (spec §2.8). Benchmarks the official
+    tools do not know use epoch_num when the line has one."""
+    if official.eval_unit(bench) == official.SAMPLES or "epoch_num" not in meta:
         return meta.get("samples_count")
     return round(meta["epoch_num"], 3)
 

@@ -1,25 +1,15 @@
-"""`ttt`: the command line. Each subcommand parses its flags and calls one function."""
+"""`ttt list`, `ttt run`, `ttt synth`, `ttt plan`, `ttt rcp build`: the benchmarks and training runs.
+
+Heavy modules (torch, the training loop) are imported inside the commands, so `ttt --help` stays fast.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 from timetotrain.errors import UserError
-
-EXIT_USAGE = 2
-
-EPILOG = """\
-examples:
-  ttt list
-  ttt data prepare c4 --src ../shared/data/c4/en --split train --out data/c4
-  ttt data prepare c4 --src ../shared/data/c4/en --split validation --out data/c4
-  ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
-  ttt check logs/llama31_8b/tiny/result_0.txt
-"""
 
 
 def _cmd_list(args) -> int:
@@ -58,21 +48,6 @@ def _cmd_list(args) -> int:
         "\ntarget: eval metric (mean validation cross-entropy) at or below which a run stops; eval cadence and"
     )
     print("eval set are in samples (sequences); runs: the number of runs a submission needs.")
-    return 0
-
-
-def _cmd_prepare(args) -> int:
-    from timetotrain.data import c4
-
-    if args.dataset != "c4":
-        raise UserError(f"unknown dataset {args.dataset!r}: this version prepares c4")
-    info = c4.prepare(
-        Path(args.src), args.split, args.tokenizer, Path(args.out), args.workers, eod=not args.no_eod
-    )
-    print(
-        f"c4 {args.split}: {info['documents']:,} documents, {info['tokens']:,} tokens -> "
-        f"{Path(args.out) / c4.prefix_name(args.split)}.{{bin,idx}} (manifest {c4.dataset_name(args.split)}.manifest.json)"
-    )
     return 0
 
 
@@ -174,8 +149,6 @@ def _cmd_synth(args) -> int:
 
 def _cmd_rcp_build(args) -> int:
     """Run the tier N times (distinct seeds), then write the official-format RCP JSON of its converged runs."""
-    import json
-
     from timetotrain.mlperf.rcp import build_rcp_json, rcp_path
 
     out = Path(args.out) if args.out else rcp_path(args.benchmark, args.tier)
@@ -217,21 +190,6 @@ def _cmd_plan(args) -> int:
     return 0 if best is not None else 1
 
 
-def _cmd_check(args) -> int:
-    from timetotrain.mlperf.compliance import check_log
-
-    path = Path(args.log)
-    if not path.is_file():
-        raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
-    verdict = check_log(path, args.ruleset)
-    if args.verbose or not verdict.ok:
-        print(verdict.output)
-    print(
-        f"{'PASS' if verdict.ok else 'FAIL'}: {path} (rules: {verdict.config}, official mlperf_logging engine)"
-    )
-    return 0 if verdict.ok else 1
-
-
 def _add_scale_flags(s, precision_default: str | None) -> None:
     s.add_argument(
         "--parallel",
@@ -249,35 +207,15 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
     s.add_argument("--compile", action="store_true", help="torch.compile each block")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ttt",
-        description="timetotrain: MLPerf Training benchmarks as one PyTorch package.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_list(sub) -> None:
+    """Register `list` (first in `ttt --help`, before `data`)."""
     s = sub.add_parser("list", help="benchmarks x tiers: target, eval cadence, runs required")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_list)
 
-    d = sub.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
-    s = d.add_parser(
-        "prepare",
-        help="tokenize raw data into Megatron-compatible indexed files",
-        description="Tokenize allenai/c4 json.gz files into .bin/.idx files (byte-compatible with "
-        "megatron-core's IndexedDataset), a token histogram and a manifest with checksums.",
-    )
-    s.add_argument("dataset", choices=["c4"], help="dataset to prepare")
-    s.add_argument("--src", required=True, help="folder with c4-<split>.*.json.gz (allenai/c4 `en`)")
-    s.add_argument("--split", required=True, choices=["train", "validation"])
-    s.add_argument("--tokenizer", default="llama3", help="tokenizer (default: llama3, from llama-models)")
-    s.add_argument("--out", required=True, help="output folder (created if missing)")
-    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
-    s.add_argument("--no-eod", action="store_true", help="do not append end-of-text after each document")
-    s.set_defaults(func=_cmd_prepare)
 
+def add_commands(sub) -> None:
+    """Register run, synth, plan and rcp build."""
     s = sub.add_parser(
         "run",
         help="a timed training run to the quality target, logged in the MLPerf format",
@@ -383,35 +321,3 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting")
     s.add_argument("--out", default=None, help="RCP file to write (default: the package's)")
     s.set_defaults(func=_cmd_rcp_build)
-
-    from timetotrain.mlperf.commands import add_commands
-
-    add_commands(sub)
-
-    s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
-    s.add_argument("log", help="a result_<k>.txt")
-    s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
-    s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
-    s.set_defaults(func=_cmd_check)
-    return p
-
-
-def _one_line_warning(message, category, filename, lineno, line=None):
-    return f"ttt: warning: {message}\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    warnings.formatwarning = _one_line_warning
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"ttt: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ttt: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""`ttt score`, `ttt package`, `ttt report`: registered on the CLI's subparsers by `add_commands(sub)`."""
+"""`ttt score`, `ttt package`, `ttt report`, `ttt check`: reading, judging and packaging result logs."""
 
 from __future__ import annotations
 
@@ -75,8 +75,23 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_check(args) -> int:
+    from timetotrain.mlperf.compliance import check_log
+
+    path = Path(args.log)
+    if not path.is_file():
+        raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
+    verdict = check_log(path, args.ruleset)
+    if args.verbose or not verdict.ok:
+        print(verdict.output)
+    print(
+        f"{'PASS' if verdict.ok else 'FAIL'}: {path} (rules: {verdict.config}, official mlperf_logging engine)"
+    )
+    return 0 if verdict.ok else 1
+
+
 def add_commands(sub) -> None:
-    """Register score, package and report on an argparse subparsers object."""
+    """Register score, package, report and check on an argparse subparsers object."""
     fmt = argparse.RawDescriptionHelpFormatter
 
     s = sub.add_parser(
@@ -147,3 +162,9 @@ def add_commands(sub) -> None:
     s.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and summary.md (created)")
     s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
     s.set_defaults(func=_cmd_report)
+
+    s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
+    s.add_argument("log", help="a result_<k>.txt")
+    s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
+    s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
+    s.set_defaults(func=_cmd_check)

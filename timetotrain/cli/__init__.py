@@ -1,0 +1,63 @@
+"""`ttt`: the command line. Each subcommand parses its flags and calls one function.
+
+The subcommands live in one module per group: `run` (list, run, synth, plan, rcp build), `data`
+(data prepare) and `results` (score, package, report, check). Each registers its parsers on the
+subparsers built here; all of them import their heavy dependencies inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from timetotrain.cli import data, results, run
+from timetotrain.errors import UserError
+
+EXIT_USAGE = 2
+
+EPILOG = """\
+examples:
+  ttt list
+  ttt data prepare c4 --src ../shared/data/c4/en --split train --out data/c4
+  ttt data prepare c4 --src ../shared/data/c4/en --split validation --out data/c4
+  ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
+  ttt check logs/llama31_8b/tiny/result_0.txt
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ttt",
+        description="timetotrain: MLPerf Training benchmarks as one PyTorch package.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Registration order is the order `ttt --help` lists the commands in.
+    run.add_list(sub)
+    data.add_commands(sub)
+    run.add_commands(sub)
+    results.add_commands(sub)
+    return p
+
+
+def _one_line_warning(message, category, filename, lineno, line=None):
+    return f"ttt: warning: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"ttt: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ttt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

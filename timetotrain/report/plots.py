@@ -1,0 +1,133 @@
+"""The picture of one system x benchmark: the eval metric of every run against training samples (or
+epochs), the quality target as a horizontal line, and the runs' olympic mean and the RCP mean and
+minimum acceptable mean as vertical lines when an RCP applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from timetotrain.mlperf.results import ResultGroup
+from timetotrain.mlperf.score import Score
+from timetotrain.suite import official
+
+# Marks in colors outside matplotlib's default cycle, so they never look like one of the runs.
+RUNS_COLOR, RCP_MEAN_COLOR, RCP_MIN_COLOR = "#000080", "#006400", "#dc143c"
+
+
+def target_of(benchmark: str, tier: str) -> float | None:
+    """Our tier's target for benchmarks timetotrain implements; the closed target for reference logs."""
+    from timetotrain import suite
+
+    if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
+        return suite.get(benchmark).tiers[tier].target
+    facts = official.get(benchmark)
+    return facts.target if facts is not None and tier == "reference" else None
+
+
+def metric_label(benchmark: str) -> str:
+    """The y axis: the logged key and what it measures, with its direction."""
+    from timetotrain import suite
+
+    facts = official.get(benchmark)
+    if facts is not None and facts.target is None:  # several metrics (stable_diffusion): no one direction
+        return f"eval_accuracy: {facts.metric_label}"
+    if facts is not None:
+        better = "higher" if facts.higher_is_better else "lower"
+        return f"eval_accuracy: {facts.metric_label}, {better} is better"
+    if benchmark in suite.names():
+        return f"eval_accuracy: {suite.get(benchmark).metric}"
+    return "eval_accuracy"
+
+
+def point_label(v: float) -> str:
+    """A convergence point for the legend: whole samples when large, else 4 significant digits, so an
+    epoch count such as 0.79 is not rounded to 1."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
+    """Left: whole runs. Right: the same, zoomed on where runs cross the target and the RCP marks sit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (full, zoom) = plt.subplots(1, 2, figsize=(13, 6.5), dpi=100, gridspec_kw={"width_ratios": [3, 2]})
+    target = target_of(group.benchmark, group.tier.split("+")[0])
+    r = score.rcp
+    for ax in (full, zoom):
+        for lg, run in zip(group.logs, score.runs, strict=True):
+            xs, ys = zip(*lg.evals, strict=True) if lg.evals else ((), ())
+            label = f"{lg.path.stem} (seed {lg.seed})"
+            if not run.converged:
+                label += f", {lg.status or 'no run_stop'}"
+            if not lg.evals:  # still listed, so a run that stopped before its first eval is not lost
+                label += ", no eval"
+            ax.plot(
+                xs, ys, "-" if run.converged else "--", marker="o", markersize=3, linewidth=1.1, label=label
+            )
+        if target is not None:
+            ax.axhline(target, color="black", linewidth=1.2, label=f"target {target}")
+        if score.samples_to_converge is not None:
+            ax.axvline(
+                score.samples_to_converge,
+                color=RUNS_COLOR,
+                linestyle="--",
+                linewidth=1.3,
+                label=f"runs' olympic mean {point_label(score.samples_to_converge)}",
+            )
+        if r.rcp_mean is not None:
+            ax.axvline(
+                r.rcp_mean, color=RCP_MEAN_COLOR, linewidth=1.5, label=f"RCP mean {point_label(r.rcp_mean)}"
+            )
+            ax.axvline(
+                r.rcp_min,
+                color=RCP_MIN_COLOR,
+                linestyle=":",
+                linewidth=1.5,
+                label=f"RCP min {point_label(r.rcp_min)}",
+            )
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if abs(v) >= 10 else f"{v:g}"))
+    unit = official.eval_unit(group.benchmark)
+    full.set_xlabel(f"training {unit}")
+    zoom.set_xlabel(f"training {unit} (near the target)")
+    full.set_ylabel(metric_label(group.benchmark))
+    _zoom_limits(
+        zoom, group, target, [v for v in (r.rcp_mean, r.rcp_min, score.samples_to_converge) if v is not None]
+    )
+    scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
+    fig.suptitle(
+        f"{group.benchmark} tier {group.tier}: {group.submitter} / {group.system}: {scored}, "
+        f"RCP {r.verdict}" + (" (interpolated)" if r.interpolated else ""),
+        fontsize=11,
+    )
+    # Below the panels: with 10 runs and 4 marks a legend inside would cover the curves.
+    handles, labels = full.get_legend_handles_labels()
+    ncol = 5
+    rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.02 + 0.045 * rows, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _zoom_limits(ax, group: ResultGroup, target: float | None, marks: list[float]) -> None:
+    # Runs that stopped early (aborted) would stretch the window back to their last eval.
+    ends = [lg.evals[-1][0] for lg in group.logs if lg.evals and lg.converged]
+    ends = ends or [lg.evals[-1][0] for lg in group.logs if lg.evals]
+    if not ends:
+        return
+    hi = max(ends + marks)
+    lo = min(ends + marks)
+    span = max(hi - lo, 0.25 * hi)
+    x0, x1 = lo - 0.6 * span, hi + 0.15 * span
+    ys = [y for lg in group.logs for x, y in lg.evals if x0 <= x <= x1]
+    if target is not None:
+        ys.append(target)
+    if ys:
+        pad = 0.08 * (max(ys) - min(ys) or abs(max(ys)) or 1.0)
+        ax.set_ylim(min(ys) - pad, max(ys) + pad)
+    ax.set_xlim(x0, x1)

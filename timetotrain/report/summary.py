@@ -1,0 +1,108 @@
+"""`ttt report`: a picture per benchmark and a markdown summary of a tree of result logs.
+
+summary.md holds the score table of `ttt score` with a section per system x benchmark; scores.json its
+machine-readable form; one PNG per group (see plots.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import RULESET
+from timetotrain.mlperf.results import find_groups
+from timetotrain.mlperf.score import Score, rcp_line, score_group, to_json
+from timetotrain.report.plots import plot_group
+
+
+@dataclass
+class Report:
+    summary: Path
+    scores_json: Path
+    plots: list[Path]
+    scores: list[Score]
+
+
+def _slug(*parts: str) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p).strip("_") for p in parts if p)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
+    lines = [
+        "# Results",
+        "",
+        "Scores as the official result_summarizer computes them (olympic mean of run_start -> run_stop "
+        "minutes of compliant runs, times scaling.json); RCP verdicts from the official rcp_checker "
+        "(reference tiers) or timetotrain's RCP files (other tiers).",
+        "",
+        "| submitter | system | benchmark | tier | compliant runs | score (min) | CV time | "
+        "samples to converge | CV samples | RCP | RCP mean | RCP min | plot |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, p in zip(scores, plots, strict=True):
+        ok = sum(r.compliant for r in s.runs)
+        rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
+        lines.append(
+            f"| {s.submitter} | {s.system} | {s.benchmark} | {s.tier} | {ok}/{len(s.runs)} | "
+            f"{_fmt(s.score_minutes, '.4f')} | {_pct(s.cv_minutes)} | "
+            f"{_fmt(s.samples_to_converge, ',.1f')} | {_pct(s.cv_samples)} | "
+            f"{rcp} | {_fmt(s.rcp.rcp_mean, ',.1f')} | {_fmt(s.rcp.rcp_min, ',.1f')} | [{p.name}]({p.name}) |"
+        )
+    lines += ["", "## Details", ""]
+    for s, p in zip(scores, plots, strict=True):
+        lines += [
+            f"### {s.benchmark} ({s.tier}) - {s.submitter} / {s.system}",
+            "",
+            f"![{p.name}]({p.name})",
+            "",
+        ]
+        lines += [
+            "| run | seed | minutes | status | samples to converge | compliant |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in s.runs:
+            ok = "yes" if r.compliant else f"no: {r.problem}"
+            lines.append(
+                f"| {r.file} | {r.seed} | {_fmt(r.minutes, '.3f')} | {r.status or '-'} | "
+                f"{_fmt(r.samples_to_converge, ',.0f')} | {ok.replace('|', '/')} |"
+            )
+        lines += ["", rcp_line(s.rcp), ""]
+        lines += [f"- {n}" for n in s.notes]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
+    out = Path(out)
+    groups = find_groups(Path(root))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be created ({e.strerror}): pass a writable folder") from e
+    scores, plots, used = [], [], set()
+    for g in groups:
+        s = score_group(g, ruleset)
+        name = _slug(g.benchmark, g.tier)
+        if name in used:
+            name = _slug(g.benchmark, g.tier, g.submitter, g.system)
+        k = 2
+        while name in used:
+            name, k = f"{name}-{k}", k + 1
+        used.add(name)
+        plots.append(plot_group(g, s, out / f"{name}.png"))
+        scores.append(s)
+    summary = out / "summary.md"
+    summary.write_text(summary_markdown(scores, plots))
+    scores_json = out / "scores.json"
+    scores_json.write_text(to_json(scores) + "\n")
+    return Report(summary, scores_json, plots, scores)
