@@ -23,6 +23,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
 from timetotrain.mlperf.results import NOT_CONVERGED, ResultGroup, find_groups, official_compliance
+from timetotrain.suite import official
 
 
 @dataclass
@@ -196,12 +197,14 @@ def format_text(scores: list[Score]) -> str:
             f"GBS {s.global_batch_size}, ruleset {s.ruleset})"
         )
         out.append(f"  {s.folder}")
-        out.append(f"  {'run':<16}{'seed':>12}{'minutes':>11}  {'status':<9}{'samples':>12}  compliant")
+        unit = official.eval_unit(s.benchmark)
+        fmt = ",.0f" if unit == official.SAMPLES else ",.3f"
+        out.append(f"  {'run':<16}{'seed':>12}{'minutes':>11}  {'status':<9}{unit:>12}  compliant")
         for r in s.runs:
             flag = "yes" if r.compliant else f"NO: {r.problem}"
             out.append(
                 f"  {r.file:<16}{r.seed!s:>12}{_num(r.minutes, '.3f'):>11}  {r.status or '-':<9}"
-                f"{_num(r.samples_to_converge):>12}  {flag}"
+                f"{_num(r.samples_to_converge, fmt):>12}  {flag}"
             )
         if s.score_minutes is None:
             out.append("  score: none")
@@ -213,9 +216,10 @@ def format_text(scores: list[Score]) -> str:
         if s.cv_minutes is not None:
             cvs.append(f"CV of times {100 * s.cv_minutes:.2f}%")
         if s.cv_samples is not None:
-            cvs.append(f"CV of samples to converge {100 * s.cv_samples:.2f}%")
+            cvs.append(f"CV of {unit} to converge {100 * s.cv_samples:.2f}%")
         if s.samples_to_converge is not None:
-            cvs.append(f"olympic samples to converge {s.samples_to_converge:,.1f}")
+            olympic = format(s.samples_to_converge, ",.1f" if unit == official.SAMPLES else ",.3f")
+            cvs.append(f"olympic {unit} to converge {olympic}")
         if cvs:
             out.append("  " + ", ".join(cvs))
         out.append("  " + rcp_line(s.rcp))
