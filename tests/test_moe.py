@@ -236,6 +236,23 @@ def test_attention_matches_naive(layer):
         assert (out - full).abs().max() > 1e-6
 
 
+def test_band_in_blocks_equals_the_masked_square():
+    """From 4 windows on, windowed layers compute the band in blocks of W queries; same result as the full
+    [T, T] mask (and the plain mask below 4 windows)."""
+    from timetotrain.models.layers import band_blocks_mask, sliding_window_mask
+
+    model = _tiny_model()
+    attn = model.layers[0].attn
+    T, W = 24, TINY.sliding_window
+    assert model.window_mask(T, W, torch.device("cpu")).shape == (T // W, W, 2 * W)
+    assert model.window_mask(12, W, torch.device("cpu")).shape == (12, 12)
+    x = torch.randn(2, T, TINY.dim, dtype=torch.float64)
+    cos, sin = model.rope_cos[:T].double(), model.rope_sin[:T].double()
+    blocks = attn(x, cos, sin, band_blocks_mask(T // W, W))
+    square = attn(x, cos, sin, sliding_window_mask(T, W))
+    torch.testing.assert_close(blocks, square, rtol=1e-12, atol=1e-12)
+
+
 def test_window_mask_cached_per_length():
     model = _tiny_model()
     assert model.window_mask(20, 4, torch.device("cpu")) is model.window_mask(20, 4, torch.device("cpu"))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from timetotrain.models.head_loss import logits_or_loss
-from timetotrain.models.layers import RMSNorm, rope_tables, sliding_window_mask
+from timetotrain.models.layers import RMSNorm, band_blocks_mask, rope_tables, sliding_window_mask
 
 
 class Block(nn.Module):
@@ -75,12 +75,20 @@ class Decoder(nn.Module):
             self.rope_sin.copy_(sin)
 
     def window_mask(self, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-        """The band mask of a windowed layer; None (the causal kernel) where the band is the whole triangle."""
+        """The band mask of a windowed layer; None (the causal kernel) where the band is the whole triangle.
+
+        From 4 windows on (and a whole number of them) the band is computed in blocks of W queries
+        (`layers.windowed_attention`: O(T * 2W) instead of a masked T x T square); shorter sequences, where
+        the square costs at most twice the blocks, keep the plain `[T, T]` mask."""
         if window is None or seq_len <= window + 1:
             return None
         key = (seq_len, window, device)
         if key not in self._window_masks:
-            self._window_masks[key] = sliding_window_mask(seq_len, window, device)
+            if seq_len >= 4 * window and seq_len % window == 0:
+                mask = band_blocks_mask(seq_len // window, window, device)
+            else:
+                mask = sliding_window_mask(seq_len, window, device)
+            self._window_masks[key] = mask
         return self._window_masks[key]
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:

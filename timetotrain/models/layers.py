@@ -77,6 +77,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def band_blocks_mask(n_blocks: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean `[n_blocks, W, 2W]` mask for `windowed_attention`: query r of block j sees key c of the
+    (previous block, own block) pair iff r <= c <= r + W; block 0 has no previous block."""
+    r = torch.arange(window, device=device).unsqueeze(1)
+    c = torch.arange(2 * window, device=device).unsqueeze(0)
+    band = (c >= r) & (c <= r + window)
+    first = band & (c >= window)
+    return torch.cat([first.unsqueeze(0), band.unsqueeze(0).expand(n_blocks - 1, -1, -1)])
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sliding-window attention (keys `i - W .. i`) in blocks of W queries, each against its own and the
+    previous block's keys: memory and work O(T * 2W) instead of the O(T^2) of a full masked square, which
+    the fused kernels cannot skip (they take no band) and which SDPA's math fallback materialises.
+    `q`, `k`, `v` `[B, H, T, hd]` with T a multiple of W; `mask` from `band_blocks_mask`."""
+    B, H, T, D = q.shape
+    n, W = mask.shape[0], mask.shape[1]
+    qb = q.reshape(B, H, n, W, D)
+
+    def pairs(t):  # [B, H, n, 2W, D]: (previous block, own block), zeros before the first
+        tb = t.reshape(B, H, n, W, D)
+        prev = torch.cat([tb.new_zeros(B, H, 1, W, D), tb[:, :, :-1]], dim=2)
+        return torch.cat([prev, tb], dim=3)
+
+    out = F.scaled_dot_product_attention(qb, pairs(k), pairs(v), attn_mask=mask)
+    return out.reshape(B, H, T, D)
+
+
 def sliding_window_mask(seq_len: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean `[T, T]` SDPA mask, True = attend: the band `i - window <= j <= i` (Megatron `(window, 0)`)."""
     i = torch.arange(seq_len, device=device).unsqueeze(1)
@@ -121,7 +149,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`x` `[B, T, dim]`; `cos`/`sin` `[T, head_dim // 2]`; `mask` None for full causal attention, else a
-        boolean `[T, T]` mask (True = attend)."""
+        boolean `[T, T]` mask (True = attend) or the `[T / W, W, 2W]` blocks of a sliding-window band."""
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_kv_heads, self.group + 2, self.head_dim)
         if self.q_norm is None:
@@ -138,7 +166,10 @@ class Attention(nn.Module):
             # but not GQA; SDPA would otherwise fall back to the math kernel and materialise B*H*T*T scores.
             k = k.repeat_interleave(self.group, dim=1)
             v = v.repeat_interleave(self.group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if mask.dim() == 3:  # a band in blocks (decoder.Decoder.window_mask)
+                out = windowed_attention(q, k, v, mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         elif self.group == 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif _SDPA_HAS_GQA:

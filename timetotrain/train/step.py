@@ -87,7 +87,7 @@ def build_training(
         model = family.build(tier.model)
     model.to_empty(device=device)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
-    _warmup(bench, model, tier, device)
+    _warmup(bench, model, tier, device, torch.bfloat16 if plan.precision == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
@@ -102,9 +102,12 @@ def build_training(
     )  # fmt: skip
 
 
-def _warmup(bench, model, tier, device) -> None:
-    """Touch every kernel once before the clock (allocator, kernel selection)."""
+def _warmup(bench, model, tier, device, autocast: torch.dtype | None) -> None:
+    """Touch every kernel once before the clock (allocator, kernel selection), in the training precision:
+    an fp32 warm-up of a bf16 run would pick other kernels and size the allocator for fp32 activations."""
     mb = min(tier.micro_batch_size, 2)
     data = bench.task.synthetic(tier, mb, torch.Generator(device=device).manual_seed(0), device)
-    data.loss(model, data.batch(0)).backward()
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        loss = data.loss(model, data.batch(0))
+    loss.backward()
     model.zero_grad(set_to_none=True)
