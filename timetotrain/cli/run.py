@@ -44,10 +44,10 @@ def _cmd_list(args) -> int:
             f"{r['benchmark']:<14}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
             f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
         )
-    print(
-        "\ntarget: eval metric (mean validation cross-entropy) at or below which a run stops; eval cadence and"
-    )
-    print("eval set are in samples (sequences); runs: the number of runs a submission needs.")
+    print("\ntarget: the eval metric a run must meet to stop with success:")
+    for name in suite.names():
+        print(f"  {name}: {suite.get(name).metric}")
+    print("eval cadence and eval set are in samples; runs: the number of runs a submission needs.")
     return 0
 
 
@@ -139,6 +139,7 @@ def _cmd_synth(args) -> int:
             parallel=args.parallel,
             activation_checkpointing=args.ac,
             compile=args.compile,
+            layers=args.layers,
         )
     )
     if "log" in summary:  # rank 0 only
@@ -278,6 +279,13 @@ def add_commands(sub) -> None:
     s.add_argument("--steps", type=int, default=None, help="timed steps (default 30 tiny, 20 reference)")
     s.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 5)")
     s.add_argument("--micro-batch", type=int, default=None, help="micro-batch per rank (sets accumulation)")
+    s.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="use N repeated layers instead of the tier's, same width: a reference-width model that fits one "
+        "device (e.g. --tier reference --layers 4)",
+    )
     s.add_argument("--logdir", default="logs", help="where the log and summary go (default: ./logs)")
     s.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"

@@ -279,7 +279,7 @@ def format_table(s: dict) -> str:
         (f"{item}/s", f"{s[item + '_per_s']:,.0f} global, {s[item + '_per_s_per_device']:,.0f} per device"),
         ("samples/s", f"{s['samples_per_s']:,.2f}"),
         ("step time", "p50 {p50:.4f} s, p90 {p90:.4f} s, max {max:.4f} s".format(**s["step_time_s"])),
-        (f"model FLOPs/{item}", f"{s['model_flops_per_item'] / 1e6:,.2f} M"),
+        (f"model FLOPs/{item.removesuffix('s')}", f"{s['model_flops_per_item'] / 1e6:,.2f} M"),
         ("model TFLOP/s", f"{s['model_tflops_per_s']:,.3f} global, {s['model_tflops_per_s_per_device']:,.3f} per device"),
         ("MFU", f"{s['mfu']:.1%} of {s['peak_tflops_per_device']:,.3f} TFLOP/s ({s['peak_source']})"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**30:,.2f} GiB ({s['peak_memory_kind']})"),
