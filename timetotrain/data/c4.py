@@ -2,8 +2,8 @@
 
 Document order is kept (files in name order, lines in file order) so a prepared validation split is the
 same stream the reference evaluates on. Each document is followed by the tokenizer's end-of-text id.
-Decision (spec §6.2 leaves it unconfirmed whether the hosted stream has separators): we append EOD, as
-Megatron's `--append-eod` does, because without a separator the model cannot tell where one unrelated
+Decision (docs/benchmarks/llama31_8b.md, "Data": whether the hosted stream has separators is
+unconfirmed): we append EOD, as Megatron's `--append-eod` does, because without a separator the model cannot tell where one unrelated
 web page ends and the next begins, and gpt_oss_20b's EOD loss mask needs them. `--no-eod` turns it off.
 """
 

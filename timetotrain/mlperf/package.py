@@ -1,4 +1,4 @@
-"""`ttt package`: result logs -> the submission tree the official package checker reads (spec §4).
+"""`ttt package`: result logs -> the submission tree the official package checker reads (docs/submission.md).
 
     OUT/systems/<system>.json
     OUT/results/<system>/<benchmark>/result_<i>.txt        copied, ordered by run_start, renumbered 0..N-1
@@ -33,7 +33,7 @@ STATUS_CHOICES = (
     "Research, Development, or Internal (RDI)",
     "Preview",
 )
-# The fields system_desc_checker requires, in its order (spec §4.2).
+# The fields system_desc_checker requires, in its order (mlperf_logging's system_desc_checker).
 REQUIRED_FIELDS = (
     "submitter",
     "division",

@@ -1,7 +1,7 @@
 """Reference convergence points (RCPs): is a set of runs converging as fast as the reference may?
 
 Reference tiers are judged by the official `mlperf_logging.rcp_checker` against its own JSON files.
-Other tiers (e.g. `tiny`) are judged by the same algorithm (spec §5), implemented here, against an RCP
+Other tiers (e.g. `tiny`) are judged by the same algorithm (docs/submission.md, "RCP verdicts"), implemented here, against an RCP
 JSON in the official format shipped at `timetotrain/suite/rcps/<bench>_<tier>.json`; `build_rcp_json`
 writes such a record from converged result logs of the tier.
 

@@ -121,7 +121,7 @@ def parse_log(path: Path) -> RunLog:
 
 def _eval_point(bench, meta: dict):
     """The convergence point of an eval line, in the unit the official RCP checker counts for this
-    benchmark: samples_count, or epoch_num rounded to 3 decimals (spec §2.8). Benchmarks the official
+    benchmark: samples_count, or epoch_num rounded to 3 decimals (as the official RCP checker reads them). Benchmarks the official
     tools do not know use epoch_num when the line has one."""
     if official.eval_unit(bench) == official.SAMPLES or "epoch_num" not in meta:
         return meta.get("samples_count")

@@ -1,6 +1,6 @@
 """`ttt score`: the MLPerf Training score of each system x benchmark in a tree of result logs.
 
-The arithmetic is the official result_summarizer's (spec §4.4), so a submission tree scores to the same
+The arithmetic is the official result_summarizer's (docs/submission.md), so a submission tree scores to the same
 number: a run counts iff the official compliance engine accepts its file; its time is run_start ->
 run_stop in minutes; the score is the olympic mean (drop the fastest and the slowest; a dropped,
 non-compliant run counts as the slowest; more than one -> no score), times `scaling.json`'s factor when

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from timetotrain.models.head_loss import logits_or_loss
-from timetotrain.models.layers import RMSNorm, band_blocks_mask, rope_tables, sliding_window_mask
+from timetotrain.models.layers import Attention, RMSNorm, band_blocks_mask, rope_tables, sliding_window_mask
 
 
 class Block(nn.Module):
@@ -43,11 +43,32 @@ class Block(nn.Module):
         nn.init.ones_(self.ffn_norm.weight)
 
 
-class Decoder(nn.Module):
-    """Built initialised (`init_weights` with the global RNG); on the meta device nothing is computed."""
+def check_attention_shape(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """The constraints of grouped-query attention with RoPE, for a family's config `__post_init__`."""
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
 
-    def __init__(self, cfg, blocks):
+
+class Decoder(nn.Module):
+    """Built initialised (`init_weights` with the global RNG); on the meta device nothing is computed.
+
+    A family passes `make_ffn(layer)` (the block's FFN or MoE), and optionally `window_of(layer)` (a sliding
+    window width or None) and `qk_norm_eps` (per-head QK-norm in every layer)."""
+
+    def __init__(self, cfg, make_ffn, window_of=None, qk_norm_eps: float | None = None):
         super().__init__()
+        blocks = [
+            Block(
+                cfg.dim,
+                cfg.norm_eps,
+                Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps),
+                make_ffn(i),
+                window=window_of(i) if window_of is not None else None,
+            )
+            for i in range(cfg.n_layers)
+        ]
         self.cfg = cfg
         # nn.Embedding / nn.Linear (not bare Parameters) so module-swapping tools (float8, TP plans) find them.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)

@@ -8,7 +8,7 @@ Block: RMSNorm -> GQA attention (QK-norm, RoPE, causal; every other layer a 128-
 residual, RMSNorm -> MoE (router + top-k of E SwiGLU experts, dropless) -> residual. Final RMSNorm, untied
 head.
 
-Readings of the reference that are not spelled out in the spec table:
+Readings of the reference that its published configuration does not spell out:
 
 - Which layers slide. Megatron's `window_attn_skip_freq` list is indexed by the 1-indexed layer number
   (`list[layer_number - 1]`, truthy = windowed); the reference list is [1, 0, 1, 0, ...], so 1-indexed layers
@@ -38,9 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from timetotrain.models.decoder import Block, Decoder
+from timetotrain.models.decoder import Decoder, check_attention_shape
 from timetotrain.models.family import ModelFamily
-from timetotrain.models.layers import Attention, attention_keys_per_query
+from timetotrain.models.layers import (
+    RMSNORM_SAVED,
+    attention_keys_per_query,
+    attention_matmul_params,
+    attention_saved_elements,
+)
 from timetotrain.models.moe import MoE, TopKRouter
 
 
@@ -66,10 +71,7 @@ class GptOssConfig:
     init_std: float = 0.008
 
     def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim)
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts={self.n_experts}]")
         if not self.window_pattern:
@@ -108,25 +110,16 @@ GPT_OSS_20B = GptOssConfig(
 
 class GptOss(Decoder):
     def __init__(self, cfg: GptOssConfig):
-        blocks = [
-            Block(
-                cfg.dim,
-                cfg.norm_eps,
-                Attention(
-                    cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps if cfg.qk_norm else None
-                ),
-                MoE(
-                    TopKRouter(cfg.dim, cfg.n_experts, cfg.top_k),
-                    cfg.n_experts,
-                    cfg.top_k,
-                    cfg.dim,
-                    cfg.expert_ffn_dim,
-                ),
-                window=cfg.sliding_window if cfg.is_window_layer(i) else None,
-            )
-            for i in range(cfg.n_layers)
-        ]
-        super().__init__(cfg, blocks)
+        def moe(layer: int) -> MoE:
+            router = TopKRouter(cfg.dim, cfg.n_experts, cfg.top_k)
+            return MoE(router, cfg.n_experts, cfg.top_k, cfg.dim, cfg.expert_ffn_dim)
+
+        super().__init__(
+            cfg,
+            moe,
+            window_of=lambda layer: cfg.sliding_window if cfg.is_window_layer(layer) else None,
+            qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None,
+        )
 
     def tokens_per_expert(self) -> torch.Tensor:
         """`[n_layers, n_experts]` token copies routed to each expert in the last forward (on device)."""
@@ -139,10 +132,9 @@ def init_weights(model: GptOss, generator: torch.Generator | None = None) -> Non
 
 
 def _layer_matmul_params(cfg: GptOssConfig, experts: int) -> int:
-    qkv = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    proj = cfg.n_heads * cfg.head_dim * cfg.dim
+    attention = attention_matmul_params(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     router = cfg.dim * cfg.n_experts
-    return qkv + proj + router + experts * 3 * cfg.dim * cfg.expert_ffn_dim
+    return attention + router + experts * 3 * cfg.dim * cfg.expert_ffn_dim
 
 
 def _norm_params(cfg: GptOssConfig) -> int:
@@ -186,10 +178,9 @@ def activation_elements(cfg: GptOssConfig) -> float:
     (counted as 2E + 2k); per routed copy (k of them): the permuted input (h), fc1's output (2f), the
     weighted activation (f) and the expert output (h); the combine's input (k h)."""
     h, f, k = cfg.dim, cfg.expert_ffn_dim, cfg.top_k
-    kv = cfg.n_kv_heads * cfg.head_dim
-    q = cfg.n_heads * cfg.head_dim
-    attention = 3 * h + (q + 2 * kv) + h + h + 2 * (q + kv)
-    moe = 3 * h + 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h
+    qk_norm = 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm else 0
+    attention = attention_saved_elements(h, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) + qk_norm
+    moe = RMSNORM_SAVED * h + 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h
     return attention + moe
 
 

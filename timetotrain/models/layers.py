@@ -207,6 +207,21 @@ class FeedForward(nn.Module):
         normal(self.fc2.weight, residual_std)
 
 
+def attention_matmul_params(dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """Weights of the fused QKV projection and the output projection."""
+    return dim * (n_heads + 2 * n_kv_heads) * head_dim + n_heads * head_dim * dim
+
+
+def attention_saved_elements(dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> int:
+    """Elements autograd keeps per token for one attention layer: rotated q, k, v, SDPA's output (h) and the
+    output projection's input (h)."""
+    return (n_heads + 2 * n_kv_heads) * head_dim + 2 * dim
+
+
+# RMSNorm keeps its input, the normalised values and the weighted output: 3 elements per element.
+RMSNORM_SAVED = 3
+
+
 def attention_keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
     """Keys one query attends to on average, as a kernel computes them: the full square (`T`), its causal
     half (`T / 2`), or for a sliding window `W` its band (`min(W, T)`; causal: the band's area per query,

@@ -21,9 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from timetotrain.models.decoder import Block, Decoder
+from timetotrain.models.decoder import Decoder, check_attention_shape
 from timetotrain.models.family import ModelFamily
-from timetotrain.models.layers import Attention, FeedForward, RopeScaling
+from timetotrain.models.layers import (
+    RMSNORM_SAVED,
+    FeedForward,
+    RopeScaling,
+    attention_matmul_params,
+    attention_saved_elements,
+)
 from timetotrain.models.llama_hf import hf_mapping
 
 
@@ -44,10 +50,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        check_attention_shape(self.n_heads, self.n_kv_heads, self.head_dim)
 
     @property
     def head_dim(self) -> int:
@@ -73,16 +76,7 @@ LLAMA31_8B = LlamaConfig(
 
 class Llama(Decoder):
     def __init__(self, cfg: LlamaConfig):
-        blocks = [
-            Block(
-                cfg.dim,
-                cfg.norm_eps,
-                Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim),
-                FeedForward(cfg.dim, cfg.ffn_dim),
-            )
-            for _ in range(cfg.n_layers)
-        ]
-        super().__init__(cfg, blocks)
+        super().__init__(cfg, lambda layer: FeedForward(cfg.dim, cfg.ffn_dim))
 
 
 def init_weights(model: Llama, generator: torch.Generator | None = None) -> None:
@@ -91,9 +85,8 @@ def init_weights(model: Llama, generator: torch.Generator | None = None) -> None
 
 
 def _layer_matmul_params(cfg: LlamaConfig) -> int:
-    qkv = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    proj = cfg.n_heads * cfg.head_dim * cfg.dim
-    return qkv + proj + 3 * cfg.dim * cfg.ffn_dim
+    attention = attention_matmul_params(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    return attention + 3 * cfg.dim * cfg.ffn_dim
 
 
 def _matmul_params(cfg: LlamaConfig) -> int:
@@ -125,10 +118,8 @@ def activation_elements(cfg: LlamaConfig) -> float:
     """Elements autograd keeps per token for one block (train/memory.py explains the count): RMSNorm keeps
     its input, the normalised values and the weighted output (3h, twice); SDPA keeps rotated q, k, v and its
     output; the output projection its input (h); SwiGLU keeps fc1's output (2f) and fc2 its input (f)."""
-    h, f = cfg.dim, cfg.ffn_dim
-    kv = cfg.n_kv_heads * cfg.head_dim
-    q = cfg.n_heads * cfg.head_dim
-    return 3 * h + (q + 2 * kv) + h + h + 3 * h + 3 * f
+    attention = attention_saved_elements(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    return 2 * RMSNORM_SAVED * cfg.dim + attention + 3 * cfg.ffn_dim
 
 
 FAMILY = ModelFamily(
