@@ -87,7 +87,8 @@ def run_set(args, seeds: list[int], **fixed) -> list:
             k: getattr(args, a)
             for k, a in [("max_steps", "max_steps"), ("device", "device"), ("org", "org"), ("platform", "platform"),
                          ("parallel", "parallel"), ("precision", "precision"), ("activation_checkpointing", "ac"),
-                         ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace")]
+                         ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace"),
+                         ("init_checkpoint", "init_checkpoint")]
             if hasattr(args, a)
         }  # fmt: skip
         results = []
@@ -263,6 +264,12 @@ def add_commands(sub) -> None:
         type=float,
         default=10.0,
         help="after SIGTERM/SIGINT, seconds to finish the step and log run_stop before exiting (default 10)",
+    )
+    s.add_argument(
+        "--init-checkpoint",
+        default=None,
+        help="start from these weights instead of the benchmark's init: a Hugging Face safetensors folder "
+        "(model.safetensors or an index + shards) or a ttt checkpoint folder; loaded during init",
     )
     s.set_defaults(func=_cmd_run)
 

@@ -213,6 +213,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_init_source(path: str | os.PathLike, family) -> str:
+    """Preflight of `--init-checkpoint`: "ours" (a `save_checkpoint` folder) or "hf" (safetensors), or a
+    one-line UserError naming the folder and the fix."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(
+            f"--init-checkpoint {p} is not a folder: pass a Hugging Face or ttt checkpoint folder"
+        )
+    if (p / META).is_file():
+        return "ours"
+    if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
+        if family.hf_mapping is None:
+            raise UserError(
+                f"--init-checkpoint {p}: the {family.name} family has no Hugging Face name mapping"
+            )
+        return "hf"
+    raise UserError(
+        f"--init-checkpoint {p} holds neither {HF_INDEX} / {HF_SINGLE} (Hugging Face) nor {META} (ttt)"
+    )
+
+
+def init_from(path: str | os.PathLike, model: nn.Module, family, cfg, truncate_rows=None) -> None:
+    """Replace the initialised weights of the bare `model` with a checkpoint's (before parallelism)."""
+    if check_init_source(path, family) == "hf":
+        load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows)
+    else:
+        load_checkpoint(path, model, None)
+        if hasattr(model, "reset_rope"):
+            model.reset_rope()
+
+
 def save_checkpoint(
     dirpath: str | os.PathLike,
     model: nn.Module,

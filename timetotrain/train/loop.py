@@ -54,6 +54,7 @@ class RunOptions:
     precision: str = "fp32"
     activation_checkpointing: bool = False
     compile: bool = False
+    init_checkpoint: Path | None = None  # start from these weights (Hugging Face or ttt checkpoint folder)
     dist_timeout: float = 600.0  # a collective waiting longer than this fails (a peer is gone)
     abort_grace: float = 10.0  # after a signal, how long the loop gets to stop before the process exits
     aborter: Aborter | None = None  # the CLI's, entered before torch starts threads; else run() makes one
@@ -108,6 +109,11 @@ def run(opts: RunOptions) -> RunResult:
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
     check_rules(bench, tier)
+    if opts.init_checkpoint is not None:
+        from timetotrain.train.checkpoint import check_init_source
+
+        check_init_source(opts.init_checkpoint, bench.family)
+        prep.init_checkpoint = Path(opts.init_checkpoint)
     res = task.resolve(tier, opts.data, verify=opts.verify_data and d.main)
     prepare.start_device(prep, opts.device, opts.dist_timeout, opts.seed)
     device, seed = prep.device, prep.seed
@@ -142,6 +148,8 @@ def run(opts: RunOptions) -> RunResult:
                 "ttt_parallel": prep.plan.describe(),
                 "ttt_eval_every_samples": tier.eval_every_samples,
             }
+            if prep.init_checkpoint is not None:
+                extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
             tr = prepare.build(prep)
             log.end("init_stop")

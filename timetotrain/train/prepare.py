@@ -30,6 +30,7 @@ class Prepared:
     accum: int  # micro-batches per rank per step
     device: torch.device | None = None
     seed: int | None = None
+    init_checkpoint: Path | None = None  # weights to start from instead of the benchmark's init
 
 
 def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
@@ -93,4 +94,4 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
 
 def build(prep: Prepared) -> Training:
     torch.manual_seed(prep.seed)
-    return build_training(prep.bench, prep.tier, prep.device, prep.seed, prep.plan)
+    return build_training(prep.bench, prep.tier, prep.device, prep.seed, prep.plan, prep.init_checkpoint)

@@ -76,11 +76,12 @@ class Training:
 
 
 def build_training(
-    bench, tier, device: torch.device, seed: int, plan: parallel.Plan | None = None
+    bench, tier, device: torch.device, seed: int, plan: parallel.Plan | None = None, init_checkpoint=None
 ) -> Training:
     """Model on the meta device, materialised on `device`, warmed up once, initialised by the benchmark's
-    own rule from `seed` (the same on every rank), then parallelised per `plan`, then a fresh optimizer
-    over the (possibly sharded) parameters. Nothing from the warm-up survives."""
+    own rule from `seed` (the same on every rank) or loaded from `init_checkpoint` (a Hugging Face or ttt
+    checkpoint folder), then parallelised per `plan`, then a fresh optimizer over the (possibly sharded)
+    parameters. Nothing from the warm-up survives."""
     plan = plan or parallel.Plan()
     family = bench.family
     with torch.device("meta"):
@@ -89,6 +90,10 @@ def build_training(
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.precision == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
+    if init_checkpoint is not None:
+        from timetotrain.train.checkpoint import init_from
+
+        init_from(init_checkpoint, model, family, tier.model)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.

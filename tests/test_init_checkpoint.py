@@ -1,0 +1,66 @@
+"""Starting a run from a checkpoint: `build_training(..., init_checkpoint=...)` and `ttt run
+--init-checkpoint` load Hugging Face or ttt weights in place of the benchmark's init, during init."""
+
+import subprocess
+
+import pytest
+import torch
+from conftest import mllog, require, ttt_command
+
+from timetotrain.models.llama_hf import from_hf_state_dict, hf_config_kwargs
+from timetotrain.suite import get
+from timetotrain.train.checkpoint import save_checkpoint
+from timetotrain.train.step import build_training
+
+BENCH = get("llama31_8b")
+TIER = BENCH.tier("tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """An HF LlamaForCausalLM of the tiny tier's shape, saved in 2 shards, and its state dict."""
+    transformers = require("transformers")
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_kwargs(TIER.model))).float()
+    out = tmp_path_factory.mktemp("hf_tiny")
+    hf.save_pretrained(out, safe_serialization=True, max_shard_size=2_000_000)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    return out, from_hf_state_dict(hf.state_dict(), TIER.model)
+
+
+def test_build_training_starts_from_hf_weights(hf_tiny):
+    path, ours = hf_tiny
+    tr = build_training(BENCH, TIER, torch.device("cpu"), seed=5, init_checkpoint=path)
+    state = tr.bare.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ours.items())
+    fresh = build_training(BENCH, TIER, torch.device("cpu"), seed=5).bare.state_dict()
+    assert not torch.equal(fresh["embed.weight"], state["embed.weight"])  # not the benchmark's init
+
+
+def test_build_training_starts_from_a_ttt_checkpoint(tmp_path):
+    a = build_training(BENCH, TIER, torch.device("cpu"), seed=7)
+    save_checkpoint(tmp_path / "ck", a.bare, None, step=0)
+    b = build_training(BENCH, TIER, torch.device("cpu"), seed=8, init_checkpoint=tmp_path / "ck")
+    assert all(torch.equal(x, y) for x, y in zip(a.bare.parameters(), b.bare.parameters(), strict=True))
+    assert torch.equal(a.bare.rope_cos, b.bare.rope_cos)
+
+
+@pytest.mark.slow
+def test_ttt_run_init_checkpoint(hf_tiny, c4_prepared, tmp_path):
+    path, _ = hf_tiny
+    args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
+    args += ["--seed", "1", "--max-steps", "2", "--quiet", "--init-checkpoint", str(path)]
+    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]  # aborted at the step limit, after loading
+    keys = {r["key"]: r["value"] for r in mllog(tmp_path / "llama31_8b" / "tiny" / "result_0.txt")}
+    assert keys["ttt_init_checkpoint"] == str(path)
+
+
+def test_bad_init_checkpoint_is_one_line_before_any_log(c4_prepared, tmp_path):
+    args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
+    proc = subprocess.run(
+        ttt_command(*args, "--init-checkpoint", str(tmp_path)), capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--init-checkpoint" in proc.stderr
+    assert not list(tmp_path.rglob("result_*"))  # failed in preflight: no log started
