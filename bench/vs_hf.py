@@ -24,8 +24,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token, hf_config_kwargs, to_hf_state_dict
+from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token
+from timetotrain.models.llama_hf import hf_config_kwargs, to_hf_state_dict
 from timetotrain.suite.llama31_8b import TINY
+from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.optim import build_adamw
 from timetotrain.train.peak import measure_cpu_peak
 from timetotrain.train.step import train_step
@@ -51,7 +53,11 @@ def make_step(model, hf: bool):
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-5, 0.1)
     params = [p for p in model.parameters()]
     if not hf:
-        return lambda tokens: train_step(model, opt, tokens, 1, 1.0, params)
+
+        def loss(m, batch):
+            return lm_loss(m, batch["tokens"], None)
+
+        return lambda tokens: train_step(model, opt, {"tokens": tokens}, 1, loss, 1.0, params)
 
     def step(tokens):
         logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
