@@ -6,12 +6,20 @@ from pathlib import Path
 
 from timetotrain.errors import UserError
 
+_GOVREPORT_ONLY = ("tokenizer_model", "block", "select", "rows", "truncate_input", "packing")
+
 
 def _cmd_prepare(args) -> int:
+    if args.dataset == "govreport":
+        return _prepare_govreport(args)
     from timetotrain.data import c4
 
     if args.dataset != "c4":
-        raise UserError(f"unknown dataset {args.dataset!r}: this version prepares c4")
+        raise UserError(f"unknown dataset {args.dataset!r}: this version prepares c4 and govreport")
+    given = [n for n in _GOVREPORT_ONLY if getattr(args, n) not in (None, "all")]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UserError(f"{flag} applies to `ttt data prepare govreport` only: drop it for c4")
     info = c4.prepare(
         Path(args.src), args.split, args.tokenizer, Path(args.out), args.workers, eod=not args.no_eod
     )
@@ -22,20 +30,100 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
+def _prepare_govreport(args) -> int:
+    from timetotrain.data import govreport
+
+    if args.tokenizer_model is None:
+        raise UserError("govreport needs --tokenizer-model FILE: pass the Llama 2 tokenizer.model")
+    if args.no_eod:
+        raise UserError("--no-eod applies to c4 only: govreport ends every example with EOS by recipe")
+    out = Path(args.out)
+    info = govreport.prepare(
+        args.src,
+        args.split,
+        args.tokenizer_model,
+        out,
+        block=args.block,
+        select=args.select,
+        rows=args.rows,
+        truncate_input=args.truncate_input,
+        packing=args.packing,
+        threads=args.workers,
+    )
+    c = info["counts"]
+    ids_name, labels_name = govreport.array_names(args.split)
+    blocks = f"{c['blocks']:,} blocks of {info['block']:,} tokens"
+    if info["source_format"] == "mlcommons-parquet":
+        what = f"{blocks} imported as they are"
+    else:
+        what = (
+            f"{c['examples']:,} examples, {c['dropped_too_long']:,} longer than {info['block']:,} tokens dropped"
+            + (f", {c['inputs_truncated']:,} reports truncated" if c["inputs_truncated"] else "")
+            + f", {blocks}"
+        )
+    print(
+        f"govreport {args.split}: {what} ({c['tokens']:,} tokens, {c['label_tokens']:,} with loss) -> "
+        f"{out / ids_name}, {labels_name} (manifest {govreport.dataset_name(args.split)}.manifest.json)"
+    )
+    return 0
+
+
 def add_commands(sub) -> None:
     """Register `data prepare`."""
     d = sub.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
     s = d.add_parser(
         "prepare",
-        help="tokenize raw data into Megatron-compatible indexed files",
-        description="Tokenize allenai/c4 json.gz files into .bin/.idx files (byte-compatible with "
-        "megatron-core's IndexedDataset), a token histogram and a manifest with checksums.",
+        help="tokenize raw data into the files the benchmarks read",
+        description="c4: tokenize allenai/c4 json.gz files into .bin/.idx files (byte-compatible with "
+        "megatron-core's IndexedDataset), a token histogram and a manifest with checksums. "
+        "govreport: tokenize SCROLLS gov_report (.jsonl or .parquet) with the Llama 2 tokenizer into packed "
+        "input_ids/labels .npy blocks and a manifest (llama2_70b_lora), or import MLCommons' preprocessed "
+        "scrolls_gov_report_8k parquet as it is.",
     )
-    s.add_argument("dataset", choices=["c4"], help="dataset to prepare")
-    s.add_argument("--src", required=True, help="folder with c4-<split>.*.json.gz (allenai/c4 `en`)")
+    s.add_argument("dataset", choices=["c4", "govreport"], help="dataset to prepare")
+    s.add_argument(
+        "--src",
+        required=True,
+        help="c4: folder with c4-<split>.*.json.gz (allenai/c4 `en`); govreport: a SCROLLS .jsonl/.parquet, "
+        "or MLCommons' scrolls_gov_report_8k parquet (or its folder)",
+    )
     s.add_argument("--split", required=True, choices=["train", "validation"])
-    s.add_argument("--tokenizer", default="llama3", help="tokenizer (default: llama3, from llama-models)")
+    s.add_argument("--tokenizer", default="llama3", help="c4 tokenizer (default: llama3, from llama-models)")
     s.add_argument("--out", required=True, help="output folder (created if missing)")
-    s.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
-    s.add_argument("--no-eod", action="store_true", help="do not append end-of-text after each document")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (govreport: threads; default: all cores)",
+    )
+    s.add_argument("--no-eod", action="store_true", help="c4: do not append end-of-text after each document")
+    g = s.add_argument_group("govreport")
+    g.add_argument("--tokenizer-model", metavar="FILE", help="the Llama 2 SentencePiece tokenizer.model")
+    g.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help="tokens per packed row (default 8192; 1024 with --select tiny)",
+    )
+    g.add_argument(
+        "--select",
+        choices=["all", "tiny"],
+        default="all",
+        help="tiny: the tiny tier's 10 train / 3 validation rows of the shared 14-row fixture, reports "
+        "truncated to fit --block (see timetotrain/data/govreport.py)",
+    )
+    g.add_argument("--rows", metavar="START:STOP", help="only these records (0-based, in file order)")
+    g.add_argument(
+        "--truncate-input",
+        action="store_true",
+        default=None,
+        help="cut over-long reports to fit the block instead of dropping the example (default with tiny)",
+    )
+    g.add_argument(
+        "--packing",
+        choices=["reference", "whole"],
+        default=None,
+        help="reference: pack in the reference's datasets.map groups (default); whole: one stream "
+        "(default with tiny)",
+    )
     s.set_defaults(func=_cmd_prepare)

@@ -1,0 +1,95 @@
+"""A SentencePiece tokenizer loaded from a `tokenizer.model` file the user names (`--tokenizer-model FILE`).
+
+llama2_70b_lora uses Meta's Llama 2 tokenizer (32,000 pieces, `<unk>`=0, `<s>`=1, `</s>`=2). Unlike the Llama 3
+file, it is not shipped by a pip package we depend on, so the user points at a copy (Hugging Face
+`meta-llama/Llama-2-70b-hf/tokenizer.model`, or the one in the MLCommons model folder). We read BOS/EOS ids from
+the file rather than hard-coding them, record the file's sha256 in every manifest, and name it `llama2` when
+the sha256 is the known Llama 2 file so a prepared dataset says which tokenizer made it.
+
+`encode` returns plain ids with neither BOS nor EOS: SentencePiece's own dummy-prefix rule (a leading `▁`) is
+what the Hugging Face Llama tokenizer applies too, and callers add BOS/EOS themselves where the recipe says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from timetotrain.errors import UserError
+
+# Meta's Llama 2 tokenizer.model (identical in the HF meta-llama/Llama-2-* repos).
+LLAMA2_SHA256 = "9e556afd44213b6bd1be2b850ebbbd98f5481437a8021afaf58ee7fb1818d347"
+LLAMA2_VOCAB = 32_000
+LLAMA2_BOS, LLAMA2_EOS = 1, 2
+
+
+@dataclass(frozen=True)
+class SentencePieceTokenizer:
+    name: str
+    path: str
+    sha256: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    processor: object  # sentencepiece.SentencePieceProcessor
+
+    def identity(self) -> dict:
+        return {
+            "name": self.name,
+            "file": Path(self.path).name,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+        }
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids, no BOS/EOS. Special-token strings in the text (`</s>`) stay plain text."""
+        return self.processor.encode(text)
+
+    def encode_batch(self, texts: list[str], threads: int = 1) -> list[list[int]]:
+        # SentencePiece threads in C++, so a batch uses several cores without a process pool.
+        return self.processor.encode(texts, num_threads=max(1, threads))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.processor.decode(ids)
+
+
+def load(path: Path | str) -> SentencePieceTokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"--tokenizer-model {path} does not exist: point it at the Llama 2 tokenizer.model "
+            "(e.g. meta-llama/Llama-2-70b-hf/tokenizer.model)"
+        )
+    try:
+        import sentencepiece as spm
+    except ImportError as e:
+        raise UserError("sentencepiece is not installed: run `pip install sentencepiece`") from e
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    proc = spm.SentencePieceProcessor()
+    try:
+        # From bytes, so the digest we record is of exactly what was loaded.
+        proc.LoadFromSerializedProto(data)
+    except (RuntimeError, OSError, TypeError) as e:
+        raise UserError(
+            f"--tokenizer-model {path} cannot be parsed as a SentencePiece model: "
+            "pass the Llama 2 tokenizer.model, not tokenizer.json or a tiktoken file"
+        ) from e
+    bos, eos = proc.bos_id(), proc.eos_id()
+    if bos < 0 or eos < 0:
+        raise UserError(
+            f"--tokenizer-model {path} defines no BOS/EOS pieces (bos {bos}, eos {eos}): "
+            "the GovReport recipe needs both; pass the Llama 2 tokenizer.model"
+        )
+    return SentencePieceTokenizer(
+        name="llama2" if digest == LLAMA2_SHA256 else "sentencepiece",
+        path=str(path),
+        sha256=digest,
+        vocab_size=proc.vocab_size(),
+        bos_id=bos,
+        eos_id=eos,
+        processor=proc,
+    )
