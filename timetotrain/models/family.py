@@ -10,8 +10,8 @@ All of them take the family's config dataclass (a tier's `model`):
 - `block_params(cfg)` and `activation_elements(cfg)`: one repeated block's parameters, and the elements
   autograd keeps per token for it, for `ttt plan`'s memory model;
 - `telemetry(model)`: optional figures read at each eval point: ({log key: value}, short text), or None;
-- `hf_mapping(cfg)`: optional, our parameter name -> `Source` (the Hugging Face tensors it is built from),
-  for `train/checkpoint.load_hf_checkpoint`.
+- `hf_mapping(cfg)`: optional, our parameter name -> `Source` (the Hugging Face tensors it is built from,
+  with alternative checkpoint layouts), for `train/checkpoint.load_hf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,14 @@ class Source:
 
     `combine` receives the tensors in `hf_names` order and returns our full (unsharded) tensor; the default
     passes a single tensor through. A family's mapping is `dict[our parameter name, Source]`.
+
+    `otherwise`: another checkpoint layout of the same tensor (e.g. one fused `qkv_proj` instead of
+    `q/k/v_proj`), used when the checkpoint lacks one of `hf_names`; it may have an `otherwise` of its own.
     """
 
     hf_names: tuple[str, ...]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] = _single
+    otherwise: Source | None = None
 
     def __post_init__(self) -> None:
         # A bare string would be iterated character by character; duplicates would break the bookkeeping.
@@ -60,3 +64,13 @@ class Source:
             raise TypeError(f"Source.hf_names has duplicates: {self.hf_names}")
         if self.combine is _single and len(self.hf_names) != 1:
             raise TypeError(f"Source with several hf_names {self.hf_names} needs a combine function")
+        if self.otherwise is not None and not isinstance(self.otherwise, Source):
+            raise TypeError(f"Source.otherwise must be a Source or None, got {self.otherwise!r}")
+
+    def layouts(self) -> list[Source]:
+        """This source and its alternatives, in the order they are tried."""
+        chain, src = [], self
+        while src is not None:
+            chain.append(src)
+            src = src.otherwise
+        return chain

@@ -74,6 +74,22 @@ LLAMA31_8B = LlamaConfig(
 )
 
 
+# The frozen base of the MLPerf `llama2_70b_lora` benchmark: HF `Llama-2-70b-hf`, loaded with
+# max_position_embeddings 8192; plain RoPE at theta 10,000, the Llama 2 SentencePiece vocabulary.
+LLAMA2_70B = LlamaConfig(
+    dim=8192,
+    n_layers=80,
+    n_heads=64,
+    n_kv_heads=8,
+    ffn_dim=28672,
+    vocab_size=32_000,
+    max_seq_len=8192,
+    norm_eps=1e-5,
+    rope_theta=10_000.0,
+    rope_scaling=None,
+)
+
+
 class Llama(Decoder):
     def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg, lambda layer: FeedForward(cfg.dim, cfg.ffn_dim))

@@ -1,7 +1,18 @@
 """Hugging Face `LlamaForCausalLM` interchange for the llama family: the equivalent `transformers` config,
 whole state dicts both ways, and the per-parameter `Source` mapping the streamed checkpoint loader uses
 (`train/checkpoint.load_hf_checkpoint`). The per-parameter mapping produces exactly what
-`from_hf_state_dict` does for the whole dict (tested)."""
+`from_hf_state_dict` does for the whole dict (tested).
+
+Two checkpoint layouts of the attention input projection are read:
+
+- stock HF (`meta-llama/Llama-2-70b-hf`, Llama 3.x): `self_attn.{q,k,v}_proj.weight`, three tensors;
+- fused (MLCommons `Llama2-70b-fused-qkv-mlperf`, the base of the `llama2_70b_lora` benchmark):
+  one `self_attn.qkv_proj.weight` holding all q rows, then all k rows, then all v rows.
+
+Both are HF's q|k|v row order; ours groups the rows per KV head (`layers.py`). `qkv_permutation` is that
+reordering, written once and used for weights and for anything else with one row per qkv output (a LoRA B
+trained on HF's `qkv_proj`, a gradient).
+"""
 
 from __future__ import annotations
 
@@ -47,6 +58,47 @@ def hf_config_kwargs(cfg: LlamaConfig) -> dict:
     return kwargs
 
 
+def qkv_permutation(cfg) -> torch.Tensor:
+    """Row indices `perm` such that `ours = hf[perm]`: row `i` of our fused qkv is row `perm[i]` of HF's
+    concatenation [q rows (all heads); k rows; v rows]. `cfg` needs `n_heads`, `n_kv_heads`, `head_dim`."""
+    hd, kv, g = cfg.head_dim, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+    q = torch.arange(cfg.n_heads * hd).view(kv, g, hd)  # query head j*g+m sits in KV group j
+    k = cfg.n_heads * hd + torch.arange(kv * hd).view(kv, 1, hd)
+    v = k + kv * hd
+    return torch.cat((q, k, v), dim=1).reshape(-1)
+
+
+def _check_qkv_rows(t: torch.Tensor, perm: torch.Tensor, cfg) -> None:
+    # index_select would happily pick a subset of a larger tensor: a checkpoint of another shape must fail.
+    # RuntimeError, as a failing view would raise, so that the loader reports it as a config mismatch.
+    if t.shape[0] != perm.numel():
+        raise RuntimeError(
+            f"expected {perm.numel()} qkv rows ({cfg.n_heads} query + 2 x {cfg.n_kv_heads} key/value heads "
+            f"of {cfg.head_dim}), got {t.shape[0]}"
+        )
+
+
+def qkv_from_hf(t: torch.Tensor, cfg) -> torch.Tensor:
+    """HF's q|k|v row order (dim 0 of `t`, any trailing shape) -> our grouped order."""
+    perm = qkv_permutation(cfg)
+    _check_qkv_rows(t, perm, cfg)
+    return t.index_select(0, perm.to(t.device))
+
+
+def qkv_to_hf(t: torch.Tensor, cfg) -> torch.Tensor:
+    """Our grouped row order -> HF's q|k|v concatenation (the inverse of `qkv_from_hf`)."""
+    perm = qkv_permutation(cfg)
+    _check_qkv_rows(t, perm, cfg)
+    return t.index_select(0, perm.argsort().to(t.device))
+
+
+def _hf_attn_names(prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the stock q, k, v names, the fused name) of one layer's attention input projection."""
+    return tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv"), (
+        prefix + "self_attn.qkv_proj.weight",
+    )
+
+
 _HF_SAME = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.proj.weight": "self_attn.o_proj.weight",
@@ -55,9 +107,12 @@ _HF_SAME = {
 }
 
 
-def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Our state dict -> HF `LlamaForCausalLM` state dict (fused QKV / fc1 split into HF's projections)."""
-    hd, g, kv = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cfg.n_kv_heads
+def to_hf_state_dict(
+    state_dict: dict[str, torch.Tensor], cfg: LlamaConfig, fused_qkv: bool = False
+) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF `LlamaForCausalLM` state dict (fc1 split into gate/up; QKV split into q/k/v, or
+    with `fused_qkv` one `qkv_proj` in the MLCommons layout)."""
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     out = {
         "model.embed_tokens.weight": state_dict["embed.weight"],
         "model.norm.weight": state_dict["norm.weight"],
@@ -67,10 +122,13 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for a, b in _HF_SAME.items():
             out[hf + b] = state_dict[ours + a]
-        qkv = state_dict[ours + "attn.qkv.weight"].view(kv, g + 2, hd, cfg.dim)
-        out[hf + "self_attn.q_proj.weight"] = qkv[:, :g].reshape(cfg.n_heads * hd, cfg.dim)
-        out[hf + "self_attn.k_proj.weight"] = qkv[:, g].reshape(kv * hd, cfg.dim)
-        out[hf + "self_attn.v_proj.weight"] = qkv[:, g + 1].reshape(kv * hd, cfg.dim)
+        qkv = qkv_to_hf(state_dict[ours + "attn.qkv.weight"], cfg)
+        separate, fused = _hf_attn_names(hf)
+        if fused_qkv:
+            out[fused[0]] = qkv
+        else:
+            for name, part in zip(separate, qkv.split([q_rows, kv_rows, kv_rows]), strict=True):
+                out[name] = part
         gate, up = state_dict[ours + "ffn.fc1.weight"].chunk(2, dim=0)
         out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
         out[hf + "mlp.up_proj.weight"] = up.contiguous()
@@ -78,8 +136,7 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF `LlamaForCausalLM` state dict -> ours (inverse of `to_hf_state_dict`)."""
-    hd, g, kv = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cfg.n_kv_heads
+    """HF `LlamaForCausalLM` state dict, either attention layout -> ours (inverse of `to_hf_state_dict`)."""
     out = {
         "embed.weight": state_dict["model.embed_tokens.weight"],
         "norm.weight": state_dict["model.norm.weight"],
@@ -90,24 +147,34 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) ->
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for a, b in _HF_SAME.items():
             out[ours + a] = state_dict[hf + b]
-        q = state_dict[hf + "self_attn.q_proj.weight"].view(kv, g, hd, cfg.dim)
-        k = state_dict[hf + "self_attn.k_proj.weight"].view(kv, 1, hd, cfg.dim)
-        v = state_dict[hf + "self_attn.v_proj.weight"].view(kv, 1, hd, cfg.dim)
-        out[ours + "attn.qkv.weight"] = torch.cat((q, k, v), dim=1).reshape(-1, cfg.dim)
+        separate, fused = _hf_attn_names(hf)
+        if fused[0] in state_dict:
+            qkv = state_dict[fused[0]]
+        else:
+            qkv = torch.cat([state_dict[name] for name in separate])
+        out[ours + "attn.qkv.weight"] = qkv_from_hf(qkv, cfg)
         out[ours + "ffn.fc1.weight"] = torch.cat(
             (state_dict[hf + "mlp.gate_proj.weight"], state_dict[hf + "mlp.up_proj.weight"]), dim=0
         )
     return out
 
 
-def hf_mapping(cfg: LlamaConfig) -> dict[str, Source]:
-    """Our parameter name -> its HF source, for a `Llama(cfg)`."""
-    hd, g, kv, dim = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cfg.n_kv_heads, cfg.dim
+def hf_mapping(cfg: LlamaConfig, fused_qkv: bool | None = None) -> dict[str, Source]:
+    """Our parameter name -> its HF source, for a `Llama(cfg)`.
+
+    `fused_qkv`: False reads the stock `{q,k,v}_proj`, True the MLCommons fused `qkv_proj`; None (what the
+    family's `hf_mapping(cfg)` gives) reads whichever the checkpoint holds, the loader choosing per layer
+    (`Source.otherwise`), and names both when it holds neither."""
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
     def fuse_qkv(t: list[torch.Tensor]) -> torch.Tensor:
-        # Rows grouped per KV head: its g query heads, then its key head, then its value head.
-        q, k, v = t[0].view(kv, g, hd, dim), t[1].view(kv, 1, hd, dim), t[2].view(kv, 1, hd, dim)
-        return torch.cat((q, k, v), dim=1).reshape(-1, dim)
+        rows = [x.shape[0] for x in t]
+        if rows != [q_rows, kv_rows, kv_rows]:  # the total alone could match with q and k/v traded
+            raise RuntimeError(f"expected q, k, v rows {[q_rows, kv_rows, kv_rows]}, got {rows}")
+        return qkv_from_hf(torch.cat(t), cfg)
+
+    def reorder_qkv(t: list[torch.Tensor]) -> torch.Tensor:
+        return qkv_from_hf(t[0], cfg)
 
     def fuse_fc1(t: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(t, dim=0)  # gate rows, then up rows
@@ -121,8 +188,12 @@ def hf_mapping(cfg: LlamaConfig) -> dict[str, Source]:
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         for a, b in _HF_SAME.items():
             mapping[ours + a] = Source((hf + b,))
-        attn = tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv")
-        mapping[ours + "attn.qkv.weight"] = Source(attn, fuse_qkv)
+        separate, fused = _hf_attn_names(hf)
+        if fused_qkv is None:
+            qkv = Source(separate, fuse_qkv, otherwise=Source(fused, reorder_qkv))
+        else:
+            qkv = Source(fused, reorder_qkv) if fused_qkv else Source(separate, fuse_qkv)
+        mapping[ours + "attn.qkv.weight"] = qkv
         mapping[ours + "ffn.fc1.weight"] = Source(
             (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), fuse_fc1
         )

@@ -83,7 +83,9 @@ def load_hf_checkpoint(
     """Copy a Hugging Face safetensors checkpoint into `model` (plain CPU/GPU tensors, e.g. after a meta build
     and `to_empty`), reading one shard at a time and holding only the HF tensors of parameters not yet
     complete. `truncate_rows[name] = n` keeps the first n rows of our tensor `name`. Extra HF tensors are
-    ignored (listed in the report). Calls `model.reset_rope()` afterwards when the model has it.
+    ignored (listed in the report). Where a `Source` has alternative layouts (`Source.otherwise`), each
+    parameter is read from the first one the checkpoint holds in full. Calls `model.reset_rope()` afterwards
+    when the model has it.
     """
     from safetensors import safe_open
 
@@ -104,13 +106,11 @@ def load_hf_checkpoint(
         raise UserError(f"{path}: {on_meta[0]} is on the meta device; call model.to_empty(device=...) first")
 
     weight_map, listing = _weight_map(path)
+    # The layout each parameter is read from: the first of its alternatives the checkpoint holds in full.
+    mapping = {ours: _layout(listing, ours, src, weight_map) for ours, src in mapping.items()}
     consumers: dict[str, list[str]] = {}  # HF name -> our names built from it
     for ours, src in mapping.items():
         for hf in src.hf_names:
-            if hf not in weight_map:
-                raise UserError(
-                    f"{listing}: tensor {hf} (needed for {ours}) is missing; is this the right model?"
-                )
             consumers.setdefault(hf, []).append(ours)
     shards = sorted({weight_map[hf] for hf in consumers})
     for shard in shards:
@@ -150,6 +150,28 @@ def load_hf_checkpoint(
     if callable(reset_rope):
         reset_rope()  # RoPE tables are non-persistent buffers: after to_empty they hold garbage
     return report
+
+
+def _layout(listing: Path, ours: str, src: Source, weight_map: Mapping[str, str]) -> Source:
+    """The first layout of `src` whose tensors are all in the checkpoint, else a one-line UserError naming
+    the first missing tensor of each layout."""
+    layouts = src.layouts()
+    missing = []
+    for layout in layouts:
+        absent = [hf for hf in layout.hf_names if hf not in weight_map]
+        if not absent:
+            return layout
+        missing.append(absent[0])
+    if len(layouts) == 1:
+        raise UserError(
+            f"{listing}: tensor {missing[0]} (needed for {ours}) is missing; is this the right model?"
+        )
+    others = ", ".join(missing[1:])
+    wanted = " or ".join("[" + ", ".join(layout.hf_names) + "]" for layout in layouts)
+    raise UserError(
+        f"{listing}: tensor {missing[0]} (needed for {ours}) is missing, and so is {others} of its other "
+        f"layout; the checkpoint must hold either {wanted}: is this the right model?"
+    )
 
 
 def _assign(path: Path, ours: str, param: torch.Tensor, src: Source, inputs: list, rows: int | None) -> None:
