@@ -37,11 +37,11 @@ def _cmd_list(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    head = f"{'benchmark':<14}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
+    head = f"{'benchmark':<17}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
     print(head)
     for r in rows:
         print(
-            f"{r['benchmark']:<14}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
+            f"{r['benchmark']:<17}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
             f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
         )
     print("\ntarget: the eval metric a run must meet to stop with success:")

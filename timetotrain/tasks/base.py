@@ -104,6 +104,15 @@ class Task(ABC):
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
         """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
 
+    def adapt_model(self, model, tier, generator: torch.Generator) -> None:  # noqa: B027 - optional
+        """Change the initialised (or loaded) model before parallelism, e.g. add LoRA adapters and freeze
+        the base. Runs on every rank with the same generator state."""
+
+    def first_eval_step(self, tier) -> int:
+        """The first step with an evaluation (then every `eval_every_steps`): the first eval point by
+        default; tasks whose reference delays evaluation say so here."""
+        return tier.eval_every_steps
+
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""
         return None

@@ -94,6 +94,7 @@ def build_training(
         from timetotrain.train.checkpoint import init_from
 
         init_from(init_checkpoint, model, family, tier.model)
+    bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
