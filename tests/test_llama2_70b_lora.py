@@ -106,3 +106,13 @@ def test_eval_loss_is_the_hf_trainer_mean_of_per_block_means(tmp_path):
     # Batches of training blocks come as dicts of input_ids and labels, the same on every call.
     b0, b1 = data.batch(0), data.batch(0)
     assert set(b0) == {"input_ids", "labels"} and torch.equal(b0["input_ids"], b1["input_ids"])
+
+
+def test_plan_counts_the_frozen_base_without_optimizer_state():
+    from timetotrain.train.memory import plan
+
+    n, rows, best = plan(BENCH, REF, 8, 80, None)
+    lora = lora_param_count(REF.model, 16)
+    dp = next(r for r in rows if r.parallel == "dp=8")
+    assert dp.states == 16 * lora + 4 * (n - lora)  # fp32 frozen weights, no gradients or moments
+    assert best is not None and best.parallel == "fsdp=8"

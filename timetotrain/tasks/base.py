@@ -113,6 +113,10 @@ class Task(ABC):
         default; tasks whose reference delays evaluation say so here."""
         return tier.eval_every_steps
 
+    def trainable_param_count(self, family, tier) -> int:
+        """Parameters the optimizer updates (all of them, unless the task freezes some), for `ttt plan`."""
+        return family.param_count(tier.model)
+
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""
         return None

@@ -161,6 +161,11 @@ class LoRAFineTune(Task):
         d = tier.data
         apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator)
 
+    def trainable_param_count(self, family, tier) -> int:
+        from timetotrain.train.lora import lora_param_count
+
+        return lora_param_count(tier.model, tier.data.rank, tier.data.targets)
+
     def first_eval_step(self, tier) -> int:
         """The reference's HF Trainer evaluates every `eval_steps` steps once `global_step >= eval_delay`,
         with eval_delay = int(0.125 * GBS + 2) * eval_steps: the first evaluation is at `eval_delay` steps.
