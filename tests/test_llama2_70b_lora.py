@@ -114,5 +114,5 @@ def test_plan_counts_the_frozen_base_without_optimizer_state():
     n, rows, best = plan(BENCH, REF, 8, 80, None)
     lora = lora_param_count(REF.model, 16)
     dp = next(r for r in rows if r.parallel == "dp=8")
-    assert dp.states == 16 * lora + 4 * (n - lora)  # fp32 frozen weights, no gradients or moments
+    assert dp.states == 16 * lora + 4 * n  # fp32 frozen base weights, no gradients or moments
     assert best is not None and best.parallel == "fsdp=8"

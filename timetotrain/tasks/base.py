@@ -113,9 +113,10 @@ class Task(ABC):
         default; tasks whose reference delays evaluation say so here."""
         return tier.eval_every_steps
 
-    def trainable_param_count(self, family, tier) -> int:
-        """Parameters the optimizer updates (all of them, unless the task freezes some), for `ttt plan`."""
-        return family.param_count(tier.model)
+    def param_counts(self, family, tier) -> tuple[int, int]:
+        """(trainable, frozen) parameters of the model as the task trains it, for `ttt plan`: all of the
+        family's trainable unless the task freezes some (and perhaps adds its own, e.g. LoRA adapters)."""
+        return family.param_count(tier.model), 0
 
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""

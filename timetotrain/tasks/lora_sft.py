@@ -161,10 +161,11 @@ class LoRAFineTune(Task):
         d = tier.data
         apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator)
 
-    def trainable_param_count(self, family, tier) -> int:
+    def param_counts(self, family, tier) -> tuple[int, int]:
+        """The adapters train; every base parameter is frozen."""
         from timetotrain.train.lora import lora_param_count
 
-        return lora_param_count(tier.model, tier.data.rank, tier.data.targets)
+        return lora_param_count(tier.model, tier.data.rank, tier.data.targets), family.param_count(tier.model)
 
     def first_eval_step(self, tier) -> int:
         """The reference's HF Trainer evaluates every `eval_steps` steps once `global_step >= eval_delay`,

@@ -180,11 +180,15 @@ def run(opts: RunOptions) -> RunResult:
                         if reason:
                             break
                     pending = (step, loss)
-                    if (step % every == 0 and step >= first_eval) or step == stop_after:
+                    on_cadence = step % every == 0 and step >= first_eval
+                    if on_cadence or step == stop_after:
                         reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
                         if reason:
                             break
                         pending = None
+                        if not on_cadence:  # only an eval point can end a run with success
+                            reason = f"reached {step} steps without meeting the target {tier.target}"
+                            break
                         point = _point(step * gbs, data, metric)
                         stats = _telemetry(bench, tr.bare, log, point)
                         log.end("block_stop", metadata=point)

@@ -2,7 +2,7 @@
 
 Where the numbers come from (an estimate, not a measurement):
 - Model states, per trainable parameter: fp32 weights 4 B + fp32 gradients 4 B + AdamW moments 8 B = 16 B;
-  per frozen parameter (a LoRA base: `Task.trainable_param_count`) the fp32 weight alone, 4 B; divided
+  per frozen parameter (a LoRA base: `Task.param_counts`) the fp32 weight alone, 4 B; divided
   by the shard count under FSDP, whole under DDP. bf16 compute adds the bf16 copies: under FSDP2 the
   unsharded bf16 parameters of about two blocks at a time (the one computing and the one prefetched); under
   DDP autocast's cached bf16 copy of every weight (2 B per parameter).
@@ -69,8 +69,8 @@ def estimate(
 ):
     family, cfg = bench.family, tier.model
     shards = gpus if kind == "fsdp" else 1
-    trainable = bench.task.trainable_param_count(family, tier)
-    states = (16 * trainable + 4 * (n_params - trainable)) / shards
+    trainable, frozen = bench.task.param_counts(family, tier)
+    states = (16 * trainable + 4 * frozen) / shards
     block = family.block_params(cfg)
     if bf16:
         copies = 2 * 2 * block if kind == "fsdp" else 2 * n_params
