@@ -5,7 +5,6 @@ that continues bit for bit. Run as a script (by torchrun) this file is the FSDP2
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require
+from conftest import free_port, require
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
@@ -255,16 +254,11 @@ def test_single_process_save_load_and_atomicity(tmp_path, monkeypatch):
         load_checkpoint(tmp_path / "step2", fresh, fresh_opt)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_fsdp2_resume_is_bit_exact(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, str(tmp_path)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp_path / "result.json").read_text())

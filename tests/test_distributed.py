@@ -2,40 +2,28 @@
 train the same model; gradient accumulation is equivalent; data is sharded without overlap; a failing rank
 or a SIGTERM ends every rank with a complete, aborted log."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import mllog, ttt_command
 
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataset
 from timetotrain.data.loader import TokenSource
 
 STEPS = 20
-_port = iter(range(29600, 29700))
-
-
-def mllog(path: Path) -> list[dict]:
-    return [
-        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
-    ]
 
 
 def launch(data, logdir, nproc, *extra, env_extra=None, wait=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), "--quiet"]
     args += ["--seed", "9", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "timetotrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-        cmd += ["--master_port", str(next(_port)), "-m", "timetotrain", *args]
+    cmd = ttt_command(*args, nproc=nproc)
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -58,6 +46,7 @@ def single(c4_prepared, tmp_path_factory):
     return curves(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["dp=2", "fsdp=2"])
 def test_two_processes_match_one(c4_prepared, tmp_path, single, parallel):
     proc = launch(c4_prepared, tmp_path, 2, "--max-steps", str(STEPS), "--parallel", parallel)
@@ -74,6 +63,7 @@ def test_two_processes_match_one(c4_prepared, tmp_path, single, parallel):
     assert parallel in keys["ttt_parallel"]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_equivalent(c4_prepared, tmp_path, single):
     proc = launch(c4_prepared, tmp_path, 1, "--max-steps", str(STEPS), "--set", "micro_batch_size=4")
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -83,6 +73,7 @@ def test_gradient_accumulation_is_equivalent(c4_prepared, tmp_path, single):
     assert next(r["value"] for r in recs if r["key"] == "gradient_accumulation_steps") == 4
 
 
+@pytest.mark.slow
 def test_ddp_with_accumulation_matches(c4_prepared, tmp_path, single):
     proc = launch(c4_prepared, tmp_path, 2, "--max-steps", str(STEPS), "--set", "micro_batch_size=2")
     assert "ttt: error" not in proc.stderr, proc.stderr[-3000:]
@@ -117,6 +108,7 @@ def _wait_for(log: Path, needle: str, timeout: float = 120) -> None:
     raise AssertionError(f"{needle} never appeared in {log}")
 
 
+@pytest.mark.slow
 def test_failing_rank_ends_every_rank_with_an_aborted_log(c4_prepared, tmp_path):
     t0 = time.monotonic()
     proc = launch(c4_prepared, tmp_path, 2, "--parallel", "dp=2", "--abort-grace", "5", "--dist-timeout", "60",
@@ -129,6 +121,7 @@ def test_failing_rank_ends_every_rank_with_an_aborted_log(c4_prepared, tmp_path)
     print(f"failing rank: whole job ended in {seconds:.1f} s (including start-up)")
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_aborts_with_flushed_log(c4_prepared, tmp_path):
     proc = launch(c4_prepared, tmp_path, 2, "--parallel", "dp=2", "--abort-grace", "5", wait=False)
     log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"

@@ -1,27 +1,19 @@
 """End to end: the llama31_8b tiny tier to its target, its log through the official compliance engine,
 and the ways a run ends aborted (step limit, SIGTERM, non-finite loss)."""
 
-import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import mllog, ttt_command
 
 from timetotrain.mlperf.compliance import check_log
 
 
-def mllog(path: Path) -> list[dict]:
-    return [
-        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
-    ]
-
-
 def ttt(*argv, **kw):
-    return subprocess.run([sys.executable, "-m", "timetotrain", *argv], capture_output=True, text=True, **kw)
+    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, **kw)
 
 
 def tiny(data, logdir, *extra):
@@ -39,6 +31,7 @@ def tiny(data, logdir, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_path):
     proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "1234"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -63,6 +56,7 @@ def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_step_limit_aborts_with_nonzero_exit_and_never_overwrites(c4_prepared, tmp_path):
     for k in range(2):
         proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "7", "--max-steps", "3"))
@@ -76,9 +70,10 @@ def test_step_limit_aborts_with_nonzero_exit_and_never_overwrites(c4_prepared, t
     assert first.count("run_start") == 1  # the second run did not append to it
 
 
+@pytest.mark.slow
 def test_sigterm_aborts_with_flushed_log(c4_prepared, tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "timetotrain", *tiny(c4_prepared, tmp_path, "--seed", "3")],
+        ttt_command(*tiny(c4_prepared, tmp_path, "--seed", "3")),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -110,10 +105,11 @@ def test_non_finite_loss_aborts(c4_prepared, tmp_path, monkeypatch):
     assert res.steps <= 2  # caught within one step of lag
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "timetotrain", *tiny(c4_prepared, tmp_path, "--seed", "4")],
+        ttt_command(*tiny(c4_prepared, tmp_path, "--seed", "4")),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -128,6 +124,7 @@ def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
     assert mllog(log)[-1]["metadata"]["status"] == "aborted"
 
 
+@pytest.mark.slow
 def test_runs_gives_distinct_logged_seeds_and_numbered_files(c4_prepared, tmp_path):
     proc = ttt(*tiny(c4_prepared, tmp_path, "--runs", "3", "--max-steps", "2"))
     assert proc.returncode == 1  # none can meet the target in 2 steps, but the set still completes

@@ -1,14 +1,12 @@
 """gpt_oss_20b: rules, EOD loss mask, expert-parallel training equivalence, the tiny tier to its target."""
 
-import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import mllog, ttt_command
 
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir, rule_file
 from timetotrain.mlperf.keys import submission_keys
@@ -18,12 +16,6 @@ from timetotrain.tasks.causal_lm import targets
 from timetotrain.train.synth import SynthOptions, synth
 
 BENCH = get("gpt_oss_20b")
-
-
-def mllog(path: Path) -> list[dict]:
-    return [
-        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
-    ]
 
 
 def logged(tier):
@@ -61,16 +53,13 @@ def test_synth_counts_active_flops(tmp_path):
     assert s["tokens_per_s"] > 0 and 0 < s["mfu"] <= 1
 
 
-def _run(data, logdir, nproc, *extra, port=29750):
+def _run(data, logdir, nproc, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["run", "gpt_oss_20b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), "--quiet"]
     args += ["--seed", "4", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "timetotrain", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-        cmd += ["--master_port", str(port), "-m", "timetotrain", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        ttt_command(*args, nproc=nproc), env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def _losses(logdir):
@@ -82,6 +71,7 @@ def _losses(logdir):
     )
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_one_process(c4_prepared, tmp_path):
     # One process with two micro-batches of 8 computes the same per-micro-batch EOD-masked means as two
     # ranks with 8 sequences each.
@@ -97,6 +87,7 @@ def test_expert_parallel_matches_one_process(c4_prepared, tmp_path):
     assert keys["expert_parallelism"] == 2
 
 
+@pytest.mark.slow
 def test_tiny_reaches_target_with_expert_telemetry(c4_prepared, tmp_path):
     proc = _run(c4_prepared, tmp_path, 1, "--seed", "1")
     assert proc.returncode == 0, proc.stderr[-2000:]

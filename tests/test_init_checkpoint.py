@@ -56,6 +56,7 @@ def test_ttt_run_init_checkpoint(hf_tiny, c4_prepared, tmp_path):
     assert keys["ttt_init_checkpoint"] == str(path)
 
 
+@pytest.mark.slow
 def test_bad_init_checkpoint_is_one_line_before_any_log(c4_prepared, tmp_path):
     args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
     proc = subprocess.run(

@@ -338,6 +338,7 @@ def test_state_dict_merge_and_generator():
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_autocast_bf16_base_checkpointing_and_compile():
     """Same RNG seed -> same dropout masks: activation checkpointing replays them and gives the eager
     gradients; a compiled block (aot_eager: traced as inductor would be, without a C++ build) too; a bf16

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ttt_command
 
 from timetotrain.cli import main
 from timetotrain.data import tokenizer
@@ -41,10 +42,11 @@ def tiny(data, logdir, *extra):
     return ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), *extra]
 
 
+@pytest.mark.slow
 def test_unwritable_logdir_fails_fast_before_init(c4_prepared, tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "timetotrain", *tiny(c4_prepared, "/proc/ttt-forbidden")],
+        ttt_command(*tiny(c4_prepared, "/proc/ttt-forbidden")),
         capture_output=True,
         text=True,
     )

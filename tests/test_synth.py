@@ -3,18 +3,12 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import mllog, ttt_command
 
 from timetotrain.train.synth import SynthOptions, _percentile, synth
-
-
-def mllog(path: Path) -> list[dict]:
-    return [
-        json.loads(ln.split(":::MLLOG ", 1)[1]) for ln in path.read_text().splitlines() if ":::MLLOG " in ln
-    ]
 
 
 def test_synth_tiny_writes_log_and_summary(tmp_path):
@@ -53,6 +47,7 @@ def test_synth_tiny_writes_log_and_summary(tmp_path):
     assert recs[-1]["metadata"]["samples_count"] == 4 * 16
 
 
+@pytest.mark.slow
 def test_synth_second_run_never_overwrites(tmp_path):
     synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=1))
     synth(SynthOptions("llama31_8b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=2))
@@ -62,19 +57,10 @@ def test_synth_second_run_never_overwrites(tmp_path):
     assert json.loads((d / "summary_0.json").read_text())["seed"] == 1
 
 
+@pytest.mark.slow
 def test_synth_unwritable_logdir_is_one_line_before_any_model():
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "timetotrain",
-            "synth",
-            "llama31_8b",
-            "--tier",
-            "tiny",
-            "--logdir",
-            "/proc/forbidden",
-        ],
+        ttt_command("synth", "llama31_8b", "--tier", "tiny", "--logdir", "/proc/forbidden"),
         capture_output=True,
         text=True,
     )
@@ -83,27 +69,18 @@ def test_synth_unwritable_logdir_is_one_line_before_any_model():
     assert ":::MLLOG" not in proc.stdout
 
 
-def torchrun_synth(port: int, *args: str) -> subprocess.CompletedProcess:
+def torchrun_synth(*args: str) -> subprocess.CompletedProcess:
     """`ttt synth llama31_8b --tier tiny` for 2+1 steps in 2 gloo processes sharing the 2 cores."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    cmd += [
-        "-m",
-        "timetotrain",
-        "synth",
-        "llama31_8b",
-        "--tier",
-        "tiny",
-        "--steps",
-        "2",
-        "--warmup-steps",
-        "1",
-    ]
+    cmd = ttt_command(
+        "synth", "llama31_8b", "--tier", "tiny", "--steps", "2", "--warmup-steps", "1", *args, nproc=2
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_synth_under_torchrun_two_processes_one_log(tmp_path):
-    proc = torchrun_synth(29517, "--logdir", str(tmp_path), "--seed", "5")
+    proc = torchrun_synth("--logdir", str(tmp_path), "--seed", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = tmp_path / "synth" / "llama31_8b" / "tiny"
     assert [p.name for p in d.glob("result_*.txt")] == ["result_0.txt"]
@@ -118,6 +95,7 @@ def test_percentile():
     assert _percentile([3.0], 0.5) == 3.0
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_on_cpu(tmp_path):
     from torch._dynamo.utils import counters
 
@@ -143,9 +121,10 @@ def test_bf16_with_activation_checkpointing_on_cpu(tmp_path):
     assert abs(s["final_loss"] - s["baseline_loss"]) < 1.0
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_under_torchrun(tmp_path):
     proc = torchrun_synth(
-        29518, "--logdir", str(tmp_path), "--seed", "5", "--parallel", "fsdp=2", "--precision", "bf16", "--ac"
+        "--logdir", str(tmp_path), "--seed", "5", "--parallel", "fsdp=2", "--precision", "bf16", "--ac"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())

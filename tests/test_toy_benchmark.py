@@ -12,6 +12,7 @@ from conftest import mllog, ttt_command
 from toy_benchmark import make_data
 
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow  # every test launches `ttt` in a subprocess; the fixture runs three trainings
 
 
 def _env():
