@@ -12,6 +12,7 @@
 #      compiled (tokens/s, model TFLOP/s, MFU against the datasheet peak, memory);
 #   2. `ttt synth gpt_oss_20b --tier reference` with 2 of its 24 layers (the MoE grouped-GEMM path, the
 #      blocked sliding-window band), eager and compiled;
+#   2b. `ttt synth llama2_70b_lora --tier reference` with 4 of its 80 layers (frozen base, LoRA adapters);
 #   3. the tiny tiers of both benchmarks to their targets on the GPU (fp32, as their RCPs were made),
 #      each log through the official compliance engine;
 # then prints one table. A step that fails is reported in the table and the script goes on.
@@ -49,6 +50,7 @@ synth llama8b_4L_eager llama31_8b --tier reference --layers 4 --steps 8 --warmup
 synth llama8b_4L_compiled llama31_8b --tier reference --layers 4 --steps 8 --warmup-steps 3 --set global_batch_size=8 --compile
 synth gptoss20b_2L_eager gpt_oss_20b --tier reference --layers 2 --steps 8 --warmup-steps 3 --set global_batch_size=8
 synth gptoss20b_2L_compiled gpt_oss_20b --tier reference --layers 2 --steps 8 --warmup-steps 3 --set global_batch_size=8 --compile
+synth llama2_70b_lora_4L llama2_70b_lora --tier reference --layers 4 --steps 8 --warmup-steps 3
 
 for bench in llama31_8b gpt_oss_20b; do
     log="$out/tiny"
