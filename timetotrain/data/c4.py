@@ -21,7 +21,7 @@ import numpy as np
 
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
-from timetotrain.data.manifest import sha256_file, write_manifest
+from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -102,13 +102,7 @@ def prepare(
         raise UserError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
     files = source_files(src, split)
     t = tok.load(tokenizer)  # fail here, before any output, if the tokenizer is missing
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".ttt-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out} is not writable ({e.strerror}): choose another directory") from e
+    ensure_writable(out)
 
     workers = workers or min(os.cpu_count() or 1, 8)
     dtype = best_dtype(t.vocab_size)

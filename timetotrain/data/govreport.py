@@ -64,7 +64,13 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain.data import sentencepiece_tok as spt
-from timetotrain.data.manifest import read_manifest, sha256_file, verify_manifest, write_manifest
+from timetotrain.data.manifest import (
+    ensure_writable,
+    read_manifest,
+    sha256_file,
+    verify_manifest,
+    write_manifest,
+)
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -416,16 +422,6 @@ def mlcommons_files(src: Path, split: str) -> list[Path]:
 # -------------------------------------------------------------------------------------------------- preparing
 
 
-def _writable(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".ttt-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out} is not writable ({e.strerror}): choose another directory") from e
-
-
 def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray) -> list[Path]:
     paths = []
     for name, arr in zip(array_names(split), (input_ids, labels), strict=True):
@@ -452,7 +448,7 @@ def _import_parquet(src: Path, split: str, tok, out: Path, block: int | None) ->
         )
     input_ids = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])
-    _writable(out)
+    ensure_writable(out)
     paths = _save(out, split, input_ids, labels)
     info = {
         "dataset": "govreport",
@@ -520,7 +516,7 @@ def prepare(
     truncate = tiny if truncate_input is None else truncate_input
     packing = packing or ("whole" if tiny else "reference")
     threads = threads or min(os.cpu_count() or 1, 8)
-    _writable(out)
+    ensure_writable(out)
 
     if tiny:
         all_rows = list(iter_rows(src))

@@ -13,6 +13,18 @@ from pathlib import Path
 
 from timetotrain.errors import UserError
 
+
+def ensure_writable(out: Path) -> None:
+    """Create `out` and prove a file can be written there, before any work: `--out` is the flag that names it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".ttt-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--out {out} is not writable ({e.strerror}): choose another directory") from e
+
+
 _CHUNK = 8 << 20
 
 

@@ -16,6 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from timetotrain.data.tokenizer import TokenizerFile
 from timetotrain.errors import UserError
 
 # Meta's Llama 2 tokenizer.model (identical in the HF meta-llama/Llama-2-* repos).
@@ -25,24 +26,12 @@ LLAMA2_BOS, LLAMA2_EOS = 1, 2
 
 
 @dataclass(frozen=True)
-class SentencePieceTokenizer:
-    name: str
-    path: str
-    sha256: str
-    vocab_size: int
-    bos_id: int
-    eos_id: int
+class SentencePieceTokenizer(TokenizerFile):
     processor: object  # sentencepiece.SentencePieceProcessor
 
     def identity(self) -> dict:
-        return {
-            "name": self.name,
-            "file": Path(self.path).name,
-            "sha256": self.sha256,
-            "vocab_size": self.vocab_size,
-            "bos_id": self.bos_id,
-            "eos_id": self.eos_id,
-        }
+        # The user names the file, so the manifest records which one it was.
+        return {**super().identity(), "file": Path(self.path).name}
 
     def encode(self, text: str) -> list[int]:
         """Text to ids, no BOS/EOS. Special-token strings in the text (`</s>`) stay plain text."""

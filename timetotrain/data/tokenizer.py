@@ -42,22 +42,29 @@ _MAX_CHUNK = 400_000
 
 
 @dataclass(frozen=True)
-class Tokenizer:
+class TokenizerFile:
+    """What every tokenizer we load records about itself, for manifests: the file and its special ids."""
+
     name: str
     path: str
     sha256: str
     vocab_size: int
     bos_id: int
     eos_id: int
-    encoding: object  # tiktoken.Encoding
 
     def identity(self) -> dict:
         return {
             "name": self.name,
             "sha256": self.sha256,
             "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
             "eos_id": self.eos_id,
         }
+
+
+@dataclass(frozen=True)
+class Tokenizer(TokenizerFile):
+    encoding: object  # tiktoken.Encoding
 
     def encode(self, text: str) -> list[int]:
         """Ordinary text to ids; special-token strings in the text are encoded as plain text."""

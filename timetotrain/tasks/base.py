@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 Batch = dict[str, torch.Tensor]
 
@@ -121,6 +122,26 @@ class Task(ABC):
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""
         return None
+
+
+@torch.no_grad()
+def evaluate_ratio(model, items, fn, device, world: int, autocast: torch.dtype | None = None) -> float:
+    """sum(numerators) / sum(denominators) of `fn(model, item)` over `items`, in eval mode, summed in fp64 and
+    reduced across the `world` ranks (every rank returns the same value). Token-weighted means return
+    (loss sum, token count); means of per-sample means return (sample mean, 1)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for item in items:
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            num, den = fn(model, item)
+        sums[0] += num
+        sums[1] += den
+    if world > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    total, count = sums.tolist()
+    return total / count
 
 
 def split_batch(batch: Batch, parts: int) -> list[Batch]:

@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from timetotrain.data import loader
 from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, Metric, RunData, Task
+from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -69,23 +68,14 @@ class Evaluator:
         self.device = device
         self.eod_id = eod_id
 
-    @torch.no_grad()
     def __call__(self, model, autocast=None) -> float:
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, token count
-        for chunk in self.tokens.split(self.micro_batch):
-            with torch.autocast(
-                self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
-            ):
-                labels = targets(chunk, self.eod_id)
-                sums[0] += model(chunk[:, :-1], labels=labels, reduction="sum")
-            sums[1] += (labels != -100).sum()
-        if self.world > 1:
-            dist.all_reduce(sums)
-        model.train(was_training)
-        total, count = sums.tolist()
-        return total / count
+        def sums(model, chunk):  # loss sum, token count: the token-weighted mean
+            labels = targets(chunk, self.eod_id)
+            return model(chunk[:, :-1], labels=labels, reduction="sum"), (labels != -100).sum()
+
+        return evaluate_ratio(
+            model, self.tokens.split(self.micro_batch), sums, self.device, self.world, autocast
+        )
 
 
 class _TokenData(RunData):

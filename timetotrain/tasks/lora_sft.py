@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from timetotrain.data import govreport
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, Metric, RunData, Task
+from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -77,22 +76,12 @@ class _Blocks(RunData):
     def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         return lm_block_loss(model, batch["input_ids"], batch["labels"], reduction)
 
-    @torch.no_grad()
     def evaluate(self, model, autocast=None) -> float:
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of per-block means, blocks
-        for ids, labels in zip(self.eval_ids.split(1), self.eval_labels.split(1), strict=True):
-            with torch.autocast(
-                self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
-            ):
-                sums[0] += lm_block_loss(model, ids, labels)
-            sums[1] += 1
-        if self.world > 1:
-            dist.all_reduce(sums)
-        model.train(was_training)
-        total, count = sums.tolist()
-        return total / count
+        def block_mean(model, block):  # one block per batch: the mean of per-block means
+            return lm_block_loss(model, *block), 1
+
+        blocks = zip(self.eval_ids.split(1), self.eval_labels.split(1), strict=True)
+        return evaluate_ratio(model, blocks, block_mean, self.device, self.world, autocast)
 
 
 class _RandomBlocks(RunData):
