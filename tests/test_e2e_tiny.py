@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from conftest import mllog, ttt_command
+from test_golden import assert_matches_golden, golden, golden_env
 
 from timetotrain.mlperf.compliance import check_log
 
@@ -33,9 +34,11 @@ def tiny(data, logdir, *extra):
 
 @pytest.mark.slow
 def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_path):
-    proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "1234"))
+    case = "llama31_8b_tiny_single"
+    proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", str(golden(case)["seed"])), env=golden_env(case))
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    assert_matches_golden(log, case)  # the first 60 steps as recorded before the harness redesign
     recs = mllog(log)
     keys = [r["key"] for r in recs]
     # Order of the timed run.

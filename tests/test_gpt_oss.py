@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import mllog, ttt_command
+from test_golden import assert_matches_golden, golden
 
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir, rule_file
 from timetotrain.mlperf.keys import submission_keys
@@ -90,9 +91,12 @@ def test_expert_parallel_matches_one_process(c4_prepared, tmp_path):
 
 @pytest.mark.slow
 def test_tiny_reaches_target_with_expert_telemetry(c4_prepared, tmp_path):
-    proc = _run(c4_prepared, tmp_path, 1, "--seed", "1", threads=2)  # both cores: nothing to compare with
+    case = "gpt_oss_20b_tiny_single"
+    g = golden(case)
+    proc = _run(c4_prepared, tmp_path, 1, "--seed", str(g["seed"]), threads=g["threads"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = next((tmp_path / "gpt_oss_20b" / "tiny").glob("result_*.txt"))
+    assert_matches_golden(log, case)  # the first 60 steps as recorded before the harness redesign
     recs = mllog(log)
     assert recs[-1]["metadata"]["status"] == "success"
     counts = [r for r in recs if r["key"] == "ttt_tokens_per_expert"]
