@@ -47,3 +47,35 @@ def test_no_warmup_and_bad_arguments():
         WarmupCosine(1.0, 0.1, 100, 100, "nemo")
     with pytest.raises(ValueError):
         WarmupCosine(1.0, 0.1, 1, 100, "torchtitan")
+
+
+def test_hf_cosine_equals_transformers():
+    """HF cosine (llama2_70b_lora): transformers' own get_cosine_schedule_with_warmup, step by step."""
+    import torch
+    from conftest import require
+
+    from timetotrain.train.schedule import make
+
+    transformers = require("transformers")
+    for warmup, total in ((0, 1024), (10, 100)):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=4e-4)
+        hf = transformers.get_cosine_schedule_with_warmup(opt, warmup, total)
+        ours = make("hf_cosine", 4e-4, 0.0, warmup, total)
+        for step in range(total + 3):
+            assert ours(step) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-18), (
+                warmup,
+                step,
+            )
+            opt.step()
+            hf.step()
+
+
+def test_warmup_constant_is_torchtitans_off_by_one():
+    """torchtitan's linear warmup (flux1): (s + 1) / W for s < W, then the base LR for good."""
+    from timetotrain.train.schedule import make
+
+    s = make("warmup_constant", 2e-4, 2e-4, 4, 30_000)
+    assert [s(i) for i in range(6)] == pytest.approx([0.5e-4, 1e-4, 1.5e-4, 2e-4, 2e-4, 2e-4])
+    assert s(29_999) == 2e-4
+    with pytest.raises(ValueError, match="unknown schedule rule"):
+        make("linear", 1.0, 0.0, 0, 10)
