@@ -43,10 +43,24 @@ CONFIGS = {
         4,
         512,
     ),
+    # GPU: the llama31_8b width and vocabulary with 2 of its layers, 2 sequences of 4,096 tokens.
+    "8b-2l": (
+        LlamaConfig(
+            dim=4096,
+            n_layers=2,
+            n_heads=32,
+            n_kv_heads=8,
+            ffn_dim=14336,
+            vocab_size=128_256,
+            max_seq_len=4096,
+        ),
+        2,
+        4096,
+    ),
 }
 
 
-def make_step(model, hf: bool):
+def make_step(model, hf: bool, autocast=None):
     """Ours: `train_step` exactly as `ttt run` / `ttt synth` call it (the model applies head and loss together,
     `models/head_loss.py`). HF: the same step written the way HF computes its causal-LM loss (logits upcast to
     fp32, then `F.cross_entropy`), with the same optimizer, clipping and zeroing."""
@@ -57,10 +71,13 @@ def make_step(model, hf: bool):
         def loss(m, batch):
             return lm_loss(m, batch["tokens"], None)
 
-        return lambda tokens: train_step(model, opt, {"tokens": tokens}, 1, loss, 1.0, params)
+        return lambda tokens: train_step(model, opt, {"tokens": tokens}, 1, loss, 1.0, params, autocast)
 
     def step(tokens):
-        logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+        with torch.autocast(
+            tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+        ):
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
@@ -70,31 +87,38 @@ def make_step(model, hf: bool):
     return step
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed(step, tokens, n) -> float:
+    _sync(tokens.device)
     t0 = time.perf_counter()
     for _ in range(n):
         step(tokens)
+    _sync(tokens.device)
     return time.perf_counter() - t0
 
 
-def bench(name: str, reps: int, steps: int, peak: float) -> dict:
+def bench(name: str, reps: int, steps: int, peak: float, device, autocast=None, compile=True) -> dict:
     import transformers
 
     cfg, batch, seq = CONFIGS[name]
     torch.manual_seed(0)
-    ours = Llama(cfg)
-    compiled = Llama(cfg)
+    ours = Llama(cfg).to(device)
+    compiled = Llama(cfg).to(device)
     compiled.load_state_dict(ours.state_dict())
     for block in compiled.layers:  # what `ttt run/synth --compile` does
         block.compile()
     hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(cfg), attn_implementation="sdpa")
-    hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf = transformers.LlamaForCausalLM(hf_cfg).to(device)
     hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
     n_params = sum(p.numel() for p in ours.parameters())
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-    step_ours = make_step(ours, hf=False)
-    step_comp = make_step(compiled, hf=False)
-    step_hf = make_step(hf, hf=True)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1)).to(device)
+    step_ours = make_step(ours, False, autocast)
+    step_comp = make_step(compiled, False, autocast) if compile else step_ours
+    step_hf = make_step(hf, True, autocast)
     for s in (step_ours, step_comp, step_comp, step_hf):  # warm-up: allocator, threads, kernels, compilation
         s(tokens)
     tok = batch * seq * steps
@@ -126,20 +150,37 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
     ap.add_argument("--configs", default="tiny,20m")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (then also try --configs 8b-2l --bf16)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast for both, fp32 weights and optimizer")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant (saves its warm-up)")
     args = ap.parse_args()
     import transformers
 
-    peak = measure_cpu_peak(seconds=1.0)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        from timetotrain.train.peak import accelerator_peak
+
+        peak, source = accelerator_peak(torch.cuda.get_device_name(device))
+    else:
+        peak, source = measure_cpu_peak(seconds=1.0), "measured fp32 matmul peak"
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        f"measured fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"{device}, peak {peak / 1e12:.3f} TFLOP/s ({source})"
     )
     print(
         f"{'config':<7}{'params':>12}{'batch x seq':>13}{'ours tok/s':>12}{'compiled':>10}{'HF tok/s':>10}"
         f"{'ratio':>7}{'compiled':>9}{'our MFU':>9}{'compiled':>9}"
     )
     for name in args.configs.split(","):
-        r = bench(name, args.reps, args.steps, peak)
+        r = bench(
+            name,
+            args.reps,
+            args.steps,
+            peak,
+            device,
+            torch.bfloat16 if args.bf16 else None,
+            not args.no_compile,
+        )
         print(
             f"{r['config']:<7}{r['params']:>12,}{r['batch']:>7} x {r['seq']:<4}{r['ours_tokens_per_s']:>12,.0f}"
             f"{r['compiled_tokens_per_s']:>10,.0f}{r['hf_tokens_per_s']:>10,.0f}{r['ratio']:>6.2f}x"
