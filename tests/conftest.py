@@ -84,3 +84,22 @@ def ttt_command(*argv: str, nproc: int = 1) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_port", str(free_port()), "-m", "timetotrain", *argv,
     ]  # fmt: skip
+
+
+def random_hf_llama(cfg):
+    """An HF `LlamaForCausalLM` equivalent to our `LlamaConfig` `cfg`, fp32, eager attention, seeded random
+    weights: std 0.03 gives logits of about +-1 (large enough that a wrong mapping shows, small enough that
+    fp32 rounding of two different kernels stays within 1e-6), and non-unit norms catch a swapped norm."""
+    import torch
+
+    from timetotrain.models.llama_hf import hf_config_kwargs
+
+    transformers = require("transformers")
+    hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(cfg))
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.03)
+    return hf

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, require
+from conftest import free_port, random_hf_llama, require
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
-from timetotrain.models.llama_hf import from_hf_state_dict, hf_config_kwargs, hf_mapping
+from timetotrain.models.llama_hf import from_hf_state_dict, hf_mapping
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
@@ -46,17 +46,7 @@ def _meta_llama(cfg: LlamaConfig = CFG) -> Llama:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    transformers = require("transformers")
-    hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(CFG))
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).float().eval()
-    # std 0.03 gives logits of about +-1: large enough that a wrong mapping shows, small enough that fp32
-    # rounding of two different kernels stays within 1e-6. Non-unit norms catch a swapped norm.
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.03)
-    return hf
+    return random_hf_llama(CFG)
 
 
 @pytest.fixture(scope="module")

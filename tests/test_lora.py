@@ -14,14 +14,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import require
+from conftest import random_hf_llama, require
 from torch import nn
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import LLAMA2_70B, Llama, LlamaConfig, param_count
 from timetotrain.models.llama_hf import (
     from_hf_state_dict,
-    hf_config_kwargs,
     hf_mapping,
     qkv_from_hf,
     qkv_permutation,
@@ -99,14 +98,7 @@ def transformers():
 @pytest.fixture(scope="module")
 def hf_model(transformers):
     """Stock HF Llama (separate q/k/v_proj), fp32, eager attention, random weights of logit scale ~1."""
-    hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(CFG))
-    hf_cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.03)
-    return hf
+    return random_hf_llama(CFG)
 
 
 def _fused_state_dict(hf_sd: dict) -> dict:
