@@ -103,3 +103,11 @@ def random_hf_llama(cfg):
         for name, p in hf.named_parameters():
             p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.03)
     return hf
+
+
+def small_llama(**overrides):
+    """The small Llama shape the checkpoint and LoRA tests share (d 64, 2 layers, 4 heads / 2 KV heads)."""
+    from timetotrain.models.llama import LlamaConfig
+
+    shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
+    return LlamaConfig(**{**shape, **overrides})

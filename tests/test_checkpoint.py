@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, random_hf_llama, require
+from conftest import free_port, random_hf_llama, require, small_llama
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
@@ -22,16 +22,7 @@ from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
 from timetotrain.train.optim import build_adamw
 
-CFG = LlamaConfig(
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=128,
-    vocab_size=256,
-    max_seq_len=64,
-    rope_scaling=TINY.model.rope_scaling,
-)
+CFG = small_llama(rope_scaling=TINY.model.rope_scaling)  # Llama 3.1 RoPE scaling active
 
 
 def _tokens(seed: int, shape=(2, CFG.max_seq_len)) -> torch.Tensor:

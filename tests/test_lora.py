@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_hf_llama, require
+from conftest import random_hf_llama, require, small_llama
 from torch import nn
 
 from timetotrain.errors import UserError
-from timetotrain.models.llama import LLAMA2_70B, Llama, LlamaConfig, param_count
+from timetotrain.models.llama import LLAMA2_70B, Llama, param_count
 from timetotrain.models.llama_hf import (
     from_hf_state_dict,
     hf_mapping,
@@ -42,17 +42,7 @@ from timetotrain.train.lora import (
 from timetotrain.train.optim import build_optimizer
 from timetotrain.train.step import train_step
 
-CFG = LlamaConfig(
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_dim=128,
-    vocab_size=256,
-    max_seq_len=64,
-    rope_theta=10_000.0,
-    rope_scaling=None,
-)
+CFG = small_llama(rope_theta=10_000.0, rope_scaling=None)  # Llama 2: plain RoPE
 RANK, ALPHA = 16, 32.0
 # The reference's optimizer: HF `adamw_torch`, weight decay on the LoRA weights, clip 0.3 by global norm.
 LR, BETAS, EPS, WD, CLIP = 4e-4, (0.9, 0.999), 1e-8, 1e-4, 0.3
