@@ -6,7 +6,7 @@ from pathlib import Path
 
 from timetotrain.errors import UserError
 
-_GOVREPORT_ONLY = ("tokenizer_model", "block", "select", "rows", "truncate_input", "packing")
+_GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
 
 def _cmd_prepare(args) -> int:
@@ -21,7 +21,13 @@ def _cmd_prepare(args) -> int:
         flag = "--" + given[0].replace("_", "-")
         raise UserError(f"{flag} applies to `ttt data prepare govreport` only: drop it for c4")
     info = c4.prepare(
-        Path(args.src), args.split, args.tokenizer, Path(args.out), args.workers, eod=not args.no_eod
+        Path(args.src),
+        args.split,
+        args.tokenizer,
+        Path(args.out),
+        args.workers,
+        eod=not args.no_eod,
+        tokenizer_model=Path(args.tokenizer_model) if args.tokenizer_model else None,
     )
     print(
         f"c4 {args.split}: {info['documents']:,} documents, {info['tokens']:,} tokens -> "
@@ -88,7 +94,11 @@ def add_commands(sub) -> None:
         "or MLCommons' scrolls_gov_report_8k parquet (or its folder)",
     )
     s.add_argument("--split", required=True, choices=["train", "validation"])
-    s.add_argument("--tokenizer", default="llama3", help="c4 tokenizer (default: llama3, from llama-models)")
+    s.add_argument(
+        "--tokenizer",
+        default="llama3",
+        help="c4 tokenizer: llama3 (default, from llama-models) or llama2 (with --tokenizer-model FILE)",
+    )
     s.add_argument("--out", required=True, help="output folder (created if missing)")
     s.add_argument(
         "--workers",
@@ -97,8 +107,12 @@ def add_commands(sub) -> None:
         help="tokenizer processes (govreport: threads; default: all cores)",
     )
     s.add_argument("--no-eod", action="store_true", help="c4: do not append end-of-text after each document")
+    s.add_argument(
+        "--tokenizer-model",
+        metavar="FILE",
+        help="a SentencePiece tokenizer.model: the Llama 2 one for govreport, and for c4 --tokenizer llama2",
+    )
     g = s.add_argument_group("govreport")
-    g.add_argument("--tokenizer-model", metavar="FILE", help="the Llama 2 SentencePiece tokenizer.model")
     g.add_argument(
         "--block",
         type=int,

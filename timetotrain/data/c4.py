@@ -78,9 +78,27 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
 _worker_tok = None
 
 
-def _worker_init(name: str) -> None:
+def load_tokenizer(name: str, model_file: Path | None = None):
+    """`llama3` is the file shipped by llama-models; a SentencePiece tokenizer (`llama2`) is a file the user
+    names with --tokenizer-model, checked to be the one asked for (its sha256), so the manifest's name is true."""
+    if model_file is None:
+        if name != "llama3":
+            raise UserError(f"--tokenizer {name} needs --tokenizer-model FILE (its tokenizer.model)")
+        return tok.load(name)
+    from timetotrain.data import sentencepiece_tok
+
+    t = sentencepiece_tok.load(model_file)
+    if t.name != name:
+        raise UserError(
+            f"--tokenizer-model {model_file} is not the {name} tokenizer (sha256 {t.sha256[:12]}…, "
+            f"recognised as {t.name!r}): pass the right file or --tokenizer {t.name}"
+        )
+    return t
+
+
+def _worker_init(name: str, model_file: Path | None) -> None:
     global _worker_tok
-    _worker_tok = tok.load(name)
+    _worker_tok = load_tokenizer(name, model_file)
 
 
 def _encode_batch(job: tuple[list[str], bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -96,12 +114,18 @@ def _encode_batch(job: tuple[list[str], bool]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def prepare(
-    src: Path, split: str, tokenizer: str, out: Path, workers: int | None = None, eod: bool = True
+    src: Path,
+    split: str,
+    tokenizer: str,
+    out: Path,
+    workers: int | None = None,
+    eod: bool = True,
+    tokenizer_model: Path | None = None,
 ) -> dict:
     if split not in SPLITS:
         raise UserError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
     files = source_files(src, split)
-    t = tok.load(tokenizer)  # fail here, before any output, if the tokenizer is missing
+    t = load_tokenizer(tokenizer, tokenizer_model)  # fail here, before any output, if it is missing
     ensure_writable(out)
 
     workers = workers or min(os.cpu_count() or 1, 8)
@@ -112,7 +136,10 @@ def prepare(
     t0 = time.monotonic()
     prefix = out / prefix_name(split)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with IndexedWriter(prefix, dtype) as writer, ctx.Pool(workers, _worker_init, (tokenizer,)) as pool:
+    with (
+        IndexedWriter(prefix, dtype) as writer,
+        ctx.Pool(workers, _worker_init, (tokenizer, tokenizer_model)) as pool,
+    ):
         # imap keeps input order while both cores tokenize.
         jobs = ((texts, eod) for texts in _iter_texts(files))
         for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
