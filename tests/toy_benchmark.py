@@ -153,7 +153,7 @@ class Resolved:
 class Classify(Task):
     metric = Metric("validation accuracy", higher_is_better=True, unit="epochs")
 
-    def resolve(self, tier, data_dir: Path, verify: bool = True):
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         path = Path(data_dir) / tier.data.file
         if not path.is_file():
             raise UserError(

@@ -5,6 +5,7 @@ Heavy modules (torch, the training loop) are imported inside the commands, so `t
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -180,6 +181,35 @@ def _points_key(rec: dict) -> str:
     return next(k for k in rec if k.lower().endswith("to converge"))
 
 
+def _cmd_base(args) -> int:
+    from timetotrain import suite
+
+    bench = suite.get(args.benchmark)
+    tier = bench.tier(args.tier)
+    if tier.base is None:
+        with_base = [
+            f"{b} --tier {t.name}" for b in suite.names() for t in suite.get(b).tiers.values() if t.base
+        ]
+        raise UserError(
+            f"{args.benchmark} --tier {args.tier} starts from no base of ours (random init or a real checkpoint); "
+            f"tiers with one: {', '.join(with_base) or 'none'}"
+        )
+    from timetotrain.train.base_model import make_base
+
+    cache = Path(args.cache) if args.cache else None
+    folder, doc, cached = make_base(
+        tier.base, Path(args.data), cache, args.device or "cpu", echo=not args.quiet
+    )
+    how = "cached" if cached else f"made in {doc['seconds']:.0f} s"
+    print(
+        f"base for {args.benchmark} {args.tier} ({how}): {doc['steps']} steps, {doc['tokens']:,} tokens, "
+        f"eval loss {doc['eval_loss']:.4f}, weights sha256 {doc['weights_sha256'][:12]}…",
+        file=sys.stderr,
+    )
+    print(folder)  # stdout: the folder alone, for `--init-checkpoint "$(ttt base ...)"`
+    return 0
+
+
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
@@ -316,6 +346,32 @@ def add_commands(sub) -> None:
     s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.set_defaults(func=_cmd_plan)
+
+    s = sub.add_parser(
+        "base",
+        help="pretrain the base model a fine-tuning tier starts from (off the clock, cached)",
+        description="Runs the base recipe of BENCH's TIER (a small pretraining run with a fixed seed, "
+        "timetotrain/train/base_model.py) on --data, writes a Hugging Face folder (config.json, "
+        "model.safetensors, base.json, and vocab_table.npy when the vocabulary is narrowed) into the cache, "
+        "keyed by the sha256 of the recipe and the data, and prints the folder. A second call with the "
+        "same inputs returns the cached folder at once. Pass the folder to `ttt run --init-checkpoint`.",
+        epilog="example:\n  ttt data prepare c4 --src ../shared/data/c4/en --split train --tokenizer llama2 "
+        "--tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/c4-llama2\n"
+        "  (and --split validation)\n"
+        "  ttt base llama2_70b_lora --tier tiny --data data/c4-llama2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument("--tier", default="tiny")
+    s.add_argument("--data", required=True, help="the prepared data the base pretrains on (see the example)")
+    s.add_argument(
+        "--cache",
+        default=None,
+        help="where bases are kept (default: $TTT_CACHE/bases or ~/.cache/timetotrain/bases)",
+    )
+    s.add_argument("--device", default=None, help="torch device (default: cpu, where it is deterministic)")
+    s.add_argument("--quiet", action="store_true", help="no progress line")
+    s.set_defaults(func=_cmd_base)
 
     r = sub.add_parser("rcp", help="reference convergence points of our tiers").add_subparsers(
         dest="rcp_command", required=True

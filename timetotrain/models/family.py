@@ -11,7 +11,9 @@ All of them take the family's config dataclass (a tier's `model`):
   autograd keeps per token for it, for `ttt plan`'s memory model;
 - `telemetry(model)`: optional figures read at each eval point: ({log key: value}, short text), or None;
 - `hf_mapping(cfg)`: optional, our parameter name -> `Source` (the Hugging Face tensors it is built from,
-  with alternative checkpoint layouts), for `train/checkpoint.load_hf_checkpoint`.
+  with alternative checkpoint layouts), for `train/checkpoint.load_hf_checkpoint`;
+- `hf_export(state_dict, cfg)`: optional, the other direction: (Hugging Face state dict, its config.json
+  as a dict), for the bases `ttt base` writes (`train/base_model.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ModelFamily:
     activation_elements: Callable[[Any], float]
     telemetry: Callable[[Any], tuple[dict, str]] | None = None
     hf_mapping: Callable[[Any], dict] | None = None
+    hf_export: Callable[[dict, Any], tuple[dict, dict]] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

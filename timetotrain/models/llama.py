@@ -30,7 +30,7 @@ from timetotrain.models.layers import (
     attention_matmul_params,
     attention_saved_elements,
 )
-from timetotrain.models.llama_hf import hf_mapping
+from timetotrain.models.llama_hf import hf_export, hf_mapping
 
 
 @dataclass
@@ -148,4 +148,5 @@ FAMILY = ModelFamily(
     block_params=lambda cfg: _layer_matmul_params(cfg) + 2 * cfg.dim,
     activation_elements=activation_elements,
     hf_mapping=hf_mapping,
+    hf_export=hf_export,
 )

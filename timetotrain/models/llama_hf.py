@@ -135,6 +135,19 @@ def to_hf_state_dict(
     return out
 
 
+def hf_export(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> tuple[dict, dict]:
+    """Our state dict -> (HF `LlamaForCausalLM` state dict, its `config.json`), loadable by
+    `LlamaForCausalLM.from_pretrained` and by our own `--init-checkpoint`."""
+    dtype = next(iter(state_dict.values())).dtype
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        **hf_config_kwargs(cfg),
+    }
+    return {k: v.contiguous() for k, v in to_hf_state_dict(state_dict, cfg).items()}, config
+
+
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF `LlamaForCausalLM` state dict, either attention layout -> ours (inverse of `to_hf_state_dict`)."""
     out = {

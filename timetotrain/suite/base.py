@@ -33,6 +33,9 @@ class Tier:
     runs: int
     division: str
     description: str = ""
+    # Where the starting weights come from when they are not the family's random init: a pretraining
+    # recipe run off the clock by `ttt base` (fine-tuning tiers of our own, e.g. llama2_70b_lora tiny).
+    base: BaseRecipe | None = None
 
     @property
     def grad_accum(self) -> int:
@@ -46,6 +49,22 @@ class Tier:
     @property
     def decay_steps(self) -> int:
         return self.max_steps - self.warmup_steps
+
+
+@dataclass(frozen=True)
+class BaseRecipe:
+    """How a tier's base model is made off the clock (`ttt base`, train/base_model.py): a pretraining tier
+    of an unlisted benchmark, trained for its `max_steps` from a fixed seed, then saved in Hugging Face
+    format. The run that fine-tunes it names the folder with `--init-checkpoint`; its sha256 is logged."""
+
+    benchmark: Benchmark
+    tier: str
+    seed: int
+    data_hint: str  # how to prepare the data it pretrains on, for the error when --data is wrong
+
+    @property
+    def pretraining(self) -> Tier:
+        return self.benchmark.tier(self.tier)
 
 
 # Fields a user may change with --set (plus the task's `settable` data fields); the model shape is part of

@@ -82,8 +82,10 @@ class Task(ABC):
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""
 
     @abstractmethod
-    def resolve(self, tier, data_dir: Path, verify: bool = True) -> Any:
-        """Preflight: locate and check the tier's data; returns a handle whose `files()` lists what is read."""
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint: Path | None = None) -> Any:
+        """Preflight: locate and check the tier's data; returns a handle whose `files()` lists what is read.
+        `init_checkpoint` is the `--init-checkpoint` folder, for a task whose data depends on its base (a
+        base's narrowed vocabulary); most tasks ignore it."""
 
     @abstractmethod
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:

@@ -123,7 +123,7 @@ class CausalLM(Task):
                 f"--set seq_len={tier.data.seq_len} exceeds the model's context {tier.model.max_seq_len}"
             )
 
-    def resolve(self, tier, data_dir: Path, verify: bool = True):
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         return loader.resolve(tier.data, data_dir, verify=verify)
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:

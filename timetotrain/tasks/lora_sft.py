@@ -38,6 +38,9 @@ class LoRAData:
     train_samples: int = 0
     # Whole evaluations skipped before the first one (the reference's HF `eval_delay`): see `first_eval_step`.
     skip_evals: int | None = None
+    # Tiny tiers: the model keeps only the base's K most frequent ids plus one "other" id; the raw -> model id
+    # table comes with the base (`ttt base` writes it, train/base_model.py) and is applied to ids and labels.
+    vocab_keep: int | None = None
 
 
 def lm_block_loss(
@@ -97,11 +100,18 @@ class _RandomBlocks(RunData):
 
 
 class _Resolved:
-    def __init__(self, data_dir: Path):
-        self.data_dir = data_dir
+    def __init__(self, data_dir: Path, table: torch.Tensor | None = None):
+        self.data_dir, self.table = data_dir, table
 
     def files(self) -> list[Path]:
         return [self.data_dir / n for s in ("train", "validation") for n in govreport.array_names(s)]
+
+
+def _narrow(table: torch.Tensor, ids, labels) -> tuple[np.ndarray, np.ndarray]:
+    """Raw ids -> the base's narrowed ids; ignored labels (-100) stay ignored."""
+    t = table.numpy()
+    ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    return t[ids], np.where(labels < 0, labels, t[np.maximum(labels, 0)])
 
 
 class LoRAFineTune(Task):
@@ -112,12 +122,22 @@ class LoRAFineTune(Task):
         if tier.data.block <= 1 or tier.data.block > tier.model.max_seq_len:
             raise UserError(f"--set block={tier.data.block} must be in [2, {tier.model.max_seq_len}]")
 
-    def resolve(self, tier, data_dir: Path, verify: bool = True):
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         data_dir = Path(data_dir)
         if not data_dir.is_dir():
             raise UserError(
                 f"--data {data_dir} does not exist: pass the folder `ttt data prepare govreport` wrote"
             )
+        table = None
+        if tier.data.vocab_keep is not None:
+            from timetotrain.train.base_model import load_vocab_table
+
+            if init_checkpoint is None:
+                raise UserError(
+                    "this tier narrows the vocabulary as its base did: pass the base with --init-checkpoint"
+                )
+            table = load_vocab_table(init_checkpoint, tier.data.vocab_keep)
+        vocab = len(table) if table is not None else tier.model.vocab_size
         for split in ("train", "validation"):
             ids, _, _ = govreport.load_prepared(data_dir, split, verify=verify)
             if ids.shape[1] != tier.data.block:
@@ -125,11 +145,9 @@ class LoRAFineTune(Task):
                     f"{data_dir}: {split} blocks have {ids.shape[1]} tokens, this tier needs {tier.data.block}: "
                     f"re-run `ttt data prepare govreport --split {split} --block {tier.data.block}`"
                 )
-            if int(ids.max()) >= tier.model.vocab_size:
-                raise UserError(
-                    f"{data_dir}: {split} token ids reach {int(ids.max())} >= vocabulary {tier.model.vocab_size}"
-                )
-        return _Resolved(data_dir)
+            if int(ids.max()) >= vocab:
+                raise UserError(f"{data_dir}: {split} token ids reach {int(ids.max())} >= vocabulary {vocab}")
+        return _Resolved(data_dir, table)
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         ids, labels, _ = govreport.load_prepared(resolved.data_dir, "train", verify=False)
@@ -137,6 +155,9 @@ class LoRAFineTune(Task):
         n = tier.eval_samples
         if len(eval_ids) < n:
             raise UserError(f"{resolved.data_dir}: {len(eval_ids)} validation blocks, the tier evaluates {n}")
+        if resolved.table is not None:  # a tiny tier's few blocks: mapped once, in memory
+            ids, labels = _narrow(resolved.table, ids, labels)
+            eval_ids, eval_labels = _narrow(resolved.table, eval_ids[:n], eval_labels[:n])
         return _Blocks(
             ids, labels, eval_ids[:n], eval_labels[:n], tier.global_batch_size, rank, world, seed, device
         )

@@ -30,6 +30,7 @@ from timetotrain.mlperf.logger import ResultLog
 from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
+from timetotrain.train.base_model import check_init_base
 
 EXIT_ABORTED = 1
 # Fault injection for the fault-tolerance tests: "RANK:STEP" makes that rank raise before that step.
@@ -114,7 +115,10 @@ def run(opts: RunOptions) -> RunResult:
 
         check_init_source(opts.init_checkpoint, bench.family)
         prep.init_checkpoint = Path(opts.init_checkpoint)
-    res = task.resolve(tier, opts.data, verify=opts.verify_data and d.main)
+    base_sha = check_init_base(bench, tier, prep.init_checkpoint)
+    res = task.resolve(
+        tier, opts.data, verify=opts.verify_data and d.main, init_checkpoint=prep.init_checkpoint
+    )
     prepare.start_device(prep, opts.device, opts.dist_timeout, opts.seed)
     device, seed = prep.device, prep.seed
     fault_at = _fault_step(d.rank)
@@ -150,6 +154,8 @@ def run(opts: RunOptions) -> RunResult:
             }
             if prep.init_checkpoint is not None:
                 extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
+            if base_sha is not None:
+                extra["ttt_init_checkpoint_sha256"] = base_sha
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
             tr = prepare.build(prep)
             log.end("init_stop")

@@ -1,0 +1,227 @@
+"""`ttt base`: make a tier's base model off the clock, deterministically, and cache it by content hash.
+
+A fine-tuning tier of our own (llama2_70b_lora `tiny`) cannot start from a real pretrained checkpoint on a
+laptop, so it starts from a small base pretrained here on the shared C4 sample. The recipe is data
+(`suite.base.BaseRecipe`: a pretraining tier of an unlisted benchmark, a seed); this module runs it with the
+same model build, optimizer, schedule and training step as a timed run, and writes a Hugging Face folder
+(`config.json`, `model.safetensors`) that `ttt run --init-checkpoint` loads and HF/PEFT can load too, plus:
+
+- `vocab_table.npy` when the recipe narrows the vocabulary: raw tokenizer id -> model id, which the
+  fine-tuning run applies to its own data so both see the same ids;
+- `base.json`: the recipe, the cache key, the data checksums, the final losses and the sha256 of the weights
+  and of the table.
+
+Cache key: sha256 of the recipe (tier, optimizer, schedule, seed), the data files' checksums, and the torch
+and timetotrain versions. The same key means the same inputs; a second `ttt base` with the same key returns
+the cached folder after checking its weights against `base.json`. On one machine with the same thread count
+the weights are bitwise reproducible; across machines float reductions may differ, which is why the run that
+uses a base logs the sha256 of its weights (`ttt_init_checkpoint_sha256`), not just the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from timetotrain.data import loader
+from timetotrain.data.manifest import sha256_file
+from timetotrain.errors import UserError
+from timetotrain.progress import LiveLine
+from timetotrain.suite.base import BaseRecipe
+from timetotrain.train.step import build_training
+
+BASE_JSON = "base.json"
+WEIGHTS = "model.safetensors"
+VOCAB_TABLE = "vocab_table.npy"
+
+
+def default_cache() -> Path:
+    root = os.environ.get("TTT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "timetotrain")
+    return Path(root) / "bases"
+
+
+def cache_key(recipe: BaseRecipe, resolved) -> str:
+    """Everything the weights depend on, hashed; the data by the checksums its manifests record."""
+    import timetotrain
+
+    bench, tier = recipe.benchmark, recipe.pretraining
+    data = {}
+    for path in resolved.files():
+        data[path.name] = sha256_file(path)
+    doc = {
+        "benchmark": bench.name,
+        "tier": repr(tier),
+        "optimizer": repr(bench.optimizer),
+        "schedule": bench.schedule,
+        "family": bench.family.name,
+        "seed": recipe.seed,
+        "data": data,
+        "torch": torch.__version__,
+        "timetotrain": timetotrain.__version__,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def read_base(folder: Path) -> dict | None:
+    """`base.json` of a folder `ttt base` wrote, or None for any other checkpoint folder."""
+    path = Path(folder) / BASE_JSON
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        doc["weights_sha256"], doc["key"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{path} is not a valid base description ({e}): make the base again with `ttt base`"
+        ) from e
+    return doc
+
+
+def verify_base(folder: Path) -> dict:
+    """Check the weights (and vocabulary table) against `base.json`; returns the description."""
+    doc = read_base(folder)
+    if doc is None:
+        raise UserError(f"{folder} has no {BASE_JSON}: it was not written by `ttt base`")
+    for name, key in ((WEIGHTS, "weights_sha256"), (VOCAB_TABLE, "vocab_table_sha256")):
+        want = doc.get(key)
+        if want is None:
+            continue
+        path = Path(folder) / name
+        if not path.is_file() or sha256_file(path) != want:
+            raise UserError(
+                f"{path} does not match {BASE_JSON} ({key}): the base is damaged; delete {folder} and run "
+                "`ttt base` again"
+            )
+    return doc
+
+
+def load_vocab_table(folder: Path, keep: int) -> torch.Tensor:
+    """The base's raw id -> model id table, checked to map into `keep` kept ids plus one "other" id."""
+    path = Path(folder) / VOCAB_TABLE
+    if not path.is_file():
+        raise UserError(
+            f"--init-checkpoint {folder} has no {VOCAB_TABLE}: this tier narrows the vocabulary as its base "
+            "did; pass the folder `ttt base` wrote"
+        )
+    table = np.load(path)
+    if table.ndim != 1 or table.min() < 0 or table.max() != keep:
+        raise UserError(
+            f"{path} maps ids into [0, {int(table.max())}], this tier keeps {keep} ids plus one other: "
+            "the base was made for another tier"
+        )
+    return torch.from_numpy(table.astype(np.int64))
+
+
+def make_base(
+    recipe: BaseRecipe, data_dir: Path, cache: Path | None = None, device: str = "cpu", echo: bool = True
+) -> tuple[Path, dict, bool]:
+    """Run the recipe (or find it cached). Returns (folder, base.json, cached)."""
+    bench, tier = recipe.benchmark, recipe.pretraining
+    family = bench.family
+    if family.hf_export is None:
+        raise UserError(f"the {family.name} family cannot write a Hugging Face checkpoint (no hf_export)")
+    data_dir = Path(data_dir)
+    try:
+        resolved = bench.task.resolve(tier, data_dir, verify=True)
+    except UserError as e:
+        raise UserError(f"{e} (the base pretrains on: {recipe.data_hint})") from e
+    key = cache_key(recipe, resolved)
+    cache = Path(cache) if cache is not None else default_cache()
+    folder = cache / f"{bench.name}-{tier.name}-{key[:16]}"
+    if folder.is_dir() and read_base(folder) is not None:
+        return folder, verify_base(folder), True
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--cache {cache} is not writable ({e.strerror}): choose another folder") from e
+
+    t0 = time.monotonic()
+    dev = torch.device(device)
+    torch.manual_seed(recipe.seed)
+    tr = build_training(bench, tier, dev, recipe.seed)
+    data = bench.task.open(tier, resolved, recipe.seed, 0, 1, dev)
+    live = LiveLine() if echo else None
+    losses = []
+    try:
+        for step in range(tier.max_steps):
+            batch = {k: v.to(dev) for k, v in data.batch(step).items()}
+            losses.append(tr.step(step, batch, tier.grad_accum, data.loss)[0])
+            if live and (step + 1) % 10 == 0:
+                live.update(
+                    f"base {bench.name}/{tier.name}: step {step + 1}/{tier.max_steps}  "
+                    f"loss {losses[-1].item():.4f}  [{time.monotonic() - t0:.0f} s]"
+                )
+        eval_loss = data.evaluate(tr.model)
+    finally:
+        if live:
+            live.close()
+        data.close()
+    train_losses = torch.stack(losses).tolist()
+
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted `ttt base`
+    partial.mkdir(parents=True)
+    state, config = family.hf_export(
+        {k: v.detach().cpu() for k, v in tr.bare.state_dict().items()}, tier.model
+    )
+    from safetensors.torch import save_file
+
+    save_file(state, partial / WEIGHTS, metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    doc = {
+        "benchmark": bench.name,
+        "tier": tier.name,
+        "seed": recipe.seed,
+        "key": key,
+        "steps": tier.max_steps,
+        "tokens": tier.max_steps * tier.global_batch_size * bench.task.sample_items(tier)[1],
+        "final_train_loss": train_losses[-1],
+        "mean_train_loss_last_10": float(np.mean(train_losses[-10:])),
+        "eval_loss": eval_loss,
+        "eval_samples": tier.eval_samples,
+        "seconds": round(time.monotonic() - t0, 1),
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "data": str(data_dir.resolve()),
+        "weights_sha256": sha256_file(partial / WEIGHTS),
+    }
+    keep = getattr(tier.data, "vocab_keep", None)
+    if keep:
+        np.save(partial / VOCAB_TABLE, loader.vocab_table(resolved.counts_file, keep).numpy())
+        doc["vocab_keep"] = keep
+        doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
+    (partial / BASE_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, folder)  # complete or absent: a crash leaves only the .partial
+    return folder, doc, False
+
+
+def check_init_base(bench, tier, folder: Path | None) -> str | None:
+    """Preflight of a run's base: a tier with a base recipe needs `--init-checkpoint` from `ttt base` for that
+    recipe; a `ttt base` folder is checked against its `base.json`. Returns the weights' sha256 to log (None
+    for a checkpoint not made by `ttt base`, whose hash would take minutes to compute at 70B)."""
+    recipe = tier.base
+    if folder is None:
+        if recipe is not None:
+            raise UserError(
+                f"{bench.name} --tier {tier.name} fine-tunes a base model: make it with `ttt base {bench.name} "
+                f"--tier {tier.name} --data DIR` ({recipe.data_hint}) and pass the folder it prints with "
+                "--init-checkpoint"
+            )
+        return None
+    doc = read_base(folder)
+    if doc is None:
+        return None
+    if recipe is not None and (doc.get("benchmark"), doc.get("tier")) != (recipe.benchmark.name, recipe.tier):
+        raise UserError(
+            f"--init-checkpoint {folder} is the base of {doc.get('benchmark')} {doc.get('tier')}, this tier needs "
+            f"{recipe.benchmark.name} {recipe.tier}: run `ttt base {bench.name} --tier {tier.name}`"
+        )
+    return verify_base(folder)["weights_sha256"]
