@@ -101,3 +101,17 @@ def test_closed_run_refuses_a_config_the_rules_reject():
     with pytest.raises(UserError, match="max_sequence_length"):
         check_rules(BENCH, tier)
     check_rules(BENCH, apply_overrides(BENCH, BENCH.tier("reference"), ["seq_len=4096", "division=open"]))
+
+
+GPT_OSS = get("gpt_oss_20b")
+
+
+@pytest.mark.parametrize("gbs,lr,warmup", [(16, 4e-4, 128), (32, 8e-4, 128), (64, 1e-3, 192)])
+def test_gpt_oss_gbs_override_keeps_the_rcps_end_lr(gbs, lr, warmup):
+    """Every gpt_oss_20b RCP ran with end LR 4e-5 (the 6.0 exception), whatever its base LR; llama31_8b's
+    end LR follows the base (test_gbs_override_takes_rcp_hparams)."""
+    tier = apply_overrides(GPT_OSS, GPT_OSS.tier("reference"), [f"global_batch_size={gbs}"])
+    assert (tier.lr, tier.warmup_steps, tier.end_lr) == (lr, warmup, 4e-5)
+    check_rules(GPT_OSS, tier)
+    # The rules also allow 0.1 x base, when asked for.
+    check_rules(GPT_OSS, apply_overrides(GPT_OSS, tier, [f"end_lr={lr / 10}"]))

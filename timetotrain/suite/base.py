@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
@@ -93,6 +93,15 @@ class Optimizer:
         return keys
 
 
+class RcpHparams(NamedTuple):
+    """What a reference convergence point was run with. The RCP json records the base LR and warmup; the end
+    LR comes from the reference's config: None means it followed the base LR (end/base as in the tier)."""
+
+    lr: float
+    warmup_steps: int
+    end_lr: float | None = None
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """A benchmark as data: its task, model family, tiers, optimizer and schedule rules, and closed rules."""
@@ -105,8 +114,8 @@ class Benchmark:
     optimizer: Optimizer
     schedule: str  # the reference framework's schedule, see train/schedule.py (nemo, megatron, ...)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
-    # GBS -> (lr, warmup_steps) of the reference convergence points, used when --set changes the GBS.
-    rcp_hparams: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # GBS -> the hyperparameters of the reference convergence points, used when --set changes the GBS.
+    rcp_hparams: dict[int, RcpHparams] = field(default_factory=dict)
     listed: bool = True  # False: a test-only benchmark, not shown by `ttt list`
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
     # checks the logs of those tiers against them.
@@ -131,7 +140,8 @@ class Benchmark:
 
 
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
-    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set."""
+    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set, and
+    a new base LR takes its end LR along (the RCP's, or the tier's end/base ratio) unless end_lr is set."""
     changes: dict[str, Any] = {}
     data_changes: dict[str, Any] = {}
     for item in sets:
@@ -149,11 +159,14 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if data_changes:
         changes["data"] = dataclasses.replace(tier.data, **data_changes)
     gbs = changes.get("global_batch_size")
-    if gbs is not None and gbs in bench.rcp_hparams:
-        lr, warmup = bench.rcp_hparams[gbs]
-        changes.setdefault("lr", lr)
-        changes.setdefault("warmup_steps", warmup)
-        if "end_lr" not in changes:
+    rcp = bench.rcp_hparams.get(gbs) if gbs is not None else None
+    if rcp is not None:
+        changes.setdefault("lr", rcp.lr)
+        changes.setdefault("warmup_steps", rcp.warmup_steps)
+    if "lr" in changes and "end_lr" not in changes:
+        if rcp is not None and rcp.end_lr is not None:
+            changes["end_lr"] = rcp.end_lr
+        else:
             changes["end_lr"] = changes["lr"] * tier.end_lr / tier.lr
     if "micro_batch_size" not in changes and gbs is not None and tier.micro_batch_size > gbs:
         changes["micro_batch_size"] = gbs
