@@ -33,6 +33,10 @@ class Tier:
     runs: int
     division: str
     description: str = ""
+    # The schedule's decay argument (logged as opt_learning_rate_decay_steps; train/schedule.py reads it
+    # as the benchmark's framework does) is max_steps - warmup_steps, the value every C4 closed rule file
+    # requires. False: max_steps, for a tier of ours that says why (gpt_oss_20b tiny).
+    decay_steps_exclude_warmup: bool = True
 
     @property
     def grad_accum(self) -> int:
@@ -45,7 +49,7 @@ class Tier:
 
     @property
     def decay_steps(self) -> int:
-        return self.max_steps - self.warmup_steps
+        return self.max_steps - (self.warmup_steps if self.decay_steps_exclude_warmup else 0)
 
 
 # Fields a user may change with --set (plus the task's `settable` data fields); the model shape is part of
@@ -204,6 +208,12 @@ def validate(bench: Benchmark, t: Tier) -> None:
         )
     if not 0 <= t.warmup_steps < t.max_steps:
         raise UserError(f"--set warmup_steps={t.warmup_steps} must be in [0, max_steps={t.max_steps})")
+    if bench.schedule == "megatron" and t.warmup_steps >= t.decay_steps:
+        # Megatron's cosine ends at step decay_steps (train/schedule.py), which must come after the warmup.
+        raise UserError(
+            f"--set warmup_steps={t.warmup_steps}: the cosine ends at step {t.decay_steps}, so warmup must end "
+            "before it"
+        )
     if t.lr <= 0 or t.end_lr < 0 or t.end_lr > t.lr:
         raise UserError(f"--set lr={t.lr} end_lr={t.end_lr}: need 0 <= end_lr <= lr and lr > 0")
     if t.division not in ("closed", "open"):

@@ -7,6 +7,8 @@ unconfirmed detail of the reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 from timetotrain.models.gpt_oss import FAMILY, GPT_OSS_20B, GptOssConfig
 from timetotrain.suite.base import Benchmark, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
@@ -23,7 +25,8 @@ RCP_HPARAMS = {
     64: RcpHparams(1e-3, 192, END_LR),
 }
 
-# Micro-batch 2 as in the RCP runs.
+# Micro-batch 2 as in the RCP runs. The schedule's decay argument is the default max_steps - warmup:
+# Primus sets Megatron's lr_decay_iters to 1,200,000 - W, where the "megatron" rule ends the cosine.
 REFERENCE = reference_tier(
     GPT_OSS_20B, micro_batch_size=2, lr=4e-4, end_lr=END_LR, warmup_steps=128, target=3.34
 )
@@ -44,7 +47,10 @@ TINY_MODEL = GptOssConfig(
     max_seq_len=256,
 )
 
-TINY = tiny_tier(TINY_MODEL, target=4.8)
+# The tiny tier keeps the schedule it was recorded and calibrated with (tests/golden, its RCP): the cosine
+# ends at max_steps, so its Megatron decay argument, and the logged decay steps, are max_steps (2,000),
+# not the reference's max_steps - W.
+TINY = dataclasses.replace(tiny_tier(TINY_MODEL, target=4.8), decay_steps_exclude_warmup=False)
 
 BENCHMARK = Benchmark(
     name="gpt_oss_20b",
