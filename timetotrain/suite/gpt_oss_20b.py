@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from timetotrain.models.gpt_oss import FAMILY, GPT_OSS_20B, GptOssConfig
-from timetotrain.suite.base import Benchmark, RcpHparams
+from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 
@@ -62,4 +62,5 @@ BENCHMARK = Benchmark(
     schedule="megatron",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_gpt_oss_20b.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.1, also=(END_LR,)),
 )

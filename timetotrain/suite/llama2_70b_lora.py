@@ -13,7 +13,7 @@ without data or checkpoint.
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA2_70B
-from timetotrain.suite.base import Benchmark, Optimizer, RcpHparams, Tier
+from timetotrain.suite.base import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
 from timetotrain.tasks.lora_sft import LoRAData, LoRAFineTune
 
 # GBS -> base LR and warmup steps of the 6.0 RCPs: warmup ratio 0 everywhere.
@@ -60,4 +60,5 @@ BENCHMARK = Benchmark(
     schedule="hf_cosine",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama2_70b_lora.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.0),  # the HF cosine decays to 0
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA31_8B, LlamaConfig
-from timetotrain.suite.base import Benchmark, RcpHparams
+from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 
@@ -47,4 +47,5 @@ BENCHMARK = Benchmark(
     schedule="nemo",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama31_8b.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.1),  # training rules: end LR 0.1 x base
 )
