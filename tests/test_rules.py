@@ -101,3 +101,91 @@ def test_closed_run_refuses_a_config_the_rules_reject():
     with pytest.raises(UserError, match="max_sequence_length"):
         check_rules(BENCH, tier)
     check_rules(BENCH, apply_overrides(BENCH, BENCH.tier("reference"), ["seq_len=4096", "division=open"]))
+
+
+GPT_OSS = get("gpt_oss_20b")
+
+
+@pytest.mark.parametrize("gbs,lr,warmup", [(16, 4e-4, 128), (32, 8e-4, 128), (64, 1e-3, 192)])
+def test_gpt_oss_gbs_override_keeps_the_rcps_end_lr(gbs, lr, warmup):
+    """Every gpt_oss_20b RCP ran with end LR 4e-5 (the 6.0 exception), whatever its base LR; llama31_8b's
+    end LR follows the base (test_gbs_override_takes_rcp_hparams)."""
+    tier = apply_overrides(GPT_OSS, GPT_OSS.tier("reference"), [f"global_batch_size={gbs}"])
+    assert (tier.lr, tier.warmup_steps, tier.end_lr) == (lr, warmup, 4e-5)
+    check_rules(GPT_OSS, tier)
+    # The rules also allow 0.1 x base, when asked for.
+    check_rules(GPT_OSS, apply_overrides(GPT_OSS, tier, [f"end_lr={lr / 10}"]))
+
+
+def _refusal(bench, sets) -> str:
+    tier = apply_overrides(bench, bench.tier("reference"), sets)  # a valid setting, only not a closed one
+    with pytest.raises(UserError) as e:
+        check_rules(bench, tier)
+    msg = str(e.value)
+    assert "\n" not in msg and "MLPerf Training rules:" in msg and "--set division=open" in msg
+    # The same setting is an open result: it passes and logs its division as such.
+    opened = apply_overrides(bench, bench.tier("reference"), [*sets, "division=open"])
+    check_rules(bench, opened)
+    assert ("submission_division", "open") in submission_keys(bench, opened, "org", "platform")
+    return msg
+
+
+@pytest.mark.parametrize(
+    "bench,sets,needle",
+    [
+        (BENCH, ["target=3.5"], "quality target is fixed"),
+        (GPT_OSS, ["target=3.3"], "quality target is fixed"),
+        (BENCH, ["eval_every_samples=6144"], "evaluation runs every 12,288 samples"),
+        (BENCH, ["end_lr=1e-5"], "end LR is 0.1 x the base LR in the closed division, not 1e-05"),
+        (BENCH, ["global_batch_size=64", "end_lr=4e-5"], "end LR is 0.1 x the base LR"),
+        (GPT_OSS, ["global_batch_size=64", "end_lr=5e-5"], "end LR is 0.1 x the base LR or 4e-05"),
+        (get("llama2_70b_lora"), ["end_lr=1e-5"], "end LR is 0 in the closed division"),
+        (BENCH, ["global_batch_size=48"], "global_batch_size=48 has no reference convergence point"),
+        (BENCH, ["global_batch_size=48", "lr=6e-4"], "give --set lr=... and --set warmup_steps=..."),
+        (GPT_OSS, ["global_batch_size=128", "warmup_steps=300"], "(RCPs at 16, 32, 64)"),
+        (get("llama2_70b_lora"), ["global_batch_size=64"], "no reference convergence point"),
+    ],
+)
+def test_closed_division_refuses_what_no_yaml_checks(bench, sets, needle):
+    assert needle in _refusal(bench, sets)
+
+
+@pytest.mark.parametrize(
+    "bench,sets",
+    [
+        (BENCH, ["lr=5e-4"]),  # the end LR follows the base: 5e-5
+        (BENCH, ["global_batch_size=48", "lr=6e-4", "warmup_steps=64"]),
+        (BENCH, ["global_batch_size=48", "lr=4e-4", "warmup_steps=16"]),  # chosen, even if equal to GBS 16's
+        (GPT_OSS, ["global_batch_size=48", "lr=9e-4", "warmup_steps=160"]),
+        (GPT_OSS, ["global_batch_size=64", "lr=2e-3"]),
+        (BENCH, ["micro_batch_size=2", "target=3.3", "eval_every_samples=12288"]),  # the declared values
+    ],
+)
+def test_closed_division_accepts_what_the_rules_leave_free(bench, sets):
+    check_rules(bench, apply_overrides(bench, bench.tier("reference"), sets))
+
+
+def test_closed_refusal_comes_before_any_log_line(capsys, tmp_path):
+    from test_preflight import assert_one_line_error, results, run_cli
+
+    logs = tmp_path / "logs"
+    argv = ["run", "gpt_oss_20b", "--tier", "reference", "--data", str(tmp_path), "--logdir", str(logs)]
+    code, err = run_cli(capsys, *argv, "--set", "target=3.5")
+    assert_one_line_error(code, err, "MLPerf Training rules: the quality target is fixed", "division=open")
+    assert ":::MLLOG" not in capsys.readouterr().out and results(logs) == []
+
+
+def test_reproduction_names_the_chosen_hparams_of_a_gbs_without_rcp():
+    """`ttt package` writes the --set flags that rerun a logged closed run; at a GBS without an RCP they
+    must name LR and warmup even where those equal the tier's, or the rerun would be refused."""
+    from types import SimpleNamespace
+
+    from timetotrain.mlperf.package import _overrides
+
+    tier = apply_overrides(
+        BENCH, BENCH.tier("reference"), ["global_batch_size=48", "lr=4e-4", "warmup_steps=16"]
+    )
+    keys = dict(submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier))
+    sets = _overrides(SimpleNamespace(benchmark="llama31_8b", tier="reference", keys=keys))
+    assert sets == ["global_batch_size=48", "lr=0.0004", "warmup_steps=16"]
+    check_rules(BENCH, apply_overrides(BENCH, BENCH.tier("reference"), sets))

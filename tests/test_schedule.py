@@ -79,3 +79,78 @@ def test_warmup_constant_is_torchtitans_off_by_one():
     assert s(29_999) == 2e-4
     with pytest.raises(ValueError, match="unknown schedule rule"):
         make("linear", 1.0, 0.0, 0, 10)
+
+
+# Steps where a schedule's off-by-ones show: the warmup edges, where the RCP runs converge (3,000-5,000),
+# mid-decay, and the end of Primus' cosine at 1,200,000 - W.
+def _probe_steps(w: int) -> list[int]:
+    d = 1_200_000 - w
+    return [0, 1, w - 1, w, w + 1, 1000, 3071, 4704, 12_345, 600_000, d - 1, d, d + 1, 1_200_000]
+
+
+@pytest.mark.filterwarnings("ignore:Transformer Engine and Apex:UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("gbs,lr,w", [(16, 4e-4, 128), (32, 8e-4, 128), (64, 1e-3, 192)])
+def test_gpt_oss_reference_schedule_is_megatron_core_with_primus_decay(gbs, lr, w):
+    """gpt_oss_20b's reference LR at each RCP batch size is bit for bit megatron-core's
+    OptimizerParamScheduler configured as Primus configures it: lr_decay_iters = train_iters - warmup
+    (config_*.sh: PRIMUS_LR_DECAY_ITERS=$((PRIMUS_TRAIN_ITERS-PRIMUS_LR_WARMUP_ITERS))), init_lr 0, and
+    min_lr 4e-5 at every GBS. The logged decay steps are that same argument."""
+    import torch
+    from conftest import require
+
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+    from timetotrain.train.schedule import for_tier
+
+    core = require("megatron.core.optimizer_param_scheduler")
+    bench = get("gpt_oss_20b")
+    tier = apply_overrides(bench, bench.tier("reference"), [f"global_batch_size={gbs}"])
+    assert (tier.lr, tier.warmup_steps, tier.end_lr) == (lr, w, 4e-5)
+    assert dict(bench.hyperparameters(tier))["opt_learning_rate_decay_steps"] == 1_200_000 - w
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    megatron = core.OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=tier.lr, min_lr=tier.end_lr, lr_warmup_steps=w,
+        lr_decay_steps=1_200_000 - w, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=1_200_000, wd_incr_style="constant",
+    )  # fmt: skip
+    ours = for_tier(bench.schedule, tier)
+    for step in _probe_steps(w):
+        megatron.num_steps = step  # what step() would have counted after `step` updates
+        assert ours(step) == megatron.get_lr(opt.param_groups[0]), step
+    # A cosine to max_steps (the rule before issue 16) misses where runs converge by ~1e-8 relative.
+    megatron.num_steps = 4704
+    assert WarmupCosine(tier.lr, tier.end_lr, w, 1_200_000, "megatron")(4704) != megatron.get_lr(
+        opt.param_groups[0]
+    )
+
+
+def test_llama_and_tiny_schedules_still_end_at_max_steps():
+    """NeMo's decay argument counts after the warmup, so llama31_8b still reaches its end LR at max_steps;
+    gpt_oss_20b tiny keeps the cosine to max_steps its golden runs were recorded with."""
+    from timetotrain.suite import get
+    from timetotrain.train.schedule import for_tier
+
+    llama = get("llama31_8b")
+    for name in ("reference", "tiny"):
+        t = llama.tier(name)
+        ours, old = for_tier("nemo", t), WarmupCosine(t.lr, t.end_lr, t.warmup_steps, t.max_steps, "nemo")
+        steps = list(range(0, 2 * t.warmup_steps + 2)) + [t.max_steps // 2, t.max_steps - 1, t.max_steps]
+        assert [ours(s) for s in steps] == [old(s) for s in steps]
+        assert ours(t.max_steps - 1) > t.end_lr and ours(t.max_steps) == t.end_lr
+    gpt = get("gpt_oss_20b")
+    t = gpt.tier("tiny")
+    ours, old = for_tier("megatron", t), WarmupCosine(3e-3, 3e-4, 20, 2000, "megatron")
+    assert [ours(s) for s in range(2100)] == [old(s) for s in range(2100)]
+    assert dict(gpt.hyperparameters(t))["opt_learning_rate_decay_steps"] == 2000
+
+
+def test_megatron_warmup_must_end_before_the_decay_does():
+    from timetotrain.errors import UserError
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+
+    bench = get("gpt_oss_20b")
+    apply_overrides(bench, bench.tier("reference"), ["warmup_steps=599999"])  # cosine over 599,999..600,001
+    with pytest.raises(UserError, match="the cosine ends at step 600000"):
+        apply_overrides(bench, bench.tier("reference"), ["warmup_steps=600000"])

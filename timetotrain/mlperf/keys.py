@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
-from timetotrain.suite.base import Benchmark, Tier
+from timetotrain.suite.base import Benchmark, Tier, closed_violation
 
 
 def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[tuple[str, object]]:
@@ -20,7 +20,8 @@ def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[t
 
 
 def check_rules(bench: Benchmark, tier: Tier) -> None:
-    """Refuse, before any log line, a configuration the rule file of its division would reject."""
+    """Refuse, before any log line, a configuration the rule file of its division would reject, and a
+    closed one that breaks a training rule no rule file checks (`suite.base.closed_violation`)."""
     if tier.name == "reference":
         if tier.division != "closed":
             return
@@ -32,6 +33,10 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""
         raise UserError(f"{bench.name} {tier.name}: {problems[0]}: change the --set value{hint}")
+    if tier.name == "reference":
+        reason = closed_violation(bench, tier)
+        if reason is not None:
+            raise UserError(f"{bench.name} {tier.name}: {reason}")
 
 
 def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:

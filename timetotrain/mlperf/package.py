@@ -395,8 +395,12 @@ def _overrides(log: RunLog) -> list[str]:
     from timetotrain.suite.base import setting
 
     names = {**_SETTINGS, **{key: name for name, key in bench.task.settable.items()}}
+    gbs = log.keys.get("global_batch_size", tier.global_batch_size)
+    # At a GBS without an RCP a closed run must name its LR and warmup, even where they equal the tier's
+    # (suite.base.closed_violation).
+    chosen = {"lr", "warmup_steps"} if bench.rcp_hparams and gbs not in bench.rcp_hparams else set()
     for key, name in names.items():
-        if key in log.keys and log.keys[key] != setting(tier, name):
+        if key in log.keys and (log.keys[key] != setting(tier, name) or name in chosen):
             sets.append(f"{name}={log.keys[key]}")
     return sets
 

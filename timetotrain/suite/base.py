@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
@@ -36,6 +36,13 @@ class Tier:
     # Where the starting weights come from when they are not the family's random init: a pretraining
     # recipe run off the clock by `ttt base` (fine-tuning tiers of our own, e.g. llama2_70b_lora tiny).
     base: BaseRecipe | None = None
+    # The schedule's decay argument (logged as opt_learning_rate_decay_steps; train/schedule.py reads it
+    # as the benchmark's framework does) is max_steps - warmup_steps, the value every C4 closed rule file
+    # requires. False: max_steps, for a tier of ours that says why (gpt_oss_20b tiny).
+    decay_steps_exclude_warmup: bool = True
+    # The names given with --set (apply_overrides). A closed run may use a GBS without an RCP only with a
+    # base LR and warmup its submitter chose (closed_violation), not ones the harness kept from the tier.
+    user_set: frozenset[str] = frozenset()
 
     @property
     def grad_accum(self) -> int:
@@ -48,7 +55,7 @@ class Tier:
 
     @property
     def decay_steps(self) -> int:
-        return self.max_steps - self.warmup_steps
+        return self.max_steps - (self.warmup_steps if self.decay_steps_exclude_warmup else 0)
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,33 @@ class Optimizer:
         return keys
 
 
+class RcpHparams(NamedTuple):
+    """What a reference convergence point was run with. The RCP json records the base LR and warmup; the end
+    LR comes from the reference's config: None means it followed the base LR (end/base as in the tier)."""
+
+    lr: float
+    warmup_steps: int
+    end_lr: float | None = None
+
+
+@dataclass(frozen=True)
+class EndLRRule:
+    """The end learning rates the training rules allow in the closed division (no official yaml checks
+    them): `ratio` x the base LR, or one of `also`."""
+
+    ratio: float
+    also: tuple[float, ...] = ()
+
+    def allows(self, lr: float, end_lr: float) -> bool:
+        return any(
+            math.isclose(end_lr, v, rel_tol=1e-9, abs_tol=1e-15) for v in (self.ratio * lr, *self.also)
+        )
+
+    def describe(self) -> str:
+        first = f"{self.ratio:g} x the base LR" if self.ratio else "0"
+        return " or ".join([first, *(f"{v:g}" for v in self.also)])
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """A benchmark as data: its task, model family, tiers, optimizer and schedule rules, and closed rules."""
@@ -124,8 +158,9 @@ class Benchmark:
     optimizer: Optimizer
     schedule: str  # the reference framework's schedule, see train/schedule.py (nemo, megatron, ...)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
-    # GBS -> (lr, warmup_steps) of the reference convergence points, used when --set changes the GBS.
-    rcp_hparams: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # GBS -> the hyperparameters of the reference convergence points, used when --set changes the GBS.
+    rcp_hparams: dict[int, RcpHparams] = field(default_factory=dict)
+    end_lr_rule: EndLRRule | None = None  # the closed division's end LR, None where the rules fix none
     listed: bool = True  # False: a test-only benchmark, not shown by `ttt list`
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
     # checks the logs of those tiers against them.
@@ -150,7 +185,8 @@ class Benchmark:
 
 
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
-    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set."""
+    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set, and
+    a new base LR takes its end LR along (the RCP's, or the tier's end/base ratio) unless end_lr is set."""
     changes: dict[str, Any] = {}
     data_changes: dict[str, Any] = {}
     for item in sets:
@@ -165,18 +201,22 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
             choices = ", ".join((*SETTABLE, *bench.task.settable))
             raise UserError(f"--set {key!r} is not a setting: choose from {choices}")
         changes[key] = _parse(key, raw, type(getattr(tier, key)))
+    given = frozenset(changes) | frozenset(data_changes)
     if data_changes:
         changes["data"] = dataclasses.replace(tier.data, **data_changes)
     gbs = changes.get("global_batch_size")
-    if gbs is not None and gbs in bench.rcp_hparams:
-        lr, warmup = bench.rcp_hparams[gbs]
-        changes.setdefault("lr", lr)
-        changes.setdefault("warmup_steps", warmup)
-        if "end_lr" not in changes:
+    rcp = bench.rcp_hparams.get(gbs) if gbs is not None else None
+    if rcp is not None:
+        changes.setdefault("lr", rcp.lr)
+        changes.setdefault("warmup_steps", rcp.warmup_steps)
+    if "lr" in changes and "end_lr" not in changes:
+        if rcp is not None and rcp.end_lr is not None:
+            changes["end_lr"] = rcp.end_lr
+        else:
             changes["end_lr"] = changes["lr"] * tier.end_lr / tier.lr
     if "micro_batch_size" not in changes and gbs is not None and tier.micro_batch_size > gbs:
         changes["micro_batch_size"] = gbs
-    new = dataclasses.replace(tier, **changes)
+    new = dataclasses.replace(tier, **changes, user_set=tier.user_set | given)
     validate(bench, new)
     return new
 
@@ -210,8 +250,45 @@ def validate(bench: Benchmark, t: Tier) -> None:
         )
     if not 0 <= t.warmup_steps < t.max_steps:
         raise UserError(f"--set warmup_steps={t.warmup_steps} must be in [0, max_steps={t.max_steps})")
+    if bench.schedule == "megatron" and t.warmup_steps >= t.decay_steps:
+        # Megatron's cosine ends at step decay_steps (train/schedule.py), which must come after the warmup.
+        raise UserError(
+            f"--set warmup_steps={t.warmup_steps}: the cosine ends at step {t.decay_steps}, so warmup must end "
+            "before it"
+        )
     if t.lr <= 0 or t.end_lr < 0 or t.end_lr > t.lr:
         raise UserError(f"--set lr={t.lr} end_lr={t.end_lr}: need 0 <= end_lr <= lr and lr > 0")
     if t.division not in ("closed", "open"):
         raise UserError(f"--set division={t.division!r}: choose closed or open")
     bench.task.validate(t)
+
+
+def closed_violation(bench: Benchmark, tier: Tier) -> str | None:
+    """What the training rules fix in the closed division but no official yaml checks, against the declared
+    tier: the quality target, the eval cadence, the end LR, and a GBS without an RCP run with hyperparameters
+    nobody chose. None when the tier is a closed configuration; else the one-line reason."""
+    declared = bench.tiers[tier.name]
+    rule = "MLPerf Training rules:"
+    fix = "add --set division=open"
+    if tier.target != declared.target:
+        return f"{rule} the quality target is fixed in the closed division ({declared.target:g}); {fix}"
+    if tier.eval_every_samples != declared.eval_every_samples:
+        return (
+            f"{rule} evaluation runs every {declared.eval_every_samples:,} samples in the closed division, "
+            f"as in the reference; {fix}"
+        )
+    end = bench.end_lr_rule
+    if end is not None and not end.allows(tier.lr, tier.end_lr):
+        return (
+            f"{rule} the end LR is {end.describe()} in the closed division, not {tier.end_lr:g} "
+            f"(base LR {tier.lr:g}); change --set end_lr or {fix}"
+        )
+    gbs = tier.global_batch_size
+    if bench.rcp_hparams and gbs not in bench.rcp_hparams and not {"lr", "warmup_steps"} <= tier.user_set:
+        rcps = ", ".join(str(b) for b in sorted(bench.rcp_hparams))
+        return (
+            f"{rule} global_batch_size={gbs} has no reference convergence point (RCPs at {rcps}), so its "
+            f"base LR and warmup are the submitter's choice: give --set lr=... and --set warmup_steps=..., "
+            f"or {fix}"
+        )
+    return None

@@ -7,18 +7,28 @@ unconfirmed detail of the reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 from timetotrain.models.gpt_oss import FAMILY, GPT_OSS_20B, GptOssConfig
-from timetotrain.suite.base import Benchmark
+from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 
-# GBS -> (base LR, warmup steps) of the 6.0 RCPs.
-RCP_HPARAMS = {16: (4e-4, 128), 32: (8e-4, 128), 64: (1e-3, 192)}
+# 6.0 exception for the end LR: every RCP used 4e-5 (the yaml default min_lr, a reference bug); the rules
+# allow it besides 0.1 x base.
+END_LR = 4e-5
 
-# 6.0 exception for the end LR: every RCP used 4e-5 (a reference bug); the rules allow it besides 0.1 x base.
-# Micro-batch 2 as in the RCP runs.
+# GBS -> base LR and warmup steps of the 6.0 RCPs, and the end LR they all ran with.
+RCP_HPARAMS = {
+    16: RcpHparams(4e-4, 128, END_LR),
+    32: RcpHparams(8e-4, 128, END_LR),
+    64: RcpHparams(1e-3, 192, END_LR),
+}
+
+# Micro-batch 2 as in the RCP runs. The schedule's decay argument is the default max_steps - warmup:
+# Primus sets Megatron's lr_decay_iters to 1,200,000 - W, where the "megatron" rule ends the cosine.
 REFERENCE = reference_tier(
-    GPT_OSS_20B, micro_batch_size=2, lr=4e-4, end_lr=4e-5, warmup_steps=128, target=3.34
+    GPT_OSS_20B, micro_batch_size=2, lr=4e-4, end_lr=END_LR, warmup_steps=128, target=3.34
 )
 
 # Tiny: the same family (all-MoE layers, top-k softmax-after-selection router, dropless SwiGLU experts,
@@ -37,7 +47,10 @@ TINY_MODEL = GptOssConfig(
     max_seq_len=256,
 )
 
-TINY = tiny_tier(TINY_MODEL, target=4.8)
+# The tiny tier keeps the schedule it was recorded and calibrated with (tests/golden, its RCP): the cosine
+# ends at max_steps, so its Megatron decay argument, and the logged decay steps, are max_steps (2,000),
+# not the reference's max_steps - W.
+TINY = dataclasses.replace(tiny_tier(TINY_MODEL, target=4.8), decay_steps_exclude_warmup=False)
 
 BENCHMARK = Benchmark(
     name="gpt_oss_20b",
@@ -49,4 +62,5 @@ BENCHMARK = Benchmark(
     schedule="megatron",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_gpt_oss_20b.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.1, also=(END_LR,)),
 )

@@ -13,13 +13,18 @@ measures fine-tuning throughput without data or checkpoint.
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA2_70B, LlamaConfig
-from timetotrain.suite.base import BaseRecipe, Benchmark, Optimizer, Tier
+from timetotrain.suite.base import BaseRecipe, Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 from timetotrain.tasks.lora_sft import LoRAData, LoRAFineTune
 
-# GBS -> (base LR, warmup steps) of the 6.0 RCPs: warmup ratio 0 everywhere.
-RCP_HPARAMS = {8: (4e-4, 0), 16: (4e-4, 0), 32: (4e-4, 0), 128: (1e-3, 0)}
+# GBS -> base LR and warmup steps of the 6.0 RCPs: warmup ratio 0 everywhere.
+RCP_HPARAMS = {
+    8: RcpHparams(4e-4, 0),
+    16: RcpHparams(4e-4, 0),
+    32: RcpHparams(4e-4, 0),
+    128: RcpHparams(1e-3, 0),
+}
 
 # HF `adamw_torch` defaults for betas/eps; weight decay 1e-4 and clipping 0.3 are fixed by the rules. Only
 # the 2-D adapters train, so the Megatron mask (no decay on 1-D tensors) decays exactly what HF decays.
@@ -126,4 +131,5 @@ BENCHMARK = Benchmark(
     schedule="hf_cosine",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama2_70b_lora.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.0),  # the HF cosine decays to 0
 )

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA31_8B, LlamaConfig
-from timetotrain.suite.base import Benchmark
+from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 
-# GBS -> (base LR, warmup steps) of the 6.0 RCPs. GBS 96's warmup is recorded as "16348" samples (a typo of
-# 16,384 = 170.7 steps); we round up to 171 steps.
-RCP_HPARAMS = {16: (4e-4, 16), 32: (8e-4, 128), 64: (8e-4, 96), 96: (1e-3, 171), 128: (2e-3, 256)}
+# GBS -> base LR and warmup steps of the 6.0 RCPs; their end LR followed the base (NeMo min_lr = 0.1 x
+# max_lr). GBS 96's warmup is recorded as "16348" samples (a typo of 16,384 = 170.7 steps); we round up
+# to 171 steps.
+RCP_HPARAMS = {
+    16: RcpHparams(4e-4, 16),
+    32: RcpHparams(8e-4, 128),
+    64: RcpHparams(8e-4, 96),
+    96: RcpHparams(1e-3, 171),
+    128: RcpHparams(2e-3, 256),
+}
 
 # NeMo min_lr = 0.1 x max_lr.
 REFERENCE = reference_tier(LLAMA31_8B, micro_batch_size=1, lr=4e-4, end_lr=4e-5, warmup_steps=16, target=3.3)
@@ -40,4 +47,5 @@ BENCHMARK = Benchmark(
     schedule="nemo",
     closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_llama31_8b.yaml"),
     rcp_hparams=RCP_HPARAMS,
+    end_lr_rule=EndLRRule(0.1),  # training rules: end LR 0.1 x base
 )

@@ -1,14 +1,18 @@
 """Learning-rate schedules with each reference framework's exact off-by-ones.
 
 `step` is the number of optimizer steps already completed (0 for the first update). `make(rule, ...)`
-returns a callable step -> lr; the rules:
+returns a callable step -> lr. `decay_steps` is the framework's own decay argument, the value a run logs as
+`opt_learning_rate_decay_steps` (max_steps - W unless a tier says otherwise); the rules read it as their
+framework does:
 
 - "nemo" (NeMo CosineAnnealing; llama31_8b, llama31_405b): s <= W: base * (s + 1) / (W + 1); then cosine
-  from base to `end` measured from W over (total - W) steps; `end` after `total`.
+  from base to `end` over the `decay_steps` steps after W (ending at max_steps); `end` after that.
 - "megatron" (Megatron OptimizerParamScheduler; gpt_oss_20b, deepseekv3_671b): s <= W: base * s / W, so the
-  very first update uses lr 0; then the same cosine.
+  very first update uses lr 0; then the same cosine, but ending *at step* `decay_steps` (Megatron's
+  `lr_decay_steps` counts from step 0, warmup included): Primus passes lr_decay_iters = max_steps - W,
+  so the reference decays over max_steps - 2W steps and holds `end` for its last W.
 - "hf_cosine" (transformers `get_cosine_schedule_with_warmup`; llama2_70b_lora): s < W: base * s / W; then
-  base * 0.5 * (1 + cos(pi * (s - W) / (total - W))), clamped at 0; `end` is 0 by construction.
+  base * 0.5 * (1 + cos(pi * (s - W) / (max_steps - W))), clamped at 0; `end` is 0 by construction.
 - "warmup_constant" (torchtitan linear warmup, no decay; flux1): s < W: base * (s + 1) / W; then base.
 """
 
@@ -22,7 +26,8 @@ RULES = ("nemo", "megatron", "hf_cosine", "warmup_constant")
 
 @dataclass(frozen=True)
 class WarmupCosine:
-    """Linear warmup then cosine decay from `base` to `end` at `total` steps, constant after (NeMo, Megatron)."""
+    """Linear warmup to `base` at step `warmup`, then cosine decay to `end` at step `total`, constant after
+    (NeMo, Megatron; `make` turns each framework's decay argument into `total`)."""
 
     base: float
     end: float
@@ -72,12 +77,22 @@ class WarmupConstant:
         return self.base
 
 
-def make(rule: str, base: float, end: float, warmup: int, total: int):
-    """The schedule of `rule` (see the module docstring) as a callable step -> lr."""
-    if rule in ("nemo", "megatron"):
-        return WarmupCosine(base, end, warmup, total, rule)
+def make(rule: str, base: float, end: float, warmup: int, total: int, decay_steps: int | None = None):
+    """The schedule of `rule` (see the module docstring) as a callable step -> lr; `total` is max_steps,
+    `decay_steps` the framework's decay argument (default total - warmup)."""
+    if decay_steps is None:
+        decay_steps = total - warmup
+    if rule == "nemo":
+        return WarmupCosine(base, end, warmup, warmup + decay_steps, rule)
+    if rule == "megatron":
+        return WarmupCosine(base, end, warmup, decay_steps, rule)
     if rule == "hf_cosine":
         return HFCosine(base, warmup, total)
     if rule == "warmup_constant":
         return WarmupConstant(base, warmup)
     raise ValueError(f"unknown schedule rule {rule!r}: choose one of {', '.join(RULES)}")
+
+
+def for_tier(rule: str, tier):
+    """The schedule a run of `tier` follows (train/step.py), from the values its log records."""
+    return make(rule, tier.lr, tier.end_lr, tier.warmup_steps, tier.max_steps, tier.decay_steps)

@@ -100,7 +100,7 @@ def build_training(
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
     fused = None if plan.fsdp == 1 else False
     opt = build_optimizer(model, bench.optimizer, tier.lr, fused)
-    sched = schedule.make(bench.schedule, tier.lr, tier.end_lr, tier.warmup_steps, tier.max_steps)
+    sched = schedule.for_tier(bench.schedule, tier)
     params = [p for p in model.parameters() if p.requires_grad]
     return Training(
         wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
