@@ -166,7 +166,9 @@ def _cmd_rcp_build(args) -> int:
     converged = [parse_log(r.log_path) for _, r in results if r.status == "success"]
     doc = build_rcp_json(args.benchmark, args.tier, converged)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    from timetotrain import fileio
+
+    fileio.write_text(out, json.dumps(doc, indent=2) + "\n")
     for name, rec in doc.items():
         print(
             f"{name}: BS {rec['BS']}, {len(converged)}/{len(results)} runs converged, "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import fileio
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -127,7 +128,8 @@ def prepare(
     live.close()
 
     counts_path = out / counts_name(split)
-    np.save(counts_path, counts)
+    with fileio.atomic_write(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
+        np.save(f, counts)
     info = {
         "split": split,
         "documents": n_docs,

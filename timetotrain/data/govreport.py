@@ -63,6 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import fileio
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.data.manifest import (
     ensure_writable,
@@ -426,10 +427,9 @@ def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray) -> l
     paths = []
     for name, arr in zip(array_names(split), (input_ids, labels), strict=True):
         path = out / name
-        tmp = out / (name + ".tmp")
-        with open(tmp, "wb") as f:  # a file object, so np.save does not append another .npy
+        # A file object, so np.save does not append another .npy; a reader never sees half an array.
+        with fileio.atomic_write(path, "wb") as f:
             np.save(f, np.ascontiguousarray(arr, dtype=np.int32))
-        os.replace(tmp, path)  # a reader never sees half an array under the final name
         paths.append(path)
     return paths
 

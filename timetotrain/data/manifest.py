@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 
@@ -46,9 +46,7 @@ def write_manifest(out_dir: Path, name: str, files: list[Path], info: dict) -> P
     entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
     doc = {"name": name, "files": entries, **info}
     path = manifest_path(out_dir, name)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    fileio.write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return path
 
 
