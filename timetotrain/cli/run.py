@@ -56,6 +56,10 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
     import secrets
 
     if seed is not None:
+        from timetotrain.train.prepare import check_seed
+
+        check_seed(seed)
+        check_seed(seed + runs - 1, f"--seed {seed} with --runs {runs}: the last seed")
         return [seed + i for i in range(runs)]
     seeds: list[int] = []
     while len(seeds) < runs:

@@ -56,11 +56,23 @@ def source_files(src: Path, split: str) -> list[Path]:
 
 
 def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
+    """Batches of document texts. Bad input stops the prepare with its file and line: invalid UTF-8 is an
+    error, not replaced (decision: a replacement character would tokenize into ids the reference's data
+    never holds, silently; C4 is valid UTF-8, so bad bytes mean a corrupt or foreign file), and so is a
+    file without any document (an empty or truncated download)."""
     batch: list[str] = []
     for path in files:
+        lineno = 0
         try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
+            with gzip.open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
+                for lineno, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise UserError(
+                            f"{path}:{lineno} is not valid UTF-8 (byte {e.start} of the line: {e.reason}): C4 is UTF-8; "
+                            "download the file again"
+                        ) from None
                     try:
                         batch.append(json.loads(line)["text"])
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -72,6 +84,8 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
                         batch = []
         except (OSError, EOFError) as e:
             raise UserError(f"{path} cannot be read as gzip ({e}): download it again") from e
+        if lineno == 0:
+            raise UserError(f"{path} holds no documents (an empty or truncated download): download it again")
     if batch:
         yield batch
 

@@ -49,7 +49,11 @@ _CODE_TO_DTYPE: dict[int, np.dtype] = {
 _FLOAT_CODES = {6: "float64", 7: "float32"}
 _DTYPE_TO_CODE = {dt: code for code, dt in _CODE_TO_DTYPE.items()}
 
-DEFAULT_REMEDY = "re-create the .bin/.idx pair (e.g. re-run `ttt data prepare <dataset>`)"
+# New files under new names, never the old ones rewritten in place: a run may have them mapped (SIGBUS).
+DEFAULT_REMEDY = (
+    "re-create the .bin/.idx pair under new names or in a new folder "
+    "(`ttt data prepare` writes temporaries and renames them into place)"
+)
 
 
 class IndexedDataError(Exception):

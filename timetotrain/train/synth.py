@@ -112,7 +112,7 @@ def synth(opts: SynthOptions) -> dict:
     prep = prepare.preflight(
         bench, tier, opts.logdir / "synth" / bench.name / tier.name, opts.parallel,
         opts.precision or ("bf16" if cuda else "fp32"), opts.activation_checkpointing, opts.compile,
-        micro_batch=opts.micro_batch, micro_flag="--micro-batch",
+        micro_batch=opts.micro_batch, micro_flag="--micro-batch", device=opts.device, seed=opts.seed,
     )  # fmt: skip
     tier, d, plan, local, accum = prep.tier, prep.dist, prep.plan, prep.local_batch, prep.accum
     prepare.start_device(prep, opts.device, seed=opts.seed)
