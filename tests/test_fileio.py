@@ -65,7 +65,7 @@ def test_perms_and_copy(tmp_path):
 # Writing a file in place, outside fileio: `.write_text(`, `.write_bytes(`, `open(..., "w"...)`, `np.save(path`,
 # `savefig(path`, `shutil.copy*`. The allowed exceptions write to names that are renamed into place later.
 _IN_PLACE = re.compile(
-    r"(?<!fileio)\.write_text\(|(?<!fileio)\.write_bytes\(|open\([^)]*,\s*\"[wax]b?\"|np\.save\((?!f\b)|savefig\((?!f\b)|shutil\.copy"
+    r"(?<!fileio)\.write_text\(|(?<!fileio)\.write_bytes\(|(?<![\w.])open\([^)]*,\s*\"[wax]b?\"|\.open\(\s*\"[wax]|np\.save\((?!f\b)|savefig\((?!f\b)|shutil\.copy"
 )
 _ALLOWED = {
     "timetotrain/fileio.py",  # the helper itself
@@ -85,3 +85,22 @@ def test_every_module_writes_through_fileio():
             if _IN_PLACE.search(line) and not line.lstrip().startswith("#"):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == [], "write through timetotrain.fileio:\n" + "\n".join(offenders)
+
+
+def test_staged_outputs_appear_together_or_not_at_all(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "a.json"
+    a.write_bytes(b"old a")
+    with pytest.raises(RuntimeError), fileio.Staged() as staged:
+        with staged.open(a, "wb") as f:
+            f.write(b"new a")
+        staged.write_text(b, "{}")
+        assert staged.current(a).read_bytes() == b"new a" and not b.exists()
+        raise RuntimeError("interrupted before the set was complete")
+    assert a.read_bytes() == b"old a" and not b.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin"]  # no temporaries left
+    with fileio.Staged() as staged:
+        with staged.open(a, "wb") as f:
+            f.write(b"new a")
+        staged.write_text(b, "{}")
+    assert a.read_bytes() == b"new a" and b.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.json"]

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from timetotrain.interrupt import deferred
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -88,3 +90,68 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy `src` to `dst` through `atomic_write` (shutil.copyfile writes in place and never fsyncs)."""
     with open(src, "rb") as s, atomic_write(dst, "wb") as d:
         shutil.copyfileobj(s, d, 1 << 20)
+
+
+class Staged:
+    """Several outputs that must appear together or not at all (a prepared split: .bin, .idx, token counts,
+    manifest). Each is written under a temporary dot-name next to its final name; leaving the `with` block
+    normally fsyncs them all and renames them into place in the order they were added, with SIGTERM/SIGINT
+    deferred so a signal cannot split the set; leaving it by an exception (or a signal) removes them, so an
+    interrupted command leaves nothing half-written and the previous outputs untouched."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Path, Path]] = []
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def add(self, tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+        """`tmp` (written by someone else, e.g. IndexedWriter) becomes `final` at commit."""
+        self._pairs.append((Path(tmp), Path(final)))
+
+    def path(self, final: str | os.PathLike) -> Path:
+        """A temporary name for `final`, in the same folder, renamed to it at commit."""
+        final = Path(final)
+        tmp = final.parent / f".{final.name}.{os.getpid()}{TMP_SUFFIX}"
+        self.add(tmp, final)
+        return tmp
+
+    def current(self, final: str | os.PathLike) -> Path:
+        """Where `final`'s content is now: its temporary name until commit."""
+        final = Path(final)
+        return next((t for t, f in self._pairs if f == final), final)
+
+    def open(self, final: str | os.PathLike, mode: str = "wb") -> IO:
+        if mode not in ("w", "wb"):
+            raise ValueError(f"Staged.open mode must be 'w' or 'wb', not {mode!r}")
+        return open(self.path(final), mode, **({"encoding": "utf-8"} if mode == "w" else {}))  # noqa: SIM115
+
+    def write_text(self, final: str | os.PathLike, text: str) -> None:
+        with self.open(final, "w") as f:
+            f.write(text)
+
+    def commit(self) -> None:
+        for tmp, _ in self._pairs:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        with deferred():
+            for tmp, final in self._pairs:
+                os.replace(tmp, final)
+            for folder in {final.parent for _, final in self._pairs}:
+                fsync_dir(folder)
+        self._pairs = []
+
+    def discard(self) -> None:
+        for tmp, _ in self._pairs:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._pairs = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from timetotrain import fileio
+from timetotrain import fileio, interrupt
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -95,6 +95,7 @@ _worker_tok = None
 
 def _worker_init(name: str) -> None:
     global _worker_tok
+    interrupt.worker_init()
     _worker_tok = tok.load(name)
 
 
@@ -126,33 +127,50 @@ def prepare(
     live = LiveLine()
     t0 = time.monotonic()
     prefix = out / prefix_name(split)
+    bin_path, idx_path, counts_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), out / counts_name(split)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with IndexedWriter(prefix, dtype) as writer, ctx.Pool(workers, _worker_init, (tokenizer,)) as pool:
-        # imap keeps input order while both cores tokenize.
-        jobs = ((texts, eod) for texts in _iter_texts(files))
-        for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
-            flat = flat.astype(dtype, copy=False)
-            writer.add_documents(flat, lengths)
-            counts += np.bincount(flat, minlength=t.vocab_size)
-            n_docs += lengths.size
-            n_tokens += flat.size
-            rate = n_tokens / max(time.monotonic() - t0, 1e-9)
-            live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens, {rate:,.0f} tokens/s")
-    live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens", force=True)
-    live.close()
+    # The workers exist before our signal handlers do (a forked worker must not inherit them). Every
+    # output stays under a temporary name until all are complete (Staged): SIGTERM/SIGINT, an error or a
+    # full disk anywhere before that stops the workers (Pool.__exit__) and removes the temporaries.
+    with (
+        ctx.Pool(workers, _worker_init, (tokenizer,)) as pool,
+        interrupt.raise_on_signals(),
+        fileio.Staged() as staged,
+    ):
+        # IndexedWriter renames its own temporaries to this dot-prefix; Staged renames those at the end.
+        hidden = out / f".{prefix.name}.{os.getpid()}"
+        staged.add(f"{hidden}.bin", bin_path)
+        staged.add(f"{hidden}.idx", idx_path)
+        try:
+            with IndexedWriter(hidden, dtype) as writer:
+                # imap keeps input order while both cores tokenize.
+                jobs = ((texts, eod) for texts in _iter_texts(files))
+                for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
+                    flat = flat.astype(dtype, copy=False)
+                    writer.add_documents(flat, lengths)
+                    counts += np.bincount(flat, minlength=t.vocab_size)
+                    n_docs += lengths.size
+                    n_tokens += flat.size
+                    rate = n_tokens / max(time.monotonic() - t0, 1e-9)
+                    live.update(
+                        f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens, {rate:,.0f} tokens/s"
+                    )
+        except BaseException:
+            live.close()  # the error line goes below the progress line, not over it
+            raise
+        live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens", force=True)
+        live.close()
 
-    counts_path = out / counts_name(split)
-    with fileio.atomic_write(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
-        np.save(f, counts)
-    info = {
-        "split": split,
-        "documents": n_docs,
-        "tokens": n_tokens,
-        "eod_appended": eod,
-        "dtype": np.dtype(dtype).name,
-        "tokenizer": t.identity(),
-        "sources": {p.name: sha256_file(p) for p in files},
-    }
-    files_out = [Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), counts_path]
-    write_manifest(out, dataset_name(split), files_out, info)
+        with staged.open(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
+            np.save(f, counts)
+        info = {
+            "split": split,
+            "documents": n_docs,
+            "tokens": n_tokens,
+            "eod_appended": eod,
+            "dtype": np.dtype(dtype).name,
+            "tokenizer": t.identity(),
+            "sources": {p.name: sha256_file(p) for p in files},
+        }
+        write_manifest(out, dataset_name(split), [bin_path, idx_path, counts_path], info, staged)
     return info

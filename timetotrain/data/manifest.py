@@ -42,11 +42,23 @@ def manifest_path(out_dir: Path, name: str) -> Path:
     return out_dir / f"{name}.manifest.json"
 
 
-def write_manifest(out_dir: Path, name: str, files: list[Path], info: dict) -> Path:
-    entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+def write_manifest(
+    out_dir: Path, name: str, files: list[Path], info: dict, staged: fileio.Staged | None = None
+) -> Path:
+    """The manifest of `files` (their final names); with `staged`, files not yet renamed into place are
+    hashed under their temporary names and the manifest itself joins the staged set."""
+    where = staged.current if staged is not None else Path
+    entries = {}
+    for p in files:
+        src = where(p)
+        entries[p.name] = {"bytes": src.stat().st_size, "sha256": sha256_file(src)}
     doc = {"name": name, "files": entries, **info}
     path = manifest_path(out_dir, name)
-    fileio.write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if staged is not None:
+        staged.write_text(path, text)
+    else:
+        fileio.write_text(path, text)
     return path
 
 
