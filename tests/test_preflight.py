@@ -362,3 +362,13 @@ def test_prepare_c4_bad_input(capsys, tmp_path, lines, needles):
     )
     assert_one_line_error(code, err, "c4-train.00000-of-00001.json.gz", *needles)
     assert sorted(p.name for p in out.iterdir()) == []  # nothing half-written, no temporaries
+
+
+def test_seed_check_imports_no_torch():
+    # The CLI checks --seed/--runs before it blocks SIGTERM/SIGINT (run_set's Aborter); torch imported
+    # earlier starts threads that would take SIGTERM with its default action (test_e2e_tiny's SIGTERM test).
+    code = (
+        "import sys; from timetotrain.cli import run; run._run_seeds(7, 3); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -56,7 +56,7 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
     import secrets
 
     if seed is not None:
-        from timetotrain.train.prepare import check_seed
+        from timetotrain.train.seeds import check_seed  # not train.prepare: no torch before the Aborter
 
         check_seed(seed)
         check_seed(seed + runs - 1, f"--seed {seed} with --runs {runs}: the last seed")

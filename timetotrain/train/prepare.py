@@ -17,6 +17,7 @@ from timetotrain.suite.base import Benchmark, Tier, apply_overrides
 from timetotrain.train import distributed, parallel
 from timetotrain.train.device import platform_name
 from timetotrain.train.device import resolve as resolve_device
+from timetotrain.train.seeds import check_seed
 from timetotrain.train.step import Training, build_training
 
 
@@ -37,14 +38,6 @@ class Prepared:
 def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
     bench = suite.get(benchmark)
     return bench, apply_overrides(bench, bench.tier(tier), sets)
-
-
-SEED_LIMIT = 2**32  # numpy's RandomState (the data shuffle) takes seeds in [0, 2**32)
-
-
-def check_seed(seed: int | None, flag: str = "--seed") -> None:
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise UserError(f"{flag} {seed} is out of range: use an integer in [0, 2**32 - 1 = {SEED_LIMIT - 1}]")
 
 
 def preflight(
