@@ -212,7 +212,10 @@ class TokenSource:
 
     def batch(self, step: int) -> torch.Tensor:
         start = step * self.gbs + self.offset
-        tokens = self.windows.batch(np.arange(start, start + self.local))
+        try:
+            tokens = self.windows.batch(np.arange(start, start + self.local))
+        except IndexedDataError as e:  # the data changed under the run: one line, the run aborts
+            raise UserError(f"training data: {e}") from e
         return self.table[tokens] if self.table is not None else tokens
 
 
