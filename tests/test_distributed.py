@@ -125,7 +125,7 @@ def test_failing_rank_ends_every_rank_with_an_aborted_log(c4_prepared, tmp_path)
 def test_sigterm_to_launcher_aborts_with_flushed_log(c4_prepared, tmp_path):
     proc = launch(c4_prepared, tmp_path, 2, "--parallel", "dp=2", "--abort-grace", "5", wait=False)
     log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
-    _wait_for(log, '"train_loss"')
+    _wait_for(log.with_name(log.name + ".partial"), '"train_loss"')  # the live name until run_stop
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0

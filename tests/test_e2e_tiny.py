@@ -82,8 +82,9 @@ def test_sigterm_aborts_with_flushed_log(c4_prepared, tmp_path):
         text=True,
     )
     log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    live = log.with_name(log.name + ".partial")  # renamed to `log` once run_stop is written
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.exists() and '"train_loss"' in log.read_text()):
+    while time.monotonic() < deadline and not (live.exists() and '"train_loss"' in live.read_text()):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -118,8 +119,9 @@ def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
         text=True,
     )
     log = tmp_path / "llama31_8b" / "tiny" / "result_0.txt"
+    live = log.with_name(log.name + ".partial")  # renamed to `log` once run_stop is written
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.exists() and '"run_start"' in log.read_text()):
+    while time.monotonic() < deadline and not (live.exists() and '"run_start"' in live.read_text()):
         time.sleep(0.1)
     proc.send_signal(sig)
     proc.communicate(timeout=60)

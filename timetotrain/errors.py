@@ -1,5 +1,16 @@
-"""The one exception type the CLI turns into a single line and a non-zero exit."""
+"""The exceptions the CLI turns into a single line: UserError (exit 2) and Interrupted (exit 128 + signum)."""
 
 
 class UserError(Exception):
     """Bad input or environment: the message names the file or flag and the fix, on one line."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT stopped a command that cleans up on the way out (`ttt data prepare`); the CLI
+    exits with 128 + signum. A KeyboardInterrupt, so `except Exception` cleanup code never swallows it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from timetotrain.cli import data, results, run
-from timetotrain.errors import UserError
+from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
 
@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"ttt: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as e:
+        # 128 + signum, as a shell reports a process the signal ended; the command has cleaned up.
+        print(f"ttt: interrupted by {e}: stopped, temporary files removed", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("ttt: interrupted", file=sys.stderr)
         return 130

@@ -11,7 +11,12 @@ _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
 def _cmd_prepare(args) -> int:
     if args.dataset == "govreport":
-        return _prepare_govreport(args)
+        from timetotrain.interrupt import raise_on_signals
+
+        # SIGTERM/SIGINT become an exception, so the `with` blocks on the way out remove temporaries. (c4
+        # enters its own block once its worker processes exist: they must not inherit the handler.)
+        with raise_on_signals():
+            return _prepare_govreport(args)
     from timetotrain.data import c4
 
     if args.dataset != "c4":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from timetotrain.errors import UserError
@@ -21,9 +22,19 @@ def _existing_dir(path: str, flag: str) -> Path:
     return p
 
 
+def _note_unfinished(root: Path) -> None:
+    """On stderr, so `ttt score --json` stays valid JSON on stdout."""
+    from timetotrain.mlperf.results import unfinished_note
+
+    note = unfinished_note(root)
+    if note:
+        print(note, file=sys.stderr)
+
+
 def _cmd_score(args) -> int:
     from timetotrain.mlperf.score import format_text, score_tree, to_json
 
+    _note_unfinished(_existing_dir(args.dir, "DIR"))
     scores = score_tree(_existing_dir(args.dir, "DIR"), args.ruleset)
     print(to_json(scores) if args.json else format_text(scores), end="" if not args.json else "\n")
     return 0 if all(s.score_minutes is not None for s in scores) else 1
@@ -32,6 +43,7 @@ def _cmd_score(args) -> int:
 def _cmd_package(args) -> int:
     from timetotrain.mlperf.package import build_package, check_package
 
+    _note_unfinished(_existing_dir(args.results, "--results"))
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
@@ -67,6 +79,7 @@ def _cmd_package(args) -> int:
 def _cmd_report(args) -> int:
     from timetotrain.report import make_report
 
+    _note_unfinished(_existing_dir(args.dir, "DIR"))
     rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
     for p in rep.plots:
         print(f"plot: {p}")

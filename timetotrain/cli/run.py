@@ -57,6 +57,10 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
     import secrets
 
     if seed is not None:
+        from timetotrain.train.seeds import check_seed  # not train.prepare: no torch before the Aborter
+
+        check_seed(seed)
+        check_seed(seed + runs - 1, f"--seed {seed} with --runs {runs}: the last seed")
         return [seed + i for i in range(runs)]
     seeds: list[int] = []
     while len(seeds) < runs:
@@ -167,7 +171,9 @@ def _cmd_rcp_build(args) -> int:
     converged = [parse_log(r.log_path) for _, r in results if r.status == "success"]
     doc = build_rcp_json(args.benchmark, args.tier, converged)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    from timetotrain import fileio
+
+    fileio.write_text(out, json.dumps(doc, indent=2) + "\n")
     for name, rec in doc.items():
         print(
             f"{name}: BS {rec['BS']}, {len(converged)}/{len(results)} runs converged, "

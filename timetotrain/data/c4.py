@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import fileio, interrupt
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -55,11 +56,23 @@ def source_files(src: Path, split: str) -> list[Path]:
 
 
 def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
+    """Batches of document texts. Bad input stops the prepare with its file and line: invalid UTF-8 is an
+    error, not replaced (decision: a replacement character would tokenize into ids the reference's data
+    never holds, silently; C4 is valid UTF-8, so bad bytes mean a corrupt or foreign file), and so is a
+    file without any document (an empty or truncated download)."""
     batch: list[str] = []
     for path in files:
+        lineno = 0
         try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
+            with gzip.open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
+                for lineno, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise UserError(
+                            f"{path}:{lineno} is not valid UTF-8 (byte {e.start} of the line: {e.reason}): C4 is UTF-8; "
+                            "download the file again"
+                        ) from None
                     try:
                         batch.append(json.loads(line)["text"])
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -71,6 +84,8 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
                         batch = []
         except (OSError, EOFError) as e:
             raise UserError(f"{path} cannot be read as gzip ({e}): download it again") from e
+        if lineno == 0:
+            raise UserError(f"{path} holds no documents (an empty or truncated download): download it again")
     if batch:
         yield batch
 
@@ -98,6 +113,7 @@ def load_tokenizer(name: str, model_file: Path | None = None):
 
 def _worker_init(name: str, model_file: Path | None) -> None:
     global _worker_tok
+    interrupt.worker_init()
     _worker_tok = load_tokenizer(name, model_file)
 
 
@@ -135,35 +151,50 @@ def prepare(
     live = LiveLine()
     t0 = time.monotonic()
     prefix = out / prefix_name(split)
+    bin_path, idx_path, counts_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), out / counts_name(split)
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    # The workers exist before our signal handlers do (a forked worker must not inherit them). Every
+    # output stays under a temporary name until all are complete (Staged): SIGTERM/SIGINT, an error or a
+    # full disk anywhere before that stops the workers (Pool.__exit__) and removes the temporaries.
     with (
-        IndexedWriter(prefix, dtype) as writer,
         ctx.Pool(workers, _worker_init, (tokenizer, tokenizer_model)) as pool,
+        interrupt.raise_on_signals(),
+        fileio.Staged() as staged,
     ):
-        # imap keeps input order while both cores tokenize.
-        jobs = ((texts, eod) for texts in _iter_texts(files))
-        for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
-            flat = flat.astype(dtype, copy=False)
-            writer.add_documents(flat, lengths)
-            counts += np.bincount(flat, minlength=t.vocab_size)
-            n_docs += lengths.size
-            n_tokens += flat.size
-            rate = n_tokens / max(time.monotonic() - t0, 1e-9)
-            live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens, {rate:,.0f} tokens/s")
-    live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens", force=True)
-    live.close()
+        # IndexedWriter renames its own temporaries to this dot-prefix; Staged renames those at the end.
+        hidden = out / f".{prefix.name}.{os.getpid()}"
+        staged.add(f"{hidden}.bin", bin_path)
+        staged.add(f"{hidden}.idx", idx_path)
+        try:
+            with IndexedWriter(hidden, dtype) as writer:
+                # imap keeps input order while both cores tokenize.
+                jobs = ((texts, eod) for texts in _iter_texts(files))
+                for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
+                    flat = flat.astype(dtype, copy=False)
+                    writer.add_documents(flat, lengths)
+                    counts += np.bincount(flat, minlength=t.vocab_size)
+                    n_docs += lengths.size
+                    n_tokens += flat.size
+                    rate = n_tokens / max(time.monotonic() - t0, 1e-9)
+                    live.update(
+                        f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens, {rate:,.0f} tokens/s"
+                    )
+        except BaseException:
+            live.close()  # the error line goes below the progress line, not over it
+            raise
+        live.update(f"c4 {split}: {n_docs:,} documents, {n_tokens:,} tokens", force=True)
+        live.close()
 
-    counts_path = out / counts_name(split)
-    np.save(counts_path, counts)
-    info = {
-        "split": split,
-        "documents": n_docs,
-        "tokens": n_tokens,
-        "eod_appended": eod,
-        "dtype": np.dtype(dtype).name,
-        "tokenizer": t.identity(),
-        "sources": {p.name: sha256_file(p) for p in files},
-    }
-    files_out = [Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), counts_path]
-    write_manifest(out, dataset_name(split), files_out, info)
+        with staged.open(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
+            np.save(f, counts)
+        info = {
+            "split": split,
+            "documents": n_docs,
+            "tokens": n_tokens,
+            "eod_appended": eod,
+            "dtype": np.dtype(dtype).name,
+            "tokenizer": t.identity(),
+            "sources": {p.name: sha256_file(p) for p in files},
+        }
+        write_manifest(out, dataset_name(split), [bin_path, idx_path, counts_path], info, staged)
     return info

@@ -63,6 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import fileio
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.data.manifest import (
     ensure_writable,
@@ -422,16 +423,15 @@ def mlcommons_files(src: Path, split: str) -> list[Path]:
 # -------------------------------------------------------------------------------------------------- preparing
 
 
-def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray) -> list[Path]:
-    paths = []
-    for name, arr in zip(array_names(split), (input_ids, labels), strict=True):
-        path = out / name
-        tmp = out / (name + ".tmp")
-        with open(tmp, "wb") as f:  # a file object, so np.save does not append another .npy
-            np.save(f, np.ascontiguousarray(arr, dtype=np.int32))
-        os.replace(tmp, path)  # a reader never sees half an array under the final name
-        paths.append(path)
-    return paths
+def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray, info: dict) -> None:
+    """Both arrays and the manifest, renamed into place together (a signal or an error before that leaves
+    the previous files as they were and no temporaries)."""
+    paths = [out / name for name in array_names(split)]
+    with fileio.Staged() as staged:
+        for path, arr in zip(paths, (input_ids, labels), strict=True):
+            with staged.open(path, "wb") as f:  # a file object, so np.save does not append another .npy
+                np.save(f, np.ascontiguousarray(arr, dtype=np.int32))
+        write_manifest(out, dataset_name(split), paths, info, staged)
 
 
 def _import_parquet(src: Path, split: str, tok, out: Path, block: int | None) -> dict:
@@ -449,7 +449,6 @@ def _import_parquet(src: Path, split: str, tok, out: Path, block: int | None) ->
     input_ids = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])
     ensure_writable(out)
-    paths = _save(out, split, input_ids, labels)
     info = {
         "dataset": "govreport",
         "split": split,
@@ -465,7 +464,7 @@ def _import_parquet(src: Path, split: str, tok, out: Path, block: int | None) ->
             "labels_not_input_or_ignore": sum(p[2]["labels_not_input_or_ignore"] for p in parts),
         },
     }
-    write_manifest(out, dataset_name(split), paths, info)
+    _save(out, split, input_ids, labels, info)
     return info
 
 
@@ -587,7 +586,6 @@ def prepare(
             f"{src}: no complete {block:,}-token block ({len(ids_kept)} examples kept, {too_long} longer than "
             f"the block dropped): use more rows, a smaller --block, or --truncate-input"
         )
-    paths = _save(out, split, input_ids, labels)
     counts = {
         "rows_read": n_read if n_read is not None else n_examples,
         "examples": n_examples,
@@ -622,7 +620,7 @@ def prepare(
         "selection": {"select": select, "rows": rows, "ids": kept_ids if tiny else None},
         "counts": counts,
     }
-    write_manifest(out, dataset_name(split), paths, info)
+    _save(out, split, input_ids, labels, info)
     return info
 
 

@@ -238,6 +238,8 @@ class GPTWindows:
     def batch(self, indices) -> torch.Tensor:
         """``LongTensor [len(indices), seq_length + 1]`` of the given windows."""
         idx = [int(i) for i in indices]
+        # Before touching the mapped pages: a file cut short under us would otherwise be a SIGBUS.
+        self.dataset.check_unchanged()
         out = np.empty((len(idx), self.seq_length + 1), dtype=np.int64)
         for row, i in enumerate(idx):
             self._fill(out[row], self.sample_id(i))

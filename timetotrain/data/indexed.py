@@ -49,7 +49,11 @@ _CODE_TO_DTYPE: dict[int, np.dtype] = {
 _FLOAT_CODES = {6: "float64", 7: "float32"}
 _DTYPE_TO_CODE = {dt: code for code, dt in _CODE_TO_DTYPE.items()}
 
-DEFAULT_REMEDY = "re-create the .bin/.idx pair (e.g. re-run `ttt data prepare <dataset>`)"
+# New files under new names, never the old ones rewritten in place: a run may have them mapped (SIGBUS).
+DEFAULT_REMEDY = (
+    "re-create the .bin/.idx pair under new names or in a new folder "
+    "(`ttt data prepare` writes temporaries and renames them into place)"
+)
 
 
 class IndexedDataError(Exception):
@@ -223,6 +227,7 @@ class IndexedDataset:
         self.remedy = remedy
         self.idx_path = self.prefix + ".idx"
         self.bin_path = self.prefix + ".bin"
+        self._files: list = []  # (path, open file, (size, mtime_ns) at open) of each mapped file
         self._open(verify)
 
     def _fail(self, path: str, problem: str) -> IndexedDataError:
@@ -262,7 +267,7 @@ class IndexedDataset:
         if n_doc < 1:
             raise self._fail(idx_path, "has an empty document index")
 
-        mm = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        mm = np.memmap(self._keep_open(idx_path), dtype=np.uint8, mode="r")
         self._idx_mmap = mm
         self.sizes = np.frombuffer(mm, dtype="<i4", count=n_seq, offset=HEADER_SIZE)
         self.pointers = np.frombuffer(mm, dtype="<i8", count=n_seq, offset=HEADER_SIZE + 4 * n_seq)
@@ -291,7 +296,37 @@ class IndexedDataset:
             self._verify()
 
         # numpy refuses to map an empty file.
-        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+        if bin_size:
+            self.tokens = np.memmap(self._keep_open(bin_path), dtype=self.dtype, mode="r")
+        else:
+            self.tokens = np.empty(0, self.dtype)
+
+    def _keep_open(self, path: str):
+        """Open `path` for mapping and remember its size and mtime. The map is made from this very file
+        object, so `check_unchanged` fstat()s the inode that is mapped, whatever the name points to later."""
+        f = open(path, "rb")  # noqa: SIM115 - open as long as the map: check_unchanged fstat()s it
+        st = os.fstat(f.fileno())
+        self._files.append((path, f, (st.st_size, st.st_mtime_ns)))
+        return f
+
+    def check_unchanged(self) -> None:
+        """Raise IndexedDataError if a mapped file was truncated or rewritten in place since it was opened.
+
+        Reading a page of a mapping beyond the end of a file that shrank raises SIGBUS, which kills the
+        process with no log line; and a file rewritten in place serves a mix of old and new tokens. One
+        fstat per file (about a microsecond) before each batch's reads catches both. A file *replaced* by a
+        rename (what `ttt data prepare` does) is harmless: the map keeps the old inode, and is not flagged.
+        The reads that follow a check can still fault if the file is cut in the microseconds between them.
+        """
+        for path, f, (size, mtime) in self._files:
+            st = os.fstat(f.fileno())
+            if st.st_size != size or st.st_mtime_ns != mtime:
+                change = "truncated" if st.st_size < size else "modified"
+                raise IndexedDataError(
+                    f"{path} was {change} while this run was reading it ({size} bytes when opened, now "
+                    f"{st.st_size}): never write over data a run is using; put new data in a new folder, or "
+                    "let `ttt data prepare` rename new files into place"
+                )
 
     def _verify(self, chunk: int = 1 << 22) -> None:
         itemsize = self.dtype.itemsize

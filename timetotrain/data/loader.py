@@ -15,7 +15,7 @@ import torch
 
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataError, IndexedDataset
-from timetotrain.data.manifest import read_manifest, verify_manifest
+from timetotrain.data.manifest import REPREPARE, read_manifest, verify_manifest
 from timetotrain.errors import UserError
 
 _SUFFIX = "_text_document"
@@ -42,14 +42,19 @@ def _find(data_dir: Path, prefixes: tuple[str, ...], split: str) -> Path:
     )
 
 
-def resolve(data, data_dir: Path, verify: bool = True) -> ResolvedData:
+def resolve(
+    data, data_dir: Path, verify: bool = True, vocab_size: int | None = None, eval_samples: int | None = None
+) -> ResolvedData:
     """Preflight: every file present, checksums match the manifest, tokenizer as the tier expects,
-    index headers consistent with the token files. Reads metadata and hashes, never builds samples."""
+    index headers consistent with the token files, both splits non-empty (the validation split holding
+    `eval_samples` windows), and every token id inside the vocabulary the model sees (`vocab_size`, or the
+    narrowing table of `vocab_keep`). Reads metadata, hashes and at most a bounded sample of tokens."""
     if not data_dir.is_dir():
         raise UserError(f"--data {data_dir} does not exist: pass the folder written by `ttt data prepare c4`")
     train = _find(data_dir, data.train_prefixes, "train")
     val = _find(data_dir, data.val_prefixes, "validation")
     counts = None
+    opened = {}
     for prefix in (train, val):
         name = prefix.name.removesuffix(_SUFFIX)
         manifest = read_manifest(data_dir, name)
@@ -59,26 +64,111 @@ def resolve(data, data_dir: Path, verify: bool = True) -> ResolvedData:
                 stacklevel=2,
             )
         else:
-            tok = manifest.get("tokenizer", {})
-            if tok.get("name") != data.tokenizer:
+            tok = manifest["tokenizer"]
+            if tok["name"] != data.tokenizer:
                 raise UserError(
-                    f"{prefix}: prepared with tokenizer {tok.get('name')!r}, this tier needs {data.tokenizer!r}: "
-                    f"re-run `ttt data prepare c4 --tokenizer {data.tokenizer}`"
+                    f"{prefix}: prepared with tokenizer {tok['name']!r}, this tier needs {data.tokenizer!r}: "
+                    f"prepare it again with `ttt data prepare c4 --tokenizer {data.tokenizer}` into a new --out"
                 )
             if verify:
                 verify_manifest(data_dir, manifest)
         try:
-            IndexedDataset(prefix)
+            opened[prefix] = IndexedDataset(prefix)
         except IndexedDataError as e:
             raise UserError(str(e)) from e
+    _check_sizes(opened[train], opened[val], data.seq_len, eval_samples)
+    limit, what = vocab_size, f"the model's vocabulary of {vocab_size:,}" if vocab_size else ""
     if data.vocab_keep is not None:
-        counts = data_dir / f"{train.name.removesuffix(_SUFFIX)}_token_counts.npy"
+        counts = _counts_file(train)
         if not counts.is_file():
             raise UserError(
                 f"{counts} is missing (this tier narrows the vocabulary by training-split frequency): "
-                "re-run `ttt data prepare c4 --split train`"
+                f"{REPREPARE}"
             )
+        # Narrowed: raw ids index the old->new table, whose size is the counts file's, not the model's.
+        limit = _load_counts(counts).size
+        what = f"the {limit:,} ids {counts.name} counts (this tier maps them to {data.vocab_keep + 1:,})"
+    if limit is not None:
+        for prefix, ds in opened.items():
+            _check_ids(ds, _counts_file(prefix), limit, what)
     return ResolvedData(train, val, counts)
+
+
+def _counts_file(prefix: Path) -> Path:
+    return prefix.parent / f"{prefix.name.removesuffix(_SUFFIX)}_token_counts.npy"
+
+
+def _load_counts(path: Path) -> np.ndarray:
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f"{path} is not a token-count array ({e}): {REPREPARE}") from e
+    if counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.size == 0:
+        raise UserError(f"{path} is not a token-count array ({counts.dtype} {counts.shape}): {REPREPARE}")
+    return counts
+
+
+def _check_sizes(train: IndexedDataset, val: IndexedDataset, seq_len: int, eval_samples: int | None) -> None:
+    """Empty or too-small splits fail here, not after run_start when the windows are built."""
+    window = seq_len + 1
+    for ds, split in ((train, "train"), (val, "validation")):
+        if ds.num_tokens == 0:
+            raise UserError(
+                f"{ds.bin_path} holds no tokens ({ds.num_documents} documents): the {split} split is empty; "
+                f"prepare it from a source with documents, into a new --out"
+            )
+    if train.num_tokens < window:
+        raise UserError(
+            f"{train.bin_path} holds {train.num_tokens} tokens, less than one training window of {window}: "
+            "prepare more training documents"
+        )
+    if eval_samples is not None and (val.num_tokens - 1) // seq_len < eval_samples:
+        raise UserError(
+            f"{val.bin_path} holds {val.num_tokens:,} tokens, fewer than the {eval_samples} validation "
+            f"windows of {window} tokens this tier evaluates: prepare more validation documents"
+        )
+
+
+_SCAN_TOKENS = 1 << 24  # without a counts file, the ids checked per split (64 evenly spread chunks)
+_SCAN_CHUNKS = 64
+
+
+def max_token_id(ds: IndexedDataset, counts_file: Path | None = None) -> tuple[int, int, str]:
+    """(smallest, largest) token id of `ds` and how they were found: from the split's token-count file when
+    there is one (exact, no token read), else from a bounded scan (exact for files up to 16 M tokens; for
+    larger ones evenly spread chunks: it catches data tokenized with another vocabulary, whose large ids
+    are everywhere, not a single corrupt id)."""
+    if counts_file is not None and counts_file.is_file():
+        nonzero = np.flatnonzero(_load_counts(counts_file))
+        hi = int(nonzero[-1]) if nonzero.size else -1
+        return (int(nonzero[0]) if nonzero.size else 0), hi, counts_file.name
+    n = ds.num_tokens
+    if n <= _SCAN_TOKENS:
+        spans = [(0, n)]
+    else:
+        size = _SCAN_TOKENS // _SCAN_CHUNKS
+        starts = np.linspace(0, n - size, _SCAN_CHUNKS).astype(np.int64)
+        spans = [(int(s), int(s) + size) for s in starts]
+    lo, hi = None, None
+    for a, b in spans:
+        piece = ds.tokens[a:b]
+        lo = int(piece.min()) if lo is None else min(lo, int(piece.min()))
+        hi = int(piece.max()) if hi is None else max(hi, int(piece.max()))
+    scanned = sum(b - a for a, b in spans)
+    return lo, hi, ("all its tokens" if scanned == n else f"a scan of {scanned:,} of its {n:,} tokens")
+
+
+def _check_ids(ds: IndexedDataset, counts_file: Path, limit: int, what: str) -> None:
+    info = np.iinfo(ds.dtype)
+    if info.min >= 0 and info.max < limit:
+        return  # the file's dtype cannot hold an id that large
+    lo, hi, how = max_token_id(ds, counts_file)
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise UserError(
+            f"{ds.bin_path} has token id {bad:,} (from {how}), outside {what}: it was tokenized with another "
+            "vocabulary; prepare it with this tier's tokenizer into a new --out"
+        )
 
 
 def drop_page_cache(files: list[Path]) -> bool:
@@ -122,7 +212,10 @@ class TokenSource:
 
     def batch(self, step: int) -> torch.Tensor:
         start = step * self.gbs + self.offset
-        tokens = self.windows.batch(np.arange(start, start + self.local))
+        try:
+            tokens = self.windows.batch(np.arange(start, start + self.local))
+        except IndexedDataError as e:  # the data changed under the run: one line, the run aborts
+            raise UserError(f"training data: {e}") from e
         return self.table[tokens] if self.table is not None else tokens
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 
@@ -42,26 +42,71 @@ def manifest_path(out_dir: Path, name: str) -> Path:
     return out_dir / f"{name}.manifest.json"
 
 
-def write_manifest(out_dir: Path, name: str, files: list[Path], info: dict) -> Path:
-    entries = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+def write_manifest(
+    out_dir: Path, name: str, files: list[Path], info: dict, staged: fileio.Staged | None = None
+) -> Path:
+    """The manifest of `files` (their final names); with `staged`, files not yet renamed into place are
+    hashed under their temporary names and the manifest itself joins the staged set."""
+    where = staged.current if staged is not None else Path
+    entries = {}
+    for p in files:
+        src = where(p)
+        entries[p.name] = {"bytes": src.stat().st_size, "sha256": sha256_file(src)}
     doc = {"name": name, "files": entries, **info}
     path = manifest_path(out_dir, name)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if staged is not None:
+        staged.write_text(path, text)
+    else:
+        fileio.write_text(path, text)
     return path
 
 
+# What a user should do about a missing, truncated or corrupt data file. Never "copy it over the old one":
+# `cp` onto an existing name truncates and rewrites that file in place, under any run that has it mapped
+# (which then dies of SIGBUS, or reads a mix of old and new tokens). A new name, or ttt's own prepare (which
+# writes temporaries and renames them), leaves the old file intact for whoever still reads it.
+REPREPARE = "re-run `ttt data prepare` (it writes new files and renames them into place)"
+RECOPY = f"copy the prepared folder again into a new folder and pass that as --data, or {REPREPARE}"
+
+
 def read_manifest(out_dir: Path, name: str) -> dict | None:
+    """The manifest `name` in `out_dir`, checked for the fields a run relies on; None when there is none."""
     path = manifest_path(out_dir, name)
     if not path.exists():
         return None
     try:
-        doc = json.loads(path.read_text())
-        doc["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is not a valid manifest ({e}): re-run `ttt data prepare`") from e
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+        problem = _manifest_problem(doc)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+    if problem:
+        raise UserError(f"{path} is not a valid manifest: {problem}; {REPREPARE}")
     return doc
+
+
+def _manifest_problem(doc) -> str:
+    """Why `doc` is not a manifest as `write_manifest` writes it ('' when it is)."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    files = doc.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no `files` object"
+    for fname, entry in files.items():
+        # A listed name outside the folder would let a manifest make us hash (and trust) any file.
+        if not fname or Path(fname).name != fname or fname in (".", ".."):
+            return f"file name {fname!r} is not a plain name in the folder"
+        if not isinstance(entry, dict):
+            return f"`files.{fname}` is not an object"
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"`files.{fname}.bytes` is missing or not a byte count"
+        if not isinstance(digest, str) or len(digest) != 64:
+            return f"`files.{fname}.sha256` is missing or not a sha256"
+    tok = doc.get("tokenizer")
+    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+        return "no `tokenizer.name`"
+    return ""
 
 
 def verify_manifest(out_dir: Path, doc: dict) -> None:
@@ -69,14 +114,11 @@ def verify_manifest(out_dir: Path, doc: dict) -> None:
     for fname, want in doc["files"].items():
         path = out_dir / fname
         if not path.is_file():
-            raise UserError(
-                f"{path} is listed in the manifest but missing: copy it again or re-run `ttt data prepare`"
-            )
+            raise UserError(f"{path} is listed in the manifest but missing: {RECOPY}")
         size = path.stat().st_size
         if size != want["bytes"]:
             raise UserError(
-                f"{path} has {size} bytes, the manifest says {want['bytes']}: the copy is incomplete; "
-                "copy it again or re-run `ttt data prepare`"
+                f"{path} has {size} bytes, the manifest says {want['bytes']}: the copy is incomplete; {RECOPY}"
             )
     for fname, want in doc["files"].items():
         path = out_dir / fname
@@ -84,5 +126,5 @@ def verify_manifest(out_dir: Path, doc: dict) -> None:
         if got != want["sha256"]:
             raise UserError(
                 f"{path} checksum mismatch (sha256 {got[:12]}…, manifest {want['sha256'][:12]}…): "
-                "the file is corrupt; copy it again or re-run `ttt data prepare`"
+                f"the file is corrupt; {RECOPY}"
             )

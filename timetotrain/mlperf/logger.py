@@ -1,7 +1,15 @@
 """MLPerf result logs written through the official `mlperf_logging.mllog`.
 
-One new file per run, `result_<k>.txt`, created exclusively: an existing result is never overwritten or
-appended to (appending breaks the compliance checker's EXACTLY_ONE keys).
+One new file per run, `result_<k>.txt`: an existing result is never overwritten or appended to
+(appending breaks the compliance checker's EXACTLY_ONE keys).
+
+Crash safety. While the run is live its log is `result_<k>.txt.partial`; only once `run_stop` is written
+and fsynced is it renamed to `result_<k>.txt`. So a result file is always a finished run, and a run that
+was killed (SIGKILL, OOM killer, power loss) leaves only a `.partial`, which `ttt score`/`package`/`report`
+skip with a note. The index k is reserved by creating the `.partial` exclusively (O_CREAT|O_EXCL), with
+k above every existing `result_<k>.txt` and `.partial`, so runs started together never share an index and
+a killed run's k is never reused. A failed write (a full disk: ENOSPC) stops the run at once with a
+UserError: a log missing lines is not a result, and training on would only waste the allocation.
 """
 
 from __future__ import annotations
@@ -10,13 +18,16 @@ import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 from mlperf_logging.mllog.mllog import MLLogger
 
 from timetotrain.errors import UserError
+from timetotrain.fileio import fsync_dir
 
-_RESULT_RE = re.compile(r"result_(\d+)\.txt$")
+PARTIAL = ".partial"
+_RESULT_RE = re.compile(r"result_(\d+)\.txt(?:\.partial)?$")
 
 
 def check_writable(directory: Path, flag: str = "--logdir") -> Path:
@@ -39,9 +50,60 @@ def _mkstemp(directory: Path):
     return tempfile.mkstemp(prefix=".ttt-probe-", dir=directory)
 
 
-def next_result_path(directory: Path) -> Path:
+def next_index(directory: Path) -> int:
+    """One above every result index in `directory`, finished (`.txt`) or not (`.txt.partial`)."""
     taken = [int(m.group(1)) for p in directory.iterdir() if (m := _RESULT_RE.match(p.name))]
-    return directory / f"result_{max(taken) + 1 if taken else 0}.txt"
+    return max(taken) + 1 if taken else 0
+
+
+def next_result_path(directory: Path) -> Path:
+    return directory / f"result_{next_index(directory)}.txt"
+
+
+def reserve(directory: Path, attempts: int = 100) -> tuple[Path, int]:
+    """Claim a fresh index: (final path, fd of its new `.partial`)."""
+    for _ in range(attempts):
+        final = next_result_path(directory)
+        partial = final.with_name(final.name + PARTIAL)
+        try:
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue  # another run took this index between our listing and our create
+        except OSError as e:
+            raise UserError(f"cannot create {partial} ({e.strerror}): check --logdir") from e
+        if final.exists():
+            # Our listing was stale: that run finished (renamed its .partial) before our create. The name
+            # is its; give the index back and look again.
+            os.close(fd)
+            os.unlink(partial)
+            continue
+        return final, fd
+    raise UserError(f"could not claim a new result file in {directory}")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+class _FileHandler(logging.Handler):
+    """Each record straight to the file (one write, as the stream handler's per-record flush did). Unlike
+    logging's own handlers, a write error is not printed and forgotten: it is kept for ResultLog to raise,
+    and nothing more is written (a line after a gap would be worse than no line)."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd = fd
+        self.error: OSError | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is not None or self.fd < 0:
+            return
+        try:
+            _write_all(self.fd, (self.format(record) + "\n").encode("utf-8"))
+        except OSError as e:
+            self.error = e
 
 
 class _EchoFilter(logging.Filter):
@@ -55,30 +117,25 @@ class _EchoFilter(logging.Filter):
 
 
 class ResultLog:
-    """An MLLOG writer bound to one fresh result file (or to nothing on non-zero ranks)."""
+    """An MLLOG writer bound to one fresh result file (or to nothing on non-zero ranks). `path` is the
+    final name; `live_path` the `.partial` written while the run is live."""
 
     def __init__(self, directory: Path | None, echo: bool = False):
         self.path: Path | None = None
-        self._file = None
+        self.live_path: Path | None = None
+        self._handler: _FileHandler | None = None
+        self._stopped = False  # run_stop is in the file
+        self._raised = False
+        self._close_lock = threading.Lock()
         logger = logging.getLogger(f"timetotrain.mllog.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
         if directory is not None:
-            for _ in range(100):  # another process may take the same index between listdir and open
-                path = next_result_path(directory)
-                try:
-                    self._file = open(path, "x", encoding="utf-8")  # noqa: SIM115 - closed in close()
-                    break
-                except FileExistsError:
-                    continue
-                except OSError as e:
-                    raise UserError(f"cannot create {path} ({e.strerror}): check --logdir") from e
-            else:
-                raise UserError(f"could not claim a new result file in {directory}")
-            self.path = path
-            handler = logging.StreamHandler(self._file)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
+            self.path, fd = reserve(directory)
+            self.live_path = self.path.with_name(self.path.name + PARTIAL)
+            self._handler = _FileHandler(fd)
+            self._handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(self._handler)  # first: a failed write stops the record before the echo
             if echo:
                 out = logging.StreamHandler(sys.stdout)
                 out.addFilter(_EchoFilter())
@@ -86,25 +143,62 @@ class ResultLog:
         else:
             logger.addHandler(logging.NullHandler())
         self._logger = logger
-        # stack offset 2: the caller of event()/start()/end() below is the line recorded in metadata.
-        self._ml = MLLogger(logger=logger, default_stack_offset=2, root_dir=_package_root())
+        # stack offset 3: the caller of event()/start()/end() below is the line recorded in metadata.
+        self._ml = MLLogger(logger=logger, default_stack_offset=3, root_dir=_package_root())
 
     def event(self, key, value=None, metadata=None, **kw):
-        self._ml.event(key=key, value=value, metadata=metadata, **kw)
+        self._log(self._ml.event, key, value, metadata, kw)
 
     def start(self, key, value=None, metadata=None, **kw):
-        self._ml.start(key=key, value=value, metadata=metadata, **kw)
+        self._log(self._ml.start, key, value, metadata, kw)
 
     def end(self, key, value=None, metadata=None, **kw):
-        self._ml.end(key=key, value=value, metadata=metadata, **kw)
+        self._log(self._ml.end, key, value, metadata, kw)
+
+    def _log(self, fn, key, value, metadata, kw) -> None:
+        fn(key=key, value=value, metadata=metadata, **kw)
+        h = self._handler
+        if h is None:
+            return
+        if h.error is not None:
+            if not self._raised:  # once: the run's own error path then writes nothing more
+                self._raised = True
+                e = h.error
+                raise UserError(
+                    f"cannot write the result log {self.live_path} ({e.strerror or e}): the run is stopped; "
+                    "free space (or fix the file system) and run again"
+                ) from e
+        elif key == "run_stop":
+            self._stopped = True
 
     def close(self) -> None:
-        for h in list(self._logger.handlers):
-            h.flush()
-            self._logger.removeHandler(h)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Flush and close; after a written run_stop, fsync and rename `.partial` -> `result_<k>.txt`.
+        Safe to call twice and from the abort watcher thread."""
+        with self._close_lock:
+            for h in list(self._logger.handlers):
+                h.flush()
+                self._logger.removeHandler(h)
+            h = self._handler
+            if h is None or h.fd < 0:
+                return
+            with h.lock:  # no record is being written while the file goes away
+                fd, h.fd = h.fd, -1
+            finished = self._stopped and h.error is None
+            try:
+                os.fsync(fd)  # also for an unfinished log: whatever was written is worth keeping
+            except OSError:
+                finished = False
+            finally:
+                os.close(fd)
+            if finished:
+                try:
+                    os.rename(self.live_path, self.path)
+                except OSError as e:
+                    raise UserError(
+                        f"cannot rename {self.live_path} to {self.path.name} ({e.strerror}): the run finished; "
+                        "rename it by hand"
+                    ) from e
+                fsync_dir(self.path.parent)
 
 
 def _package_root() -> str:

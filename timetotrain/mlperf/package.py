@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups
@@ -120,21 +121,20 @@ def build_package(
     try:
         (staging / "systems").mkdir()
         sys_path = staging / "systems" / f"{system}.json"
-        sys_path.write_text(json.dumps(desc, indent=4) + "\n")
+        fileio.write_text(sys_path, json.dumps(desc, indent=4) + "\n")
         counts = {}
         for g in groups:
             dest = staging / "results" / system / g.benchmark
             dest.mkdir(parents=True)
             ordered = sorted(g.logs, key=lambda lg: (lg.run_start_ms is None, lg.run_start_ms or 0.0))
             for i, lg in enumerate(ordered):
-                shutil.copyfile(lg.path, dest / f"result_{i}.txt")
+                fileio.copy_file(lg.path, dest / f"result_{i}.txt")
             counts[g.benchmark] = len(ordered)
             impl = staging / "benchmarks" / g.benchmark / "implementations" / "timetotrain"
             impl.mkdir(parents=True)
             script = impl / "run_and_time.sh"
-            script.write_text(run_and_time(g, ordered, org, system))
-            script.chmod(0o755)
-            (impl / "README.md").write_text(_impl_readme(g, ordered))
+            fileio.write_text(script, run_and_time(g, ordered, org, system), perms=0o755)
+            fileio.write_text(impl / "README.md", _impl_readme(g, ordered))
             notes += _group_notes(g, desc)
         out.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, out)  # all or nothing: a failed build leaves no half-written --out

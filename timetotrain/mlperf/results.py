@@ -167,10 +167,32 @@ def find_groups(root: Path) -> list[ResultGroup]:
     folders = sorted({p.parent for p in root.rglob("result_*.txt") if p.is_file()})
     groups = [_group(f) for f in folders]
     if not groups:
+        partial = unfinished_logs(root)
+        also = f" (only {len(partial)} unfinished result_*.txt.partial)" if partial else ""
         raise UserError(
-            f"no result_*.txt files under {root}: pass the --logdir of `ttt run` or an ORG/results/... tree"
+            f"no result_*.txt files under {root}{also}: pass the --logdir of `ttt run` or an ORG/results/... tree"
         )
     return groups
+
+
+def unfinished_logs(root: Path) -> list[Path]:
+    """Logs of runs that never wrote run_stop (killed, or still running): `result_<k>.txt.partial`. The
+    result glob `result_*.txt` does not match them, so no score, RCP check or package ever uses one."""
+    return sorted(p for p in Path(root).rglob("result_*.txt.partial") if p.is_file())
+
+
+def unfinished_note(root: Path) -> str | None:
+    """One line for the commands that read a tree of results, naming the `.partial` logs they skipped."""
+    partial = unfinished_logs(root)
+    if not partial:
+        return None
+    shown = ", ".join(str(p) for p in partial[:3]) + (
+        f" and {len(partial) - 3} more" if len(partial) > 3 else ""
+    )
+    return (
+        f"note: skipped {len(partial)} unfinished run log(s), not results (no run_stop: the run was killed "
+        f"or is still running): {shown}"
+    )
 
 
 def _group(folder: Path) -> ResultGroup:

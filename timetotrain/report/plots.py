@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.mlperf.results import ResultGroup
 from timetotrain.mlperf.score import Score
 from timetotrain.suite import official
@@ -109,7 +110,8 @@ def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
     rows = -(-len(labels) // ncol)
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.02 + 0.045 * rows, 1, 1))
-    fig.savefig(path)
+    with fileio.atomic_write(path, "wb") as f:
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import find_groups
@@ -102,7 +103,7 @@ def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
         plots.append(plot_group(g, s, out / f"{name}.png"))
         scores.append(s)
     summary = out / "summary.md"
-    summary.write_text(summary_markdown(scores, plots))
+    fileio.write_text(summary, summary_markdown(scores, plots))
     scores_json = out / "scores.json"
-    scores_json.write_text(to_json(scores) + "\n")
+    fileio.write_text(scores_json, to_json(scores) + "\n")
     return Report(summary, scores_json, plots, scores)

@@ -228,7 +228,11 @@ def _parse(key: str, raw: str, kind: type):
             if not value.is_integer():
                 raise ValueError
             return int(value)
-        return kind(raw)
+        value = kind(raw)
+        if kind is float and not math.isfinite(value):
+            # float() accepts nan and inf; a non-finite rate or target would only show as a NaN loss later.
+            raise UserError(f"--set {key}={raw}: must be a finite number")
+        return value
     except ValueError as e:
         raise UserError(
             f"--set {key}={raw}: expected {'an integer' if kind is int else 'a ' + kind.__name__}"

@@ -124,7 +124,13 @@ class CausalLM(Task):
             )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
-        return loader.resolve(tier.data, data_dir, verify=verify)
+        return loader.resolve(
+            tier.data,
+            data_dir,
+            verify=verify,
+            vocab_size=tier.model.vocab_size,
+            eval_samples=tier.eval_samples,
+        )
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         data = tier.data

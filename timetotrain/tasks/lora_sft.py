@@ -140,6 +140,11 @@ class LoRAFineTune(Task):
         vocab = len(table) if table is not None else tier.model.vocab_size
         for split in ("train", "validation"):
             ids, _, _ = govreport.load_prepared(data_dir, split, verify=verify)
+            if len(ids) == 0:
+                raise UserError(
+                    f"{data_dir}: the {split} split holds no blocks: prepare it from more rows into a new "
+                    "folder (`ttt data prepare govreport`)"
+                )
             if ids.shape[1] != tier.data.block:
                 raise UserError(
                     f"{data_dir}: {split} blocks have {ids.shape[1]} tokens, this tier needs {tier.data.block}: "

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
 
@@ -289,10 +290,7 @@ def save_checkpoint(
         dcp.save(_state(model, optimizer), checkpoint_id=partial, no_dist=not _distributed())
     _barrier()  # every rank's shards are on disk before the rename
     if main:
-        with open(partial / META, "w") as f:
-            f.write(meta)
-            f.flush()
-            os.fsync(f.fileno())
+        fileio.write_text(partial / META, meta)
         old = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -8,6 +8,47 @@ import platform
 
 import torch
 
+from timetotrain.errors import UserError
+
+
+def resolve(spec: str | None, local_rank: int = 0) -> torch.device:
+    """The device `--device SPEC` names, checked to exist here, else a UserError naming what this host has.
+
+    Preflight calls this before any data is hashed or log line written: torch itself only fails at the
+    first allocation (after init_start) and with a multi-line message. Default: this rank's GPU when CUDA
+    has one, else the CPU. Under torchrun a bare `cuda` is the local rank's GPU."""
+    if not spec:
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {spec!r} is not a torch device name: use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = torch.version.cuda is not None or torch.version.hip is not None
+            why = "no GPU is visible" if built else "this torch is built without CUDA"
+            raise UserError(f"--device {spec}: this host has no CUDA device ({why}): use --device cpu")
+        index = local_rank if device.index is None else device.index
+        count = torch.cuda.device_count()
+        if index >= count:
+            rank = f" for local rank {local_rank}" if device.index is None else ""
+            raise UserError(
+                f"--device {spec}: this host has {count} CUDA device(s), cuda:0..cuda:{count - 1}, "
+                f"not cuda:{index}{rank}: pick one of them (or fewer processes per node)"
+            )
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {spec}: this host has no Apple MPS device: use --device cpu")
+    if device.type == "meta":
+        raise UserError("--device meta holds no data and cannot train: use cpu, cuda or cuda:N")
+    try:  # xpu, ...: whether a backend is usable shows only when it allocates
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, AttributeError):
+        raise UserError(f"--device {spec}: torch cannot use this device here: use --device cpu") from None
+    return device
+
 
 def platform_name(device: torch.device, world: int = 1) -> str:
     """`submission_platform`: processes x accelerator, or the host CPU for CPU runs."""

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.train.device import keep_freed_memory
+from timetotrain.train.device import resolve as resolve_device
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,8 @@ def from_env() -> Dist:
 
 def setup(d: Dist, device_pref: str | None, timeout_s: float = 600.0) -> torch.device:
     """Pick this rank's device and join the process group (NCCL on GPUs, gloo on CPUs)."""
-    if device_pref:
-        device = torch.device(device_pref)
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device_pref, d.local_rank)
     if device.type == "cuda":
-        device = torch.device("cuda", d.local_rank if device.index is None else device.index)
         torch.cuda.set_device(device)
     else:
         keep_freed_memory()

@@ -106,7 +106,7 @@ def run(opts: RunOptions) -> RunResult:
     stop_after = min(opts.max_steps or tier.max_steps, tier.max_steps)
     prep = prepare.preflight(
         bench, tier, opts.logdir / bench.name / tier.name, opts.parallel, opts.precision,
-        opts.activation_checkpointing, opts.compile,
+        opts.activation_checkpointing, opts.compile, device=opts.device, seed=opts.seed,
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
     check_rules(bench, tier)

@@ -16,6 +16,8 @@ from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
 from timetotrain.train import distributed, parallel
 from timetotrain.train.device import platform_name
+from timetotrain.train.device import resolve as resolve_device
+from timetotrain.train.seeds import check_seed
 from timetotrain.train.step import Training, build_training
 
 
@@ -41,9 +43,13 @@ def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark,
 def preflight(
     bench: Benchmark, tier: Tier, logdir: Path, parallel_spec: str | None, precision: str, ac: bool,
     compile: bool, micro_batch: int | None = None, micro_flag: str = "--set micro_batch_size",
+    device: str | None = None, seed: int | None = None,
 ) -> Prepared:  # fmt: skip
-    """Checks that need no device and no data: log dir writable, parallel plan, batch split."""
+    """Checks that need no data: seed in range, the device present, log dir writable, parallel plan, batch
+    split."""
     d = distributed.from_env()
+    check_seed(seed)
+    resolve_device(device, d.local_rank)
     logdir = check_writable(logdir)
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.train import distributed, prepare
@@ -111,7 +112,7 @@ def synth(opts: SynthOptions) -> dict:
     prep = prepare.preflight(
         bench, tier, opts.logdir / "synth" / bench.name / tier.name, opts.parallel,
         opts.precision or ("bf16" if cuda else "fp32"), opts.activation_checkpointing, opts.compile,
-        micro_batch=opts.micro_batch, micro_flag="--micro-batch",
+        micro_batch=opts.micro_batch, micro_flag="--micro-batch", device=opts.device, seed=opts.seed,
     )  # fmt: skip
     tier, d, plan, local, accum = prep.tier, prep.dist, prep.plan, prep.local_batch, prep.accum
     prepare.start_device(prep, opts.device, seed=opts.seed)
@@ -226,8 +227,8 @@ def synth(opts: SynthOptions) -> dict:
         k = log.path.stem.split("_")[-1]
         text = json.dumps(summary, indent=2) + "\n"
         # Each run keeps its own summary next to its result file; summary.json is the latest.
-        (prep.logdir / f"summary_{k}.json").write_text(text)
-        (prep.logdir / "summary.json").write_text(text)
+        fileio.write_text(prep.logdir / f"summary_{k}.json", text)
+        fileio.write_text(prep.logdir / "summary.json", text)
         summary["summary_path"] = str(prep.logdir / "summary.json")
     del tr
     distributed.teardown(barrier=True)

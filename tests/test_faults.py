@@ -1,0 +1,229 @@
+"""Faults from outside: a signal or SIGKILL, a full disk, data changing under a live run. Each must leave
+either a complete output or a clearly unfinished one (never a half-written file under a final name), and
+end with one line saying what happened, not a traceback or a SIGBUS."""
+
+import gzip
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ttt_command
+
+
+def child_pids(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: no psutil needed)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- ttt data prepare under SIGTERM / SIGINT --
+
+
+@pytest.fixture(scope="module")
+def big_c4_src(c4_src, tmp_path_factory) -> Path:
+    """The shared train sample repeated, so tokenizing takes seconds: long enough to be interrupted."""
+    out = tmp_path_factory.mktemp("bigc4")
+    raw = gzip.decompress(next(c4_src.glob("c4-train.*.json.gz")).read_bytes())
+    with gzip.open(out / "c4-train.00000-of-00001.json.gz", "wb", compresslevel=1) as f:
+        for _ in range(8):
+            f.write(raw)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_prepare_interrupted_stops_workers_and_removes_temporaries(big_c4_src, c4_prepared, tmp_path, sig):
+    out = tmp_path / "out"
+    out.mkdir()
+    # A previous prepare of the split: an interrupted one must leave it exactly as it was.
+    old = sorted(c4_prepared.glob("c4-train*"))
+    for f in old:
+        shutil.copy(f, out / f.name)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    proc = subprocess.Popen(
+        ttt_command("data", "prepare", "c4", "--src", str(big_c4_src), "--split", "train", "--out", str(out),
+                    "--workers", "2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # Tokens are being written (a new file is growing): the workers are busy.
+        wait_for(
+            lambda: any(p.name not in before and p.stat().st_size > 0 for p in out.iterdir()),
+            60,
+            "the prepare to write tokens",
+        )
+        workers = child_pids(proc.pid)
+        assert workers, "expected tokenizer worker processes"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("ttt:")]
+    assert lines == [f"ttt: interrupted by {signal.Signals(sig).name}: stopped, temporary files removed"], err
+    wait_for(lambda: not any(alive(w) for w in workers), 10, "the workers to exit")
+    after = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert sorted(after) == sorted(before)  # no temporary left, nothing new under a final name
+    assert after == before
+
+
+# -- result logs: SIGKILL, a full disk --
+
+
+def tiny(data, logdir, *extra):
+    return [
+        "run",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--data",
+        str(data),
+        "--logdir",
+        str(logdir),
+        "--quiet",
+        *extra,
+    ]
+
+
+def start_tiny(data, logdir, *extra) -> tuple[subprocess.Popen, Path]:
+    """A tiny run in a subprocess, returned once its live log has a train_loss line (it is training)."""
+    proc = subprocess.Popen(
+        ttt_command(*tiny(data, logdir, "--seed", "3", *extra)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    live = logdir / "llama31_8b" / "tiny" / "result_0.txt.partial"
+    try:
+        wait_for(lambda: live.exists() and '"train_loss"' in live.read_text(), 120, "the first train_loss")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, live
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_only_the_partial_log(c4_prepared, tmp_path, capsys):
+    from fakelogs import ttt_main
+
+    proc, live = start_tiny(c4_prepared, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in live.parent.iterdir()) == ["result_0.txt.partial"]
+    assert '"run_stop"' not in live.read_text()
+    # Not a result: scoring finds none, and says why.
+    assert ttt_main(["score", str(tmp_path)]) == 2
+    assert "only 1 unfinished result_*.txt.partial" in capsys.readouterr().err
+
+
+def test_full_disk_ends_the_run_within_one_step(c4_prepared, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from timetotrain.cli import main
+    from timetotrain.mlperf import logger
+    from timetotrain.train import step
+
+    real_write, real_step = logger._write_all, step.Training.step
+    steps, failed_at = [], []
+
+    def full_disk(fd, data):
+        if b'"step_num": 3,' in data:  # the third train_loss line: the disk is full from here on
+            failed_at.append(3)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(fd, data)
+
+    def counted(self, *args, **kwargs):
+        steps.append(1)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(logger, "_write_all", full_disk)
+    monkeypatch.setattr(step.Training, "step", counted)
+    code = main(tiny(c4_prepared, tmp_path, "--seed", "5", "--max-steps", "50"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("ttt:")]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "the run is stopped" in lines[0], err
+    assert failed_at == [3]
+    # train_loss of step 3 is written after step 4 ran (read one step late): nothing after that.
+    assert len(steps) <= 4
+    folder = tmp_path / "llama31_8b" / "tiny"
+    assert sorted(p.name for p in folder.iterdir()) == ["result_0.txt.partial"]  # never a result file
+    assert '"step_num": 2,' in (folder / "result_0.txt.partial").read_text().splitlines()[-1]
+
+
+# -- the training data changing under a live run --
+
+
+def test_reader_detects_truncation_and_in_place_writes_not_renames(tmp_path):
+    from timetotrain.data.indexed import IndexedDataError, IndexedDataset, IndexedWriter
+
+    def write(prefix, docs):
+        with IndexedWriter(prefix) as w:
+            for d in docs:
+                w.add_document(d)
+
+    prefix = tmp_path / "d"
+    write(prefix, [list(range(1000))] * 4)
+    ds = IndexedDataset(prefix)
+    ds.check_unchanged()
+    write(prefix, [list(range(5))])  # what `ttt data prepare` does: new files renamed into place
+    ds.check_unchanged()  # the map still holds the old inode: nothing to flag
+    ds = IndexedDataset(prefix)
+    binf = Path(f"{prefix}.bin")
+    st = binf.stat()
+    with open(binf, "r+b") as f:  # same size, new bytes: a copy over the file in place
+        f.write(b"\x01\x02")
+    os.utime(binf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # coarse-mtime file systems
+    with pytest.raises(IndexedDataError, match=r"d\.bin was modified while this run was reading it"):
+        ds.check_unchanged()
+    ds = IndexedDataset(prefix)
+    os.truncate(f"{prefix}.idx", 40)
+    with pytest.raises(IndexedDataError, match=r"d\.idx was truncated"):
+        ds.check_unchanged()
+
+
+@pytest.mark.slow
+def test_truncated_train_bin_under_a_live_run_aborts_not_sigbus(c4_prepared, tmp_path):
+    data = tmp_path / "c4"
+    shutil.copytree(c4_prepared, data)
+    proc, live = start_tiny(data, tmp_path / "logs")
+    binf = data / "c4-train_text_document.bin"
+    os.truncate(binf, binf.stat().st_size // 2)  # in place: the run has this inode mapped
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])  # -7 would be SIGBUS
+    assert "Traceback" not in err and "Bus error" not in err, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("ttt:")]
+    assert (
+        len(lines) == 1
+        and "c4-train_text_document.bin was truncated while this run was reading it" in lines[0]
+    )
+    log = live.with_name("result_0.txt")  # run_stop was written, so the log is a (failed) result
+    last = [ln for ln in log.read_text().splitlines() if ":::MLLOG" in ln][-1]
+    assert '"run_stop"' in last and '"status": "aborted"' in last

@@ -1,0 +1,157 @@
+"""Atomic file writes: every file ttt writes (manifests, token counts, summaries, RCP files, package and
+report outputs) goes through `atomic_write`, so a reader, a crash or a full disk never leaves a half-written
+file under the final name: the data goes to a temporary file in the same folder (same filesystem, so the
+rename is atomic), is fsynced, and only then replaces the target; the folder is fsynced so the rename
+itself survives a power loss. On any error the temporary file is removed and the target is untouched.
+
+The live MLPerf result log is the exception (it grows during the run): see mlperf/logger.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from timetotrain.interrupt import deferred
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Persist a rename or a new name in `directory`; some filesystems cannot open a folder, which is fine."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    # Reading the umask through os.umask() sets it for a moment, which races with other threads creating
+    # files; Linux reports it in /proc instead.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", perms: int | None = None) -> Iterator[IO]:
+    """`with atomic_write(p) as f: f.write(...)`: `p` holds all of it once the block ends, or is untouched.
+    `mode` is "w" (text, UTF-8) or "wb"; `perms` sets the file mode (default: 0o666 less the umask, as
+    `open` gives)."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write mode must be 'w' or 'wb', not {mode!r}")
+    path = Path(path)
+    # A dot name: `ls` and the result globs (result_*.txt) never see a temporary file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)
+    try:
+        with open(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            # mkstemp makes 0o600; a manifest or a report should read like any other file the user writes.
+            os.fchmod(f.fileno(), 0o666 & ~_umask() if perms is None else perms)
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | os.PathLike, text: str, perms: int | None = None) -> None:
+    with atomic_write(path, "w", perms) as f:
+        f.write(text)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy `src` to `dst` through `atomic_write` (shutil.copyfile writes in place and never fsyncs)."""
+    with open(src, "rb") as s, atomic_write(dst, "wb") as d:
+        shutil.copyfileobj(s, d, 1 << 20)
+
+
+class Staged:
+    """Several outputs that must appear together or not at all (a prepared split: .bin, .idx, token counts,
+    manifest). Each is written under a temporary dot-name next to its final name; leaving the `with` block
+    normally fsyncs them all and renames them into place in the order they were added, with SIGTERM/SIGINT
+    deferred so a signal cannot split the set; leaving it by an exception (or a signal) removes them, so an
+    interrupted command leaves nothing half-written and the previous outputs untouched."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Path, Path]] = []
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+    def add(self, tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+        """`tmp` (written by someone else, e.g. IndexedWriter) becomes `final` at commit."""
+        self._pairs.append((Path(tmp), Path(final)))
+
+    def path(self, final: str | os.PathLike) -> Path:
+        """A temporary name for `final`, in the same folder, renamed to it at commit."""
+        final = Path(final)
+        tmp = final.parent / f".{final.name}.{os.getpid()}{TMP_SUFFIX}"
+        self.add(tmp, final)
+        return tmp
+
+    def current(self, final: str | os.PathLike) -> Path:
+        """Where `final`'s content is now: its temporary name until commit."""
+        final = Path(final)
+        return next((t for t, f in self._pairs if f == final), final)
+
+    def open(self, final: str | os.PathLike, mode: str = "wb") -> IO:
+        if mode not in ("w", "wb"):
+            raise ValueError(f"Staged.open mode must be 'w' or 'wb', not {mode!r}")
+        return open(self.path(final), mode, **({"encoding": "utf-8"} if mode == "w" else {}))  # noqa: SIM115
+
+    def write_text(self, final: str | os.PathLike, text: str) -> None:
+        with self.open(final, "w") as f:
+            f.write(text)
+
+    def commit(self) -> None:
+        for tmp, _ in self._pairs:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        with deferred():
+            for tmp, final in self._pairs:
+                os.replace(tmp, final)
+            for folder in {final.parent for _, final in self._pairs}:
+                fsync_dir(folder)
+        self._pairs = []
+
+    def discard(self) -> None:
+        for tmp, _ in self._pairs:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._pairs = []
