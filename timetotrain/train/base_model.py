@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain import fileio
 from timetotrain.data import loader
 from timetotrain.data.manifest import sha256_file
 from timetotrain.errors import UserError
@@ -174,7 +175,7 @@ def make_base(
     from safetensors.torch import save_file
 
     save_file(state, partial / WEIGHTS, metadata={"format": "pt"})
-    (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    fileio.write_text(partial / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     doc = {
         "benchmark": bench.name,
         "tier": tier.name,
@@ -195,11 +196,13 @@ def make_base(
     }
     keep = getattr(tier.data, "vocab_keep", None)
     if keep:
-        np.save(partial / VOCAB_TABLE, loader.vocab_table(resolved.counts_file, keep).numpy())
+        with fileio.atomic_write(partial / VOCAB_TABLE, "wb") as f:
+            np.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
         doc["vocab_keep"] = keep
         doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
-    (partial / BASE_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    fileio.write_text(partial / BASE_JSON, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(partial, folder)  # complete or absent: a crash leaves only the .partial
+    fileio.fsync_dir(folder.parent)
     return folder, doc, False
 
 
