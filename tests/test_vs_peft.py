@@ -1,0 +1,49 @@
+"""bench/vs_peft.py compares like with like: from the same weights, adapters and batch, its two steps (ours
+through `train_step`, PEFT's as the HF Trainer runs it) compute the same loss and leave the same adapters,
+so its throughput ratio times the same work. No timing is checked."""
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import REPO, require
+
+
+@pytest.fixture(scope="module")
+def vs_peft():
+    require("transformers")
+    require("peft")
+    spec = importlib.util.spec_from_file_location("vs_peft", REPO / "bench" / "vs_peft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers, via PEFT
+def test_same_loss_and_adapters_on_the_tiny_config(vs_peft):
+    from timetotrain.models.llama_hf import qkv_to_hf
+
+    # The bench's dropout (0.1) draws different masks on the two sides; the first step's loss does not
+    # depend on it (B starts at zero), its gradients do: off here.
+    b = vs_peft.build("tiny", "cpu", compile=False, fused=True, dropout=0.0)
+    assert b["adapters_ours"] == b["adapters_peft"]
+    batch = b["batch"]
+    assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
+    torch.testing.assert_close(b["ours"](batch), b["peft"](batch), atol=1e-5, rtol=0)
+    # After one AdamW step each B moved by about lr in the direction of its gradient's sign: a gradient of
+    # the wrong row order, or of another loss, shows as entries 2 lr = 8e-4 apart.
+    cfg = b["cfg"]
+    for mine, layer in zip(
+        b["ours_model"].layers, b["peft_model"].get_base_model().model.layers, strict=True
+    ):
+        ref = layer.self_attn
+        pairs = [
+            (qkv_to_hf(mine.attn.qkv.lora_B.weight, cfg), ref.qkv_proj.lora_B["default"].weight),
+            (mine.attn.qkv.lora_A.weight, ref.qkv_proj.lora_A["default"].weight),
+            (mine.attn.proj.lora_B.weight, ref.o_proj.lora_B["default"].weight),
+            (mine.attn.proj.lora_A.weight, ref.o_proj.lora_A["default"].weight),
+        ]
+        for ours, theirs in pairs:
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+        moved = ref.qkv_proj.lora_B["default"].weight.abs() > 3e-4  # ~lr: far above the tolerance
+        assert moved.float().mean() > 0.9
