@@ -5,18 +5,21 @@ import dataclasses
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import require, require_file, shared_data_dir, ttt_command
+from conftest import mllog, require, require_file, shared_data_dir, ttt_command
 
 from timetotrain.data import c4, govreport
 from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import check_log
 from timetotrain.suite import get
 from timetotrain.suite.base import BaseRecipe
 from timetotrain.train import base_model
 from timetotrain.train.checkpoint import init_from
+from timetotrain.train.step import build_training
 
 BENCH = get("llama2_70b_lora")
 TINY = BENCH.tier("tiny")
@@ -122,3 +125,46 @@ def test_tiny_run_without_its_base_is_a_one_line_error(gov_tiny, tmp_path):
     assert not list(tmp_path.rglob("result_*"))
     proc = ttt("base", "llama31_8b", "--tier", "tiny", "--data", str(tmp_path))
     assert proc.returncode == 2 and "tiers with one: llama2_70b_lora --tier tiny" in proc.stderr
+
+
+@pytest.mark.slow
+def test_tiny_tier_from_ttt_base_to_target(c4_llama2, gov_tiny, tmp_path):
+    """The whole path a user takes: `ttt base` (the real recipe), then the LoRA run to the tier's target,
+    its log through the official engine with the tier's rule file, and the base's sha256 in the log."""
+    cache = tmp_path / "cache"
+    made = ttt(
+        "base",
+        "llama2_70b_lora",
+        "--tier",
+        "tiny",
+        "--data",
+        str(c4_llama2),
+        "--cache",
+        str(cache),
+        "--quiet",
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    base = Path(made.stdout.strip())
+    assert base.parent == cache
+    doc = json.loads((base / base_model.BASE_JSON).read_text())
+    # Only fine-tuning reaches the target: the base alone (adapters at B = 0 add nothing) is above it.
+    tr = build_training(BENCH, TINY, torch.device("cpu"), 0, None, base)
+    data = BENCH.task.open(
+        TINY, BENCH.task.resolve(TINY, gov_tiny, init_checkpoint=base), 0, 0, 1, torch.device("cpu")
+    )
+    base_loss = data.evaluate(tr.model)
+    assert base_loss > TINY.target
+    proc = ttt("run", "llama2_70b_lora", "--tier", "tiny", "--data", str(gov_tiny), "--init-checkpoint", str(base),
+               "--logdir", str(tmp_path / "logs"), "--seed", "1000", "--quiet")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = tmp_path / "logs" / "llama2_70b_lora" / "tiny" / "result_0.txt"
+    recs = mllog(log)
+    value = {r["key"]: r["value"] for r in recs}
+    assert value["ttt_init_checkpoint_sha256"] == doc["weights_sha256"]
+    assert value["lora_rank"] == 16 and value["max_sequence_length"] == 1024 and value["eval_samples"] == 2
+    evals = [r for r in recs if r["key"] == "eval_accuracy"]
+    # The eval delay: int(0.125 * 2 + 2) = 2 intervals skipped, so the first eval comes after 2 x 4 steps.
+    assert evals[0]["metadata"]["samples_count"] == 2 * TINY.eval_every_steps * TINY.global_batch_size
+    assert evals[-1]["value"] <= TINY.target < min(e["value"] for e in evals[:-1] or [base_loss])
+    verdict = check_log(log)
+    assert verdict.ok, verdict.output
