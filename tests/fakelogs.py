@@ -69,6 +69,7 @@ def tier_log(
         *bench.optimizer.log_keys(),
         ("train_samples", t.max_steps * gbs),
         ("eval_samples", t.eval_samples),
+        ("ttt_model", bench.model_key(t)),
         ("ttt_tier", tier),
         ("ttt_eval_every_samples", every),
         ("lowest_numerical_precision_in_linear", "fp32"),
