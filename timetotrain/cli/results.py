@@ -183,7 +183,9 @@ def add_commands(sub) -> None:
         description=(
             "For every system x benchmark under DIR: OUT/<benchmark>-<tier>.png with the eval metric of\n"
             "each run against training samples, the target (horizontal) and the RCP mean and minimum\n"
-            "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json."
+            "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json.\n"
+            "When several systems have results of one benchmark x tier, each of their plots is\n"
+            "OUT/<benchmark>-<tier>-<submitter>-<system>.png."
         ),
         epilog="example:\n  ttt report logs --out report",
     )
