@@ -69,6 +69,7 @@ def tier_log(
         *bench.optimizer.log_keys(),
         ("train_samples", t.max_steps * gbs),
         ("eval_samples", t.eval_samples),
+        ("ttt_model", bench.model_key(t)),
         ("ttt_tier", tier),
         ("ttt_eval_every_samples", every),
         ("lowest_numerical_precision_in_linear", "fp32"),
@@ -104,6 +105,24 @@ def rcp_only_log(
         _line(T0 + 1, "POINT_IN_TIME", "eval_accuracy", 1.0, **{key: converge_at or 1}),
         _line(T0 + 2, "INTERVAL_END", "run_stop", status="success" if converge_at else "aborted"),
     ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def curve_log(path: Path, benchmark: str, gbs: int, every: int, converge_at: int, target: float) -> Path:
+    """An official benchmark's run for plots: evals every `every` samples, falling by 0.01 a point to
+    just under a lower-is-better `target` at `converge_at`, and a successful run_stop."""
+    points = range(every, converge_at + 1, every)
+    lines = [
+        _line(T0, "POINT_IN_TIME", "submission_benchmark", benchmark),
+        _line(T0, "POINT_IN_TIME", "global_batch_size", gbs),
+        _line(T0 + 1, "INTERVAL_START", "run_start"),
+    ]
+    for k, s in enumerate(points):
+        value = target + 0.01 * (len(points) - 1 - k) - 0.001
+        lines.append(_line(T0 + 2 + k, "POINT_IN_TIME", "eval_accuracy", value, samples_count=s))
+    lines.append(_line(T0 + 600_000, "INTERVAL_END", "run_stop", status="success"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -173,3 +173,94 @@ def test_names_must_be_folder_names(tmp_path, capsys, flag, value):
     ]
     assert ttt_main(cmd) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_check_with_a_relative_out(tmp_path, capsys, monkeypatch):
+    """The official checker runs in a temporary cwd; a relative OUT must still reach it."""
+    _tiny_logs(tmp_path / "logs", n=3)
+    monkeypatch.chdir(tmp_path)
+    base = ["package", "--org", "o", "--system", "s", "--results", "logs", "--out", "pkg/o", "--check"]
+    assert ttt_main(base) == 1  # tiny logs fail it, as documented
+    out = capsys.readouterr().out
+    assert "No such file or directory" not in out and "Traceback" not in out
+    assert "3 files do not comply" in out  # it read pkg/o/results/s/llama31_8b
+    assert "official package checker (6.0.0): FAIL" in out
+
+
+def _damage(folder, how):
+    """Three good tiny logs and a fourth result_3.txt damaged as `how` says."""
+    logs = _tiny_logs(folder, n=3)
+    text = logs[0].read_text()
+    bad = folder / "result_3.txt"
+    if how == "foreign":
+        bad.write_text("loss 2.31 at step 10\nloss 2.05 at step 20\n")
+    elif how == "other_benchmark":
+        other = tier_log(folder / "x.txt", 7, 320 * 12, 1.0, benchmark="gpt_oss_20b")
+        other.rename(bad)
+    elif how == "truncated":
+        bad.write_text(text[: text.index('"key": "run_start"') + 200].rsplit("\n", 1)[0] + "\n")
+    elif how == "two_run_starts":
+        lines = text.splitlines()
+        i = next(k for k, ln in enumerate(lines) if '"key": "run_start"' in ln)
+        bad.write_text("\n".join(lines[: i + 1] + lines[i:]) + "\n")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "how,needle,refused",
+    [
+        ("foreign", "holds no :::MLLOG lines: not an MLPerf result log", True),
+        ("other_benchmark", "names 'gpt_oss_20b', but", True),
+        ("truncated", "has no run_stop: the log is truncated", False),
+        ("two_run_starts", "logs run_start 2 times", False),
+    ],
+)
+def test_a_result_file_that_cannot_count_is_named_before_the_checker(tmp_path, capsys, how, needle, refused):
+    bad = _damage(tmp_path / "logs", how)
+    out = tmp_path / "pkg"
+    argv = ["package", "--org", "o", "--system", "s", "--results", str(tmp_path / "logs"), "--out", str(out)]
+    code = ttt_main(argv + ["--check"])
+    captured = capsys.readouterr()
+    line = f"{bad}: {needle}"
+    if refused:  # it cannot be placed: the benchmark folder would hold a file that is not its result
+        assert code == 2 and not out.exists()
+        assert captured.err.count("\n") == 1 and captured.err.startswith(f"ttt: error: {line}"), captured.err
+    else:  # packaged as it is, and said first: the checker's verdict names a rule, not the file
+        assert code == 1 and out.exists()
+        assert captured.err.startswith(f"ttt: warning: {line}"), captured.err
+        assert "Traceback" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("how", ["foreign", "other_benchmark", "truncated", "two_run_starts"])
+def test_score_and_report_warn_naming_the_file(tmp_path, capsys, how):
+    bad = _damage(tmp_path / "logs", how)
+    ttt_main(["score", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert err.startswith(f"ttt: warning: {bad}: ") and err.count("\n") == 1, err
+    assert ttt_main(["report", str(tmp_path / "logs"), "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"ttt: warning: {bad}: ") and err.count("\n") == 1, err
+
+
+def test_a_tree_of_only_foreign_files_is_an_error(tmp_path, capsys):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "result_0.txt").write_text("epoch 1 loss 3.2\n")
+    for argv in (
+        ["score", str(tmp_path / "logs")],
+        ["report", str(tmp_path / "logs"), "--out", str(tmp_path / "r")],
+        [
+            "package",
+            "--org",
+            "o",
+            "--system",
+            "s",
+            "--results",
+            str(tmp_path / "logs"),
+            "--out",
+            str(tmp_path / "p"),
+        ],
+    ):
+        assert ttt_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "result_0.txt holds no :::MLLOG lines" in err, err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "p").exists()

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import require, require_file, shared_data_dir
-from fakelogs import rcp_only_log, tiny_runs, ttt_main
+from fakelogs import curve_log, rcp_only_log, tier_log, tiny_runs, ttt_main
 
 from timetotrain import report, suite
 from timetotrain.mlperf import rcp
@@ -140,3 +140,68 @@ def test_epoch_benchmark_plot_shows_target_and_unrounded_rcp_marks(tmp_path, mon
     assert any(
         len(set(line.get_ydata())) == 1 and line.get_ydata()[0] == 0.72 for line in full.get_lines()
     )  # the target is drawn, not only listed
+
+
+def _drawn_figures(monkeypatch) -> list:
+    import matplotlib.figure
+
+    figs = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figs.append(fig), save(fig, *a, **k))[1]
+    )
+    return figs
+
+
+def _touching_labels(ax) -> list[tuple[str, str]]:
+    """Neighbouring x tick labels, among those inside the axis limits, whose boxes touch or overlap."""
+    lo, hi = sorted(ax.get_xlim())
+    shown = [
+        t
+        for t, x in zip(ax.get_xticklabels(), ax.get_xticks(), strict=True)
+        if t.get_text() and lo <= x <= hi
+    ]
+    shown.sort(key=lambda t: t.get_window_extent().x0)
+    return [
+        (a.get_text(), b.get_text())
+        for a, b in zip(shown, shown[1:], strict=False)
+        if a.get_window_extent().x1 >= b.get_window_extent().x0
+    ]
+
+
+@pytest.mark.parametrize(
+    "bench,gbs,every,first,target",
+    [
+        ("flux1", 1024, 262_144, 31, 0.586),  # ~8.4 M samples: 9-10 digit labels in the narrow zoom panel
+        ("llama31_405b", 1152, 46_080, 6, 5.6),
+    ],
+)
+def test_tick_labels_do_not_overlap(tmp_path, monkeypatch, bench, gbs, every, first, target):
+    for i in range(10):  # convergence spread over a few eval points, as real runs are
+        curve_log(
+            tmp_path / "logs" / f"result_{i}.txt", bench, gbs, every, every * (first + (i * 3) % 7), target
+        )
+    figs = _drawn_figures(monkeypatch)
+    report.make_report(tmp_path / "logs", tmp_path / "r", "5.1.0")
+    (fig,) = figs
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert len([t for t in ax.get_xticklabels() if t.get_text()]) >= 3
+        assert _touching_labels(ax) == [], ax.get_xlabel()
+
+
+def test_systems_sharing_a_benchmark_get_plots_named_by_system(tmp_path):
+    """The names depend on the groups, not on which folder sorts first."""
+    for folder, box in (("z", "box-a"), ("a", "box-b")):
+        for log in tiny_runs(tmp_path / "logs" / folder, n=3):
+            log.write_text(log.read_text().replace('"test-box"', f'"{box}"'))
+    tier_log(tmp_path / "logs" / "gpt" / "result_0.txt", 1, 640, 2.0, benchmark="gpt_oss_20b")
+    rep = report.make_report(tmp_path / "logs", tmp_path / "r")
+    assert sorted(p.name for p in rep.plots) == [
+        "gpt_oss_20b-tiny.png",  # alone: the short name
+        "llama31_8b-tiny-timetotrain-box_a.png",
+        "llama31_8b-tiny-timetotrain-box_b.png",
+    ]
+    assert {s.system: p.name for s, p in zip(rep.scores, rep.plots, strict=True)}["box-a"].endswith(
+        "box_a.png"
+    )

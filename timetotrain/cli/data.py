@@ -10,6 +10,9 @@ _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
 
 def _cmd_prepare(args) -> int:
+    if args.workers is not None and args.workers < 1:
+        # c4 handed 0 to multiprocessing (a ValueError traceback), govreport ran on one thread anyway.
+        raise UserError(f"--workers {args.workers} must be at least 1 (leave it out to use every core)")
     if args.dataset == "govreport":
         from timetotrain.interrupt import raise_on_signals
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import RULESET
+from timetotrain.mlperf.compliance import RULESET, check_ruleset
 
 _RULESET_HELP = (
     f"MLPerf ruleset of the logs (default {RULESET}); use 5.1.0 for MLPerf Training v5.1 results. "
@@ -31,10 +31,21 @@ def _note_unfinished(root: Path) -> None:
         print(note, file=sys.stderr)
 
 
+def _warn_problems(root: Path) -> None:
+    """One `ttt: warning:` line per result file that cannot count as a result, naming it, before the
+    official tools judge the tree (their verdict names a rule, not the file's real trouble)."""
+    from timetotrain.mlperf.results import find_groups, log_problems
+
+    for problem in log_problems(find_groups(root, with_foreign=True)):
+        print(f"ttt: warning: {problem}", file=sys.stderr)
+
+
 def _cmd_score(args) -> int:
     from timetotrain.mlperf.score import format_text, score_tree, to_json
 
+    check_ruleset(args.ruleset)
     _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _warn_problems(Path(args.dir))
     scores = score_tree(_existing_dir(args.dir, "DIR"), args.ruleset)
     print(to_json(scores) if args.json else format_text(scores), end="" if not args.json else "\n")
     return 0 if all(s.score_minutes is not None for s in scores) else 1
@@ -43,6 +54,7 @@ def _cmd_score(args) -> int:
 def _cmd_package(args) -> int:
     from timetotrain.mlperf.package import build_package, check_package
 
+    check_ruleset(args.ruleset)
     _note_unfinished(_existing_dir(args.results, "--results"))
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
@@ -55,6 +67,8 @@ def _cmd_package(args) -> int:
         system_json,
         args.tier,
     )
+    for w in res.warnings:
+        print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
     for bench, n in res.benchmarks.items():
         print(f"  results/{args.system}/{bench}: {n} result files")
@@ -79,7 +93,9 @@ def _cmd_package(args) -> int:
 def _cmd_report(args) -> int:
     from timetotrain.report import make_report
 
+    check_ruleset(args.ruleset)
     _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _warn_problems(Path(args.dir))
     rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
     for p in rep.plots:
         print(f"plot: {p}")
@@ -167,7 +183,9 @@ def add_commands(sub) -> None:
         description=(
             "For every system x benchmark under DIR: OUT/<benchmark>-<tier>.png with the eval metric of\n"
             "each run against training samples, the target (horizontal) and the RCP mean and minimum\n"
-            "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json."
+            "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json.\n"
+            "When several systems have results of one benchmark x tier, each of their plots is\n"
+            "OUT/<benchmark>-<tier>-<submitter>-<system>.png."
         ),
         epilog="example:\n  ttt report logs --out report",
     )

@@ -70,9 +70,21 @@ def _run_seeds(seed: int | None, runs: int) -> list[int]:
     return seeds
 
 
+def _check_seconds(args) -> None:
+    """A negative or non-finite timeout would only show when a collective or an abort waits on it,
+    hours into a run."""
+    import math
+
+    if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
+        raise UserError(f"--dist-timeout {args.dist_timeout:g} must be a positive number of seconds")
+    if not (math.isfinite(args.abort_grace) and args.abort_grace >= 0):
+        raise UserError(f"--abort-grace {args.abort_grace:g} must be a number of seconds >= 0")
+
+
 def _cmd_run(args) -> int:
     if args.runs < 1:
         raise UserError(f"--runs {args.runs} must be at least 1")
+    _check_seconds(args)
     results = run_set(args, _run_seeds(args.seed, args.runs))
     return max(r.exit_code for _, r in results)
 

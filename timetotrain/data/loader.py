@@ -50,7 +50,8 @@ def resolve(
     `eval_samples` windows), and every token id inside the vocabulary the model sees (`vocab_size`, or the
     narrowing table of `vocab_keep`). Reads metadata, hashes and at most a bounded sample of tokens."""
     if not data_dir.is_dir():
-        raise UserError(f"--data {data_dir} does not exist: pass the folder written by `ttt data prepare c4`")
+        what = "is a file, not a folder" if data_dir.exists() else "does not exist"
+        raise UserError(f"--data {data_dir} {what}: pass the folder written by `ttt data prepare c4`")
     train = _find(data_dir, data.train_prefixes, "train")
     val = _find(data_dir, data.val_prefixes, "validation")
     counts = None

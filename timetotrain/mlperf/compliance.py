@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from timetotrain.errors import UserError
 
 RULESET = "6.0.0"
 
@@ -38,6 +41,91 @@ def rule_file(benchmark: str, tier: str) -> Path | None:
     return path
 
 
+def rulesets() -> list[str]:
+    """The training rulesets the installed mlperf_logging has rule files for (training_X.Y.Z folders)."""
+    names = (p.name.removeprefix("training_") for p in official_rules_dir().glob("training_*"))
+    return sorted((n for n in names if re.fullmatch(r"\d+\.\d+\.\d+", n)), key=_version_key)
+
+
+def _version_key(ruleset: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in ruleset.split("."))
+
+
+def check_ruleset(ruleset: str) -> str:
+    """A UserError before any work for a ruleset the engine has no rules for: left to the official
+    tools, it ends in their FileNotFoundError traceback or in NaN scores."""
+    known = rulesets()
+    if ruleset not in known:
+        raise UserError(
+            f"--ruleset {ruleset!r} is not a training ruleset of the installed mlperf_logging: choose one "
+            f"of {', '.join(known[-4:])} (or older: {', '.join(known[:-4])})"
+        )
+    return ruleset
+
+
+def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Path | None:
+    """The rule file of the tier a log claims (its `ttt_tier`; none means reference), or a UserError
+    naming the log when nothing can judge it: not an MLPerf log, no benchmark, or a benchmark or tier
+    no rule file covers. None means the ruleset's official common.yaml."""
+    if not any(k is not None for k in keys):
+        raise UserError(f"{path} holds no :::MLLOG lines: it is not an MLPerf result log")
+    bench = keys.get("submission_benchmark")
+    if bench in (None, ""):
+        raise UserError(f"{path} logs no submission_benchmark: it is not a complete MLPerf result log")
+    bench, tier = str(bench), str(keys.get("ttt_tier", "reference"))
+    if tier == "reference":
+        from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+
+        if bench in get_allowed_benchmarks("training", ruleset):
+            return None
+        from timetotrain.suite import official
+
+        facts = official.get(bench)
+        where = (
+            f"it is one of {', '.join(facts.rulesets)}: pass --ruleset {facts.rulesets[-1]}"
+            if facts is not None and facts.rulesets
+            else "an unknown benchmark"
+        )
+        raise UserError(
+            f"{path}: submission_benchmark {bench!r} is not a benchmark of MLPerf Training {ruleset} ({where})"
+        )
+    from timetotrain import suite
+
+    if not suite.known(bench):
+        raise UserError(
+            f"{path}: submission_benchmark {bench!r} of ttt_tier {tier!r} is not a timetotrain benchmark "
+            f"(ours: {', '.join(suite.names())})"
+        )
+    if tier not in suite.get(bench).tiers:
+        raise UserError(
+            f"{path}: ttt_tier {tier!r} is not a tier of {bench} (its tiers: {', '.join(suite.get(bench).tiers)})"
+        )
+    try:
+        return rule_file(bench, tier)
+    except FileNotFoundError as e:
+        raise UserError(f"{path}: {e}") from e
+
+
+def model_mismatch(keys: dict[str, object]) -> str | None:
+    """For reference-tier logs, whose rule files are the official ones and identical for benchmarks that
+    differ only in the model (llama31_8b, gpt_oss_20b): the `ttt_model` a log of ours carries against the
+    model of the benchmark it names. Logs without the key (other harnesses') are not judged here."""
+    logged = keys.get("ttt_model")
+    bench, tier = str(keys.get("submission_benchmark", "")), str(keys.get("ttt_tier", "reference"))
+    from timetotrain import suite
+
+    if logged is None or not suite.known(bench) or tier not in suite.get(bench).tiers:
+        return None
+    b = suite.get(bench)
+    expected = b.model_key(b.tiers[tier])
+    if logged == expected:
+        return None
+    return (
+        f"ttt_model {logged} is not the {bench} {tier} model {expected}: the log names a benchmark "
+        "other than the one it trained"
+    )
+
+
 def read_log_keys(path: Path) -> dict[str, object]:
     """First value of each MLLOG key (enough to pick the rule file)."""
     keys: dict[str, object] = {}
@@ -50,7 +138,8 @@ def read_log_keys(path: Path) -> dict[str, object]:
                 rec = json.loads(payload)
             except json.JSONDecodeError:
                 continue
-            keys.setdefault(rec.get("key"), rec.get("value"))
+            if isinstance(rec, dict):  # a cut or foreign line may hold any JSON value
+                keys.setdefault(rec.get("key"), rec.get("value"))
     return keys
 
 
@@ -63,10 +152,9 @@ class Verdict:
 
 def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
     """Run `python -m mlperf_logging.compliance_checker` (the official engine) with the right rule file."""
+    check_ruleset(ruleset)
     keys = read_log_keys(path)
-    bench = str(keys.get("submission_benchmark", ""))
-    tier = str(keys.get("ttt_tier", "reference"))
-    rules = rule_file(bench, tier) if bench else None
+    rules = log_rules(path, keys, ruleset)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training"]
         cmd += ["--ruleset", ruleset, "--log_output", str(Path(tmp, "compliance.log"))]
@@ -75,7 +163,11 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
         cmd.append(str(path))
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
     out = (proc.stdout + proc.stderr).strip()
-    return Verdict(proc.returncode == 0, str(rules) if rules else f"training_{ruleset}/common.yaml", out)
+    ok = proc.returncode == 0
+    mismatch = model_mismatch(keys) if rules is None else None  # our rule files check ttt_model
+    if mismatch:
+        ok, out = False, f"{out}\n{mismatch}"
+    return Verdict(ok, str(rules) if rules else f"training_{ruleset}/common.yaml", out)
 
 
 class _Line:

@@ -22,10 +22,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
-from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups
+from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
+from timetotrain.suite import official
 
 TODO = "TODO: fill in"
 STATUS_CHOICES = (
@@ -79,6 +80,9 @@ class PackageResult:
     todo: list[str]  # system description fields left for the submitter
     benchmarks: dict[str, int]  # benchmark -> number of result files
     notes: list[str] = field(default_factory=list)
+    # Logs packaged as they are that the official checker will reject (truncated, two runs in one
+    # file), each naming its file: said before the checker's own report.
+    warnings: list[str] = field(default_factory=list)
 
 
 def build_package(
@@ -95,7 +99,13 @@ def build_package(
     for name, flag in ((org, "--org"), (system, "--system")):
         if not name or "/" in name or name.startswith("."):
             raise UserError(f"{flag} {name!r} must be a plain folder name (no '/')")
-    groups = _select(find_groups(results), tier, results)
+    groups = _select(find_groups(results, with_foreign=True), tier, results)
+    problems = log_problems(groups)
+    misplaced = [p for p in problems if p.misplaced]
+    if misplaced:
+        more = f" (and {len(misplaced) - 1} more such files)" if len(misplaced) > 1 else ""
+        raise UserError(f"{misplaced[0]}{more}")
+    warnings = [str(p) for p in problems]
     notes: list[str] = []
 
     if system_json is not None:
@@ -117,7 +127,14 @@ def build_package(
         desc[miss] = TODO
         todo.append(miss)
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.is_dir() else None))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"--out {out} cannot be created ({e.strerror}): pass a new folder in a writable place"
+        ) from e
+    # Next to OUT, so the final rename stays on one file system.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (staging / "systems").mkdir()
         sys_path = staging / "systems" / f"{system}.json"
@@ -136,24 +153,31 @@ def build_package(
             fileio.write_text(script, run_and_time(g, ordered, org, system), perms=0o755)
             fileio.write_text(impl / "README.md", _impl_readme(g, ordered))
             notes += _group_notes(g, desc)
-        out.parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging, out)  # all or nothing: a failed build leaves no half-written --out
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return PackageResult(out, out / "systems" / f"{system}.json", todo, counts, notes)
+    return PackageResult(out, out / "systems" / f"{system}.json", todo, counts, notes, warnings)
 
 
 def _select(groups: list[ResultGroup], tier: str | None, root: Path) -> list[ResultGroup]:
     if tier is not None:
-        groups = [g for g in groups if g.tier == tier]
-        if not groups:
+        groups = [g for g in groups if g.tier == tier or (g.foreign and not g.logs)]
+        if not any(g.logs for g in groups):
             raise UserError(f"no result files of tier {tier!r} under {root}: check --tier and --results")
     seen: dict[str, ResultGroup] = {}
     for g in groups:
+        if not g.logs:  # only files that are not MLPerf logs: log_problems names them
+            continue
         if not g.benchmark:
             raise UserError(
                 f"{g.folder}: the logs name no submission_benchmark; pass folders of MLPerf result logs"
+            )
+        if official.get(g.benchmark) is None and not suite.known(g.benchmark):
+            # The official checker would only say "Skipping benchmark" and pass the rest.
+            raise UserError(
+                f"{g.logs[0].path}: submission_benchmark {g.benchmark!r} is neither an MLPerf Training "
+                "benchmark nor a timetotrain one: nothing can check or reproduce it"
             )
         if g.benchmark in seen:
             raise UserError(
@@ -161,7 +185,7 @@ def _select(groups: list[ResultGroup], tier: str | None, root: Path) -> list[Res
                 "point --results at one of them, or pass --tier"
             )
         seen[g.benchmark] = g
-    return list(seen.values())
+    return list(seen.values()) + [g for g in groups if not g.logs]
 
 
 def _load_system_json(path: Path) -> dict:
@@ -385,8 +409,6 @@ _SETTINGS = {
 
 
 def _overrides(log: RunLog) -> list[str]:
-    from timetotrain import suite
-
     bench = suite.get(log.benchmark)
     tier = bench.tiers.get(log.tier)
     if tier is None:
@@ -406,8 +428,6 @@ def _overrides(log: RunLog) -> list[str]:
 
 
 def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -> str:
-    from timetotrain import suite
-
     first = ordered[0]
     seeds = " ".join(shlex.quote(str(lg.seed)) for lg in ordered)
     head = [
@@ -470,7 +490,15 @@ def check_package(out: Path, ruleset: str = RULESET) -> tuple[bool, str]:
     """`python -m mlperf_logging.package_checker OUT training RULESET`. It always exits 0, so the verdict
     is its final line. It writes scaling.json into result folders that beat the RCP mean."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "mlperf_logging.package_checker", str(out), "training", ruleset]
+        # Absolute: the checker runs in `tmp` (it writes files into its cwd), where a relative OUT is gone.
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlperf_logging.package_checker",
+            str(Path(out).resolve()),
+            "training",
+            ruleset,
+        ]
         cmd += ["--log_output", str(Path(tmp) / "package_checker.log")]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
     output = (proc.stdout + proc.stderr).strip()

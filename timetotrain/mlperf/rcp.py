@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def official_rcp_path(benchmark: str, ruleset: str) -> Path:
 
 def olympic_mean(values, drop: int = 1) -> float:
     s = sorted(values)
+    if len(s) <= 2 * drop:  # nothing left to average: NaN, as np.mean gives, without its RuntimeWarning
+        return math.nan
     return float(np.mean(s[drop : len(s) - drop]))
 
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class RunLog:
     converge_point: float | None = None  # samples/epoch of the last eval before a successful run_stop
     seed_lines: list[tuple[str, int, object]] = field(default_factory=list)  # (file, lineno, seed)
     parse_errors: int = 0
+    records: int = 0  # MLLOG lines read; none means the file is not an MLPerf log at all
+    run_starts: int = 0  # more than one: two runs' logs in one file (the engine wants EXACTLY_ONE)
 
     @property
     def benchmark(self) -> str:
@@ -98,13 +101,16 @@ def parse_log(path: Path) -> RunLog:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             log.parse_errors += 1
             continue
+        log.records += 1
         log.keys.setdefault(key, value)
         if key == "submission_benchmark":
             bench = value
         elif key == "seed":
             log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
-        elif key == "run_start" and log.run_start_ms is None:
-            log.run_start_ms = t
+        elif key == "run_start":
+            log.run_starts += 1
+            if log.run_start_ms is None:
+                log.run_start_ms = t
         elif key == "run_stop" and log.run_stop_ms is None:
             log.run_stop_ms = t
             log.status = meta.get("status")
@@ -151,21 +157,86 @@ class ResultGroup:
     tier: str
     division: str
     system_json: Path | None  # set for the submission layout
+    foreign: list[Path] = field(default_factory=list)  # result_*.txt without MLLOG lines: not in `logs`
 
     @property
     def layout(self) -> str:
         return "submission" if self.system_json else "folder"
 
 
-def find_groups(root: Path) -> list[ResultGroup]:
-    """Every folder under `root` (itself included) that directly holds result files."""
+@dataclass
+class LogProblem:
+    """A result file that will not pass as a result, found before the official tools read it (their
+    reports name the rule, not the cause, and some end in a traceback)."""
+
+    path: Path
+    what: str
+    misplaced: bool  # the file does not belong to its folder's benchmark at all
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+def log_problems(groups: list[ResultGroup]) -> list[LogProblem]:
+    """Files that are not MLPerf logs, another benchmark's log in a folder, two runs in one file, and
+    logs cut short (no run_stop, or lines that are not JSON)."""
+    out = []
+    for g in groups:
+        for p in g.foreign:
+            out.append(LogProblem(p, "holds no :::MLLOG lines: not an MLPerf result log; move it away", True))
+        for lg in g.logs:
+            if lg.benchmark != g.benchmark:
+                named = repr(lg.benchmark) if lg.benchmark else "no submission_benchmark"
+                out.append(
+                    LogProblem(
+                        lg.path,
+                        f"names {named}, but {g.folder} holds {g.benchmark} logs: one folder per benchmark",
+                        True,
+                    )
+                )
+            if lg.run_starts > 1:
+                out.append(
+                    LogProblem(
+                        lg.path, f"logs run_start {lg.run_starts} times: one result file is one run", False
+                    )
+                )
+            if lg.run_stop_ms is None:
+                out.append(
+                    LogProblem(
+                        lg.path,
+                        "has no run_stop: the log is truncated (a live or killed run is result_<k>.txt.partial)",
+                        False,
+                    )
+                )
+            elif lg.parse_errors:
+                out.append(
+                    LogProblem(
+                        lg.path, f"{lg.parse_errors} :::MLLOG line(s) are not valid JSON: damaged", False
+                    )
+                )
+    return out
+
+
+def find_groups(root: Path, with_foreign: bool = False) -> list[ResultGroup]:
+    """Every folder under `root` (itself included) that directly holds result logs; `with_foreign` adds
+    the folders whose result_*.txt are none of them MLPerf logs (for log_problems)."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(
             f"{root} is not a directory: pass a folder of result_<k>.txt files or a submission tree"
         )
     folders = sorted({p.parent for p in root.rglob("result_*.txt") if p.is_file()})
-    groups = [_group(f) for f in folders]
+    found = [_group(f) for f in folders]
+    groups = [g for g in found if g.logs]
+    if not groups and found:
+        foreign = [p for g in found for p in g.foreign]
+        raise UserError(
+            f"no MLPerf result logs under {root}: {foreign[0]}"
+            + (f" and {len(foreign) - 1} other result_*.txt hold" if len(foreign) > 1 else " holds")
+            + " no :::MLLOG lines"
+        )
+    if with_foreign:
+        groups = [g for g in found if g.logs or g.foreign]
     if not groups:
         partial = unfinished_logs(root)
         also = f" (only {len(partial)} unfinished result_*.txt.partial)" if partial else ""
@@ -196,9 +267,16 @@ def unfinished_note(root: Path) -> str | None:
 
 
 def _group(folder: Path) -> ResultGroup:
-    files = result_files(folder)
-    logs = [parse_log(f) for f in files]
-    first = logs[0]
+    """The group of one folder. Files without any MLLOG line are set aside in `foreign`: a stray text
+    file is not a failed run. The benchmark is the one most of the logs name, so that one misfiled log
+    is the one reported (log_problems), not its neighbours."""
+    parsed = [parse_log(f) for f in result_files(folder)]
+    logs = [lg for lg in parsed if lg.records]
+    foreign = [lg.path for lg in parsed if not lg.records]
+    if not logs:
+        return ResultGroup(folder, [], [], "", "", "", "", "", None, foreign)
+    named = Counter(lg.benchmark for lg in logs if lg.benchmark).most_common(1)
+    first = next((lg for lg in logs if named and lg.benchmark == named[0][0]), logs[0])
     tiers = sorted({lg.tier for lg in logs})
     sysjson = None
     if folder.parent.parent.name == "results":
@@ -214,7 +292,10 @@ def _group(folder: Path) -> ResultGroup:
         system = str(first.keys.get("submission_platform", ""))
         division = first.division
         benchmark = first.benchmark or folder.name
-    return ResultGroup(folder, files, logs, submitter, system, benchmark, "+".join(tiers), division, sysjson)
+    files = [lg.path for lg in logs]
+    return ResultGroup(
+        folder, files, logs, submitter, system, benchmark, "+".join(tiers), division, sysjson, foreign
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -249,14 +330,10 @@ def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     ruleset's common.yaml for reference logs (as the result_summarizer does), ours for other tiers."""
     from mlperf_logging.compliance_checker import mlp_compliance
 
-    from timetotrain.mlperf.compliance import read_log_keys, rule_file
+    from timetotrain.mlperf.compliance import log_rules, model_mismatch, read_log_keys
 
     keys = read_log_keys(path)
-    tier = str(keys.get("ttt_tier", "reference"))
-    try:
-        rules = rule_file(str(keys.get("submission_benchmark", "")), tier)
-    except FileNotFoundError as e:
-        return False, str(e)
+    rules = log_rules(path, keys, ruleset)
     config = str(rules) if rules is not None else f"training_{ruleset}/common.yaml"
     # The engine queues rule files in a module-level list; a check that raised would leave files queued
     # for the next one.
@@ -273,4 +350,8 @@ def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     problems = [
         ln.strip() for ln in lines if not ln.lstrip().startswith(("Running compliance", "Compliance checks"))
     ]
+    mismatch = model_mismatch(keys) if rules is None else None  # as `ttt check` (compliance.check_log)
+    if mismatch:
+        valid = False
+        problems.append(mismatch)
     return bool(valid), "\n".join(problems)

@@ -110,10 +110,38 @@ def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
     rows = -(-len(labels) // ncol)
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.02 + 0.045 * rows, 1, 1))
+    for ax in (full, zoom):
+        _thin_x_ticks(fig, ax)
     with fileio.atomic_write(path, "wb") as f:
         fig.savefig(f, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path
+
+
+def _visible_x_labels(ax) -> list:
+    lo, hi = sorted(ax.get_xlim())
+    pairs = zip(ax.get_xticklabels(), ax.get_xticks(), strict=True)
+    return [t for t, x in pairs if t.get_text() and lo <= x <= hi]
+
+
+def x_labels_overlap(ax, gap_px: float = 4.0) -> bool:
+    """Whether two shown tick labels of the x axis touch (the figure must have been drawn)."""
+    boxes = sorted((t.get_window_extent() for t in _visible_x_labels(ax)), key=lambda b: b.x0)
+    return any(a.x1 + gap_px > b.x0 for a, b in zip(boxes, boxes[1:], strict=False))
+
+
+def _thin_x_ticks(fig, ax) -> None:
+    """Fewer x ticks until their labels do not touch. Matplotlib sizes the tick count by the axis length
+    and font size, not the label width, so the narrow zoom panel ran 7-8 digit sample counts into one
+    another (flux1's ~8.5 M, llama31_405b)."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig.canvas.draw()
+    nbins = len(_visible_x_labels(ax))
+    while nbins > 2 and x_labels_overlap(ax):
+        nbins -= 1
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=nbins, steps=[1, 2, 2.5, 5, 10]))
+        fig.canvas.draw()
 
 
 def _zoom_limits(ax, group: ResultGroup, target: float | None, marks: list[float]) -> None:

@@ -7,6 +7,7 @@ machine-readable form; one PNG per group (see plots.py).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,12 +92,16 @@ def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
     except OSError as e:
         raise UserError(f"--out {out} cannot be created ({e.strerror}): pass a writable folder") from e
     scores, plots, used = [], [], set()
+    # A benchmark x tier that more than one group holds names every one of its plots by submitter and
+    # system, so a plot's name does not depend on which folder happened to sort first.
+    shared = Counter((g.benchmark, g.tier) for g in groups)
     for g in groups:
         s = score_group(g, ruleset)
-        name = _slug(g.benchmark, g.tier)
-        if name in used:
+        if shared[g.benchmark, g.tier] == 1:
+            name = _slug(g.benchmark, g.tier)
+        else:
             name = _slug(g.benchmark, g.tier, g.submitter, g.system)
-        k = 2
+        k = 2  # the same submitter and system in two folders: numbered in folder order
         while name in used:
             name, k = f"{name}-{k}", k + 1
         used.add(name)

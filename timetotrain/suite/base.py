@@ -178,7 +178,16 @@ class Benchmark:
         return self.tiers[name]
 
     def hyperparameters(self, tier: Tier, accum: int | None = None) -> list[tuple[str, object]]:
-        return self.task.hyperparameters(self, tier, accum or tier.grad_accum)
+        """The task's MLPerf hyperparameters, then `ttt_model`: the model a run trains. Two of our tiers
+        can log the same hyperparameters (llama31_8b and gpt_oss_20b tiny do), so without it a log that
+        names the wrong submission_benchmark would pass that benchmark's rule file."""
+        hp = self.task.hyperparameters(self, tier, accum or tier.grad_accum)
+        return hp + [("ttt_model", self.model_key(tier))]
+
+    def model_key(self, tier: Tier) -> dict[str, object]:
+        """What `ttt_model` logs: the family and its parameter count, which tells the shapes of the
+        model apart without listing every config field."""
+        return {"family": self.family.name, "parameters": self.family.param_count(tier.model)}
 
     def flops_per_sample(self, tier: Tier) -> float:
         return self.task.flops_per_sample(self.family, tier)

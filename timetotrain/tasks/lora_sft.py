@@ -125,9 +125,8 @@ class LoRAFineTune(Task):
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         data_dir = Path(data_dir)
         if not data_dir.is_dir():
-            raise UserError(
-                f"--data {data_dir} does not exist: pass the folder `ttt data prepare govreport` wrote"
-            )
+            what = "is a file, not a folder" if data_dir.exists() else "does not exist"
+            raise UserError(f"--data {data_dir} {what}: pass the folder `ttt data prepare govreport` wrote")
         table = None
         if tier.data.vocab_keep is not None:
             from timetotrain.train.base_model import load_vocab_table

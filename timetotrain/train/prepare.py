@@ -60,8 +60,9 @@ def preflight(
             "data-parallel ranks: change --set global_batch_size or the process count"
         )
     local = tier.global_batch_size // plan.data_parallel
-    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches.
-    micro = micro_batch or min(tier.micro_batch_size, local)
+    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
+    # an error, not "the default".
+    micro = micro_batch if micro_batch is not None else min(tier.micro_batch_size, local)
     if micro <= 0 or local % micro:
         raise UserError(
             f"{micro_flag}={micro} must divide the per-rank batch {local} into whole micro-batches"

@@ -1,0 +1,118 @@
+"""`ttt check`: a log is judged by the rule file of the tier it claims (`ttt_tier`, none meaning
+reference), so a log that names the wrong benchmark fails, and a log nothing can judge is a one-line
+error naming it."""
+
+import itertools
+
+import pytest
+from fakelogs import tier_log
+
+from timetotrain import suite
+from timetotrain.cli import main
+from timetotrain.mlperf.compliance import hparam_violations, read_log_keys, rule_file
+from timetotrain.mlperf.keys import submission_keys
+
+# Every tier of ours that has a rule file of ours.
+TIERS = [(b, t) for b in suite.names() for t in suite.get(b).tiers if t != "reference"]
+
+
+def check(capsys, path, *flags) -> tuple[int, str, str]:
+    code = main(["check", str(path), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err.strip()
+
+
+def relabel(src, dst, benchmark):
+    """The same log with another submission_benchmark, as a hand edit or a wrong launcher would make it."""
+    old = f'"submission_benchmark", "value": "{read_log_keys(src)["submission_benchmark"]}"'
+    text = src.read_text()
+    assert old in text
+    dst.write_text(text.replace(old, f'"submission_benchmark", "value": "{benchmark}"'))
+    return dst
+
+
+def logged(bench_name, tier_name, as_benchmark):
+    bench = suite.get(bench_name)
+    tier = bench.tiers[tier_name]
+    keys = submission_keys(bench, tier, "org", "platform") + bench.hyperparameters(tier)
+    return [(k, as_benchmark if k == "submission_benchmark" else v) for k, v in keys]
+
+
+@pytest.mark.parametrize("bench,tier", TIERS)
+def test_each_tier_passes_its_own_rule_file(bench, tier):
+    assert hparam_violations([rule_file(bench, tier)], logged(bench, tier, bench)) == []
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.permutations(TIERS, 2)))
+def test_a_tier_logged_as_another_benchmark_fails_that_rule_file(src, dst):
+    """llama31_8b and gpt_oss_20b tiny log the same hyperparameters apart from the decay steps (which
+    --set warmup_steps=0 makes equal too): `ttt_model` is what tells them apart."""
+    (b_src, t_src), (b_dst, t_dst) = src, dst
+    problems = hparam_violations([rule_file(b_dst, t_dst)], logged(b_src, t_src, b_dst))
+    assert problems
+    src_model = suite.get(b_src).model_key(suite.get(b_src).tiers[t_src])
+    if src_model != suite.get(b_dst).model_key(suite.get(b_dst).tiers[t_dst]):
+        assert any(p.startswith("ttt_model") for p in problems), problems
+
+
+def test_tiny_llama_log_claiming_gpt_oss_fails_its_rule_file(tmp_path, capsys):
+    log = tier_log(tmp_path / "result_0.txt", 1, 640, 2.0)
+    assert check(capsys, log)[0] == 0
+    fake = relabel(log, tmp_path / "result_1.txt", "gpt_oss_20b")
+    code, out, _ = check(capsys, fake)
+    assert code == 1
+    assert "gpt_oss_20b_tiny.yaml" in out  # judged by the rule file of the benchmark it claims
+    assert "CHECK for 'ttt_model' failed" in out
+
+
+def test_reference_log_claiming_another_benchmark_fails(tmp_path, capsys):
+    """The official closed rules of llama31_8b and gpt_oss_20b differ only in the target (3.3 and
+    3.34), so a converged llama31_8b log passes gpt_oss_20b's; the model it logged does not."""
+    log = tier_log(tmp_path / "result_0.txt", 1, 3 * 12_288, 60.0, tier="reference")
+    code, out, _ = check(capsys, log)
+    assert code == 0, out
+    fake = relabel(log, tmp_path / "result_1.txt", "gpt_oss_20b")
+    code, out, _ = check(capsys, fake)
+    assert code == 1
+    assert "is not the gpt_oss_20b reference model" in out and out.rstrip().endswith("engine)")
+
+
+@pytest.mark.parametrize(
+    "claimed,tier,flags,needles",
+    [
+        ("foo", "tiny", [], ["submission_benchmark 'foo' of ttt_tier 'tiny' is not a timetotrain benchmark"]),
+        ("foo", None, [], ["'foo' is not a benchmark of MLPerf Training 6.0.0"]),
+        ("retinanet", None, [], ["'retinanet'", "--ruleset 5.1.0"]),
+        (
+            "gpt_oss_20b",
+            None,
+            ["--ruleset", "5.1.0"],
+            ["'gpt_oss_20b' is not a benchmark of MLPerf Training 5.1.0"],
+        ),
+    ],
+)
+def test_a_benchmark_no_rule_file_covers_is_a_one_line_error(tmp_path, capsys, claimed, tier, flags, needles):
+    log = tier_log(tmp_path / "result_0.txt", 1, 640, 2.0)
+    text = relabel(log, tmp_path / "x.txt", claimed).read_text()
+    if tier is None:  # no ttt_tier: a reference (official) log
+        text = "".join(ln + "\n" for ln in text.splitlines() if '"ttt_tier"' not in ln)
+    path = tmp_path / "result_9.txt"
+    path.write_text(text)
+    code, out, err = check(capsys, path, *flags)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 0 and err.startswith(f"ttt: error: {path}"), err
+    for n in needles:
+        assert n in err
+
+
+def test_a_tier_the_benchmark_lacks_is_a_one_line_error(tmp_path, capsys):
+    log = tier_log(tmp_path / "result_0.txt", 1, 640, 2.0)
+    log.write_text(
+        log.read_text().replace('"key": "ttt_tier", "value": "tiny"', '"key": "ttt_tier", "value": "huge"')
+    )
+    code, _, err = check(capsys, log)
+    assert (
+        code == 2
+        and err
+        == f"ttt: error: {log}: ttt_tier 'huge' is not a tier of llama31_8b (its tiers: reference, tiny)"
+    )
