@@ -99,25 +99,30 @@ TINY_BASE = BaseRecipe(
     "both splits",
 )
 
-# Tiny: LoRA as the reference (rank 16, alpha 32, dropout 0.1 on qkv and the output projection; AdamW and
-# clip as closed; HF cosine), on the 9 train / 2 validation 1,024-token blocks of `--select tiny`; the eval
-# delay rule as the reference's (first eval after int(0.125 * GBS + 2) intervals).
+# Tiny: LoRA as the reference (rank 16, alpha 32, dropout 0.1 on qkv and the output projection), with the
+# reference's GBS 8, LR 4e-4, AdamW, clip and HF cosine (over 100 steps), on the 9 train / 2 validation
+# 1,024-token blocks of `--select tiny`; evaluation every 16 samples (2 steps) after the reference's delay
+# rule (int(0.125 * 8 + 2) = 3 intervals). GBS 8 over 9 blocks makes each step nearly an epoch: at GBS 2
+# the data order dominated and samples-to-target varied by 15% (CV) across seeds; at 8, under 10%.
+# The base alone scores 5.298 on the validation blocks; fine-tuning reaches about 5.272 by step 50. The
+# target 5.276 lies on the steady part of that descent, reached by all 10 RCP seeds
+# (docs/benchmarks/llama2_70b_lora.md, "Tiny tier").
 TINY = Tier(
     name="tiny",
     model=TINY_MODEL,
     data=LoRAData(block=1024, train_samples=9, vocab_keep=4095),
-    global_batch_size=2,
-    micro_batch_size=2,
+    global_batch_size=8,
+    micro_batch_size=8,
     lr=4e-4,
     end_lr=0.0,
     warmup_steps=0,
     max_steps=100,
-    eval_every_samples=8,
+    eval_every_samples=16,
     eval_samples=2,
-    target=5.0,
+    target=5.276,
     runs=10,
     division="open",
-    description="2 CPU cores, minutes; base pretrained on the C4 sample, GovReport fixture",
+    description="2 CPU cores, a minute; base pretrained on the C4 sample, GovReport fixture",
     base=TINY_BASE,
 )
 
