@@ -38,6 +38,14 @@ class LoRAData:
     train_samples: int = 0
     # Whole evaluations skipped before the first one (the reference's HF `eval_delay`): see `first_eval_step`.
     skip_evals: int | None = None
+    # Under `--precision bf16`, store the frozen base (every frozen matrix: embedding, projections, head) in
+    # bf16, norms and adapters in fp32 (`apply_lora(base_dtype=...)`). Decision: the reference loads the base
+    # with `torch_dtype=torch.bfloat16` and casts the norms back to fp32 (`peft_module_casting_to_bf16`); a
+    # bf16 copy is what the matmuls read under bf16 compute anyway, and it halves the largest memory item of
+    # a LoRA run (70B: 138 GB instead of 276 GB of weights). The adapters stay fp32: they are the
+    # optimizer's master weights (the reference's DeepSpeed keeps fp32 masters of its bf16 adapters).
+    # Under fp32 the base stays fp32 (parity tests against PEFT).
+    bf16_base: bool = True
     # Tiny tiers: the model keeps only the base's K most frequent ids plus one "other" id; the raw -> model id
     # table comes with the base (`ttt base` writes it, train/base_model.py) and is applied to ids and labels.
     vocab_keep: int | None = None
@@ -170,11 +178,25 @@ class LoRAFineTune(Task):
     def synthetic(self, tier, local_batch: int, generator, device) -> RunData:
         return _RandomBlocks(tier.model.vocab_size, local_batch, tier.data.block, generator, device)
 
-    def adapt_model(self, model, tier, generator) -> None:
+    def adapt_model(self, model, tier, generator, precision: str = "fp32") -> None:
         from timetotrain.train.lora import apply_lora
 
         d = tier.data
-        apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator)
+        base_dtype = torch.bfloat16 if precision == "bf16" and d.bf16_base else None
+        apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator, base_dtype=base_dtype)
+
+    def init_adapters(self, model, tier, generator) -> None:
+        from timetotrain.train.lora import init_lora
+
+        init_lora(model, generator)
+
+    def checkpoint_names(self, model) -> dict:
+        from timetotrain.train.lora import base_names
+
+        return base_names(model)
+
+    def frozen_bytes(self, tier, bf16: bool) -> int:
+        return 2 if bf16 and tier.data.bf16_base else 4
 
     def param_counts(self, family, tier) -> tuple[int, int]:
         """The adapters train; every base parameter is frozen."""
