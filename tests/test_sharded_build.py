@@ -149,6 +149,10 @@ def test_each_rank_allocates_only_its_shards(sharded):
         assert 0 < mem["largest_full_numel"] <= biggest  # one parameter's full tensor at a time
     assert sum(r["hf"]["memory"]["local_numel"] for r in ranks) == n_params
     print("local shard numel per rank:", [r["hf"]["memory"]["local_numel"] for r in ranks], "of", n_params)
+    print(
+        "local bytes per rank, fp32 / bf16 base:",
+        [(r["hf"]["memory"]["local_bytes"], r["bf16"]["memory"]["local_bytes"]) for r in ranks],
+    )
 
 
 @pytest.mark.slow
