@@ -56,9 +56,10 @@ On a CPU shared with other work, two intra-op threads that wait on each other lo
 every loop by about the same share there, so its ratios are the steadier figure (its MFU is against the
 1-thread peak measured in the same run).
 
-GPU: `--device cuda --bf16 --configs 70b-2l` (bf16 autocast for both, fp32 base, adapters and AdamW, as
-`ttt run --precision bf16` runs this benchmark). The 70B width with 2 layers holds ~2.2 B fp32 parameters
-per model copy, three copies (ours, ours compiled, PEFT): ~27 GB before activations.
+GPU: `--device cuda --bf16 --configs 70b-2l` (bf16 autocast for both, fp32 base, adapters and AdamW; `ttt
+run --precision bf16` stores the frozen base in bf16 instead, `LoRAData.bf16_base`, which this comparison
+keeps out so that both sides hold the same fp32 base). The 70B width with 2 layers holds ~2.2 B fp32
+parameters per model copy, three copies (ours, ours compiled, PEFT): ~27 GB before activations.
 """
 
 from __future__ import annotations

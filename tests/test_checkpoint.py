@@ -169,6 +169,36 @@ def test_hf_errors_name_the_file(hf_dir, tmp_path):
         load_hf_checkpoint(_meta_llama(), edit_index(misplace), mapping)
 
 
+def test_names_load_a_base_into_an_adapted_model(hf_dir, tmp_path):
+    """LoRA applied before loading (as the sharded build must): `lora.base_names` reads `...qkv.base.weight`
+    from the checkpoint's `...qkv.weight` and leaves the adapters alone, from HF and from a ttt checkpoint
+    (which also casts into a bf16 base)."""
+    from timetotrain.train.lora import apply_lora, base_names, lora_state_dict
+
+    plain = _meta_llama()
+    load_hf_checkpoint(plain, hf_dir, hf_mapping(CFG))
+    save_checkpoint(tmp_path / "ttt", plain, None, step=0)
+    for source, base_dtype in ((hf_dir, None), (tmp_path / "ttt", torch.bfloat16)):
+        adapted = apply_lora(_meta_llama(), generator=torch.Generator().manual_seed(1), base_dtype=base_dtype)
+        adapters = {n: t.clone() for n, t in lora_state_dict(adapted).items()}
+        names = base_names(adapted)
+        assert names["layers.1.attn.proj.base.weight"] == "layers.1.attn.proj.weight"
+        assert names["layers.1.attn.proj.lora_B.weight"] is None
+        assert "layers.1.ffn.fc1.weight" not in names  # unchanged names are not listed
+        if source == hf_dir:
+            report = load_hf_checkpoint(adapted, source, hf_mapping(CFG), names=names)
+            assert sorted(report.loaded) == sorted(plain.state_dict())
+        else:
+            load_checkpoint(source, adapted, None, names=names)
+        loaded = {names.get(n, n): t for n, t in adapted.state_dict().items()}
+        for n, t in plain.state_dict().items():
+            assert torch.equal(loaded[n], t.to(loaded[n].dtype)), n
+        assert loaded["layers.0.attn.qkv.weight"].dtype == (base_dtype or torch.float32)
+        assert all(torch.equal(t, adapters[n]) for n, t in lora_state_dict(adapted).items())
+    with pytest.raises(UserError, match="model parameters without a source"):
+        load_hf_checkpoint(apply_lora(_meta_llama()), hf_dir, hf_mapping(CFG))  # without names
+
+
 # --- our own checkpoints ------------------------------------------------------------------------------
 
 

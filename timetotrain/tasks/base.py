@@ -107,9 +107,23 @@ class Task(ABC):
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
         """The hyperparameter block of the log, in log order (the rules' POST/CHECK order depends on it)."""
 
-    def adapt_model(self, model, tier, generator: torch.Generator) -> None:  # noqa: B027 - optional
-        """Change the initialised (or loaded) model before parallelism, e.g. add LoRA adapters and freeze
-        the base. Runs on every rank with the same generator state."""
+    def adapt_model(  # noqa: B027 - optional
+        self, model, tier, generator: torch.Generator | None, precision: str = "fp32"
+    ) -> None:
+        """Change the model before parallelism, e.g. add LoRA adapters and freeze the base: the initialised
+        (or loaded) model, or, for a sharded build, the model still on the meta device (then the new
+        parameters are drawn later by `init_adapters`). Runs on every rank with the same generator state.
+        `precision` is the run's (`fp32` or `bf16`), e.g. to store a frozen base in bf16."""
+
+    def init_adapters(self, model, tier, generator: torch.Generator) -> None:  # noqa: B027 - optional
+        """Draw the parameters `adapt_model` added, after the sharded build's `to_empty`: the values
+        `adapt_model` would draw on a materialised model from the same generator state."""
+
+    def checkpoint_names(self, model) -> dict | None:
+        """For loading a checkpoint of the unadapted model into the adapted one: our parameter name -> the
+        checkpoint's name, None where the task added the parameter (`checkpoint.load_hf_checkpoint`'s
+        `names`). None: the names are unchanged."""
+        return None
 
     def first_eval_step(self, tier) -> int:
         """The first step with an evaluation (then every `eval_every_steps`): the first eval point by
@@ -120,6 +134,10 @@ class Task(ABC):
         """(trainable, frozen) parameters of the model as the task trains it, for `ttt plan`: all of the
         family's trainable unless the task freezes some (and perhaps adds its own, e.g. LoRA adapters)."""
         return family.param_count(tier.model), 0
+
+    def frozen_bytes(self, tier, bf16: bool) -> int:
+        """Bytes each frozen parameter is stored in (`ttt plan`), under bf16 compute or not: fp32 (4)."""
+        return 4
 
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""

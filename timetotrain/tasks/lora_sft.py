@@ -38,6 +38,15 @@ class LoRAData:
     train_samples: int = 0
     # Whole evaluations skipped before the first one (the reference's HF `eval_delay`): see `first_eval_step`.
     skip_evals: int | None = None
+    # Under `--precision bf16`, store the frozen base (every frozen matrix: embedding, projections, head) in
+    # bf16, norms and adapters in fp32 (`apply_lora(base_dtype=...)`). Decision: the reference loads the base
+    # with `torch_dtype=torch.bfloat16` and casts the norm modules to fp32 (`peft_module_casting_to_bf16`);
+    # a bf16 copy is what the matmuls read under bf16 compute anyway, and it halves the largest memory item
+    # of a LoRA run (70B: 138 GB instead of 276 GB of weights). The adapters stay fp32: they are the
+    # optimizer's master weights (the reference casts its adapters to bf16 and DeepSpeed's ZeRO optimizer
+    # keeps fp32 masters of them). Under fp32 the base stays fp32 (parity tests against PEFT). FSDP2 needs
+    # nothing extra: torch 2.13 all-gathers a block of mixed dtypes as bytes (tests/test_sharded_build.py).
+    bf16_base: bool = True
     # Tiny tiers: the model keeps only the base's K most frequent ids plus one "other" id; the raw -> model id
     # table comes with the base (`ttt base` writes it, train/base_model.py) and is applied to ids and labels.
     vocab_keep: int | None = None
@@ -169,11 +178,27 @@ class LoRAFineTune(Task):
     def synthetic(self, tier, local_batch: int, generator, device) -> RunData:
         return _RandomBlocks(tier.model.vocab_size, local_batch, tier.data.block, generator, device)
 
-    def adapt_model(self, model, tier, generator) -> None:
+    def adapt_model(self, model, tier, generator, precision: str = "fp32") -> None:
         from timetotrain.train.lora import apply_lora
 
         d = tier.data
-        apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator)
+        base_dtype = torch.bfloat16 if precision == "bf16" and d.bf16_base else None
+        apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator, base_dtype=base_dtype)
+
+    def init_adapters(self, model, tier, generator) -> None:
+        from timetotrain.train.lora import init_lora
+
+        init_lora(model, generator)
+
+    def checkpoint_names(self, model) -> dict:
+        from timetotrain.train.lora import base_names
+
+        return base_names(model)
+
+    def frozen_bytes(self, tier, bf16: bool) -> int:
+        """The bf16 base under bf16 compute (`LoRAData.bf16_base`); its few fp32 norm weights are counted at
+        2 B as well (0.002% of the 70B base)."""
+        return 2 if bf16 and tier.data.bf16_base else 4
 
     def param_counts(self, family, tier) -> tuple[int, int]:
         """The adapters train; every base parameter is frozen."""

@@ -24,15 +24,18 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
+from timetotrain.train.shards import copy_full
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -80,13 +83,20 @@ def load_hf_checkpoint(
     mapping: Mapping[str, Source],
     *,
     truncate_rows: Mapping[str, int] | None = None,
+    names: Mapping[str, str | None] | None = None,
 ) -> LoadReport:
     """Copy a Hugging Face safetensors checkpoint into `model` (plain CPU/GPU tensors, e.g. after a meta build
-    and `to_empty`), reading one shard at a time and holding only the HF tensors of parameters not yet
-    complete. `truncate_rows[name] = n` keeps the first n rows of our tensor `name`. Extra HF tensors are
-    ignored (listed in the report). Where a `Source` has alternative layouts (`Source.otherwise`), each
-    parameter is read from the first one the checkpoint holds in full. Calls `model.reset_rope()` afterwards
-    when the model has it.
+    and `to_empty`, or FSDP2-sharded DTensors), reading one shard at a time and holding only the HF tensors
+    of parameters not yet complete. `truncate_rows[name] = n` keeps the first n rows of our tensor `name`.
+    Extra HF tensors are ignored (listed in the report). Where a `Source` has alternative layouts
+    (`Source.otherwise`), each parameter is read from the first one the checkpoint holds in full. Calls
+    `model.reset_rope()` afterwards when the model has it.
+
+    A sharded parameter gets only this rank's slice of the full tensor its `Source` builds (one parameter's
+    full tensor at a time, on the CPU; `shards.local_shard`), so no rank ever holds the whole model.
+    `names` renames our parameters (names without wrapper levels) to the names `mapping` uses, None for a
+    parameter the checkpoint does not hold (e.g. LoRA adapters, which the caller initialises):
+    `lora.base_names`. Unlisted names stay as they are.
     """
     from safetensors import safe_open
 
@@ -94,7 +104,7 @@ def load_hf_checkpoint(
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint folder; pass the folder holding the *.safetensors files")
     truncate_rows = dict(truncate_rows or {})
-    params = {_clean_name(n): p for n, p in model.named_parameters()}
+    params = _named_params(model, names)
     for what, names in (
         ("model parameters without a source in the mapping", params.keys() - mapping.keys()),
         ("mapping names that are not model parameters", mapping.keys() - params.keys()),
@@ -153,6 +163,18 @@ def load_hf_checkpoint(
     return report
 
 
+def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
+    """Parameters by the name a checkpoint of the model knows them by (see `load_hf_checkpoint`'s `names`)."""
+    out = {}
+    for n, p in model.named_parameters():
+        name = _clean_name(n)
+        if names is not None:
+            name = names.get(name, name)
+        if name is not None:
+            out[name] = p
+    return out
+
+
 def _layout(listing: Path, ours: str, src: Source, weight_map: Mapping[str, str]) -> Source:
     """The first layout of `src` whose tensors are all in the checkpoint, else a one-line UserError naming
     the first missing tensor of each layout."""
@@ -197,7 +219,10 @@ def _assign(path: Path, ours: str, param: torch.Tensor, src: Source, inputs: lis
             f"{list(value.shape)}; the model config does not match the checkpoint"
         )
     with torch.no_grad():
-        param.data.copy_(value)  # casts to the parameter's dtype and device
+        if isinstance(param, DTensor):
+            copy_full(param, value)  # this rank's rows only; casts to the shard's dtype and device
+        else:
+            param.data.copy_(value)  # casts to the parameter's dtype and device
 
 
 # --- our own checkpoints (torch.distributed.checkpoint) ---------------------------------------------------
@@ -257,12 +282,14 @@ def check_init_source(path: str | os.PathLike, family) -> str:
     )
 
 
-def init_from(path: str | os.PathLike, model: nn.Module, family, cfg, truncate_rows=None) -> None:
-    """Replace the initialised weights of the bare `model` with a checkpoint's (before parallelism)."""
+def init_from(path: str | os.PathLike, model: nn.Module, family, cfg, truncate_rows=None, names=None) -> None:
+    """Replace the initialised weights of the bare `model` with a checkpoint's: before parallelism, or into
+    FSDP2 shards (each rank reads what it holds). `names`: as `load_hf_checkpoint`'s, for a model that has
+    more parameters than the checkpoint (LoRA adapters added before sharding)."""
     if check_init_source(path, family) == "hf":
-        load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows)
+        load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows, names=names)
     else:
-        load_checkpoint(path, model, None)
+        load_checkpoint(path, model, None, names=names)
         if hasattr(model, "reset_rope"):
             model.reset_rope()
 
@@ -302,10 +329,14 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    dirpath: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    dirpath: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    names: Mapping[str, str | None] | None = None,
 ) -> tuple[int, dict]:
     """Load a `save_checkpoint` folder into `model` (and `optimizer`) in place, on every rank; any sharding
-    (FSDP2 or none, any world size) may differ from the saving run's. Returns (step, extra)."""
+    (FSDP2 or none, any world size) may differ from the saving run's. Returns (step, extra).
+    `names` (model only): as `load_hf_checkpoint`'s; parameters it maps to None keep their values."""
     final = Path(dirpath)
     if not (final / META).is_file():
         partial = final.with_name(final.name + ".partial")
@@ -315,11 +346,23 @@ def load_checkpoint(
         )
     meta = json.loads((final / META).read_text())
     state = _state(model, optimizer)
+    ours = {}  # checkpoint name -> our state-dict key, when `names` renames
+    if names is not None:
+        if optimizer is not None:
+            raise ValueError("load_checkpoint: names is for loading a model alone (optimizer=None)")
+        renamed = {}
+        for key, t in state["model"].items():
+            name = names.get(_clean_name(key), _clean_name(key))
+            if name is not None:
+                renamed[name], ours[name] = t, key
+        state["model"] = renamed
     _check_fits(final, state)
     with _no_single_process_warning():
         dcp.load(state, checkpoint_id=final, no_dist=not _distributed())
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        model_sd = {ours.get(n, n): t for n, t in state["model"].items()}
+        # Not strict when renamed: the parameters mapped to None are not in the checkpoint.
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=names is None))
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta["step"], meta["extra"]

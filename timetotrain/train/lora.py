@@ -9,11 +9,15 @@ adapted model starts equal to its base. Every parameter of the model is frozen; 
 Names stay readable: `layers.0.attn.qkv.lora_A.weight`, `layers.0.attn.qkv.lora_B.weight`, and the base
 weight under `layers.0.attn.qkv.base.weight`.
 
-Order of operations: build (meta) -> `to_empty` -> load the base weights (`load_hf_checkpoint`, whose
-mapping names the unwrapped model) -> `apply_lora` -> activation checkpointing / `torch.compile` /
-FSDP2 `fully_shard` per block, exactly as `train/parallel.apply` does them. The wrapper is a plain module
-inside the block, so none of those needs to know about it: FSDP2 shards the adapters with the block and
-keeps no gradient for the frozen base; checkpointing replays dropout with the saved RNG state.
+Order of operations, unsharded: build (meta) -> `to_empty` -> load the base weights (`load_hf_checkpoint`,
+whose mapping names the unwrapped model) -> `apply_lora` -> activation checkpointing / `torch.compile` /
+DDP, as `train/parallel.apply` does them. Sharded (FSDP2, `step.build_training`): build (meta) ->
+`apply_lora` on the meta device (the adapters must exist before `fully_shard` groups a block's parameters)
+-> `fully_shard` per block -> `to_empty` (each rank allocates its shards) -> load the base through
+`base_names` and draw the adapters with `init_lora` (`shards.full_init`: the same values as unsharded).
+The wrapper is a plain module inside the block, so none of those needs to know about it: FSDP2 shards the
+adapters with the block and keeps no gradient for the frozen base; checkpointing replays dropout with the
+saved RNG state.
 
 Why not PEFT at runtime (it is the reference `tests/test_lora.py` compares against, at fp32 tolerance):
 - the benchmark's base, MLCommons `Llama2-70b-fused-qkv-mlperf`, ships custom modeling code that HF only
@@ -167,6 +171,21 @@ def init_lora(model: nn.Module, generator: torch.Generator | None = None) -> Non
     a warm-up, or after `to_empty` when LoRA was applied on the meta device."""
     for _, module in lora_modules(model):
         module.reset_parameters(generator)
+
+
+def base_names(model: nn.Module) -> dict[str, str | None]:
+    """Where a checkpoint of the model without adapters keeps each LoRA-wrapped parameter: `{"layers.0.attn.
+    qkv.base.weight": "layers.0.attn.qkv.weight", "layers.0.attn.qkv.lora_A.weight": None, ...}` (None: not
+    in such a checkpoint). Names are without wrapper levels; other parameters keep their names, so they are
+    not listed. For loading a base after LoRA was applied, as the sharded build must (`checkpoint.init_from`)."""
+    out: dict[str, str | None] = {}
+    for name, module in lora_modules(model):
+        for p_name, _ in module.base.named_parameters():
+            out[f"{name}.base.{p_name}"] = f"{name}.{p_name}"
+        for adapter in ("lora_A", "lora_B"):
+            for p_name, _ in getattr(module, adapter).named_parameters():
+                out[f"{name}.{adapter}.{p_name}"] = None
+    return out
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

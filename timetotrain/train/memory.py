@@ -2,10 +2,12 @@
 
 Where the numbers come from (an estimate, not a measurement):
 - Model states, per trainable parameter: fp32 weights 4 B + fp32 gradients 4 B + AdamW moments 8 B = 16 B;
-  per frozen parameter (a LoRA base: `Task.param_counts`) the fp32 weight alone, 4 B; divided
-  by the shard count under FSDP, whole under DDP. bf16 compute adds the bf16 copies: under FSDP2 the
-  unsharded bf16 parameters of about two blocks at a time (the one computing and the one prefetched); under
-  DDP autocast's cached bf16 copy of every weight (2 B per parameter).
+  per frozen parameter (a LoRA base: `Task.param_counts`) the weight alone, in the dtype the task stores
+  it in (`Task.frozen_bytes`: 4 B fp32, or 2 B for a LoRA base kept in bf16 under bf16 compute; its fp32
+  norm weights, 0.002% of 70B, are counted at 2 B too); divided by the shard count under FSDP, whole under
+  DDP. bf16 compute adds the bf16 copies: under FSDP2 the unsharded bf16 parameters of about two blocks at
+  a time (the one computing and the one prefetched); under DDP autocast's cached bf16 copy of every fp32
+  weight (2 B per parameter; none for a base already stored in bf16).
 - Activations: the model family's count of the elements autograd keeps per token for one block
   (`ModelFamily.activation_elements`; for a Llama block: RMSNorm keeps its input, the normalised values and
   the weighted output (3h, twice per block); SDPA keeps rotated q, k, v and its output (q h, k and v
@@ -70,10 +72,14 @@ def estimate(
     family, cfg = bench.family, tier.model
     shards = gpus if kind == "fsdp" else 1
     trainable, frozen = bench.task.param_counts(family, tier)
-    states = (16 * trainable + 4 * frozen) / shards
+    frozen_bytes = bench.task.frozen_bytes(tier, bf16)
+    states = (16 * trainable + frozen_bytes * frozen) / shards
     block = family.block_params(cfg)
     if bf16:
-        copies = 2 * 2 * block if kind == "fsdp" else 2 * n_params
+        # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
+        # frozen base unless it is stored in bf16 already).
+        fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
+        copies = 2 * 2 * block if kind == "fsdp" else 2 * fp32_weights
     else:
         copies = 4 * 2 * block if kind == "fsdp" else 0
     tokens = micro * bench.task.sample_items(tier)[1]

@@ -1,6 +1,7 @@
 """What one training step is, shared by timed runs and synthetic throughput runs, and the one preparation
 path of both: model on the meta device -> materialised -> warmed up -> initialised -> parallelised ->
-optimizer and schedule."""
+optimizer and schedule; under FSDP2 the order that never holds the whole model on a rank: meta -> adapted
+-> sharded -> each rank's shards materialised -> initialised -> warmed up -> initialised or loaded."""
 
 from __future__ import annotations
 
@@ -78,11 +79,31 @@ class Training:
 def build_training(
     bench, tier, device: torch.device, seed: int, plan: parallel.Plan | None = None, init_checkpoint=None
 ) -> Training:
-    """Model on the meta device, materialised on `device`, warmed up once, initialised by the benchmark's
-    own rule from `seed` (the same on every rank) or loaded from `init_checkpoint` (a Hugging Face or ttt
-    checkpoint folder), then parallelised per `plan`, then a fresh optimizer over the (possibly sharded)
-    parameters. Nothing from the warm-up survives."""
+    """The model, initialised by the benchmark's own rule from `seed` (the same on every rank) or loaded from
+    `init_checkpoint` (a Hugging Face or ttt checkpoint folder), adapted by the task (LoRA), warmed up once
+    and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
+    from the warm-up survives. Sharded plans (`fsdp > 1`) never hold the whole model on a rank
+    (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
+    if plan.fsdp > 1:
+        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint)
+    else:
+        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint)
+    # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
+    fused = None if plan.fsdp == 1 else False
+    opt = build_optimizer(model, bench.optimizer, tier.lr, fused)
+    sched = schedule.for_tier(bench.schedule, tier)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Training(
+        wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
+        ep_group=ep_group,
+    )  # fmt: skip
+
+
+def _build_whole(bench, tier, device, seed, plan, init_checkpoint):
+    """Model on the meta device, materialised whole on `device`, initialised from `seed + 1`, warmed up,
+    initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
+    none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
     family = bench.family
     with torch.device("meta"):
         model = family.build(tier.model)
@@ -94,18 +115,49 @@ def build_training(
         from timetotrain.train.checkpoint import init_from
 
         init_from(init_checkpoint, model, family, tier.model)
-    bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
+    bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.precision)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
-    # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
-    fused = None if plan.fsdp == 1 else False
-    opt = build_optimizer(model, bench.optimizer, tier.lr, fused)
-    sched = schedule.for_tier(bench.schedule, tier)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return Training(
-        wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
-        ep_group=ep_group,
-    )  # fmt: skip
+    return model, wrapped, ep_group
+
+
+def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
+    """FSDP2 without ever materialising the whole model: build on the meta device -> the task's adaptation
+    (LoRA) on the meta device, so that its new modules are inside the blocks before `fully_shard` groups
+    their parameters -> activation checkpointing / compile / `fully_shard` per block and root
+    (`parallel.apply`) -> `to_empty`: each rank allocates only its shards -> fill them.
+
+    Filling gives the weights `_build_whole` gives for the same seed and checkpoint (tests/test_sharded_build):
+    the family's init and the adapters' draw full tensors one parameter at a time and keep this rank's
+    slice (`shards.full_init`), a checkpoint is read into the shards (`checkpoint.load_hf_checkpoint`).
+    With a checkpoint the family's init draws no parameter (`skip_sharded`: the base comes from the
+    checkpoint; buffers are still set) and only the adapters are drawn, from `seed + 2` as unsharded.
+    The warm-up runs on the model initialised from `seed + 1` (sharded: through the all-gathers, in the
+    training precision), inside `fork_rng`: LoRA's dropout exists by then and must not advance the RNG the
+    training draws its masks from."""
+    from timetotrain.train.shards import full_init
+
+    family, task = bench.family, bench.task
+    with torch.device("meta"):
+        model = family.build(tier.model)
+    task.adapt_model(model, tier, None, plan.precision)
+    wrapped, ep_group = parallel.apply(model, plan, device)
+    model.to_empty(device=device)
+    with full_init():
+        family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
+        task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        _warmup(bench, wrapped, tier, device, parallel.autocast_dtype(plan))
+    with full_init(skip_sharded=init_checkpoint is not None):
+        family.init(model, torch.Generator(device=device).manual_seed(seed))
+    if init_checkpoint is not None:
+        from timetotrain.train.checkpoint import init_from
+
+        init_from(init_checkpoint, model, family, tier.model, names=task.checkpoint_names(model))
+    with full_init():
+        task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
+    model.train()
+    return model, wrapped, ep_group
 
 
 def _warmup(bench, model, tier, device, autocast: torch.dtype | None) -> None:

@@ -1,0 +1,108 @@
+"""Full tensors in, local shards out: how the sharded build (`step.build_training` under `fsdp=N`) fills
+FSDP2 parameters that were never materialised whole.
+
+The sharded build shards on the meta device and then allocates only each rank's shards (`to_empty`), so
+nothing can be initialised or loaded as a whole model. Two tools fill the shards with exactly the values
+the unsharded build would give:
+
+- `local_shard(full, param)`: this rank's part of a full tensor, by the DTensor's placements (FSDP2 cuts dim
+  0 as `torch.chunk` does, the last ranks possibly short or empty). The checkpoint loader builds one
+  parameter's full tensor at a time and copies this slice.
+- `full_init()`: while active, a random draw or fill on a sharded parameter (`nn.init.normal_`,
+  `kaiming_uniform_`, `ones_`, ...) runs on a full tensor of the parameter's global shape, on its device,
+  with the caller's generator, and this rank keeps its slice. So a family's own `init(model, generator)`
+  and the LoRA adapters' init draw the same numbers in the same order as on an unsharded model: results do
+  not depend on the shard count, and a sharded run starts from the weights a one-process run starts from.
+  Decision (over DTensor's own random ops): DTensor draws each shard from an offset of a shared seed, whose
+  values differ from an unsharded draw and ignore the explicit `generator` our families pass; over
+  initialising on the CPU and copying: the device's generator draws other numbers than the CPU's, and the
+  unsharded build initialises on the device. Cost: one parameter's full tensor at a time, per rank
+  (1.9 GB at 70B, fc1) and every rank draws every element; no communication.
+  Low-precision parameters (a bf16 frozen LoRA base) are drawn in fp32 and rounded, as the unsharded build
+  initialises its fp32 model before `apply_lora` casts the base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+
+def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """The part of `full` (a tensor of `param`'s global shape) that this rank's local tensor of `param`
+    holds: a view, cut per mesh dimension as DTensor's `Shard(d)` does (`torch.chunk`, trailing ranks
+    possibly short or empty); `Replicate` keeps everything."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"full tensor {list(full.shape)} does not match the parameter's {list(param.shape)}")
+    mesh, out = param.device_mesh, full
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard():
+            raise ValueError(f"cannot slice a full tensor for placement {placement}")
+        dim, parts = placement.dim, mesh.size(mesh_dim)
+        chunks = torch.chunk(out, parts, dim=dim)
+        index = mesh.get_local_rank(mesh_dim)
+        out = chunks[index] if index < len(chunks) else out.narrow(dim, 0, 0)
+    local = param.to_local()
+    if out.shape != local.shape:  # a placement this slicing does not know (e.g. strided sharding)
+        raise ValueError(f"sliced {list(out.shape)} but the local shard is {list(local.shape)}")
+    return out
+
+
+@torch.no_grad()
+def copy_full(param: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's slice of the full tensor `full` into sharded `param` (cast to its dtype and device)."""
+    param.to_local().copy_(local_shard(full, param))
+
+
+# The in-place initialisers that draw or fill: what nn.init's functions end in (`ones_` is `fill_`, `zeros_`
+# `zero_`, `xavier_*` / `kaiming_normal_` `normal_` or `uniform_`), and the nn.init functions that dispatch
+# to torch-function modes themselves (seen first, so they run whole on the full tensor).
+_FILLS = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    torch.Tensor.fill_,
+    torch.Tensor.zero_,
+    nn.init.normal_,
+    nn.init.uniform_,
+    nn.init.constant_,
+    nn.init.kaiming_uniform_,
+}
+
+
+class _FullInit(TorchFunctionMode):
+    def __init__(self, skip: bool):
+        super().__init__()
+        self.skip = skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if func not in _FILLS or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        if self.skip:  # the values come from elsewhere (a checkpoint): draw nothing
+            return target
+        dtype = (
+            torch.promote_types(target.dtype, torch.float32) if target.is_floating_point() else target.dtype
+        )
+        full = torch.empty(target.shape, dtype=dtype, device=target.device)
+        if args:
+            func(full, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, ("tensor" if "tensor" in kwargs else "self"): full})
+        copy_full(target, full)
+        return target
+
+
+@contextlib.contextmanager
+def full_init(skip_sharded: bool = False):
+    """Initialisers on sharded parameters draw the full tensor and keep this rank's slice (module docstring).
+    `skip_sharded`: leave sharded parameters untouched instead (they are loaded next), so that a family's
+    `init` fills only what is not a parameter (RoPE tables, counters) without drawing a whole model."""
+    with _FullInit(skip_sharded):
+        yield
