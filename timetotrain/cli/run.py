@@ -409,4 +409,9 @@ def add_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="first seed (default: fresh random seeds)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting")
     s.add_argument("--out", default=None, help="RCP file to write (default: the package's)")
+    s.add_argument(
+        "--init-checkpoint",
+        default=None,
+        help="the base a fine-tuning tier starts from (the folder `ttt base` printed)",
+    )
     s.set_defaults(func=_cmd_rcp_build)
