@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ttt_command
+from test_e2e_tiny import tiny
 
 
 def child_pids(pid: int) -> list[int]:
@@ -96,21 +97,6 @@ def test_prepare_interrupted_stops_workers_and_removes_temporaries(big_c4_src, c
 
 
 # -- result logs: SIGKILL, a full disk --
-
-
-def tiny(data, logdir, *extra):
-    return [
-        "run",
-        "llama31_8b",
-        "--tier",
-        "tiny",
-        "--data",
-        str(data),
-        "--logdir",
-        str(logdir),
-        "--quiet",
-        *extra,
-    ]
 
 
 def start_tiny(data, logdir, *extra) -> tuple[subprocess.Popen, Path]:
