@@ -23,6 +23,7 @@ examples:
   ttt data prepare c4 --src ../shared/data/c4/en --split validation --out data/c4
   ttt data prepare govreport --src ../shared/data/govreport/gov_report.validation.scrolls_format.jsonl --select tiny --split train --tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/govreport
   ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
+  ttt base llama2_70b_lora --tier tiny --data data/c4-llama2   # a fine-tuning tier's base, cached
   ttt check logs/llama31_8b/tiny/result_0.txt
 """
 

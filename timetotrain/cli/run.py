@@ -368,11 +368,11 @@ def add_commands(sub) -> None:
     s = sub.add_parser(
         "base",
         help="pretrain the base model a fine-tuning tier starts from (off the clock, cached)",
-        description="Runs the base recipe of BENCH's TIER (a small pretraining run with a fixed seed, "
-        "timetotrain/train/base_model.py) on --data, writes a Hugging Face folder (config.json, "
-        "model.safetensors, base.json, and vocab_table.npy when the vocabulary is narrowed) into the cache, "
-        "keyed by the sha256 of the recipe and the data, and prints the folder. A second call with the "
-        "same inputs returns the cached folder at once. Pass the folder to `ttt run --init-checkpoint`.",
+        description="Runs the base recipe of BENCH's TIER (a small pretraining run with a fixed seed,\n"
+        "timetotrain/train/base_model.py) on --data and writes a Hugging Face folder (config.json,\n"
+        "model.safetensors, base.json, and vocab_table.npy when the vocabulary is narrowed) into the\n"
+        "cache, keyed by the sha256 of the recipe and the data; prints the folder on stdout. A second call\n"
+        "with the same inputs returns the cached folder at once. Pass it to `ttt run --init-checkpoint`.",
         epilog="example:\n  ttt data prepare c4 --src ../shared/data/c4/en --split train --tokenizer llama2 "
         "--tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/c4-llama2\n"
         "  (and --split validation)\n"
@@ -380,7 +380,7 @@ def add_commands(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument("--tier", default="tiny")
+    s.add_argument("--tier", default="tiny", help="the tier whose base to make (default: tiny)")
     s.add_argument("--data", required=True, help="the prepared data the base pretrains on (see the example)")
     s.add_argument(
         "--cache",
