@@ -105,7 +105,7 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--tokenizer",
         default="llama3",
-        help="c4 tokenizer: llama3 (default, from llama-models) or llama2 (with --tokenizer-model FILE)",
+        help="c4 tokenizer: llama3 (default, from llama-models), or llama2 / mixtral with --tokenizer-model FILE",
     )
     s.add_argument("--out", required=True, help="output folder (created if missing)")
     s.add_argument(
@@ -118,7 +118,7 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--tokenizer-model",
         metavar="FILE",
-        help="a SentencePiece tokenizer.model: the Llama 2 one for govreport, and for c4 --tokenizer llama2",
+        help="a SentencePiece tokenizer.model: the Llama 2 one for govreport; for c4 --tokenizer llama2|mixtral",
     )
     g = s.add_argument_group("govreport")
     g.add_argument(

@@ -94,8 +94,12 @@ _worker_tok = None
 
 
 def load_tokenizer(name: str, model_file: Path | None = None):
-    """`llama3` is the file shipped by llama-models; a SentencePiece tokenizer (`llama2`) is a file the user
-    names with --tokenizer-model, checked to be the one asked for (its sha256), so the manifest's name is true."""
+    """`llama3` is the file shipped by llama-models; a SentencePiece tokenizer (`llama2`, `mixtral`) is a file
+    the user names with --tokenizer-model, checked to be the one asked for (its sha256), so the manifest's name
+    is true. SentencePiece documents are encoded without BOS and followed by EOS, like Llama 3's. Decision
+    (whether MLCommons' preprocessed Mixtral C4 carries BOS is unconfirmed): Megatron's and NeMo's
+    preprocessing scripts tokenize each document without special tokens and append only the end-of-document
+    id (`--append-eod`), which is what this does."""
     if model_file is None:
         if name != "llama3":
             raise UserError(f"--tokenizer {name} needs --tokenizer-model FILE (its tokenizer.model)")

@@ -1,10 +1,11 @@
 """A SentencePiece tokenizer loaded from a `tokenizer.model` file the user names (`--tokenizer-model FILE`).
 
-llama2_70b_lora uses Meta's Llama 2 tokenizer (32,000 pieces, `<unk>`=0, `<s>`=1, `</s>`=2). Unlike the Llama 3
-file, it is not shipped by a pip package we depend on, so the user points at a copy (Hugging Face
+llama2_70b_lora uses Meta's Llama 2 tokenizer (32,000 pieces, `<unk>`=0, `<s>`=1, `</s>`=2), and llama31_405b's
+C4 the Mixtral 8x22B one (32,768 pieces, same special ids). Unlike the Llama 3 file, neither is shipped by a
+pip package we depend on, so the user points at a copy (Hugging Face
 `meta-llama/Llama-2-70b-hf/tokenizer.model`, or the one in the MLCommons model folder). We read BOS/EOS ids from
 the file rather than hard-coding them, record the file's sha256 in every manifest, and name it `llama2` when
-the sha256 is the known Llama 2 file so a prepared dataset says which tokenizer made it.
+the sha256 is a known file (`llama2`, `mixtral`) so a prepared dataset says which tokenizer made it.
 
 `encode` returns plain ids with neither BOS nor EOS: SentencePiece's own dummy-prefix rule (a leading `▁`) is
 what the Hugging Face Llama tokenizer applies too, and callers add BOS/EOS themselves where the recipe says.
@@ -21,6 +22,11 @@ from timetotrain.errors import UserError
 
 # Meta's Llama 2 tokenizer.model (identical in the HF meta-llama/Llama-2-* repos).
 LLAMA2_SHA256 = "9e556afd44213b6bd1be2b850ebbbd98f5481437a8021afaf58ee7fb1818d347"
+# Mistral's "v3" tokenizer.model, 32,768 pieces: the Mixtral 8x22B tokenizer that llama31_405b's C4 is
+# tokenized with (mistralai/Mistral-7B-Instruct-v0.3 `tokenizer.model.v3`, the same 587,404 bytes).
+MIXTRAL_SHA256 = "37f00374dea48658ee8f5d0f21895b9bc55cb0103939607c8185bfd1c6ca1f89"
+# The files we know by content, so a manifest names the tokenizer rather than "some SentencePiece file".
+KNOWN = {LLAMA2_SHA256: "llama2", MIXTRAL_SHA256: "mixtral"}
 LLAMA2_VOCAB = 32_000
 LLAMA2_BOS, LLAMA2_EOS = 1, 2
 
@@ -74,7 +80,7 @@ def load(path: Path | str) -> SentencePieceTokenizer:
             "the GovReport recipe needs both; pass the Llama 2 tokenizer.model"
         )
     return SentencePieceTokenizer(
-        name="llama2" if digest == LLAMA2_SHA256 else "sentencepiece",
+        name=KNOWN.get(digest, "sentencepiece"),
         path=str(path),
         sha256=digest,
         vocab_size=proc.vocab_size(),
