@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from side_by_side import add_common_args, figures, peak_for, timed
 
 from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token
 from timetotrain.models.llama_hf import hf_config_kwargs, to_hf_state_dict
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.optim import build_adamw
-from timetotrain.train.peak import measure_cpu_peak
 from timetotrain.train.step import train_step
 
 CONFIGS = {
@@ -87,20 +86,6 @@ def make_step(model, hf: bool, autocast=None):
     return step
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(step, tokens, n) -> float:
-    _sync(tokens.device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step(tokens)
-    _sync(tokens.device)
-    return time.perf_counter() - t0
-
-
 def bench(name: str, reps: int, steps: int, peak: float, device, autocast=None, compile=True) -> dict:
     import transformers
 
@@ -124,9 +109,9 @@ def bench(name: str, reps: int, steps: int, peak: float, device, autocast=None, 
     tok = batch * seq * steps
     ours_tps, comp_tps, hf_tps = [], [], []
     for _ in range(reps):
-        ours_tps.append(tok / timed(step_ours, tokens, steps))
-        comp_tps.append(tok / timed(step_comp, tokens, steps))
-        hf_tps.append(tok / timed(step_hf, tokens, steps))
+        ours_tps.append(tok / timed(step_ours, tokens, steps, device))
+        comp_tps.append(tok / timed(step_comp, tokens, steps, device))
+        hf_tps.append(tok / timed(step_hf, tokens, steps, device))
     mo, mc, mh = statistics.median(ours_tps), statistics.median(comp_tps), statistics.median(hf_tps)
     flops = flops_per_token(cfg, seq, causal=True)
     return {
@@ -134,35 +119,19 @@ def bench(name: str, reps: int, steps: int, peak: float, device, autocast=None, 
         "params": n_params,
         "batch": batch,
         "seq": seq,
-        "ours_tokens_per_s": mo,
-        "compiled_tokens_per_s": mc,
-        "hf_tokens_per_s": mh,
-        "ratio": mo / mh,
-        "compiled_ratio": mc / mh,
-        "ours_mfu": mo * flops / peak,
-        "compiled_mfu": mc * flops / peak,
-        "hf_mfu": mh * flops / peak,
+        **figures(mo, mc, mh, "hf", flops, peak),
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
+    add_common_args(ap, "8b-2l")
     ap.add_argument("--configs", default="tiny,20m")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (then also try --configs 8b-2l --bf16)")
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast for both, fp32 weights and optimizer")
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant (saves its warm-up)")
     args = ap.parse_args()
     import transformers
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        from timetotrain.train.peak import accelerator_peak
-
-        peak, source = accelerator_peak(torch.cuda.get_device_name(device))
-    else:
-        peak, source = measure_cpu_peak(seconds=1.0), "measured fp32 matmul peak"
+    peak, source = peak_for(device)
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"{device}, peak {peak / 1e12:.3f} TFLOP/s ({source})"

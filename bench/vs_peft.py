@@ -67,11 +67,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+from side_by_side import add_common_args, figures, peak_for, timed
 from torch import nn
 
 from timetotrain.models.llama import FAMILY, LLAMA2_70B, Llama, LlamaConfig
@@ -80,7 +80,6 @@ from timetotrain.suite.llama2_70b_lora import ADAMW, BENCHMARK, REFERENCE
 from timetotrain.tasks.lora_sft import lm_block_loss
 from timetotrain.train.lora import apply_lora, lora_param_count, lora_parameters
 from timetotrain.train.optim import build_optimizer
-from timetotrain.train.peak import measure_cpu_peak
 from timetotrain.train.step import train_step
 
 
@@ -302,21 +301,6 @@ def build(name: str, device, autocast=None, compile=True, fused=True, dropout=No
     }
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(step, batch, n: int) -> float:
-    device = batch["input_ids"].device
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step(batch)
-    _sync(device)
-    return time.perf_counter() - t0
-
-
 def bench(name, reps, steps, peak, device, autocast=None, compile=True, fused=True) -> dict:
     b = build(name, device, autocast, compile, fused)
     batch, comp = b["batch"], b["compiled"] or b["ours"]
@@ -325,10 +309,10 @@ def bench(name, reps, steps, peak, device, autocast=None, compile=True, fused=Tr
     tok = b["blocks"] * b["block"] * steps
     ours_tps, comp_tps, peft_tps = [], [], []
     for _ in range(reps):
-        ours_tps.append(tok / timed(b["ours"], batch, steps))
+        ours_tps.append(tok / timed(b["ours"], batch, steps, device))
         if b["compiled"] is not None:
-            comp_tps.append(tok / timed(comp, batch, steps))
-        peft_tps.append(tok / timed(b["peft"], batch, steps))
+            comp_tps.append(tok / timed(comp, batch, steps, device))
+        peft_tps.append(tok / timed(b["peft"], batch, steps, device))
     mo, mp = statistics.median(ours_tps), statistics.median(peft_tps)
     mc = statistics.median(comp_tps) if comp_tps else float("nan")
     flops = flops_per_token(b["cfg"], b["block"])
@@ -339,25 +323,14 @@ def bench(name, reps, steps, peak, device, autocast=None, compile=True, fused=Tr
         "adapters_peft": b["adapters_peft"],
         "batch": b["blocks"],
         "block": b["block"],
-        "ours_tokens_per_s": mo,
-        "compiled_tokens_per_s": mc,
-        "peft_tokens_per_s": mp,
-        "ratio": mo / mp,
-        "compiled_ratio": mc / mp,
-        "ours_mfu": mo * flops / peak,
-        "compiled_mfu": mc * flops / peak,
-        "peft_mfu": mp * flops / peak,
+        **figures(mo, mc, mp, "peft", flops, peak),
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="steps per timed repetition")
+    add_common_args(ap, "70b-2l")
     ap.add_argument("--configs", default="tiny,20m", help=f"comma-separated, of {', '.join(CONFIGS)}")
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (then also try --configs 70b-2l --bf16)")
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast for both, fp32 weights and optimizer")
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variant (saves its warm-up)")
     ap.add_argument(
         "--peft-qkv",
         choices=("fused", "separate"),
@@ -371,12 +344,7 @@ def main() -> int:
     import transformers
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        from timetotrain.train.peak import accelerator_peak
-
-        peak, source = accelerator_peak(torch.cuda.get_device_name(device)) or (float("nan"), "unknown GPU")
-    else:
-        peak, source = measure_cpu_peak(seconds=1.0), "measured fp32 matmul peak"
+    peak, source = peak_for(device)
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
         f"{torch.get_num_threads()} threads, {device}{', bf16 autocast' if args.bf16 else ', fp32'}, "

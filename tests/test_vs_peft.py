@@ -3,6 +3,7 @@ through `train_step`, PEFT's as the HF Trainer runs it) compute the same loss an
 so its throughput ratio times the same work. No timing is checked."""
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from conftest import REPO, require
 def vs_peft():
     require("transformers")
     require("peft")
+    # As `python bench/vs_peft.py` does, its folder on the path for the helpers it shares with vs_hf.py.
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("vs_peft", REPO / "bench" / "vs_peft.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
