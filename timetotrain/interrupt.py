@@ -58,10 +58,3 @@ def deferred() -> Iterator[None]:
             signum, _state["pending"] = _state["pending"], None
             if _state["depth"]:
                 raise Interrupted(signum)
-
-
-def worker_init() -> None:
-    """For pool workers: Ctrl-C reaches the whole process group, but only the parent should react (it stops
-    the workers); SIGTERM keeps its default so Pool.terminate() still ends them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)

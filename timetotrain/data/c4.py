@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from timetotrain import fileio, interrupt
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
+from timetotrain.data.workers import OrderedWorkers
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -117,7 +117,6 @@ def load_tokenizer(name: str, model_file: Path | None = None):
 
 def _worker_init(name: str, model_file: Path | None) -> None:
     global _worker_tok
-    interrupt.worker_init()
     _worker_tok = load_tokenizer(name, model_file)
 
 
@@ -156,12 +155,11 @@ def prepare(
     t0 = time.monotonic()
     prefix = out / prefix_name(split)
     bin_path, idx_path, counts_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), out / counts_name(split)
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     # The workers exist before our signal handlers do (a forked worker must not inherit them). Every
     # output stays under a temporary name until all are complete (Staged): SIGTERM/SIGINT, an error or a
-    # full disk anywhere before that stops the workers (Pool.__exit__) and removes the temporaries.
+    # full disk anywhere before that kills the workers (OrderedWorkers.__exit__) and removes the temporaries.
     with (
-        ctx.Pool(workers, _worker_init, (tokenizer, tokenizer_model)) as pool,
+        OrderedWorkers(workers, _encode_batch, _worker_init, (tokenizer, tokenizer_model)) as pool,
         interrupt.raise_on_signals(),
         fileio.Staged() as staged,
     ):
@@ -171,9 +169,9 @@ def prepare(
         staged.add(f"{hidden}.idx", idx_path)
         try:
             with IndexedWriter(hidden, dtype) as writer:
-                # imap keeps input order while both cores tokenize.
+                # Results come in input order while both cores tokenize.
                 jobs = ((texts, eod) for texts in _iter_texts(files))
-                for flat, lengths in pool.imap(_encode_batch, jobs, chunksize=1):
+                for flat, lengths in pool.map(jobs):
                     flat = flat.astype(dtype, copy=False)
                     writer.add_documents(flat, lengths)
                     counts += np.bincount(flat, minlength=t.vocab_size)
