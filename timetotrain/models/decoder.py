@@ -55,15 +55,21 @@ class Decoder(nn.Module):
     """Built initialised (`init_weights` with the global RNG); on the meta device nothing is computed.
 
     A family passes `make_ffn(layer)` (the block's FFN or MoE), and optionally `window_of(layer)` (a sliding
-    window width or None) and `qk_norm_eps` (per-head QK-norm in every layer)."""
+    window width or None), `qk_norm_eps` (per-head QK-norm in every layer) and `make_attn(layer)` (its own
+    attention module, called as `attn(x, cos, sin, mask)`, instead of grouped-query `Attention`)."""
 
-    def __init__(self, cfg, make_ffn, window_of=None, qk_norm_eps: float | None = None):
+    def __init__(self, cfg, make_ffn, window_of=None, qk_norm_eps: float | None = None, make_attn=None):
         super().__init__()
+        if make_attn is None:
+
+            def make_attn(layer: int) -> nn.Module:
+                return Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps)
+
         blocks = [
             Block(
                 cfg.dim,
                 cfg.norm_eps,
-                Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm_eps),
+                make_attn(i),
                 make_ffn(i),
                 window=window_of(i) if window_of is not None else None,
             )

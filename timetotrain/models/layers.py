@@ -40,14 +40,69 @@ class RopeScaling:
     original_max_position: int = 8192
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies (fp32, `[head_dim // 2]`), with Llama 3.1 scaling when `scaling` is given.
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (DeepSeek-V3): frequencies rotating fewer than `beta_slow` times over the original
+    context are interpolated by `factor`, those rotating more than `beta_fast` times kept, a linear ramp in
+    between (over dimension indices, the bounds rounded outwards as DeepSeek's `truncate` does).
+
+    Two magnitude corrections, each `0.1 * m * ln(factor) + 1` (`yarn_mscale`): the cos/sin tables are
+    multiplied by `mscale(mscale) / mscale(mscale_all_dim)` (1 for DeepSeek-V3, where both are 1) and the
+    softmax scale by `mscale(mscale_all_dim) ** 2` (`softmax_scale`)."""
+
+    factor: float = 40.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    @property
+    def table_scale(self) -> float:
+        return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """The attention softmax scale for query/key heads of `head_dim`: `head_dim ** -0.5` times the
+        squared all-dimension mscale."""
+        m = yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
+        return head_dim**-0.5 * m * m
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
+    def dim_of(rotations: float) -> float:  # the dimension index that turns `rotations` times
+        return (
+            head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(dim_of(s.beta_fast)), 0)
+    high = min(math.ceil(dim_of(s.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0.0, 1.0)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    # 1 / (factor * theta^(2i/d)) rather than inv_freq / factor: the rounding HF and Megatron get.
+    interpolated = 1.0 / (
+        s.factor * (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    )
+    return interpolated * (1 - keep) + inv_freq * keep
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None = None
+) -> torch.Tensor:
+    """Inverse frequencies (fp32, `[head_dim // 2]`), with Llama 3.1 or YaRN scaling when `scaling` is given.
 
     Computed in fp32 the same way Megatron and HF do, so the rounding of the tables matches theirs.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     wavelen = 2 * math.pi / inv_freq
     # How many wavelengths fit in the original context decides the blend: fewer than low_freq_factor ->
     # fully stretched (weight 0), more than high_freq_factor -> untouched (weight 1), linear in between.
@@ -60,12 +115,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 
 def rope_tables(
-    head_dim: int, theta: float, max_seq_len: int, scaling: RopeScaling | None = None
+    head_dim: int, theta: float, max_seq_len: int, scaling: RopeScaling | YarnScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables on the CPU, fp32, shape `[max_seq_len, head_dim // 2]`."""
+    """cos and sin tables on the CPU, fp32, shape `[max_seq_len, head_dim // 2]` (YaRN: times its
+    `table_scale`)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     positions = torch.arange(max_seq_len, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
+    if isinstance(scaling, YarnScaling) and scaling.table_scale != 1.0:
+        return angles.cos() * scaling.table_scale, angles.sin() * scaling.table_scale
     return angles.cos(), angles.sin()
 
 

@@ -117,6 +117,12 @@ def load_hf_checkpoint(
         raise UserError(f"{path}: {on_meta[0]} is on the meta device; call model.to_empty(device=...) first")
 
     weight_map, listing = _weight_map(path)
+    quantized = next((name for name in weight_map if name.endswith("weight_scale_inv")), None)
+    if quantized is not None:
+        raise UserError(
+            f"{path}: FP8 block-quantized checkpoint ({quantized}); convert it to BF16 first (the benchmark "
+            "starts from a BF16 checkpoint)"
+        )
     # The layout each parameter is read from: the first of its alternatives the checkpoint holds in full.
     mapping = {ours: _layout(listing, ours, src, weight_map) for ours, src in mapping.items()}
     consumers: dict[str, list[str]] = {}  # HF name -> our names built from it
@@ -166,12 +172,22 @@ def load_hf_checkpoint(
 def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
     """Parameters by the name a checkpoint of the model knows them by (see `load_hf_checkpoint`'s `names`)."""
     out = {}
-    for n, p in model.named_parameters():
+    for n, p in [*model.named_parameters(), *_persistent_buffers(model)]:
         name = _clean_name(n)
         if names is not None:
             name = names.get(name, name)
         if name is not None:
             out[name] = p
+    return out
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that belong to the weights (e.g. a router's balancing bias), not derived tables."""
+    out = []
+    for mod_name, mod in model.named_modules():
+        for n, b in mod.named_buffers(recurse=False):
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{n}" if mod_name else n, b))
     return out
 
 

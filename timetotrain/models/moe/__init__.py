@@ -2,6 +2,14 @@
 
 from timetotrain.models.moe.experts import GroupedExperts, grouped_mm_supported, permute, unpermute
 from timetotrain.models.moe.layer import MoE
-from timetotrain.models.moe.router import TopKRouter
+from timetotrain.models.moe.router import GroupLimitedRouter, TopKRouter
 
-__all__ = ["GroupedExperts", "MoE", "TopKRouter", "grouped_mm_supported", "permute", "unpermute"]
+__all__ = [
+    "GroupLimitedRouter",
+    "GroupedExperts",
+    "MoE",
+    "TopKRouter",
+    "grouped_mm_supported",
+    "permute",
+    "unpermute",
+]

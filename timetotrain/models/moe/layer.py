@@ -16,10 +16,22 @@ from timetotrain.models.moe.experts import GroupedExperts, permute, unpermute
 
 
 class MoE(nn.Module):
-    """Dropless top-k MoE layer; `tokens_per_expert` holds the last forward's counts (on device, no sync)."""
+    """Dropless top-k MoE layer; `tokens_per_expert` holds the last forward's counts (on device, no sync).
 
-    def __init__(self, router: nn.Module, n_experts: int, top_k: int, dim: int, ffn_dim: int):
+    `shared`: an optional module every token also goes through (DeepSeek's shared expert), added to the
+    routed output; it is replicated, never sharded over experts."""
+
+    def __init__(
+        self,
+        router: nn.Module,
+        n_experts: int,
+        top_k: int,
+        dim: int,
+        ffn_dim: int,
+        shared: nn.Module | None = None,
+    ):
         super().__init__()
+        self.shared = shared
         self.n_experts = n_experts
         self.top_k = top_k
         self.router = router
@@ -31,7 +43,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs, experts = self.router(x)
+        probs, experts = self.router(x, shape[:-1])
         grouped, grouped_probs, counts, order = permute(x, experts, probs, self.n_experts)
         if self.dispatcher is None:
             with torch.no_grad():
@@ -39,11 +51,18 @@ class MoE(nn.Module):
             y = self.experts(grouped, counts, grouped_probs)
         else:
             y = self.dispatcher(self, grouped, grouped_probs, counts)
-        return unpermute(y, order, self.top_k).view(shape)
+        out = unpermute(y, order, self.top_k)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
         """Router and expert fc1 N(0, std); expert fc2 (writes into the residual stream) N(0, residual_std)."""
         normal(self.router.weight, std)
         normal(self.experts.w1, std)
         normal(self.experts.w2, residual_std)
+        if self.shared is not None:
+            self.shared.init_weights(normal, std, residual_std)
+        if hasattr(self.router, "reset_state"):  # routers with state (a balancing bias) start from zero
+            self.router.reset_state()
         self.tokens_per_expert.zero_()

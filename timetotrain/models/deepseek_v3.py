@@ -1,0 +1,463 @@
+"""DeepSeek-V3 (the MLPerf `deepseekv3_671b` model, docs/benchmarks/deepseekv3_671b.md).
+
+Block: RMSNorm -> Multi-head Latent Attention -> residual, RMSNorm -> FFN -> residual; final RMSNorm and an
+untied head, the shared decoder stack (`decoder.py`). The first `first_dense` layers have a dense SwiGLU FFN,
+the others a mixture of experts (`moe/`): a group-limited sigmoid router with an auxiliary-loss-free
+balancing bias (`moe.GroupLimitedRouter`), `n_experts` routed SwiGLU experts of which `top_k` are used,
+plus `n_shared_experts` shared ones every token goes through (one SwiGLU of `n_shared * expert_ffn_dim`).
+
+Multi-head Latent Attention (DeepSeek-V2/V3): queries through a low-rank bottleneck
+(`q_down` d -> q_lora, RMSNorm, `q_up` -> H x (nope + rope)); keys and values from one compressed latent
+(`kv_down` d -> kv_lora + rope; RMSNorm on the kv_lora part; `kv_up` -> H x (nope + v)). The last `rope`
+dimensions of `kv_down` are ONE rotary key shared by all heads. Query/key heads are `nope + rope` wide,
+value heads `v`. RoPE is YaRN-scaled and the softmax scale is `(nope + rope) ** -0.5` times the squared
+YaRN mscale (`layers.YarnScaling`).
+
+Rotary layout: DeepSeek's checkpoints rotate interleaved pairs `(x0, x1), (x2, x3), ...` of the rope
+dimensions; ours, like every decoder here, rotates the two halves. The HF loader (`deepseek_v3_hf.py`)
+permutes the rope rows of `q_up` and `kv_down` (evens first, then odds) so the same pairs rotate together:
+the rotated vectors then equal HF's exactly (HF's interleaved RoPE also returns evens-then-odds).
+
+Multi-token prediction (MTP, DeepSeek-V3 §2.2), `mtp_layers` sequential modules; module k (1-based) at
+position i combines the previous depth's hidden state `h` (the trunk's output before its final norm for k=1)
+with the embedding of token i+k and predicts token i+k+1:
+
+    h_k   = Block_k( eh_proj( cat[ enorm(embed(t_{i+k})), hnorm(h_{k-1}) ] ) )
+    loss_k = CE( head( norm_k(h_k) ), t_{i+k+1} )        (positions without a target are ignored)
+
+with the embedding and the output head shared with the main model (the embedding first in the
+concatenation, as Megatron and the HF checkpoint's `eh_proj` have it). In training the loss is
+`LM + mtp_weight / mtp_layers * sum_k loss_k + sum over MoE layers of their sequence aux losses`; in eval
+mode (the benchmark's metric) it is the LM loss alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timetotrain.models.decoder import Block, Decoder
+from timetotrain.models.family import ModelFamily
+from timetotrain.models.head_loss import logits_or_loss
+from timetotrain.models.layers import RMSNORM_SAVED, FeedForward, RMSNorm, YarnScaling, apply_rope
+from timetotrain.models.moe import GroupLimitedRouter, MoE
+
+
+@dataclass
+class DeepSeekV3Config:
+    dim: int
+    n_layers: int
+    n_heads: int
+    q_lora_rank: int | None  # None: a plain `dim -> H x (nope + rope)` query projection
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    ffn_dim: int  # the dense layers' SwiGLU
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    n_groups: int
+    topk_groups: int
+    first_dense: int
+    vocab_size: int
+    max_seq_len: int
+    n_shared_experts: int = 1
+    routed_scaling: float = 2.5
+    bias_rate: float = 1e-3
+    aux_loss_coeff: float = 0.01
+    mtp_layers: int = 1
+    mtp_loss_weight: float = 0.1
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: YarnScaling | None = None
+    init_std: float = 0.006
+
+    def __post_init__(self) -> None:
+        if self.qk_rope_dim % 2:
+            raise ValueError(f"RoPE needs an even qk_rope_dim, got {self.qk_rope_dim}")
+        if not 0 <= self.first_dense <= self.n_layers:
+            raise ValueError(f"first_dense {self.first_dense} must be in [0, n_layers={self.n_layers}]")
+        if self.n_experts % self.n_groups:
+            raise ValueError(f"n_experts {self.n_experts} is not a multiple of n_groups {self.n_groups}")
+        if not 1 <= self.top_k <= self.topk_groups * (self.n_experts // self.n_groups):
+            raise ValueError(f"top_k {self.top_k} does not fit in {self.topk_groups} expert groups")
+
+    @property
+    def head_dim(self) -> int:
+        # What the shared decoder sizes its RoPE tables by: only the rope part of a head rotates.
+        return self.qk_rope_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    def softmax_scale(self) -> float:
+        if self.rope_scaling is None:
+            return self.qk_head_dim**-0.5
+        return self.rope_scaling.softmax_scale(self.qk_head_dim)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether 0-indexed `layer` has experts; MTP blocks count as layers `n_layers`, `n_layers + 1`, ..."""
+        return layer >= self.first_dense
+
+
+# HF `deepseek-ai/DeepSeek-V3` config.json, as Megatron-Bridge maps it (spec §8.1); the vocabulary is the
+# Llama 3.1 tokenizer's padded to 129,280 rows.
+DEEPSEEK_V3 = DeepSeekV3Config(
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_head_dim=128,
+    ffn_dim=18432,
+    n_experts=256,
+    top_k=8,
+    expert_ffn_dim=2048,
+    n_groups=8,
+    topk_groups=4,
+    first_dense=3,
+    vocab_size=129_280,
+    max_seq_len=4096,
+    n_shared_experts=1,
+    routed_scaling=2.5,
+    bias_rate=1e-3,
+    aux_loss_coeff=0.01,
+    mtp_layers=1,
+    mtp_loss_weight=0.1,
+    norm_eps=1e-6,
+    rope_theta=10_000.0,
+    rope_scaling=YarnScaling(
+        factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+    ),
+    init_std=0.006,
+)
+
+
+class LatentAttention(nn.Module):
+    """Causal Multi-head Latent Attention (module docstring), no biases."""
+
+    def __init__(self, cfg: DeepSeekV3Config):
+        super().__init__()
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            cfg.n_heads,
+            cfg.qk_nope_dim,
+            cfg.qk_rope_dim,
+            cfg.v_head_dim,
+        )
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale()
+        q_out = cfg.n_heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_down, self.q_norm = None, None
+            self.q_up = nn.Linear(cfg.dim, q_out, bias=False)
+        else:
+            self.q_down = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_up = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        self.kv_down = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_up = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
+        self.proj = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.n_heads
+        q_in = x if self.q_down is None else self.q_norm(self.q_down(x))
+        q_nope, q_rope = (
+            self.q_up(q_in).view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], -1)
+        )
+        latent, k_rope = self.kv_down(x).split([self.kv_lora, self.rope], dim=-1)
+        k_nope, v = (
+            self.kv_up(self.kv_norm(latent))
+            .view(B, T, H, self.nope + self.v_dim)
+            .split([self.nope, self.v_dim], dim=-1)
+        )
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_rope = apply_rope(q_rope, cos, sin)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)  # one rotary key for all heads
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
+        k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope)), dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return self.proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
+
+    def init_weights(self, normal, std: float, residual_std: float) -> None:
+        for lin in (self.q_down, self.q_up, self.kv_down, self.kv_up):
+            if lin is not None:
+                normal(lin.weight, std)
+        normal(self.proj.weight, residual_std)
+        for norm in (self.q_norm, self.kv_norm):
+            if norm is not None:
+                nn.init.ones_(norm.weight)
+
+
+def make_ffn(cfg: DeepSeekV3Config, layer: int) -> nn.Module:
+    if not cfg.is_moe(layer):
+        return FeedForward(cfg.dim, cfg.ffn_dim)
+    router = GroupLimitedRouter(
+        cfg.dim, cfg.n_experts, cfg.top_k, cfg.n_groups, cfg.topk_groups, cfg.routed_scaling,
+        bias_rate=cfg.bias_rate, aux_coeff=cfg.aux_loss_coeff,
+    )  # fmt: skip
+    shared = FeedForward(cfg.dim, cfg.n_shared_experts * cfg.expert_ffn_dim) if cfg.n_shared_experts else None
+    return MoE(router, cfg.n_experts, cfg.top_k, cfg.dim, cfg.expert_ffn_dim, shared=shared)
+
+
+class MultiTokenPrediction(nn.Module):
+    """One MTP depth (module docstring); the embedding and output head are the main model's."""
+
+    def __init__(self, cfg: DeepSeekV3Config, layer: int):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg.dim, cfg.norm_eps, LatentAttention(cfg), make_ffn(cfg, layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h: torch.Tensor, next_embed: torch.Tensor, cos, sin) -> torch.Tensor:
+        """The depth's hidden state before `norm` (the next depth's `h`)."""
+        x = self.eh_proj(torch.cat((self.enorm(next_embed), self.hnorm(h)), dim=-1))
+        return self.block(x, cos, sin)
+
+    def init_weights(self, normal, std: float, residual_std: float) -> None:
+        normal(self.eh_proj.weight, std)
+        self.block.init_weights(normal, std, residual_std)
+        for norm in (self.enorm, self.hnorm, self.norm):
+            nn.init.ones_(norm.weight)
+
+
+def _shift(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """`t` `[B, T]` moved k positions left, the last k positions `fill`."""
+    return torch.cat((t[:, k:], t.new_full((t.shape[0], k), fill)), dim=1)
+
+
+class DeepSeekV3(Decoder):
+    def __init__(self, cfg: DeepSeekV3Config):
+        super().__init__(
+            cfg, lambda layer: make_ffn(cfg, layer), make_attn=lambda layer: LatentAttention(cfg)
+        )
+        self.mtp = nn.ModuleList([MultiTokenPrediction(cfg, cfg.n_layers + k) for k in range(cfg.mtp_layers)])
+        self.init_weights()  # again, now with the MTP modules (Decoder.__init__ ran before they existed)
+
+    def routers(self) -> list[GroupLimitedRouter]:
+        """Every MoE layer's router, main layers first, then the MTP blocks'."""
+        blocks = list(self.layers) + [m.block for m in self.mtp]
+        return [b.ffn.router for b in blocks if isinstance(b.ffn, MoE)]
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in list(self.layers) + [m.block for m in self.mtp] if isinstance(b.ffn, MoE)]
+
+    def trunk(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden states before the final norm `[B, T, dim]`, cos, sin) of the main layers."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return x, cos, sin
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.trunk(tokens)[0])
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """As `Decoder.forward`; in training mode with `labels` the loss also carries the MTP and aux terms."""
+        h, cos, sin = self.trunk(tokens)
+        out = logits_or_loss(self.norm(h), self.head, labels, reduction)
+        if labels is None or not self.training:
+            return out
+        extra = self.mtp_loss(tokens, labels, h, cos, sin, reduction)
+        aux = [r.aux_loss for r in self.routers() if r.aux_loss is not None]
+        if aux:
+            total = torch.stack(aux).sum()
+            # The aux loss is a per-token mean already; a summed loss scales it by the labelled tokens.
+            extra = extra + (total if reduction == "mean" else total * (labels != -100).sum())
+        return out + extra
+
+    def mtp_loss(self, tokens, labels, h, cos, sin, reduction: str = "mean") -> torch.Tensor:
+        """`mtp_loss_weight / D * sum_k loss_k` over the D MTP depths (module docstring); 0 without MTP."""
+        if not len(self.mtp):
+            return h.new_zeros(())
+        losses = []
+        for k, module in enumerate(self.mtp, start=1):
+            # Causal attention: the wrapped-around last k positions only see themselves and have no target.
+            h = module(h, self.embed(_shift(tokens, k, 0)), cos, sin)
+            losses.append(logits_or_loss(module.norm(h), self.head, _shift(labels, k, -100), reduction))
+        return self.cfg.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
+
+    def update_router_bias(self, reduce=None) -> None:
+        """The auxiliary-loss-free balancing step, once per optimizer step: each router's bias moves towards
+        balance by its selections since the last call. `reduce(tensor)`, in place, sums them over the
+        data-parallel ranks (the harness passes an all-reduce); the model itself knows no process groups."""
+        routers = self.routers()
+        if not routers:
+            return
+        loads = torch.stack([r.load for r in routers])
+        if reduce is not None:
+            reduce(loads)
+        for router, load in zip(routers, loads, strict=True):
+            router.update_bias(load)
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """`[MoE layers, n_experts]` token copies routed to each expert in the last forward (on device)."""
+        return torch.stack([m.tokens_per_expert for m in self.moe_layers()])
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        super().init_weights(generator)
+        if "mtp" not in self._modules:  # called from Decoder.__init__, before the MTP modules exist
+            return
+        std = self.cfg.init_std
+        residual_std = std / (2 * self.cfg.n_layers) ** 0.5
+
+        def normal(t: torch.Tensor, s: float) -> None:
+            nn.init.normal_(t, mean=0.0, std=s, generator=generator)
+
+        for module in self.mtp:
+            module.init_weights(normal, std, residual_std)
+
+
+def init_weights(model: DeepSeekV3, generator: torch.Generator | None = None) -> None:
+    """Megatron initialisation with `init_method_std` (σ, σ/√(2L) on the residual-output projections);
+    routing biases 0."""
+    model.init_weights(generator)
+
+
+# ---- sizes and FLOPs ----
+
+
+def _attention_params(cfg: DeepSeekV3Config) -> int:
+    q = (
+        cfg.dim * cfg.n_heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None
+        else cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim
+    )
+    kv = cfg.dim * (cfg.kv_lora_rank + cfg.qk_rope_dim) + cfg.kv_lora_rank * cfg.n_heads * (
+        cfg.qk_nope_dim + cfg.v_head_dim
+    )
+    return q + kv + cfg.n_heads * cfg.v_head_dim * cfg.dim
+
+
+def _ffn_params(cfg: DeepSeekV3Config, layer: int, experts: int) -> int:
+    """Matmul weights of layer `layer`'s FFN counting `experts` routed experts (all, or top_k)."""
+    if not cfg.is_moe(layer):
+        return 3 * cfg.dim * cfg.ffn_dim
+    routed_and_shared = (experts + cfg.n_shared_experts) * 3 * cfg.dim * cfg.expert_ffn_dim
+    return cfg.dim * cfg.n_experts + routed_and_shared
+
+
+def _layer_norms(cfg: DeepSeekV3Config) -> int:
+    return 2 * cfg.dim + (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
+
+
+def _all_layers(cfg: DeepSeekV3Config) -> range:
+    return range(cfg.n_layers + cfg.mtp_layers)
+
+
+def _count(cfg: DeepSeekV3Config, active: bool) -> int:
+    def experts(layer: int) -> int:
+        return cfg.top_k if active else cfg.n_experts
+
+    layers = sum(
+        _attention_params(cfg) + _ffn_params(cfg, i, experts(i)) + _layer_norms(cfg) for i in _all_layers(cfg)
+    )
+    mtp_extra = cfg.mtp_layers * (2 * cfg.dim * cfg.dim + 3 * cfg.dim)  # eh_proj, enorm, hnorm, norm
+    return layers + mtp_extra + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+def param_count(cfg: DeepSeekV3Config) -> int:
+    """All trainable parameters: embedding, head, final norm, every layer and MTP module with all experts."""
+    return _count(cfg, active=False)
+
+
+def active_param_count(cfg: DeepSeekV3Config) -> int:
+    """Parameters one token touches: as `param_count` with `top_k` routed experts per MoE layer."""
+    return _count(cfg, active=True)
+
+
+def flops_per_token(cfg: DeepSeekV3Config, seq_len: int, causal: bool = True) -> float:
+    """Training (forward + backward) FLOPs per token over the ACTIVE weights, MTP included (it runs in every
+    training step).
+
+    6 x the matmul weights one token uses: per layer (the trunk's and each MTP block) MLA's five projections,
+    the router, `top_k` routed and the shared experts (or the dense FFN); per MTP depth `eh_proj`; the LM
+    head once for the trunk and once per MTP depth. Attention: QK^T over query/key heads of nope + rope and
+    PV over value heads of v: `6 H (qk + v)` FLOPs per (query, key) pair, `T / 2` keys per query with
+    `causal` (the llama convention), for every layer incl. the MTP blocks. Router sigmoid/top-k,
+    permutation, norms and RoPE are left out."""
+    matmul = sum(_attention_params(cfg) + _ffn_params(cfg, i, cfg.top_k) for i in _all_layers(cfg))
+    matmul += cfg.mtp_layers * 2 * cfg.dim * cfg.dim + (1 + cfg.mtp_layers) * cfg.dim * cfg.vocab_size
+    keys = seq_len / 2 if causal else seq_len
+    attention = len(_all_layers(cfg)) * 6 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * keys
+    return 6 * matmul + attention
+
+
+def activation_elements(cfg: DeepSeekV3Config) -> float:
+    """Elements autograd keeps per token for one MoE block (train/memory.py): two RMSNorms (3h each) and the
+    latent norms; MLA's q latent, kv latent, per-head q (H qk), k (H qk), v (H v), SDPA's output (H v) and the
+    output projection's input (H v); the router's fp32 scores (2E) and top-k (2k); per routed copy the
+    permuted input (h), fc1's output (2f), the weighted activation (f) and the expert output (h); the combine's
+    input (k h); the shared expert's fc1 output and fc2 input (3 f_s)."""
+    h, f, k, H = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.n_heads
+    latents = RMSNORM_SAVED * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_dim)
+    attention = latents + H * (2 * cfg.qk_head_dim + 3 * cfg.v_head_dim)
+    shared = 3 * cfg.n_shared_experts * f
+    moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + shared
+    return 2 * RMSNORM_SAVED * h + attention + moe
+
+
+def telemetry(model: DeepSeekV3) -> tuple[dict, str]:
+    """Tokens routed to each expert in the last training forward per MoE layer, the load spread, and each
+    router's balancing bias."""
+    per_layer = model.tokens_per_expert().tolist()
+    totals = [sum(col) for col in zip(*per_layer, strict=True)]
+    mean = statistics.fmean(totals)
+    cv = statistics.pstdev(totals) / mean if mean else 0.0
+    bias = torch.stack([r.bias for r in model.routers()]).tolist()
+    spread = max(max(b) - min(b) for b in bias)
+    figures = {
+        "ttt_tokens_per_expert": per_layer,
+        "ttt_expert_load": {"min": min(totals), "max": max(totals), "cv": cv},
+        "ttt_router_bias": bias,
+    }
+    return figures, f"  experts min {min(totals)} max {max(totals)} CV {cv:.2f} bias spread {spread:.4f}"
+
+
+def _hf_mapping(cfg):
+    from timetotrain.models.deepseek_v3_hf import hf_mapping
+
+    return hf_mapping(cfg)
+
+
+def _hf_export(state_dict, cfg):
+    from timetotrain.models.deepseek_v3_hf import hf_export
+
+    return hf_export(state_dict, cfg)
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v3",
+    build=DeepSeekV3,
+    init=init_weights,
+    param_count=param_count,
+    active_param_count=active_param_count,
+    flops_per_token=flops_per_token,
+    block_params=lambda cfg: (
+        _attention_params(cfg) + _ffn_params(cfg, cfg.n_layers - 1, cfg.n_experts) + _layer_norms(cfg)
+    ),
+    activation_elements=activation_elements,
+    telemetry=telemetry,
+    hf_mapping=_hf_mapping,
+    hf_export=_hf_export,
+)
