@@ -68,6 +68,11 @@ class Training:
         loss = train_step(
             self.model, self.opt, batch, accum, loss_fn, self.clip, self.params, self.autocast, self.ep_group
         )
+        # Auxiliary-loss-free MoE balancing (DeepSeek-V3): a router bias update outside autograd, once per
+        # optimizer step, from the expert loads summed over the whole global batch.
+        balance = getattr(self.bare, "update_router_bias", None)
+        if balance is not None:
+            balance(dist.all_reduce if self.world > 1 else None)
         if self._votes is None:  # made once: a fresh device scalar every step would be a host-to-device copy
             self._votes = torch.tensor([0.0, 1.0], device=loss.device)
         out = torch.stack([loss / self.world, self._votes[int(stop_vote)]])

@@ -1,0 +1,153 @@
+"""deepseekv3_671b: continued pretraining of DeepSeek-V3 from its checkpoint on C4 (MLPerf Training 6.0,
+docs/benchmarks/deepseekv3_671b.md).
+
+The model is models/deepseek_v3.py (MLA, YaRN, group-limited sigmoid routing with an auxiliary-loss-free
+bias, a shared expert, dense-first layers, one MTP module). The reference starts from MLCommons' BF16
+HF-format checkpoint: `ttt run --init-checkpoint DIR` (models/deepseek_v3_hf.py maps its names, MTP layer
+included; FP8 originals are refused). The training loss is LM + 0.1 x MTP + 0.01 x sequence aux loss; the
+metric is the LM loss alone, evaluated after every step on 1,024 windows.
+
+The tiny tier continues pretraining a small model of the same family from a base that
+`ttt base deepseekv3_671b --tier tiny --data DIR` pretrains off the clock on the shared C4 sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from timetotrain.models.deepseek_v3 import DEEPSEEK_V3, FAMILY, DeepSeekV3Config
+from timetotrain.models.layers import YarnScaling
+from timetotrain.suite.base import BaseRecipe, Benchmark, RcpHparams, Tier
+from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
+from timetotrain.tasks.causal_lm import CausalLM, LMData
+
+
+class MoECausalLM(CausalLM):
+    """Causal LM pretraining whose log also carries the MoE aux-loss coefficient (closed rule)."""
+
+    def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
+        return super().hyperparameters(bench, tier, accum) + [
+            ("moe_aux_loss_coeff", tier.model.aux_loss_coeff)
+        ]
+
+
+def base_lr(gbs: int) -> float:
+    """2.4e-5 * sqrt(GBS / 16384), rounded to 9 decimals as the reference configs write it."""
+    return round(2.4e-5 * (gbs / 16384) ** 0.5, 9)
+
+
+END_LR = 1e-8  # the recipe's min_lr; the rules do not constrain it
+
+# The three RCP batch sizes (64 GB300 nodes, accumulation 240/256/288 at micro-batch 1), warmup 4.
+RCP_HPARAMS = {gbs: RcpHparams(base_lr(gbs), 4, END_LR) for gbs in (15_360, 16_384, 18_432)}
+
+# Closed: AdamW 0.9/0.95, eps 1e-8 (the recipe's 1e-5 overridden), wd 0.1, clip 1.0, Megatron mask.
+ADAMW = dataclasses.replace(CLOSED_ADAMW, eps=1e-8)
+
+# Evaluation after every step: one eval point every 15,360 samples is every step at any closed GBS (the
+# floor), which the harness rounds up to whole steps.
+EVERY_STEP_AT_CLOSED_GBS = 15_360
+
+REFERENCE = Tier(
+    name="reference",
+    model=DEEPSEEK_V3,
+    data=LMData(4096, TRAIN_PREFIXES, VAL_PREFIXES),
+    global_batch_size=16_384,
+    micro_batch_size=1,
+    lr=base_lr(16_384),
+    end_lr=END_LR,
+    warmup_steps=4,
+    max_steps=12_000,  # Megatron lr_decay_iters 12,000 - 4 (the harness's decay argument, as the rules want)
+    eval_every_samples=EVERY_STEP_AT_CLOSED_GBS,
+    eval_samples=1024,
+    target=3.6,
+    runs=3,
+    division="closed",
+    description="MLPerf Training 6.0 closed configuration (continued pretraining: --init-checkpoint)",
+)
+
+# Tiny: the DeepSeek-V3 family at width 128 (MLA with a query bottleneck, YaRN x4 over a 64-token original
+# context, 16 experts top-4 in 4 groups of which 2 are kept, one shared expert, 1 dense + 1 MoE layer,
+# one MTP module, routing bias rate 1e-3, seq aux 0.01), 256-token windows, the narrowed 4,096-id vocabulary
+# of the C4 tiny tiers.
+TINY_MODEL = DeepSeekV3Config(
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_dim=32,
+    qk_rope_dim=16,
+    v_head_dim=32,
+    ffn_dim=384,
+    n_experts=16,
+    top_k=4,
+    expert_ffn_dim=64,
+    n_groups=4,
+    topk_groups=2,
+    first_dense=1,
+    vocab_size=4096,
+    max_seq_len=256,
+    n_shared_experts=1,
+    mtp_layers=1,
+    rope_scaling=YarnScaling(factor=4.0, original_max_position=64),
+    init_std=0.02,
+)
+
+_TINY_DATA = LMData(256, TRAIN_PREFIXES, VAL_PREFIXES, vocab_keep=4095)
+
+# The base, pretrained off the clock by `ttt base` with the same loss (LM + MTP + aux) and bias updates.
+_BASE_PRETRAINING = Benchmark(
+    name="deepseekv3_671b_base",
+    area="base pretraining for deepseekv3_671b tiny (off the clock)",
+    task=MoECausalLM(),
+    family=FAMILY,
+    tiers={
+        "tiny": Tier(
+            name="tiny", model=TINY_MODEL, data=_TINY_DATA, global_batch_size=16, micro_batch_size=16,
+            lr=3e-3, end_lr=3e-4, warmup_steps=20, max_steps=300, eval_every_samples=4800, eval_samples=16,
+            target=0.0, runs=1, division="open", description="the base of deepseekv3_671b tiny",
+        )
+    },
+    optimizer=ADAMW,
+    schedule="megatron",
+    listed=False,
+)  # fmt: skip
+
+TINY_BASE = BaseRecipe(
+    benchmark=_BASE_PRETRAINING,
+    tier="tiny",
+    seed=0,
+    data_hint="C4 tokenized with Llama 3.1: `ttt data prepare c4`, both splits",
+)
+
+TINY = Tier(
+    name="tiny",
+    model=TINY_MODEL,
+    data=_TINY_DATA,
+    global_batch_size=16,
+    micro_batch_size=16,
+    lr=1e-3,
+    end_lr=1e-4,
+    warmup_steps=4,
+    max_steps=300,
+    eval_every_samples=16,  # every step, as the reference
+    eval_samples=64,
+    target=5.2,
+    runs=10,
+    division="open",
+    description="2 CPU cores, minutes; continued pretraining from a base made by `ttt base`",
+    base=TINY_BASE,
+)
+
+BENCHMARK = Benchmark(
+    name="deepseekv3_671b",
+    area="LLM MoE pretraining",
+    task=MoECausalLM(),
+    family=FAMILY,
+    tiers={"reference": REFERENCE, "tiny": TINY},
+    optimizer=ADAMW,
+    schedule="megatron",
+    closed_rules=("training_6.0.0/closed_common.yaml", "training_6.0.0/closed_deepseekv3_671b.yaml"),
+    rcp_hparams=RCP_HPARAMS,
+)
