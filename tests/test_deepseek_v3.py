@@ -220,3 +220,43 @@ def test_reference_parameter_counts():
     assert 670e9 < total - mtp < 672e9, total - mtp
     assert 11e9 < mtp < 15e9, mtp
     assert 36e9 < active - (mtp - 256 * 3 * 7168 * 2048 + 8 * 3 * 7168 * 2048) < 38.5e9
+
+
+def test_flops_count_active_weights_and_mla_attention():
+    """Matmul FLOPs from the built module: every 2-D/3-D weight a token multiplies with (routed experts at
+    top_k / n_experts of their size, the head twice: trunk and MTP), and MLA attention at 6 H (qk + v)
+    FLOPs per causal (query, key) pair in every layer, MTP block included."""
+    cfg = small_cfg()
+    model = ds.DeepSeekV3(cfg)
+    matmul = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight":
+            continue  # norms, and the embedding gather
+        share = cfg.top_k / cfg.n_experts if ".experts." in name else 1.0
+        matmul += p.numel() * share
+    matmul += model.head.weight.numel() * cfg.mtp_layers  # the shared head runs again for each MTP depth
+    T = 48
+    pairs = (cfg.n_layers + cfg.mtp_layers) * T / 2
+    want = 6 * matmul + pairs * 6 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    assert ds.flops_per_token(cfg, T, causal=True) == pytest.approx(want, rel=1e-12)
+    active = sum(
+        p.numel() * (cfg.top_k / cfg.n_experts if ".experts." in n else 1.0)
+        for n, p in model.named_parameters()
+    )
+    assert ds.active_param_count(cfg) == pytest.approx(active, rel=1e-12)
+    assert ds.param_count(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_telemetry_reports_loads_and_biases():
+    cfg = small_cfg()
+    model = ds.DeepSeekV3(cfg).train()
+    window = torch.randint(0, cfg.vocab_size, (2, 17))
+    model(window[:, :-1], labels=window[:, 1:])
+    model.update_router_bias()
+    figures, text = ds.telemetry(model)
+    n_moe = cfg.n_layers - cfg.first_dense + cfg.mtp_layers
+    assert len(figures["ttt_tokens_per_expert"]) == n_moe
+    assert [sum(r) for r in figures["ttt_tokens_per_expert"]] == [2 * 16 * cfg.top_k] * n_moe
+    bias = torch.tensor(figures["ttt_router_bias"])
+    assert bias.shape == (n_moe, cfg.n_experts) and bias.abs().max() == pytest.approx(1e-3)
+    assert "bias spread" in text

@@ -88,3 +88,13 @@ def test_tiny_tier_shape():
         1,
     )
     assert m.q_lora_rank and tier.eval_every_steps == 1 and tier.base is not None
+
+
+def test_synth_counts_active_and_mla_flops(tmp_path):
+    from timetotrain.models import deepseek_v3 as ds
+    from timetotrain.train.synth import SynthOptions, synth
+
+    s = synth(SynthOptions("deepseekv3_671b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=2))
+    tier = BENCH.tier("tiny")
+    assert s["model_flops_per_item"] == pytest.approx(ds.flops_per_token(tier.model, 256, causal=True))
+    assert s["tokens_per_s"] > 0 and s["mfu"] > 0

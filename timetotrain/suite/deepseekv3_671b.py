@@ -105,7 +105,7 @@ _BASE_PRETRAINING = Benchmark(
     tiers={
         "tiny": Tier(
             name="tiny", model=TINY_MODEL, data=_TINY_DATA, global_batch_size=16, micro_batch_size=16,
-            lr=3e-3, end_lr=3e-4, warmup_steps=20, max_steps=200, eval_every_samples=3200, eval_samples=16,
+            lr=3e-3, end_lr=3e-4, warmup_steps=10, max_steps=100, eval_every_samples=1600, eval_samples=16,
             target=0.0, runs=1, division="open", description="the base of deepseekv3_671b tiny",
         )
     },
