@@ -98,3 +98,11 @@ def test_synth_counts_active_and_mla_flops(tmp_path):
     tier = BENCH.tier("tiny")
     assert s["model_flops_per_item"] == pytest.approx(ds.flops_per_token(tier.model, 256, causal=True))
     assert s["tokens_per_s"] > 0 and s["mfu"] > 0
+
+
+def test_tiny_block_passes_our_rule_file():
+    from timetotrain.mlperf.compliance import rule_file
+
+    tier = BENCH.tier("tiny")
+    assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], logged(tier)) == []
+    check_rules(BENCH, tier)
