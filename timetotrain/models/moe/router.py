@@ -73,6 +73,8 @@ class GroupLimitedRouter(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
         self.aux_loss = None
         if self.training:
+            # Under activation checkpointing the recomputed forward counts again: every load doubles, which
+            # leaves sign(mean - load), all the update uses, unchanged.
             with torch.no_grad():
                 self.load.scatter_add_(0, experts.reshape(-1), self.load.new_ones(experts.numel()))
             if self.aux_coeff > 0 and torch.is_grad_enabled():
@@ -112,7 +114,7 @@ def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_shape, to
     Per sequence of T tokens: `sum_i f_i * P_i` with `f_i = E / (k T) * (tokens choosing expert i)` and `P_i`
     the mean over the T tokens of the scores normalised over all E experts, `s_i / sum_j s_j`. The
     selection counts carry no gradient; `P` carries the router's. Equals 1 for perfectly uniform routing."""
-    b, t = seq_shape
+    b, t = (1, seq_shape[0]) if len(seq_shape) == 1 else seq_shape  # flat tokens: one sequence
     e = scores.shape[-1]
     probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     p = probs.view(b, t, e).mean(dim=1)  # [B, E]
