@@ -106,3 +106,47 @@ def test_tiny_block_passes_our_rule_file():
     tier = BENCH.tier("tiny")
     assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], logged(tier)) == []
     check_rules(BENCH, tier)
+
+
+@pytest.mark.slow
+def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
+    """The tiny tier's plumbing end to end: a base cut to 3 short steps (`make_base`: HF export with the MTP
+    layer and routing biases), then `ttt run` from it for 2 steps, evaluating after each; the log names the
+    base's sha256 and its hyperparameters pass the tier's rule file."""
+    import dataclasses
+    import subprocess
+
+    from conftest import mllog, ttt_command
+
+    from timetotrain.mlperf.compliance import rule_file
+    from timetotrain.train import base_model
+
+    recipe = BENCH.tier("tiny").base
+    pre = recipe.pretraining
+    pre = dataclasses.replace(
+        pre, max_steps=3, warmup_steps=1, eval_samples=2, data=dataclasses.replace(pre.data, seq_len=64)
+    )
+    recipe = dataclasses.replace(recipe, benchmark=dataclasses.replace(recipe.benchmark, tiers={"tiny": pre}))
+    base, doc, _ = base_model.make_base(recipe, c4_prepared, tmp_path / "cache", echo=False)
+    args = [
+        "run",
+        "deepseekv3_671b",
+        "--tier",
+        "tiny",
+        "--data",
+        str(c4_prepared),
+        "--init-checkpoint",
+        str(base),
+    ]
+    args += ["--logdir", str(tmp_path / "logs"), "--max-steps", "2", "--quiet", "--seed", "1"]
+    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1) and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
+    recs = mllog(next((tmp_path / "logs" / "deepseekv3_671b" / "tiny").glob("result_*.txt")))
+    first = {}
+    for r in recs:
+        first.setdefault(r["key"], r["value"])
+    assert first["ttt_init_checkpoint_sha256"] == doc["weights_sha256"]
+    evals = [r for r in recs if r["key"] == "eval_accuracy"]
+    assert [r["metadata"]["samples_count"] for r in evals] == [16, 32]  # after every step
+    hp = [(k, first[k]) for k, _ in logged(BENCH.tier("tiny"))]  # as the run logged them
+    assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], hp) == []
