@@ -124,6 +124,16 @@ def test_aux_loss_is_added_in_training_and_matches_formula():
     assert len(aux) == cfg.n_layers - cfg.first_dense and all(a is not None for a in aux)
     lm = model.eval()(tokens, labels=labels)
     torch.testing.assert_close(total, lm + sum(aux))
+    # the counts are the plain top-k of the unbiased scores (Megatron), whatever the bias selects
+    router = model.routers()[0]
+    x = torch.randn(2 * 16, cfg.dim)
+    with torch.no_grad():
+        router.bias.copy_(torch.linspace(-5, 5, cfg.n_experts))  # a bias that changes the selection
+        scores = (x @ router.weight.T).sigmoid()
+    _, chosen = router.train()(x, (2, 16))  # with grad: the aux loss exists only then
+    assert not torch.equal(chosen.sort(-1).values, scores.topk(cfg.top_k, -1).indices.sort(-1).values)
+    want = 0.01 * sequence_aux_loss(scores, scores.topk(cfg.top_k, -1).indices, (2, 16), cfg.top_k)
+    torch.testing.assert_close(router.aux_loss, want)
     # sequence_aux_loss by the paper's formula, one sequence at a time, with explicit loops
     scores = torch.rand(2 * 5, 8, generator=torch.Generator().manual_seed(5))
     experts = torch.stack(

@@ -40,8 +40,8 @@ class GroupLimitedRouter(nn.Module):
       the harness calls `update_bias(load)` with the load summed over the global batch, and each expert's bias
       moves by `bias_rate` towards balance (down if above the mean load, up if below; DeepSeek-V3 §2.1.2);
     - in training, `load` accumulates the selections until `update_bias`, and `aux_loss` holds the
-      sequence-level balance loss of the last forward (`sequence_aux_loss`, times `aux_coeff`), which the
-      model adds to its training loss.
+      sequence-level balance loss of the last forward (`sequence_aux_loss` over the plain top-k of the
+      unbiased scores, as Megatron counts it; times `aux_coeff`), which the model adds to its training loss.
     """
 
     def __init__(
@@ -80,7 +80,11 @@ class GroupLimitedRouter(nn.Module):
             if self.aux_coeff > 0 and torch.is_grad_enabled():
                 if seq_shape is None:
                     raise ValueError("the sequence-level aux loss needs the [B, T] shape of the tokens")
-                self.aux_loss = self.aux_coeff * sequence_aux_loss(scores, experts, seq_shape, self.top_k)
+                # Megatron counts f_i from the plain top-k of the unbiased scores (no bias, no group limit;
+                # `compute_routing_scores_for_aux_loss`), not from the routing decision itself.
+                with torch.no_grad():
+                    plain = scores.topk(self.top_k, dim=-1).indices
+                self.aux_loss = self.aux_coeff * sequence_aux_loss(scores, plain, seq_shape, self.top_k)
         return weights, experts
 
     @torch.no_grad()
