@@ -80,9 +80,9 @@ def test_yarn_softmax_scale_and_tables():
 
 
 def test_mtp_loss_matches_its_formula():
-    """MTP depth 1 at position i: h1 = Block(eh_proj(cat[enorm(embed(t[i+1])), hnorm(h0[i])])) with h0 the
-    trunk's output before its final norm; loss = mean over i < T-1 of CE(head(norm1(h1[i])), t[i+2]) (the
-    label of position i+1); training loss = LM + 0.1 * that + the routers' aux losses."""
+    """MTP depth 1 at position i: h1 = norm1(Block(eh_proj(cat[enorm(embed(t[i+1])), hnorm(h0[i])]))) with h0
+    the trunk's output after its final norm (megatron-core's order); loss = mean over i < T-1 of
+    CE(head(h1[i]), t[i+2]) (the label of position i+1); training loss = LM + 0.1 * that + aux losses."""
     cfg = small_cfg(aux_loss_coeff=0.0)
     torch.manual_seed(0)
     model = ds.DeepSeekV3(cfg).train()
@@ -98,12 +98,13 @@ def test_mtp_loss_matches_its_formula():
         cos, sin = model.rope_cos[:T], model.rope_sin[:T]
         for block in model.layers:
             x = block(x, cos, sin)
-        lm = F.cross_entropy(model.head(model.norm(x)).flatten(0, 1), labels.flatten())
+        h0 = model.norm(x)
+        lm = F.cross_entropy(model.head(h0).flatten(0, 1), labels.flatten())
         m = model.mtp[0]
         # by hand: position i sees token i+1 (for i = T-1 nothing: any token, its target is ignored)
         nxt = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
-        h1 = m.block(m.eh_proj(torch.cat((m.enorm(model.embed(nxt)), m.hnorm(x)), -1)), cos, sin)
-        logits = model.head(m.norm(h1))[:, :-1]
+        h1 = m.norm(m.block(m.eh_proj(torch.cat((m.enorm(model.embed(nxt)), m.hnorm(h0)), -1)), cos, sin))
+        logits = model.head(h1)[:, :-1]
         mtp = F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
         want = lm + 0.1 * mtp
         got = model(tokens, labels=labels)

@@ -19,14 +19,18 @@ permutes the rope rows of `q_up` and `kv_down` (evens first, then odds) so the s
 the rotated vectors then equal HF's exactly (HF's interleaved RoPE also returns evens-then-odds).
 
 Multi-token prediction (MTP, DeepSeek-V3 §2.2), `mtp_layers` sequential modules; module k (1-based) at
-position i combines the previous depth's hidden state `h` (the trunk's output before its final norm for k=1)
-with the embedding of token i+k and predicts token i+k+1:
+position i combines the previous depth's output `h_{k-1}` with the embedding of token i+k and predicts
+token i+k+1:
 
-    h_k   = Block_k( eh_proj( cat[ enorm(embed(t_{i+k})), hnorm(h_{k-1}) ] ) )
-    loss_k = CE( head( norm_k(h_k) ), t_{i+k+1} )        (positions without a target are ignored)
+    h_0    = norm(trunk output)                          (what the LM head sees)
+    h_k    = norm_k( Block_k( eh_proj( cat[ enorm(embed(t_{i+k})), hnorm(h_{k-1}) ] ) ) )
+    loss_k = CE( head(h_k), t_{i+k+1} )                  (positions without a target are ignored)
 
-with the embedding and the output head shared with the main model (the embedding first in the
-concatenation, as Megatron and the HF checkpoint's `eh_proj` have it). In training the loss is
+with the embedding and the output head shared with the main model. As megatron-core does it: with MTP its
+decoder applies the final norm in its last layer, so the MTP module receives the NORMED hidden states (and
+normalises them again with `hnorm`); each depth's output passes its own final norm (`shared_head.norm`)
+before both the head and the next depth; the embedding comes first in the concatenation
+(`_concat_embeddings`, and the HF checkpoint's `eh_proj`). In training the loss is
 `LM + mtp_weight / mtp_layers * sum_k loss_k + sum over MoE layers of their sequence aux losses`; in eval
 mode (the benchmark's metric) it is the LM loss alone.
 """
@@ -223,9 +227,9 @@ class MultiTokenPrediction(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, h: torch.Tensor, next_embed: torch.Tensor, cos, sin) -> torch.Tensor:
-        """The depth's hidden state before `norm` (the next depth's `h`)."""
+        """The depth's normed output: what the head sees and the next depth's `h`."""
         x = self.eh_proj(torch.cat((self.enorm(next_embed), self.hnorm(h)), dim=-1))
-        return self.block(x, cos, sin)
+        return self.norm(self.block(x, cos, sin))
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
         normal(self.eh_proj.weight, std)
@@ -274,7 +278,8 @@ class DeepSeekV3(Decoder):
     ) -> torch.Tensor:
         """As `Decoder.forward`; in training mode with `labels` the loss also carries the MTP and aux terms."""
         h, cos, sin = self.trunk(tokens)
-        out = logits_or_loss(self.norm(h), self.head, labels, reduction)
+        h = self.norm(h)
+        out = logits_or_loss(h, self.head, labels, reduction)
         if labels is None or not self.training:
             return out
         extra = self.mtp_loss(tokens, labels, h, cos, sin, reduction)
@@ -293,7 +298,7 @@ class DeepSeekV3(Decoder):
         for k, module in enumerate(self.mtp, start=1):
             # Causal attention: the wrapped-around last k positions only see themselves and have no target.
             h = module(h, self.embed(_shift(tokens, k, 0)), cos, sin)
-            losses.append(logits_or_loss(module.norm(h), self.head, _shift(labels, k, -100), reduction))
+            losses.append(logits_or_loss(h, self.head, _shift(labels, k, -100), reduction))
         return self.cfg.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
 
     def update_router_bias(self, reduce=None) -> None:
