@@ -211,3 +211,23 @@ def test_tiny_block_passes_our_rule_file():
     assert hparam_violations([rule_file("flux1", "tiny")], logged(tier)) == []
     wrong = apply_overrides(BENCH, tier, ["eval_samples=400"])
     assert hparam_violations([rule_file("flux1", "tiny")], logged(wrong))
+
+
+# ------------------------------------------------------------------------------------------------ synth
+
+
+def test_synth_reports_images_and_mfu(tmp_path):
+    from timetotrain.models import flux
+    from timetotrain.train.synth import SynthOptions, synth
+
+    opts = SynthOptions(
+        "flux1", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=3, sets=["global_batch_size=4"]
+    )
+    s = synth(opts)
+    assert s["item"] == "images" and s["images_per_s"] > 0
+    assert s["images_per_s"] == pytest.approx(s["samples_per_s"])
+    assert s["model_flops_per_sample"] == flux.flops_per_sample(BENCH.tier("tiny").model)
+    assert s["model_tflops_per_s"] * 1e12 == pytest.approx(s["images_per_s"] * s["model_flops_per_sample"])
+    assert s["mfu"] == pytest.approx(s["model_tflops_per_s_per_device"] / s["peak_tflops_per_device"])
+    # random latents and noise: predicting 0 (the zero-initialised output) costs about E|eps - x0|^2 = 2
+    assert abs(s["final_loss"] - 2.0) < 0.2
