@@ -91,8 +91,13 @@ class RealEncoders:
     name = "real"
 
     def __init__(self, folder: Path | str, shapes: Shapes, device: str = "cpu"):
-        import transformers
-
+        try:
+            import transformers
+            from diffusers import AutoencoderKL
+        except ImportError as e:
+            raise UserError(
+                f"--encoders {folder} needs transformers and diffusers ({e}): pip install transformers diffusers"
+            ) from e
         folder = Path(folder)
         for sub in ("t5", "clip", "vae"):
             if not (folder / sub / "config.json").is_file():
@@ -100,8 +105,6 @@ class RealEncoders:
                     f"--encoders {folder}: no {sub}/config.json: the folder needs t5/, clip/ and vae/ as "
                     "save_pretrained writes them (T5EncoderModel, CLIPTextModel, diffusers AutoencoderKL)"
                 )
-        from diffusers import AutoencoderKL
-
         self.folder, self.shapes, self.device = folder, shapes, device
         self.t5_tok = transformers.AutoTokenizer.from_pretrained(folder / "t5")
         self.t5 = transformers.T5EncoderModel.from_pretrained(folder / "t5").to(device).eval()
