@@ -168,3 +168,18 @@ def test_flops_match_a_counter():
         model(img, txt, vec, t).sum().backward()
     counted = counter.get_total_flops() + 3 * 4 * T * T * CFG.dim * n * B + 2 * B * CFG.time_dim * CFG.dim
     assert flux.flops_per_sample(CFG) * B == counted
+
+
+def test_init_through_checkpoint_wrappers():
+    """The sharded build initialises after activation checkpointing wrapped the blocks: same weights."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain, wrapped = Flux(CFG), Flux(CFG)
+    for i, block in enumerate(wrapped.layers):
+        wrapped.layers[i] = checkpoint_wrapper(block)
+    flux.init(plain, torch.Generator().manual_seed(5))
+    flux.init(wrapped, torch.Generator().manual_seed(5))
+    got = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in wrapped.state_dict().items()}
+    assert got.keys() == plain.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(got[k], v), k

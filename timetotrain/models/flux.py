@@ -288,7 +288,9 @@ def init(model: Flux, generator: torch.Generator | None) -> None:
         normal(emb.fc1)
         normal(emb.fc2)
     for block in model.layers:
-        streams = [block.img, block.txt] if isinstance(block, DoubleBlock) else [block]
+        # By attribute, not class: under the sharded build `parallel.apply` (activation checkpointing)
+        # may already have wrapped the blocks, and wrappers forward attributes.
+        streams = [block.img, block.txt] if hasattr(block, "img") else [block]
         for s in streams:
             zero(s.mod)
             for name in ("qkv", "proj", "fc1", "fc2", "linear1", "linear2"):
