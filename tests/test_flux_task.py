@@ -231,3 +231,28 @@ def test_synth_reports_images_and_mfu(tmp_path):
     assert s["mfu"] == pytest.approx(s["model_tflops_per_s_per_device"] / s["peak_tflops_per_device"])
     # random latents and noise: predicting 0 (the zero-initialised output) costs about E|eps - x0|^2 = 2
     assert abs(s["final_loss"] - 2.0) < 0.2
+
+
+def test_eval_forwards_are_equal_across_ranks(tmp_path):
+    """Under FSDP every forward all-gathers with every rank, so each rank runs as many as the others: 7
+    chunks over 2 ranks are 4 forwards each, rank 1's last one a repeat that counts nothing."""
+    import torch.distributed as dist
+
+    write_dataset(tmp_path, CFG)
+    tier = tier_for(CFG, eval_samples=80, data={"eval_repeats": 8})
+    tier = dataclasses.replace(tier, data=dataclasses.replace(tier.data, eval_batch=12))  # 7 chunks
+    counting = Constant(torch.zeros(CFG.in_channels))
+    calls = []
+    counting.register_forward_hook(lambda m, args, out: calls.append(len(out)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:  # a one-process group: the all-reduce adds nothing, so each rank's own share comes back
+        for rank in (0, 1):
+            calls.clear()
+            data = open_data(tmp_path, tier, rank=rank, world=2)
+            got = data.evaluate(counting)
+            assert len(calls) == 4
+            mine = [data.eval_chunk(c) for c in range(rank, 7, 2)]
+            want = torch.cat([rf.velocity(b["x0"], b["eps"]).square().flatten(1).mean(1) for b in mine])
+            assert got == pytest.approx(want.double().mean().item(), rel=1e-12)
+    finally:
+        dist.destroy_process_group()

@@ -167,12 +167,20 @@ class _FlowData(RunData):
         return self._encode(rows, gen, eval_timesteps(items))
 
     def evaluate(self, model, autocast=None) -> float:
-        chunks = range(self.rank, -(-self.n_eval // self.data.eval_batch), self.world)
+        # Chunks go round-robin over the ranks. Every rank runs the same number of forwards, since under
+        # FSDP each forward all-gathers with every rank: a rank out of chunks repeats chunk 0 and counts
+        # nothing from it.
+        n_chunks = -(-self.n_eval // self.data.eval_batch)
+        rounds = -(-n_chunks // self.world)
+        chunks = [r * self.world + self.rank for r in range(rounds)]
 
         def sums(model, c):
-            b = {k: v.to(self.device, non_blocking=True) for k, v in self.eval_chunk(c).items()}
+            real = c < n_chunks
+            b = {
+                k: v.to(self.device, non_blocking=True) for k, v in self.eval_chunk(c if real else 0).items()
+            }
             mse = per_sample_mse(model, b)
-            return mse.double().sum(), mse.numel()
+            return (mse.double().sum(), mse.numel()) if real else (mse.double().sum() * 0, 0)
 
         return evaluate_ratio(model, chunks, sums, self.device, self.world, autocast)
 
