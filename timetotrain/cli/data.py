@@ -20,6 +20,8 @@ def _cmd_prepare(args) -> int:
         # enters its own block once its worker processes exist: they must not inherit the handler.)
         with raise_on_signals():
             return _prepare_govreport(args)
+    if args.dataset == "flux":
+        return _prepare_flux(args)
     from timetotrain.data import c4
 
     if args.dataset != "c4":
@@ -82,6 +84,30 @@ def _prepare_govreport(args) -> int:
     return 0
 
 
+def _prepare_flux(args) -> int:
+    from timetotrain.data import flux_encoders, flux_prepare
+    from timetotrain.suite import get
+    from timetotrain.tasks.rectified_flow import shapes_of
+
+    if not args.encoders:
+        raise UserError("flux needs --encoders: `standin` (the tiny tier) or a folder with t5/, clip/, vae/")
+    tier = get("flux1").tier(args.flux_tier or ("tiny" if args.encoders == "standin" else "reference"))
+    shapes = shapes_of(tier.model)
+    if args.encoders == "standin":
+        if args.tokenizer_model is None:
+            raise UserError("--encoders standin needs --tokenizer-model FILE: the Llama 2 tokenizer.model")
+        encoders = flux_encoders.StandInEncoders(shapes, args.tokenizer_model)
+    else:
+        encoders = flux_encoders.RealEncoders(args.encoders, shapes)
+    tars = flux_prepare.tars_of(args.src)
+    info = flux_prepare.prepare(tars, args.split, encoders, Path(args.out), select=args.select)
+    print(
+        f"flux {args.split}: {info['samples']:,} samples encoded ({encoders.name} encoders, tier {tier.name} "
+        f"shapes), {info['skips'].report()} -> {Path(args.out) / args.split}"
+    )
+    return 0
+
+
 def add_commands(sub) -> None:
     """Register `data prepare`."""
     d = sub.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
@@ -92,9 +118,11 @@ def add_commands(sub) -> None:
         "megatron-core's IndexedDataset), a token histogram and a manifest with checksums. "
         "govreport: tokenize SCROLLS gov_report (.jsonl or .parquet) with the Llama 2 tokenizer into packed "
         "input_ids/labels .npy blocks and a manifest (llama2_70b_lora), or import MLCommons' preprocessed "
-        "scrolls_gov_report_8k parquet as it is.",
+        "scrolls_gov_report_8k parquet as it is. "
+        "flux: encode image/caption WebDataset tars into T5 / CLIP pooled / VAE mean+logvar encodings (flux1); "
+        "--select tiny splits the shared CC12M + COCO fixtures (COCO val2017 is the validation set).",
     )
-    s.add_argument("dataset", choices=["c4", "govreport"], help="dataset to prepare")
+    s.add_argument("dataset", choices=["c4", "govreport", "flux"], help="dataset to prepare")
     s.add_argument(
         "--src",
         required=True,
@@ -147,5 +175,18 @@ def add_commands(sub) -> None:
         default=None,
         help="reference: pack in the reference's datasets.map groups (default); whole: one stream "
         "(default with tiny)",
+    )
+    f = s.add_argument_group("flux")
+    f.add_argument(
+        "--encoders",
+        metavar="standin|FOLDER",
+        help="flux: `standin` (the tiny tier's deterministic stand-ins, with --tokenizer-model) or a folder with "
+        "t5/ (T5EncoderModel), clip/ (CLIPTextModel), vae/ (diffusers AutoencoderKL) as save_pretrained writes them",
+    )
+    f.add_argument(
+        "--tier",
+        dest="flux_tier",
+        choices=["tiny", "reference"],
+        help="flux: whose shapes to encode for (default: tiny with standin, else reference)",
     )
     s.set_defaults(func=_cmd_prepare)

@@ -17,6 +17,7 @@ _MODULES = {
     "gpt_oss_20b": "timetotrain.suite.gpt_oss_20b",
     "llama2_70b_lora": "timetotrain.suite.llama2_70b_lora",
     "deepseekv3_671b": "timetotrain.suite.deepseekv3_671b",
+    "flux1": "timetotrain.suite.flux1",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

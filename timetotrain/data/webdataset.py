@@ -1,0 +1,100 @@
+"""Raw image/caption pairs from WebDataset tars (`<key>.jpg`, `<key>.txt`, optional `<key>.json`), the layout
+of CC12M (`pixparse/cc12m-wds`) and of our COCO sample, read with the standard library's tarfile.
+
+`read_pairs(tars)` yields `Pair(key, image, caption, meta)` in stored order. A sample without a caption
+(`.txt`) or without an image is a layout error: one `UserError` naming the tar and the key. An image that
+does not decode (a corrupt or truncated JPEG, which crawled datasets contain) is skipped and counted in
+`Skips`, whose `report()` names the keys; the caller prints it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from timetotrain.errors import UserError
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass
+class Pair:
+    key: str
+    image: object  # PIL.Image.Image, RGB
+    caption: str
+    meta: dict
+
+
+@dataclass
+class Skips:
+    """Samples left out, by reason -> keys."""
+
+    undecodable: list[str] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.undecodable)
+
+    def report(self) -> str:
+        if not self.count:
+            return "no samples skipped"
+        shown = ", ".join(self.undecodable[:5]) + (" ..." if self.count > 5 else "")
+        return f"{self.count} sample(s) skipped, image does not decode: {shown}"
+
+
+def _members(tar_path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, {extension: bytes}) per sample, grouped by key in stored order."""
+    try:
+        tf = tarfile.open(tar_path)
+    except (tarfile.TarError, OSError) as e:
+        raise UserError(f"{tar_path}: not a readable tar ({e}): pass WebDataset .tar shards") from e
+    with tf:
+        key, parts = None, {}
+        try:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                stem, dot, ext = Path(m.name).name.partition(".")
+                if not dot:
+                    continue
+                k = str(Path(m.name).parent / stem) if "/" in m.name else stem
+                if k != key:
+                    if key is not None:
+                        yield key, parts
+                    key, parts = k, {}
+                parts[ext.lower()] = tf.extractfile(m).read()
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise UserError(f"{tar_path}: the tar is truncated or corrupt after sample {key!r} ({e})") from e
+        if key is not None:
+            yield key, parts
+
+
+def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
+    from PIL import Image, UnidentifiedImageError
+
+    skips = skips if skips is not None else Skips()
+    for tar_path in tars:
+        for key, parts in _members(Path(tar_path)):
+            img_ext = next((e for e in IMAGE_EXTS if e in parts), None)
+            if img_ext is None:
+                raise UserError(
+                    f"{tar_path}: sample {key!r} has no image (.jpg/.png/.webp): fix or remove the shard"
+                )
+            if "txt" not in parts:
+                raise UserError(f"{tar_path}: sample {key!r} has no caption (.txt): fix or remove the shard")
+            try:
+                with Image.open(io.BytesIO(parts[img_ext])) as im:
+                    image = im.convert("RGB")  # decodes fully: a truncated file fails here
+            except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+                skips.undecodable.append(key)
+                continue
+            try:
+                meta = json.loads(parts["json"]) if "json" in parts else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                meta = {}
+            caption = parts["txt"].decode("utf-8", errors="replace").strip()
+            yield Pair(key, image, caption, meta)

@@ -1,0 +1,449 @@
+"""The FLUX.1 MMDiT (torchtitan's `flux-schnell` flavor): a rectified-flow transformer over VAE latent patches,
+conditioned on T5 hidden states (as tokens), a CLIP pooled vector and the timestep (as AdaLN modulation).
+
+Shape (benchmarks spec §11.1):
+- image tokens: the latent `[C, H, W]` patchified `p x p` -> `(H/p)(W/p)` tokens of `C p^2` channels, `img_in`;
+  text tokens: T5 states -> `txt_in`; both to `dim`;
+- conditioning vector `vec = time_in(sinusoid(1000 t)) + vector_in(pooled)`; every modulation Linear reads
+  `silu(vec)` (computed once per forward here, not once per block);
+- `n_double` double-stream blocks: each stream (image, text) has its own weights, the attention is joint over
+  `[text; image]`; then `n_single` single-stream blocks over the joint sequence, whose one input Linear
+  yields Q, K, V and the MLP input in parallel; then the final AdaLN + Linear on the image tokens;
+- 3-axis RoPE: each token has ids (0, row, col) (text: all zeros, so text is not rotated); head dims are split
+  `axes_dim` per axis, and within each axis pairs `(x[2i], x[2i+1])` rotate (the interleaved layout of the
+  reference checkpoints), in fp32 as torchtitan does;
+- attention is non-causal SDPA.
+
+`model.layers` holds the double blocks, then the single blocks (FSDP2, activation checkpointing and compile
+wrap each from outside); the forward tells them apart by index (`cfg.n_double`).
+
+Initialisation (`init`): DiT-style, spec §11.1: Xavier-uniform projections with zero biases, N(0, 0.02) for
+the two embedder MLPs, every modulation Linear and the final layer zero, so the model starts as the
+identity in every block and predicts 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timetotrain.models.family import ModelFamily, Source
+from timetotrain.models.layers import RMSNorm
+
+
+@dataclass(frozen=True)
+class FluxConfig:
+    dim: int = 3072
+    n_heads: int = 24
+    n_double: int = 19
+    n_single: int = 38
+    mlp_ratio: float = 4.0
+    latent_channels: int = 16
+    patch: int = 2
+    latent_size: int = 32  # latent height = width (256^2 images, VAE downsampling 8)
+    txt_dim: int = 4096  # T5-XXL hidden size
+    txt_len: int = 256  # T5 tokens per sample
+    vec_dim: int = 768  # CLIP-L pooled output
+    axes_dim: tuple[int, int, int] = (16, 56, 56)
+    theta: float = 10000.0
+    time_dim: int = 256  # sinusoidal timestep features
+    eps: float = 1e-6  # LayerNorm and QK RMSNorm
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if sum(self.axes_dim) != self.head_dim or any(d % 2 for d in self.axes_dim):
+            raise ValueError(f"axes_dim {self.axes_dim} must be even and sum to head_dim {self.head_dim}")
+        if self.latent_size % self.patch:
+            raise ValueError(f"latent_size {self.latent_size} is not a multiple of patch {self.patch}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def in_channels(self) -> int:
+        return self.latent_channels * self.patch**2
+
+    @property
+    def grid(self) -> int:
+        return self.latent_size // self.patch
+
+    @property
+    def img_len(self) -> int:
+        return self.grid**2
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def seq_len(self) -> int:
+        return self.txt_len + self.img_len
+
+
+# ------------------------------------------------------------------------------------------------ layers
+
+
+def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features of `1000 t` (`t` in [0, 1], shape `[B]`): cos of the `dim/2` frequencies, then
+    sin, frequencies `max_period^(-i / (dim/2))`, in fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (1000.0 * t.float())[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+def rope_tables(cfg: FluxConfig, txt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[txt_len + img_len, head_dim // 2]` (fp32, CPU) for ids (0, row, col) of the image
+    patches after `txt_len` text tokens with ids 0. Angles in fp64 as the references compute them."""
+    r, c = torch.meshgrid(torch.arange(cfg.grid), torch.arange(cfg.grid), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(r), r, c], dim=-1).reshape(-1, 3)
+    ids = torch.cat([torch.zeros(txt_len, 3, dtype=img_ids.dtype), img_ids]).double()
+    angles = []
+    for axis, d in enumerate(cfg.axes_dim):
+        inv = 1.0 / cfg.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        angles.append(torch.outer(ids[:, axis], inv))
+    a = torch.cat(angles, dim=-1)
+    return a.cos().float(), a.sin().float()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs `(x[2i], x[2i+1])` of `x` `[B, T, H, D]` by `cos`/`sin` `[T, 1, D/2]`, in fp32."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).type_as(x)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Joint non-causal attention: q, k, v `[B, T, H, D]` (q, k normed) -> `[B, T, H * D]`."""
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).flatten(2)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """AdaLN: LayerNorm without affine, then `(1 + scale) x + shift` (`shift`/`scale` `[B, 1, dim]`)."""
+    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=eps), 1 + scale)
+
+
+class MLPEmbedder(nn.Module):
+    """Linear -> SiLU -> Linear, for the timestep features and the pooled text vector."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, dim)
+        self.fc2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.fc2(F.silu(self.fc1(x)))
+
+
+class Stream(nn.Module):
+    """One stream (image or text) of a double block: its modulation, QKV, QK norms, output projection, MLP."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        d = cfg.dim
+        self.mod = nn.Linear(d, 6 * d)  # shift, scale, gate for attention, then for the MLP
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.proj = nn.Linear(d, d)
+        self.fc1 = nn.Linear(d, cfg.mlp_dim)
+        self.fc2 = nn.Linear(cfg.mlp_dim, d)
+        self.n_heads, self.eps = cfg.n_heads, cfg.eps
+
+    def qkv_of(self, x: torch.Tensor, shift, scale):
+        q, k, v = self.qkv(modulate(x, shift, scale, self.eps)).unflatten(-1, (3, self.n_heads, -1)).unbind(2)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def finish(self, x, attn, mods):
+        _, _, gate1, shift2, scale2, gate2 = mods
+        x = torch.addcmul(x, gate1, self.proj(attn))
+        h = self.fc2(F.gelu(self.fc1(modulate(x, shift2, scale2, self.eps)), approximate="tanh"))
+        return torch.addcmul(x, gate2, h)
+
+
+class DoubleBlock(nn.Module):
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        self.img = Stream(cfg)
+        self.txt = Stream(cfg)
+
+    def forward(self, img, txt, svec, cos, sin):
+        im = self.img.mod(svec).unsqueeze(1).chunk(6, dim=-1)
+        tm = self.txt.mod(svec).unsqueeze(1).chunk(6, dim=-1)
+        qi, ki, vi = self.img.qkv_of(img, im[0], im[1])
+        qt, kt, vt = self.txt.qkv_of(txt, tm[0], tm[1])
+        L = txt.shape[1]
+        out = attention(torch.cat([qt, qi], 1), torch.cat([kt, ki], 1), torch.cat([vt, vi], 1), cos, sin)
+        return self.img.finish(img, out[:, L:], im), self.txt.finish(txt, out[:, :L], tm)
+
+
+class SingleBlock(nn.Module):
+    """Over the joint sequence: one Linear gives Q, K, V and the MLP input; one Linear maps the attention
+    output and GELU(MLP input), concatenated, back."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        d = cfg.dim
+        self.mod = nn.Linear(d, 3 * d)  # shift, scale, gate
+        self.linear1 = nn.Linear(d, 3 * d + cfg.mlp_dim)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.linear2 = nn.Linear(d + cfg.mlp_dim, d)
+        self.dim, self.mlp_dim, self.n_heads, self.eps = d, cfg.mlp_dim, cfg.n_heads, cfg.eps
+
+    def forward(self, x, svec, cos, sin):
+        shift, scale, gate = self.mod(svec).unsqueeze(1).chunk(3, dim=-1)
+        qkv, mlp = self.linear1(modulate(x, shift, scale, self.eps)).split([3 * self.dim, self.mlp_dim], -1)
+        q, k, v = qkv.unflatten(-1, (3, self.n_heads, -1)).unbind(2)
+        out = attention(self.q_norm(q), self.k_norm(k), v, cos, sin)
+        return torch.addcmul(x, gate, self.linear2(torch.cat([out, F.gelu(mlp, approximate="tanh")], -1)))
+
+
+class Flux(nn.Module):
+    """`forward(img, txt, vec, t)`: patchified noisy latents `[B, img_len, in_channels]`, T5 states
+    `[B, L, txt_dim]`, CLIP pooled `[B, vec_dim]`, timesteps `[B]` in [0, 1] -> velocity
+    `[B, img_len, in_channels]`."""
+
+    def __init__(self, cfg: FluxConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.img_in = nn.Linear(cfg.in_channels, d)
+        self.txt_in = nn.Linear(cfg.txt_dim, d)
+        self.time_in = MLPEmbedder(cfg.time_dim, d)
+        self.vector_in = MLPEmbedder(cfg.vec_dim, d)
+        self.layers = nn.ModuleList(
+            [DoubleBlock(cfg) for _ in range(cfg.n_double)] + [SingleBlock(cfg) for _ in range(cfg.n_single)]
+        )
+        self.final_mod = nn.Linear(d, 2 * d)  # shift, scale
+        self.final_out = nn.Linear(d, cfg.in_channels)
+        # RoPE tables of the image grid after `txt_len` text tokens; not saved, recomputed by `reset_rope`
+        # after a meta-device build + `to_empty` (and for another text length in `forward`).
+        self.register_buffer("rope_cos", torch.empty(cfg.seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.seq_len, cfg.head_dim // 2), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        if self.rope_cos.is_meta:
+            return
+        cos, sin = rope_tables(self.cfg, self.cfg.txt_len)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def _tables(self, txt_len: int):
+        cos, sin = self.rope_cos, self.rope_sin
+        if txt_len != self.cfg.txt_len:  # text ids are 0: its rows are cos 1, sin 0 whatever its length
+            img_cos, img_sin = cos[self.cfg.txt_len :], sin[self.cfg.txt_len :]
+            cos = torch.cat([img_cos.new_ones(txt_len, img_cos.shape[1]), img_cos])
+            sin = torch.cat([img_sin.new_zeros(txt_len, img_sin.shape[1]), img_sin])
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def forward(self, img, txt, vec, t):
+        cfg = self.cfg
+        img, txt = self.img_in(img), self.txt_in(txt)
+        feats = timestep_features(t, cfg.time_dim).to(img.dtype)
+        svec = F.silu(self.time_in(feats) + self.vector_in(vec))
+        L = txt.shape[1]
+        cos, sin = self._tables(L)
+        for block in self.layers[: cfg.n_double]:
+            img, txt = block(img, txt, svec, cos, sin)
+        x = torch.cat([txt, img], dim=1)
+        for block in self.layers[cfg.n_double :]:
+            x = block(x, svec, cos, sin)
+        shift, scale = self.final_mod(svec).unsqueeze(1).chunk(2, dim=-1)
+        return self.final_out(modulate(x[:, L:], shift, scale, cfg.eps))
+
+
+# ------------------------------------------------------------------------------------------------ init
+
+
+@torch.no_grad()
+def init(model: Flux, generator: torch.Generator | None) -> None:
+    """DiT initialisation (spec §11.1); modulation and final layers zero."""
+
+    def xavier(lin: nn.Linear):
+        nn.init.xavier_uniform_(lin.weight, generator=generator)
+        nn.init.zeros_(lin.bias)
+
+    def normal(lin: nn.Linear):
+        nn.init.normal_(lin.weight, 0.0, 0.02, generator=generator)
+        nn.init.zeros_(lin.bias)
+
+    def zero(lin: nn.Linear):
+        nn.init.zeros_(lin.weight)
+        nn.init.zeros_(lin.bias)
+
+    xavier(model.img_in)
+    xavier(model.txt_in)
+    for emb in (model.time_in, model.vector_in):
+        normal(emb.fc1)
+        normal(emb.fc2)
+    for block in model.layers:
+        # By attribute, not class: under the sharded build `parallel.apply` (activation checkpointing)
+        # may already have wrapped the blocks, and wrappers forward attributes.
+        streams = [block.img, block.txt] if hasattr(block, "img") else [block]
+        for s in streams:
+            zero(s.mod)
+            for name in ("qkv", "proj", "fc1", "fc2", "linear1", "linear2"):
+                if hasattr(s, name):
+                    xavier(getattr(s, name))
+            nn.init.ones_(s.q_norm.weight)
+            nn.init.ones_(s.k_norm.weight)
+    zero(model.final_mod)
+    zero(model.final_out)
+    model.reset_rope()
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+
+
+def _lin(i: int, o: int) -> int:
+    return i * o + o
+
+
+def double_block_params(cfg: FluxConfig) -> int:
+    d, m, h = cfg.dim, cfg.mlp_dim, cfg.head_dim
+    return 2 * (_lin(d, 6 * d) + _lin(d, 3 * d) + 2 * h + _lin(d, d) + _lin(d, m) + _lin(m, d))
+
+
+def single_block_params(cfg: FluxConfig) -> int:
+    d, m, h = cfg.dim, cfg.mlp_dim, cfg.head_dim
+    return _lin(d, 3 * d) + _lin(d, 3 * d + m) + 2 * h + _lin(d + m, d)
+
+
+def param_count(cfg: FluxConfig) -> int:
+    d = cfg.dim
+    outer = (
+        _lin(cfg.in_channels, d)
+        + _lin(cfg.txt_dim, d)
+        + _lin(cfg.time_dim, d)
+        + _lin(d, d)
+        + _lin(cfg.vec_dim, d)
+        + _lin(d, d)
+        + _lin(d, 2 * d)
+        + _lin(d, cfg.in_channels)
+    )
+    return outer + cfg.n_double * double_block_params(cfg) + cfg.n_single * single_block_params(cfg)
+
+
+def flops_per_sample(cfg: FluxConfig, txt_len: int | None = None) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) of one image with `txt_len` text tokens: 2 per
+    multiply-add of every matmul a token or the conditioning vector goes through, plus the joint
+    non-causal attention, `4 T^2 head_dim` per head and layer (QK^T and AV over the full square)."""
+    L = cfg.txt_len if txt_len is None else txt_len
+    d, m, Li = cfg.dim, cfg.mlp_dim, cfg.img_len
+    T = L + Li
+    n = cfg.n_double + cfg.n_single
+    # Per token and block, double and single alike: QKV 3d^2, out d^2, MLP 2dm (single: d(3d+m) + (d+m)d).
+    per_token_block = 4 * d * d + 2 * d * m
+    macs = (
+        Li * cfg.in_channels * d
+        + L * cfg.txt_dim * d
+        + T * n * per_token_block
+        + Li * d * cfg.in_channels
+        # the conditioning path, once per sample: embedders, modulation Linears, final modulation
+        + cfg.time_dim * d
+        + cfg.vec_dim * d
+        + 2 * d * d
+        + cfg.n_double * 12 * d * d
+        + cfg.n_single * 3 * d * d
+        + 2 * d * d
+    )
+    attn = 4 * T * T * d * n  # all heads: 4 T^2 head_dim x n_heads
+    return 3.0 * (2.0 * macs + attn)
+
+
+def flops_per_token(cfg: FluxConfig, seq_len: int | None = None, causal: bool = False) -> float:
+    """`flops_per_sample` per token of the joint sequence (`seq_len` = text + image tokens); the attention
+    is never causal here."""
+    T = cfg.seq_len if seq_len is None else seq_len
+    return flops_per_sample(cfg, T - cfg.img_len) / T
+
+
+def activation_elements(cfg: FluxConfig) -> float:
+    """Elements autograd keeps per token for one block (rough: norm input and output, Q, K, V before and
+    after norm and RoPE, attention output, MLP input and activation, block output)."""
+    d, m = cfg.dim, cfg.mlp_dim
+    return 12 * d + 2 * m
+
+
+# ------------------------------------------------------------------------------------------------ diffusers
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def _swap_halves(ts: list[torch.Tensor]) -> torch.Tensor:
+    # diffusers' AdaLayerNormContinuous yields (scale, shift); ours (and torchtitan's) (shift, scale).
+    a, b = ts[0].chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
+
+
+def diffusers_mapping(cfg: FluxConfig) -> dict[str, Source]:
+    """Our parameter name -> the diffusers `FluxTransformer2DModel` tensors it is made of (checkpoints without
+    guidance embedding, patch_size 1 over our pre-patchified channels)."""
+    m: dict[str, Source] = {}
+
+    def lin(ours: str, theirs: str, combine=None, parts: tuple[str, ...] | None = None):
+        for p in ("weight", "bias"):
+            if parts is None:
+                names = (f"{theirs}.{p}",)
+                m[f"{ours}.{p}"] = Source(names, combine) if combine else Source(names)
+            else:
+                m[f"{ours}.{p}"] = Source(tuple(f"{theirs}.{x}.{p}" for x in parts), combine or _cat)
+
+    lin("img_in", "x_embedder")
+    lin("txt_in", "context_embedder")
+    lin("time_in.fc1", "time_text_embed.timestep_embedder.linear_1")
+    lin("time_in.fc2", "time_text_embed.timestep_embedder.linear_2")
+    lin("vector_in.fc1", "time_text_embed.text_embedder.linear_1")
+    lin("vector_in.fc2", "time_text_embed.text_embedder.linear_2")
+    for i in range(cfg.n_double):
+        o, t = f"layers.{i}", f"transformer_blocks.{i}"
+        for s, mod, pre, ff, norm in (
+            ("img", "norm1", "", "ff", ""),
+            ("txt", "norm1_context", "add_", "ff_context", "added_"),
+        ):
+            lin(f"{o}.{s}.mod", f"{t}.{mod}.linear")
+            qkv = (f"{pre}q_proj", f"{pre}k_proj", f"{pre}v_proj") if pre else ("to_q", "to_k", "to_v")
+            lin(f"{o}.{s}.qkv", f"{t}.attn", parts=qkv)
+            m[f"{o}.{s}.q_norm.weight"] = Source((f"{t}.attn.norm_{norm}q.weight",))
+            m[f"{o}.{s}.k_norm.weight"] = Source((f"{t}.attn.norm_{norm}k.weight",))
+            lin(f"{o}.{s}.proj", f"{t}.attn.to_add_out" if pre else f"{t}.attn.to_out.0")
+            lin(f"{o}.{s}.fc1", f"{t}.{ff}.net.0.proj")
+            lin(f"{o}.{s}.fc2", f"{t}.{ff}.net.2")
+    for j in range(cfg.n_single):
+        o, t = f"layers.{cfg.n_double + j}", f"single_transformer_blocks.{j}"
+        lin(f"{o}.mod", f"{t}.norm.linear")
+        for p in ("weight", "bias"):
+            names = tuple(f"{t}.attn.to_{x}.{p}" for x in "qkv") + (f"{t}.proj_mlp.{p}",)
+            m[f"{o}.linear1.{p}"] = Source(names, _cat)
+        m[f"{o}.q_norm.weight"] = Source((f"{t}.attn.norm_q.weight",))
+        m[f"{o}.k_norm.weight"] = Source((f"{t}.attn.norm_k.weight",))
+        lin(f"{o}.linear2", f"{t}.proj_out")
+    lin("final_mod", "norm_out.linear", combine=_swap_halves)
+    lin("final_out", "proj_out")
+    return m
+
+
+FAMILY = ModelFamily(
+    name="flux",
+    build=Flux,
+    init=init,
+    param_count=param_count,
+    active_param_count=param_count,
+    flops_per_token=flops_per_token,
+    block_params=single_block_params,
+    activation_elements=activation_elements,
+    hf_mapping=diffusers_mapping,
+)
