@@ -165,7 +165,7 @@ def run(opts: RunOptions) -> RunResult:
             # -- the clock runs: dataset access from here on --
             if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
                 live.update("opening the data ...", force=True)
-            data = task.open(tier, res, seed, d.rank, prep.plan.data_parallel, device)
+            data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
             fetch = loader.Prefetcher(data, 0, device)
             gbs, every, accum = tier.global_batch_size, tier.eval_every_steps, prep.accum
             first_eval = task.first_eval_step(tier)

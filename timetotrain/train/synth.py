@@ -131,7 +131,10 @@ def synth(opts: SynthOptions) -> dict:
         peak, peak_src = _peak(device)
         tr = prepare.build(prep)
         data = bench.task.synthetic(
-            tier, local, torch.Generator(device=device).manual_seed(seed + 1000 * d.rank), device
+            tier,
+            local,
+            torch.Generator(device=device).manual_seed(seed + 1000 * prep.plan.data_rank(d.rank)),
+            device,
         )
         log.end("init_stop")
 

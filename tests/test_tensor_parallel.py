@@ -1,0 +1,104 @@
+"""Tensor parallelism (train/tensor_parallel.py) on gloo against one process: `--parallel tp=2` (2 ranks)
+and `tp=2,fsdp=2` (4 ranks) train a small Llama from the same seed to the same `train_loss` for 20 steps
+(rtol 1e-5), for llama31_405b's and llama31_8b's harness; plus the fused layouts' row orders.
+
+Run as a script (by torchrun) this file is the worker; it writes its losses to a file per rank."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, small_llama
+
+from timetotrain.suite import get
+from timetotrain.tasks.causal_lm import lm_loss
+
+STEPS, GBS, SEQ = 20, 4, 32
+CFG = small_llama(max_seq_len=SEQ)  # 4 heads / 2 KV heads, FFN 128: both split over 2 ranks
+
+
+def tier(name: str):
+    bench = get(name)
+    t = bench.tier("tiny" if "tiny" in bench.tiers else "reference")
+    return bench, dataclasses.replace(
+        t, model=CFG, data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS, micro_batch_size=GBS, lr=3e-3, end_lr=3e-4, warmup_steps=3,
+        max_steps=100,
+    )  # fmt: skip
+
+
+def batches(data_rank: int, data_world: int) -> list[dict]:
+    """Two random global batches in turn: memorised within 20 steps, so the loss falls."""
+    g = torch.Generator().manual_seed(3)
+    two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
+    return [{"tokens": two[s % 2].chunk(data_world)[data_rank]} for s in range(STEPS)]
+
+
+def train(name: str, plan, rank: int = 0) -> list[float]:
+    from timetotrain.train.step import build_training
+
+    bench, t = tier(name)
+    torch.manual_seed(0)
+    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
+    data = batches(plan.data_rank(rank), plan.data_parallel)
+    return [
+        tr.step(s, b, 1, lambda m, b: lm_loss(m, b["tokens"], None))[0].item() for s, b in enumerate(data)
+    ]
+
+
+def run_workers(tmp_path, nproc: int, spec: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), spec]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "spec"), [(2, "tp=2"), (4, "tp=2,fsdp=2")])
+def test_tensor_parallel_trains_as_one_process(tmp_path, nproc, spec):
+    from timetotrain.train import parallel
+
+    ranks = run_workers(tmp_path, nproc, spec)
+    names = ["llama31_405b", "llama31_8b"] if nproc == 2 else ["llama31_405b"]
+    for name in names:
+        expected = train(name, parallel.Plan())
+        for r in ranks:
+            assert r[name] == ranks[0][name]  # every rank reports the same global loss
+            torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert expected[-1] < expected[0] - 0.5  # it trained: a plan that froze weights would not match
+
+
+def test_stacked_rows_round_trip():
+    from timetotrain.train.tensor_parallel import STACKED, logical, unstack
+
+    full = torch.arange(16.0).view(8, 2)  # gate rows 0-3, up rows 4-7
+    param = torch.nn.Parameter(torch.empty(8, 2))
+    setattr(param, STACKED, (2, 2))
+    reordered = logical(full, param)
+    # rank 0: gate 0-1, up 4-5; rank 1: gate 2-3, up 6-7
+    assert reordered[:, 0].tolist() == [0, 2, 8, 10, 4, 6, 12, 14]
+    assert torch.equal(unstack(reordered, param), full)
+
+
+def _worker(out: Path, spec: str) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = parallel.parse(spec, world)
+    names = ["llama31_405b", "llama31_8b"] if plan.fsdp == 1 else ["llama31_405b"]
+    results = {name: train(name, plan, rank) for name in names}
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])
