@@ -1,6 +1,8 @@
 """llama31_405b declaration against the closed rules: the GBS-scaled hyperparameters with the rule file's
 exact LR equality, the eval cadence with its skipped first evaluations, and a whole log through `ttt check`."""
 
+import dataclasses
+
 import pytest
 from fakelogs import tier_log, ttt_main
 
@@ -154,3 +156,70 @@ def test_data_prepared_with_another_tokenizer_is_a_preflight_error(tmp_path):
         UserError, match=r"c4-train.en_7_text_document: prepared with tokenizer 'llama3'.*mixtral"
     ):
         BENCH.task.resolve(tier, _mlcommons_folder(tmp_path / "bad", {"name": "llama3"}))
+
+
+def _hf_folder(path, **overrides):
+    from conftest import random_hf_llama, small_llama
+
+    random_hf_llama(small_llama(**overrides)).save_pretrained(
+        path, safe_serialization=True, max_shard_size=200_000
+    )
+    assert len(list(path.glob("*.safetensors"))) == 3
+    return path
+
+
+def test_missing_shard_is_one_line_before_init_start(tmp_path, capsys):
+    from timetotrain.cli import main
+
+    hf = _hf_folder(tmp_path / "hf", vocab_size=384)
+    (hf / "model-00002-of-00003.safetensors").unlink()
+    argv = ["run", "llama31_405b", "--tier", "reference", "--data", str(tmp_path / "data")]
+    argv += ["--logdir", str(tmp_path / "logs"), "--init-checkpoint", str(hf)]
+    code = main(argv)
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("ttt: error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert "model-00002-of-00003.safetensors" in errors[0] and "missing" in errors[0]
+    assert not list((tmp_path / "logs").rglob("result_*.txt"))  # nothing logged: no init_start
+
+
+def test_shape_mismatch_is_one_line_naming_the_tensor(tmp_path):
+    import torch
+    from conftest import small_llama
+
+    from timetotrain.errors import UserError
+    from timetotrain.models.llama import Llama
+    from timetotrain.train.checkpoint import init_from
+
+    hf = _hf_folder(tmp_path / "hf", vocab_size=384, ffn_dim=96)
+    cfg = small_llama()  # ffn 128
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    rows = BENCH.task.checkpoint_rows(BENCH.tier("reference"))
+    rows = dict.fromkeys(rows, cfg.vocab_size)
+    with pytest.raises(UserError) as e:
+        init_from(hf, model, BENCH.family, cfg, truncate_rows=rows)
+    msg = str(e.value)
+    assert "\n" not in msg and "layers.0.ffn.fc1.weight" in msg, msg
+
+
+def test_embedding_and_head_keep_the_first_rows(tmp_path):
+    import torch
+    from conftest import small_llama
+
+    from timetotrain.models.llama import Llama
+    from timetotrain.train.checkpoint import init_from
+
+    hf = _hf_folder(tmp_path / "hf", vocab_size=384)
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in hf.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    cfg = small_llama()  # 256 rows
+    model = Llama(cfg)
+    rows = {"embed.weight": 256, "head.weight": 256}
+    assert BENCH.task.checkpoint_rows(dataclasses.replace(BENCH.tier("reference"), model=cfg)) == rows
+    init_from(hf, model, BENCH.family, cfg, truncate_rows=rows)
+    assert torch.equal(model.embed.weight, tensors["model.embed_tokens.weight"][:256])
+    assert torch.equal(model.head.weight, tensors["lm_head.weight"][:256])

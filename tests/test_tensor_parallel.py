@@ -1,6 +1,9 @@
 """Tensor parallelism (train/tensor_parallel.py) on gloo against one process: `--parallel tp=2` (2 ranks)
 and `tp=2,fsdp=2` (4 ranks) train a small Llama from the same seed to the same `train_loss` for 20 steps
-(rtol 1e-5), for llama31_405b's and llama31_8b's harness; plus the fused layouts' row orders.
+(rtol 1e-5), for llama31_405b's and llama31_8b's harness; plus the fused layouts' row orders. Under
+tp=2,fsdp=2 a random HF `LlamaForCausalLM` with a larger vocabulary, saved in 3 safetensors shards, loads
+into the llama31_405b harness with its embedding and head cut to the model's rows: the logits equal HF's on
+the kept ids (fp32, 1e-5).
 
 Run as a script (by torchrun) this file is the worker; it writes its losses to a file per rank."""
 
@@ -20,6 +23,7 @@ from timetotrain.tasks.causal_lm import lm_loss
 
 STEPS, GBS, SEQ = 20, 4, 32
 CFG = small_llama(max_seq_len=SEQ)  # 4 heads / 2 KV heads, FFN 128: both split over 2 ranks
+HF_VOCAB = 384  # the checkpoint's rows; the model keeps the first CFG.vocab_size (256)
 
 
 def tier(name: str):
@@ -59,12 +63,43 @@ def run_workers(tmp_path, nproc: int, spec: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
+def hf_reference():
+    from conftest import random_hf_llama
+
+    return random_hf_llama(dataclasses.replace(CFG, vocab_size=HF_VOCAB))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One torchrun of 4 ranks under tp=2,fsdp=2: the training curve and the loaded checkpoint's logits."""
+    root = tmp_path_factory.mktemp("tp_fsdp")
+    hf = hf_reference()
+    hf.save_pretrained(root / "hf", safe_serialization=True, max_shard_size=200_000)
+    assert len(list((root / "hf").glob("*.safetensors"))) == 3
+    return run_workers(root, 4, "tp=2,fsdp=2"), hf, root
+
+
+@pytest.mark.slow
+def test_hf_checkpoint_loads_into_tp_fsdp_shards_with_truncated_rows(four_ranks):
+    ranks, hf, root = four_ranks
+    logits = torch.load(root / "logits.pt")
+    assert logits.shape == (2, SEQ, CFG.vocab_size)
+    with torch.no_grad():
+        expected = hf(tokens()).logits[..., : CFG.vocab_size]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert all(r["load_seconds"] > 0 for r in ranks)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "spec"), [(2, "tp=2"), (4, "tp=2,fsdp=2")])
-def test_tensor_parallel_trains_as_one_process(tmp_path, nproc, spec):
+def test_tensor_parallel_trains_as_one_process(tmp_path, request, nproc, spec):
     from timetotrain.train import parallel
 
-    ranks = run_workers(tmp_path, nproc, spec)
+    ranks = run_workers(tmp_path, nproc, spec) if nproc == 2 else request.getfixturevalue("four_ranks")[0]
     names = ["llama31_405b", "llama31_8b"] if nproc == 2 else ["llama31_405b"]
     for name in names:
         expected = train(name, parallel.Plan())
@@ -96,6 +131,16 @@ def _worker(out: Path, spec: str) -> None:
     plan = parallel.parse(spec, world)
     names = ["llama31_405b", "llama31_8b"] if plan.fsdp == 1 else ["llama31_405b"]
     results = {name: train(name, plan, rank) for name in names}
+    if (out / "hf").is_dir():  # the checkpoint scenario (tp=2,fsdp=2)
+        from timetotrain.train.step import build_training
+
+        bench, t = tier("llama31_405b")
+        tr = build_training(bench, t, torch.device("cpu"), 7, plan, out / "hf")
+        results["load_seconds"] = tr.load_seconds
+        with torch.no_grad():
+            logits = tr.model(tokens())
+        if rank == 0:
+            torch.save(logits, out / "logits.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -89,7 +89,7 @@ REFERENCE = Tier(
 BENCHMARK = Benchmark(
     name="llama31_405b",
     area="LLM pretraining (continued)",
-    task=CausalLM(init_checkpoint_step=0),
+    task=CausalLM(init_checkpoint_step=0, truncate_vocab=True),
     family=FAMILY,
     tiers={"reference": REFERENCE},
     optimizer=CLOSED_ADAMW,

@@ -118,10 +118,23 @@ class CausalLM(Task):
     metric = Metric("validation log-perplexity (mean cross-entropy)", higher_is_better=False, unit="samples")
     settable = {"seq_len": "max_sequence_length"}
 
-    def __init__(self, eod_mask_loss: bool = False, init_checkpoint_step: int | None = None):
+    def __init__(
+        self,
+        eod_mask_loss: bool = False,
+        init_checkpoint_step: int | None = None,
+        truncate_vocab: bool = False,
+    ):
         self.eod_mask_loss = eod_mask_loss
         # Continued pretraining from a checkpoint logs the step it starts from (closed_llama31_405b.yaml).
         self.init_checkpoint_step = init_checkpoint_step
+        # The checkpoint's embedding and head keep only their first vocab_size rows (llama31_405b: the
+        # Llama 3 checkpoint continued on Mixtral ids).
+        self.truncate_vocab = truncate_vocab
+
+    def checkpoint_rows(self, tier) -> dict[str, int] | None:
+        if not self.truncate_vocab:
+            return None
+        return {"embed.weight": tier.model.vocab_size, "head.weight": tier.model.vocab_size}
 
     def first_eval_step(self, tier) -> int:
         """With `skip_evals` (a, b), the reference skips the first k = floor(a * GBS + b) evaluations: its

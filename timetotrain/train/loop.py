@@ -158,6 +158,11 @@ def run(opts: RunOptions) -> RunResult:
                 extra["ttt_init_checkpoint_sha256"] = base_sha
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
             tr = prepare.build(prep)
+            if tr.load_seconds is not None:
+                # Inside init, before run_start: loading the starting weights is not timed, but reported.
+                log.event("ttt_init_checkpoint_load_seconds", round(tr.load_seconds, 3))
+                if live:
+                    live.print(f"loaded {prep.init_checkpoint} in {tr.load_seconds:.1f} s")
             log.end("init_stop")
 
             log.start("run_start")

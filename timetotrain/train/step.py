@@ -65,6 +65,7 @@ class Training:
     world: int = 1
     ep_group: object = None  # expert-parallel process group, when experts are sharded
     tp_world: int | None = None  # under tensor parallelism: the world the gradient norm is summed over
+    load_seconds: float | None = None  # how long reading --init-checkpoint took (logged before run_start)
     _votes: torch.Tensor | None = None
 
     def step(self, step: int, batch: dict, accum: int, loss_fn, stop_vote: bool = False) -> torch.Tensor:
@@ -92,10 +93,11 @@ def build_training(
     from the warm-up survives. Sharded plans (`fsdp > 1` or `tp > 1`) never hold the whole model on a rank
     (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
+    timer: dict[str, float] = {}
     if plan.sharded:
-        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint)
+        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer)
     else:
-        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint)
+        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer)
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
     fused = None if not plan.sharded else False
     opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
@@ -103,11 +105,21 @@ def build_training(
     params = [p for p in model.parameters() if p.requires_grad]
     return Training(
         wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
-        ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None,
+        ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
     )  # fmt: skip
 
 
-def _build_whole(bench, tier, device, seed, plan, init_checkpoint):
+def _timed_init_from(timer: dict, *args, **kwargs) -> None:
+    import time
+
+    from timetotrain.train.checkpoint import init_from
+
+    t0 = time.monotonic()
+    init_from(*args, **kwargs)
+    timer["load"] = time.monotonic() - t0
+
+
+def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
     """Model on the meta device, materialised whole on `device`, initialised from `seed + 1`, warmed up,
     initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
     none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
@@ -119,16 +131,16 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint):
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.precision == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
-        from timetotrain.train.checkpoint import init_from
-
-        init_from(init_checkpoint, model, family, tier.model)
+        _timed_init_from(
+            timer, init_checkpoint, model, family, tier.model, truncate_rows=bench.task.checkpoint_rows(tier)
+        )
     bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.precision)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
     return model, wrapped, ep_group
 
 
-def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
+def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     """FSDP2 without ever materialising the whole model: build on the meta device -> the task's adaptation
     (LoRA) on the meta device, so that its new modules are inside the blocks before `fully_shard` groups
     their parameters -> activation checkpointing / compile / `fully_shard` per block and root
@@ -162,13 +174,14 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
     with full_init(skip_sharded=init_checkpoint is not None):
         family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
-        from timetotrain.train.checkpoint import init_from
-
         if plan.tp > 1:
             from timetotrain.train.tensor_parallel import mark_stacked
 
             mark_stacked(model)
-        init_from(init_checkpoint, model, family, tier.model, names=task.checkpoint_names(model))
+        _timed_init_from(
+            timer, init_checkpoint, model, family, tier.model, truncate_rows=task.checkpoint_rows(tier),
+            names=task.checkpoint_names(model),
+        )  # fmt: skip
     with full_init():
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
     model.train()
