@@ -223,3 +223,19 @@ def test_embedding_and_head_keep_the_first_rows(tmp_path):
     init_from(hf, model, BENCH.family, cfg, truncate_rows=rows)
     assert torch.equal(model.embed.weight, tensors["model.embed_tokens.weight"][:256])
     assert torch.equal(model.head.weight, tensors["lm_head.weight"][:256])
+
+
+def test_synth_reference_runs_one_block_at_the_exact_width(tmp_path, monkeypatch):
+    """`ttt synth llama31_405b --tier reference` cannot hold 126 blocks on one GPU: it runs 1 at width
+    16,384 and says so. Checked on the tiny tier's shape (the reference needs a GPU): the same path."""
+    from timetotrain import suite
+    from timetotrain.train.synth import SynthOptions, format_table, synth
+
+    assert BENCH.synth_layers == {"reference": 1}
+    from timetotrain.suite.llama31_405b import TINY
+
+    patched = dataclasses.replace(BENCH, tiers={**BENCH.tiers, "tiny": TINY}, synth_layers={"tiny": 1})
+    monkeypatch.setattr(suite, "get", lambda name: patched)
+    s = synth(SynthOptions("llama31_405b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=3))
+    assert (s["layers"], s["layers_of"]) == (1, 2)
+    assert "1 of its 2 layers at the exact width (reduced depth)" in format_table(s)

@@ -166,6 +166,9 @@ class Benchmark:
     gbs_hparams: Callable[[int], dict[str, Any]] | None = None
     end_lr_rule: EndLRRule | None = None  # the closed division's end LR, None where the rules fix none
     listed: bool = True  # False: a test-only benchmark, not shown by `ttt list`
+    # tier -> the layer count `ttt synth` uses when --layers is not given: a model too big for one device
+    # runs at its exact width with fewer layers (llama31_405b reference), and the output says so.
+    synth_layers: dict[str, int] = field(default_factory=dict)
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
     # checks the logs of those tiers against them.
     rules_dir: Path = Path(__file__).parent / "rules"

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 
-from timetotrain.models.llama import FAMILY, LLAMA31_405B
-from timetotrain.suite.base import Benchmark, EndLRRule, Tier
+from timetotrain.models.llama import FAMILY, LLAMA31_405B, LlamaConfig
+from timetotrain.suite.base import BaseRecipe, Benchmark, EndLRRule, Tier
 from timetotrain.suite.c4_llm import CLOSED_ADAMW
+from timetotrain.suite.c4_llm import TRAIN_PREFIXES as OUR_TRAIN
+from timetotrain.suite.c4_llm import VAL_PREFIXES as OUR_VAL
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 
 REFERENCE_GBS = 1152
@@ -86,11 +88,70 @@ REFERENCE = Tier(
     description="MLPerf Training 6.0 closed configuration (continued pretraining from the 405B checkpoint)",
 )  # fmt: skip
 
+# --- tiny: the same situation scaled down -----------------------------------------------------------------
+# A Llama 3.1-architecture base (GQA, RoPE 500k with the 3.1 scaling, SwiGLU, RMSNorm, untied) at width 128,
+# 2 layers, pretrained off the clock with the Llama 3 tokenizer (`ttt base llama31_405b --tier tiny`) on the
+# shared C4 sample; its vocabulary is the 4,095 most frequent Llama 3 ids plus "other" (as llama31_8b tiny).
+TINY_BASE_MODEL = LlamaConfig(
+    dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=4096, max_seq_len=256,
+    rope_scaling=LLAMA31_405B.rope_scaling,
+)  # fmt: skip
+
+_BASE_PRETRAINING = Benchmark(
+    name="llama31_405b_base",
+    area="base pretraining for llama31_405b tiny (off the clock)",
+    task=CausalLM(),
+    family=FAMILY,
+    tiers={
+        "tiny": Tier(
+            name="tiny", model=TINY_BASE_MODEL,
+            data=LMData(256, OUR_TRAIN, OUR_VAL, tokenizer="llama3", vocab_keep=4095),
+            global_batch_size=16, micro_batch_size=16, lr=3e-3, end_lr=3e-4, warmup_steps=20, max_steps=300,
+            eval_every_samples=4800, eval_samples=32, target=0.0, runs=1, division="open",
+            description="the base of llama31_405b tiny",
+        )
+    },
+    optimizer=CLOSED_ADAMW,
+    schedule="nemo",
+    listed=False,
+)  # fmt: skip
+
+TINY_BASE = BaseRecipe(
+    benchmark=_BASE_PRETRAINING,
+    tier="tiny",
+    seed=0,
+    data_hint="C4 tokenized with Llama 3: `ttt data prepare c4`, both splits",
+)
+
+# Continued on C4 tokenized with the Mixtral 8x22B tokenizer, narrowed to its 2,047 most frequent ids plus
+# "other": the model keeps the base's first 2,048 embedding and head rows (as the real run keeps Llama 3's
+# first 32,768 rows for Mixtral's ids), the skip-first-evals rule (floor(0.0026 * 16 + 12) = 12 intervals of
+# 64 samples: the first evaluation at step 48) and unshuffled validation windows.
+TINY = Tier(
+    name="tiny",
+    model=LlamaConfig(**{**TINY_BASE_MODEL.__dict__, "vocab_size": 2048}),
+    data=LMData(256, OUR_TRAIN, OUR_VAL, tokenizer="mixtral", vocab_keep=2047, skip_evals=SKIP_EVALS),
+    global_batch_size=16,
+    micro_batch_size=16,
+    lr=2e-3,
+    end_lr=2e-4,
+    warmup_steps=10,
+    max_steps=1000,
+    eval_every_samples=64,
+    eval_samples=64,
+    target=4.9,
+    runs=10,
+    division="open",
+    description="2 CPU cores, about a minute; base pretrained with Llama 3 ids, continued on Mixtral ids",
+    base=TINY_BASE,
+)
+
 BENCHMARK = Benchmark(
     name="llama31_405b",
     area="LLM pretraining (continued)",
     task=CausalLM(init_checkpoint_step=0, truncate_vocab=True),
     family=FAMILY,
+    # TINY is not registered yet: its target, rule file and RCP need the 10-seed measurement (docs).
     tiers={"reference": REFERENCE},
     optimizer=CLOSED_ADAMW,
     schedule="nemo",
@@ -98,4 +159,8 @@ BENCHMARK = Benchmark(
     gbs_hparams=gbs_hparams,
     # 8e-7 is the reference's min LR at every GBS; 0.01 x base is the same value at GBS 1152.
     end_lr_rule=EndLRRule(0.01, also=(END_LR,)),
+    # One block of 16,384 width (3.2 B parameters) plus the 32,768-row embedding and head: about 70 GB of
+    # fp32 weights, gradients and AdamW moments, which one 80-141 GB GPU holds with an 8k-token micro-batch
+    # (estimate, train/memory.py; not measured on a GPU).
+    synth_layers={"reference": 1},
 )
