@@ -8,6 +8,7 @@ the kept ids (fp32, 1e-5).
 Run as a script (by torchrun) this file is the worker; it writes its losses to a file per rank."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -40,6 +41,13 @@ def batches(data_rank: int, data_world: int) -> list[dict]:
     g = torch.Generator().manual_seed(3)
     two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
     return [{"tokens": two[s % 2].chunk(data_world)[data_rank]} for s in range(STEPS)]
+
+
+@functools.cache
+def one_process(name: str) -> tuple[float, ...]:
+    from timetotrain.train import parallel
+
+    return tuple(train(name, parallel.Plan()))
 
 
 def train(name: str, plan, rank: int = 0) -> list[float]:
@@ -97,12 +105,11 @@ def tokens() -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "spec"), [(2, "tp=2"), (4, "tp=2,fsdp=2")])
 def test_tensor_parallel_trains_as_one_process(tmp_path, request, nproc, spec):
-    from timetotrain.train import parallel
 
     ranks = run_workers(tmp_path, nproc, spec) if nproc == 2 else request.getfixturevalue("four_ranks")[0]
     names = ["llama31_405b", "llama31_8b"] if nproc == 2 else ["llama31_405b"]
     for name in names:
-        expected = train(name, parallel.Plan())
+        expected = list(one_process(name))
         for r in ranks:
             assert r[name] == ranks[0][name]  # every rank reports the same global loss
             torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
