@@ -154,3 +154,23 @@ def _worker(out: Path, spec: str) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), sys.argv[2])
+
+
+def test_parallel_flag_for_tensor_parallelism():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+    from timetotrain.train.tensor_parallel import check_shape
+
+    plan = parallel.parse("tp=2,fsdp=2", 4)
+    assert (plan.tp, plan.fsdp, plan.world, plan.data_parallel) == (2, 2, 4, 2)
+    assert [plan.data_rank(r) for r in range(4)] == [0, 0, 1, 1] and plan.sharded
+    assert "tp=2" in plan.describe()
+    for spec, world, needle in [
+        ("tp=2,dp=2", 4, "tp combines with fsdp only"),
+        ("tp=2,ep=2", 4, "tp combines with fsdp only"),
+        ("tp=2", 4, "needs 2 processes"),
+    ]:
+        with pytest.raises(UserError, match=needle):
+            parallel.parse(spec, world)
+    with pytest.raises(UserError, match="n_kv_heads 2 .* do not divide by 4"):
+        check_shape(CFG, 4)
