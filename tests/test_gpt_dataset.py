@@ -184,3 +184,53 @@ def test_argument_checks(corpus):
         GPTWindows(ds, 64, 10, shuffle=True)
     with pytest.raises(ValueError, match="seq_length"):
         GPTWindows(ds, 1, 10, seed=0)
+
+
+def megatron_blend(prefixes, weights, seed: int, seq_length: int, num_samples: int):
+    gd = require("megatron.core.datasets.gpt_dataset")
+    bb = require("megatron.core.datasets.blended_megatron_dataset_builder")
+    config = gd.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend_per_split=[(list(prefixes), list(weights)), None, None],
+        path_to_cache=None,  # BlendedDataset would ask torch.distributed for the rank that writes a cache
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    train, _, _ = bb.BlendedMegatronDatasetBuilder(
+        gd.GPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
+    return train
+
+
+@pytest.mark.parametrize(("weights", "num_samples", "seed"), [((50, 50), 301, 5), ((30.0, 70.0), 257, 11)])
+def test_blend_matches_megatron(tmp_path, weights, num_samples, seed):
+    """The llama31_405b training split: two files blended 50/50 (and an unequal blend, which runs the greedy
+    rule itself), through the loader's path, against megatron-core's BlendedDataset: which file and which
+    of its samples every window is, and the tokens."""
+    from timetotrain.data import loader
+
+    prefixes = []
+    for i, n_docs in enumerate((90, 130)):
+        write_corpus(tmp_path / f"part{i}", 20 + i, n_docs, np.uint16, 32768)
+        prefixes.append(tmp_path / f"part{i}")
+    seq = 128
+    res = loader.ResolvedData(prefixes[0], prefixes[0], None, tuple(zip(prefixes, weights, strict=True)))
+    ours = loader.open_train(res, seq, num_samples, seed)
+    theirs = megatron_blend([str(p) for p in prefixes], weights, seed, seq, num_samples)
+
+    assert len(ours) == len(theirs)
+    assert ours.dataset_index.dtype == theirs.dataset_index.dtype
+    np.testing.assert_array_equal(ours.dataset_index, theirs.dataset_index)
+    np.testing.assert_array_equal(ours.dataset_sample_index, theirs.dataset_sample_index)
+    for mine, ref in zip(ours.parts, theirs.datasets, strict=True):
+        assert mine.total_samples == len(ref)
+        np.testing.assert_array_equal(mine.shuffle_index, ref.shuffle_index)
+    windows = ours.batch(range(len(ours)))
+    for i in range(len(ours)):
+        sample = theirs[i]
+        np.testing.assert_array_equal(windows[i, :-1].numpy(), sample["tokens"].numpy())
+        np.testing.assert_array_equal(windows[i, 1:].numpy(), sample["labels"].numpy())

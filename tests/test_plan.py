@@ -62,3 +62,21 @@ def test_moe_family_hook_gives_the_gpt_oss_estimate():
     dense_like = bench.family.activation_elements(tier.model) - 4 * tier.model.top_k * tier.model.dim
     assert bench.family.activation_elements(tier.model) > dense_like
     assert best is not None and best.parallel == "fsdp=8"
+
+
+def test_405b_on_256_gpus_suggests_tensor_parallel_with_checkpointing():
+    from timetotrain.train.memory import format_plan
+
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    n, rows, best = plan(bench, tier, 256, 80, None)
+    assert all(r.total > 80 * GiB for r in rows if not r.parallel.startswith("tp="))  # FSDP alone: no
+    assert best is not None and best.parallel.startswith("tp=") and best.ac
+    tp = int(best.parallel.split(",")[0].split("=")[1])
+    assert tp * int(best.parallel.split("fsdp=")[1]) == 256 and 1152 // (256 // tp) % best.micro_batch == 0
+    # Block states split over all 256 ranks, embedding and head over the FSDP ranks only.
+    blocks = tier.model.n_layers * bench.family.block_params(tier.model)
+    assert best.states == pytest.approx(16 * (blocks / 256 + (n - blocks) / (256 // tp)))
+    text = format_plan(bench, tier, n, rows, best, 256, 80)
+    assert f"--parallel {best.parallel}" in text and "--ac" in text
+    assert "not validated on GPUs" in text

@@ -244,7 +244,8 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
     s.add_argument(
         "--parallel",
         default=None,
-        help="under torchrun: dp=N (DDP) or fsdp=N (FSDP2, sharded per block); default dp over all processes",
+        help="under torchrun: dp=N (DDP), fsdp=N (FSDP2, sharded per block) or tp=T[,fsdp=F] (tensor "
+        "parallel, Llama-family decoders); default dp over all processes",
     )
     s.add_argument(
         "--precision",

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain.data.blend import BlendedWindows, blend_sizes, normalize
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataError, IndexedDataset
 from timetotrain.data.manifest import REPREPARE, read_manifest, verify_manifest
@@ -26,9 +27,16 @@ class ResolvedData:
     train_prefix: Path
     val_prefix: Path
     counts_file: Path | None  # training-split token histogram, for vocabulary narrowing
+    # A blended training split (LMData.train_blend): every file with its weight; train_prefix is the first.
+    train_blend: tuple[tuple[Path, float], ...] = ()
+
+    @property
+    def train_prefixes(self) -> list[Path]:
+        return [p for p, _ in self.train_blend] or [self.train_prefix]
 
     def files(self) -> list[Path]:
-        out = [Path(f"{p}{ext}") for p in (self.train_prefix, self.val_prefix) for ext in (".bin", ".idx")]
+        prefixes = (*self.train_prefixes, self.val_prefix)
+        out = [Path(f"{p}{ext}") for p in prefixes for ext in (".bin", ".idx")]
         return out + ([self.counts_file] if self.counts_file else [])
 
 
@@ -52,11 +60,12 @@ def resolve(
     if not data_dir.is_dir():
         what = "is a file, not a folder" if data_dir.exists() else "does not exist"
         raise UserError(f"--data {data_dir} {what}: pass the folder written by `ttt data prepare c4`")
-    train = _find(data_dir, data.train_prefixes, "train")
+    blend = tuple((_find(data_dir, names, "train"), w) for names, w in data.train_blend)
+    train = blend[0][0] if blend else _find(data_dir, data.train_prefixes, "train")
     val = _find(data_dir, data.val_prefixes, "validation")
     counts = None
     opened = {}
-    for prefix in (train, val):
+    for prefix in (*(p for p, _ in blend[1:]), train, val):
         name = prefix.name.removesuffix(_SUFFIX)
         manifest = read_manifest(data_dir, name)
         if manifest is None:
@@ -77,6 +86,8 @@ def resolve(
             opened[prefix] = IndexedDataset(prefix)
         except IndexedDataError as e:
             raise UserError(str(e)) from e
+    for prefix, _ in blend[1:]:
+        _check_sizes(opened[prefix], opened[val], data.seq_len, eval_samples)
     _check_sizes(opened[train], opened[val], data.seq_len, eval_samples)
     limit, what = vocab_size, f"the model's vocabulary of {vocab_size:,}" if vocab_size else ""
     if data.vocab_keep is not None:
@@ -92,7 +103,7 @@ def resolve(
     if limit is not None:
         for prefix, ds in opened.items():
             _check_ids(ds, _counts_file(prefix), limit, what)
-    return ResolvedData(train, val, counts)
+    return ResolvedData(train, val, counts, blend)
 
 
 def _counts_file(prefix: Path) -> Path:
@@ -269,9 +280,19 @@ def reference_num_samples(train_samples: int) -> int:
     return math.ceil(train_samples * 1.005)
 
 
-def open_train(res: ResolvedData, seq_len: int, train_samples: int, seed: int) -> GPTWindows:
-    n = reference_num_samples(train_samples)
-    return GPTWindows(IndexedDataset(res.train_prefix), seq_len, n, seed, shuffle=True)
+def open_train(res: ResolvedData, seq_len: int, train_samples: int, seed: int):
+    """The training windows: one file as a one-entry blend (`reference_num_samples`), or several blended by
+    weight as megatron-core's BlendedDataset does, each file's GPTDataset drawn with the same seed."""
+    if not res.train_blend:
+        n = reference_num_samples(train_samples)
+        return GPTWindows(IndexedDataset(res.train_prefix), seq_len, n, seed, shuffle=True)
+    weights = normalize([w for _, w in res.train_blend])
+    built = blend_sizes(weights, train_samples)
+    parts = [
+        GPTWindows(IndexedDataset(prefix), seq_len, n, seed, shuffle=True)
+        for (prefix, _), n in zip(res.train_blend, built, strict=True)
+    ]
+    return BlendedWindows(parts, weights, sum(blend_sizes(weights, train_samples, surplus=0.0)))
 
 
 def open_val(res: ResolvedData, seq_len: int, num_samples: int) -> GPTWindows:

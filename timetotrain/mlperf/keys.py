@@ -42,7 +42,7 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
 def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
     """The optional parallelism and precision keys of the 6.0 rules (integers / approved precision names)."""
     return [
-        ("tensor_parallelism", 1),
+        ("tensor_parallelism", getattr(plan, "tp", 1)),
         ("pipeline_parallelism", 1),
         ("context_parallelism", 1),
         ("expert_parallelism", getattr(plan, "ep", 1)),

@@ -74,6 +74,23 @@ LLAMA31_8B = LlamaConfig(
 )
 
 
+# MLPerf `llama31_405b` (NeMo Llama31Config405B): Meta's Llama 3.1 405B with its embedding and LM head cut to
+# the first 32,768 rows, the Mixtral 8x22B vocabulary the benchmark's C4 is tokenized with (docs/benchmarks/
+# llama31_405b.md, "Vocabulary").
+LLAMA31_405B = LlamaConfig(
+    dim=16_384,
+    n_layers=126,
+    n_heads=128,
+    n_kv_heads=8,
+    ffn_dim=53_248,
+    vocab_size=32_768,
+    max_seq_len=8192,
+    norm_eps=1e-5,
+    rope_theta=500_000.0,
+    rope_scaling=LLAMA31_8B.rope_scaling,
+)
+
+
 # The frozen base of the MLPerf `llama2_70b_lora` benchmark: HF `Llama-2-70b-hf`, loaded with
 # max_position_embeddings 8192; plain RoPE at theta 10,000, the Llama 2 SentencePiece vocabulary.
 LLAMA2_70B = LlamaConfig(

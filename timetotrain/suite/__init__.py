@@ -18,6 +18,7 @@ _MODULES = {
     "llama2_70b_lora": "timetotrain.suite.llama2_70b_lora",
     "deepseekv3_671b": "timetotrain.suite.deepseekv3_671b",
     "flux1": "timetotrain.suite.flux1",
+    "llama31_405b": "timetotrain.suite.llama31_405b",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -160,8 +161,14 @@ class Benchmark:
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
     # GBS -> the hyperparameters of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, RcpHparams] = field(default_factory=dict)
+    # Where the rules fix the hyperparameters as a function of the GBS (llama31_405b: no borrowing, LR and
+    # schedule scale with the GBS): GBS -> the Tier fields a new --set global_batch_size takes.
+    gbs_hparams: Callable[[int], dict[str, Any]] | None = None
     end_lr_rule: EndLRRule | None = None  # the closed division's end LR, None where the rules fix none
     listed: bool = True  # False: a test-only benchmark, not shown by `ttt list`
+    # tier -> the layer count `ttt synth` uses when --layers is not given: a model too big for one device
+    # runs at its exact width with fewer layers (llama31_405b reference), and the output says so.
+    synth_layers: dict[str, int] = field(default_factory=dict)
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
     # checks the logs of those tiers against them.
     rules_dir: Path = Path(__file__).parent / "rules"
@@ -214,6 +221,9 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if data_changes:
         changes["data"] = dataclasses.replace(tier.data, **data_changes)
     gbs = changes.get("global_batch_size")
+    if gbs is not None and bench.gbs_hparams is not None:
+        for key, value in bench.gbs_hparams(gbs).items():
+            changes.setdefault(key, value)
     rcp = bench.rcp_hparams.get(gbs) if gbs is not None else None
     if rcp is not None:
         changes.setdefault("lr", rcp.lr)

@@ -125,6 +125,11 @@ class Task(ABC):
         `names`). None: the names are unchanged."""
         return None
 
+    def checkpoint_rows(self, tier) -> dict[str, int] | None:
+        """Our parameter name -> how many leading rows to keep of the checkpoint's tensor, for a task that
+        continues from a checkpoint with a smaller vocabulary (`load_hf_checkpoint`'s `truncate_rows`)."""
+        return None
+
     def first_eval_step(self, tier) -> int:
         """The first step with an evaluation (then every `eval_every_steps`): the first eval point by
         default; tasks whose reference delays evaluation say so here."""

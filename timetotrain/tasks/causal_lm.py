@@ -35,6 +35,12 @@ class LMData:
     # Keep the K most frequent training ids and map every other id to one extra "other" id (tiny tiers):
     # the full 128k-row embedding and head would dominate a 2-core run (README "Tiers").
     vocab_keep: int | None = None
+    # Training files blended by weight as megatron-core's BlendedDataset does (data/blend.py): each entry is
+    # (names tried in order, weight). Empty: the one file of `train_prefixes`.
+    train_blend: tuple[tuple[tuple[str, ...], float], ...] = ()
+    # Evaluations skipped before the first one, floor(a * GBS + b) for (a, b) (llama31_405b: 0.0026, 12);
+    # None: evaluate from the first eval point.
+    skip_evals: tuple[float, float] | None = None
 
 
 def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
@@ -112,8 +118,37 @@ class CausalLM(Task):
     metric = Metric("validation log-perplexity (mean cross-entropy)", higher_is_better=False, unit="samples")
     settable = {"seq_len": "max_sequence_length"}
 
-    def __init__(self, eod_mask_loss: bool = False):
+    def __init__(
+        self,
+        eod_mask_loss: bool = False,
+        init_checkpoint_step: int | None = None,
+        truncate_vocab: bool = False,
+    ):
         self.eod_mask_loss = eod_mask_loss
+        # Continued pretraining from a checkpoint logs the step it starts from (closed_llama31_405b.yaml).
+        self.init_checkpoint_step = init_checkpoint_step
+        # The checkpoint's embedding and head keep only their first vocab_size rows (llama31_405b: the
+        # Llama 3 checkpoint continued on Mixtral ids).
+        self.truncate_vocab = truncate_vocab
+
+    def checkpoint_rows(self, tier) -> dict[str, int] | None:
+        if not self.truncate_vocab:
+            return None
+        return {"embed.weight": tier.model.vocab_size, "head.weight": tier.model.vocab_size}
+
+    def first_eval_step(self, tier) -> int:
+        """With `skip_evals` (a, b), the reference skips the first k = floor(a * GBS + b) evaluations: its
+        first validation is at eval_every_samples * k / GBS steps, then every `eval_every_steps`. Where
+        that is not a whole step on the cadence (a GBS that does not divide the interval), the first
+        evaluation is the first cadence step at or after it (decision: the loop evaluates on the cadence
+        only)."""
+        every = tier.eval_every_steps
+        if tier.data.skip_evals is None:
+            return every
+        a, b = tier.data.skip_evals
+        skip = math.floor(a * tier.global_batch_size + b)
+        start = max(-(-tier.eval_every_samples * skip // tier.global_batch_size), every)
+        return -(-start // every) * every
 
     def validate(self, tier) -> None:
         if tier.data.seq_len <= 0:
@@ -189,4 +224,6 @@ class CausalLM(Task):
             ("train_samples", tier.max_steps * tier.global_batch_size),
             ("eval_samples", tier.eval_samples),
         ]
+        if self.init_checkpoint_step is not None:
+            hp.append(("init_checkpoint_step", self.init_checkpoint_step))
         return hp

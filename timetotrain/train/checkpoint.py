@@ -140,7 +140,10 @@ def load_hf_checkpoint(
     held: dict[str, torch.Tensor] = {}
     uses_left = {hf: len(ours) for hf, ours in consumers.items()}
     held_bytes = 0
-    for shard in shards:
+    live = _progress_line(len(shards))
+    for k, shard in enumerate(shards):
+        if live is not None:
+            live.update(f"loading {path.name}: shard {k + 1}/{len(shards)} ({shard})", force=k == 0)
         wanted = {hf for hf in consumers if weight_map[hf] == shard}
         with safe_open(path / shard, framework="pt", device="cpu") as f:
             absent = sorted(wanted - set(f.keys()))
@@ -163,10 +166,34 @@ def load_hf_checkpoint(
                         uses_left[name] -= 1
                         if not uses_left[name]:
                             held_bytes -= held.pop(name).nbytes
+    if live is not None:
+        live.update(f"loading {path.name}: {len(shards)}/{len(shards)} shards", force=True)
+        live.close()
     reset_rope = getattr(model, "reset_rope", None)
     if callable(reset_rope):
         reset_rope()  # RoPE tables are non-persistent buffers: after to_empty they hold garbage
     return report
+
+
+def _progress_line(n_shards: int):
+    """A progress line on stderr for a checkpoint of several shards, on the first rank only (a 405B
+    checkpoint is 191 shards and minutes of reading)."""
+    if n_shards < 2 or (_distributed() and dist.get_rank() != 0):
+        return None
+    from timetotrain.progress import LiveLine
+
+    return LiveLine()
+
+
+def check_hf_files(path: Path) -> None:
+    """Preflight of a Hugging Face checkpoint (before `init_start`): every shard its index lists is
+    present, so a missing one is a one-line error naming it rather than a failure minutes into loading."""
+    weight_map, listing = _weight_map(path)
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise UserError(
+                f"{path / shard}: shard listed in {listing.name} is missing; re-download the checkpoint"
+            )
 
 
 def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
@@ -292,6 +319,7 @@ def check_init_source(path: str | os.PathLike, family) -> str:
             raise UserError(
                 f"--init-checkpoint {p}: the {family.name} family has no Hugging Face name mapping"
             )
+        check_hf_files(p)
         return "hf"
     raise UserError(
         f"--init-checkpoint {p} holds neither {HF_INDEX} / {HF_SINGLE} (Hugging Face) nor {META} (ttt)"

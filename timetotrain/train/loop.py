@@ -158,6 +158,11 @@ def run(opts: RunOptions) -> RunResult:
                 extra["ttt_init_checkpoint_sha256"] = base_sha
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
             tr = prepare.build(prep)
+            if tr.load_seconds is not None:
+                # Inside init, before run_start: loading the starting weights is not timed, but reported.
+                log.event("ttt_init_checkpoint_load_seconds", round(tr.load_seconds, 3))
+                if live:
+                    live.print(f"loaded {prep.init_checkpoint} in {tr.load_seconds:.1f} s")
             log.end("init_stop")
 
             log.start("run_start")
@@ -165,7 +170,7 @@ def run(opts: RunOptions) -> RunResult:
             # -- the clock runs: dataset access from here on --
             if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
                 live.update("opening the data ...", force=True)
-            data = task.open(tier, res, seed, d.rank, prep.plan.data_parallel, device)
+            data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
             fetch = loader.Prefetcher(data, 0, device)
             gbs, every, accum = tier.global_batch_size, tier.eval_every_steps, prep.accum
             first_eval = task.first_eval_step(tier)

@@ -21,6 +21,14 @@ Where the numbers come from (an estimate, not a measurement):
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation.
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
+- Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
+  alone fits (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
+  and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
+  unsharded blocks are 1/T of a block each; a block's kept activations are 1/T of the count above (heads
+  split over the TP ranks, the norms and the residual stream cut along the sequence, Megatron's sequence
+  parallelism), the block inputs kept under checkpointing too; the head and loss see the whole sequence.
+  T runs over 2, 4, 8 (one node's NVLink domain) where heads and FFN width divide. This estimate has not
+  been validated on GPUs; the TP code is tested for exactness on CPU (gloo) only.
 """
 
 from __future__ import annotations
@@ -51,25 +59,28 @@ class Estimate:
         return self.states + self.compute_copies + self.activations + self.margin
 
 
-def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool) -> float:
+def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1) -> float:
     h = cfg.dim
-    per_block = family.activation_elements(cfg)  # elements per token, see the module docstring
+    per_block = family.activation_elements(cfg) / tp  # elements per token, see the module docstring
     head = 4 * h * act_bytes
     rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
     # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
     chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
     head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
     if ac:
-        body = cfg.n_layers * h * act_bytes + per_block * act_bytes
+        body = cfg.n_layers * h / tp * act_bytes + per_block * act_bytes
     else:
         body = cfg.n_layers * per_block * act_bytes
     return tokens * (body + head) + head_fixed
 
 
 def estimate(
-    bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool
-):
+    bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool,
+    tp: int = 1,
+):  # fmt: skip
     family, cfg = bench.family, tier.model
+    if tp > 1:
+        return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp)
     shards = gpus if kind == "fsdp" else 1
     trainable, frozen = bench.task.param_counts(family, tier)
     frozen_bytes = bench.task.frozen_bytes(tier, bf16)
@@ -88,6 +99,26 @@ def estimate(
     return Estimate(f"{kind}={gpus}", ac, micro, states, copies, act, margin)
 
 
+def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimate:
+    """tp x fsdp (module docstring): all parameters trainable, as in the pretraining tiers it serves."""
+    family, cfg = bench.family, tier.model
+    fsdp = gpus // tp
+    block = family.block_params(cfg)
+    blocks = cfg.n_layers * block
+    rest = family.param_count(cfg) - blocks  # embedding, head, final norm
+    states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
+    copies = (2 if bf16 else 4) * 2 * block / tp
+    tokens = micro * bench.task.sample_items(tier)[1]
+    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
+    margin = 0.05 * gpu_mem_gib * GiB + GiB
+    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin)
+
+
+def _tp_degrees(cfg, gpus: int) -> list[int]:
+    ok = hasattr(cfg, "n_kv_heads") and hasattr(cfg, "ffn_dim")
+    return [t for t in (2, 4, 8) if ok and gpus % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_dim % t == 0]
+
+
 def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16: bool = True):
     """All candidate configurations with their estimates, and the suggested one (or None if none fits)."""
     if gpus < 1 or gpu_mem_gib <= 0:
@@ -97,22 +128,44 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16:
     n = bench.family.param_count(tier.model)
     kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
     for k in kinds:
-        if k not in ("dp", "fsdp"):
-            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N and fsdp=N")
+        if k not in ("dp", "fsdp", "tp"):
+            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N, fsdp=N and tp=T")
     local = max(1, tier.global_batch_size // gpus)
     micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
     rows = [
         estimate(bench, tier, n, gpus, gpu_mem_gib, k, ac, m, bf16)
         for k in kinds
+        if k != "tp"
         for ac in (False, True)
         for m in micros
     ]
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
     cap = HEADROOM * gpu_mem_gib * GiB
     fitting = [r for r in rows if r.total <= cap]
-    # Prefer no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
-    best = max(fitting, key=lambda r: (not r.ac, r.micro_batch, r.parallel.startswith("dp")), default=None)
+    if not fitting and (parallel is None or kinds == ["tp"]):
+        # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
+        degrees = _tp_degrees(tier.model, gpus)
+        if parallel:
+            want = int(parallel.split(",")[0].split("=")[1])
+            degrees = [t for t in degrees if t == want]
+        for t in degrees:
+            per_rank = max(1, tier.global_batch_size // (gpus // t))  # TP ranks share their samples
+            for ac in (False, True):
+                for m in (m for m in (1, 2, 4, 8, 16) if m <= per_rank and per_rank % m == 0):
+                    rows.append(estimate(bench, tier, n, gpus, gpu_mem_gib, "tp", ac, m, bf16, tp=t))
+        fitting = [r for r in rows if r.total <= cap]
+    # Prefer no tensor parallelism, then the smallest TP degree (its collectives sit on every block), then
+    # no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
+    best = max(
+        fitting,
+        key=lambda r: (-_tp_of(r), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
+        default=None,
+    )
     return n, rows, best
+
+
+def _tp_of(r: Estimate) -> int:
+    return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
 
 def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
@@ -124,14 +177,14 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
     out = [
         f"{bench.name} {tier.name}: {params}, {per_sample:,} {item} per sample, "
         f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
-        f"{'parallel':<10}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
+        f"{'parallel':<14}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}  fits",
     ]
     for r in rows:
         cap = gpu_mem_gib * GiB
         fits = "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
         out.append(
-            f"{r.parallel:<10}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
+            f"{r.parallel:<14}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
             f"{r.total / GiB:>8.1f}G  {fits}"
         )
@@ -150,4 +203,10 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
     )
     out.append("timetotrain/train/memory.py); allocator fragmentation and NCCL buffers can add 5-10%.")
+    if any(_tp_of(r) > 1 for r in rows):
+        out.append(
+            "tp x fsdp rows (tried because nothing fits with dp or fsdp alone): block weights split over tp x "
+            "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
+            "(one node). Method only: not validated on GPUs."
+        )
     return "\n".join(out)

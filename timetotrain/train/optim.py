@@ -22,9 +22,13 @@ def param_groups(model: nn.Module, weight_decay: float, mask: str = "megatron") 
     return groups
 
 
-def build_optimizer(model: nn.Module, spec, lr: float, fused: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, spec, lr: float, fused: bool | None = None, foreach: bool = True
+) -> torch.optim.Optimizer:
     """`spec` is a `suite.base.Optimizer`. `fused=None` picks the fused kernel where the device has one, else
-    the foreach implementation (sharded DTensor parameters need foreach: pass fused=False)."""
+    the foreach implementation (sharded DTensor parameters need foreach: pass fused=False), or with
+    `foreach=False` the per-parameter loop (parameters of different meshes or placements in one list, as
+    tensor parallelism leaves them, cannot share a foreach kernel)."""
     kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
     if spec.name not in kinds:
         raise ValueError(f"unknown optimizer {spec.name!r}: choose one of {', '.join(kinds)}")
@@ -32,7 +36,7 @@ def build_optimizer(model: nn.Module, spec, lr: float, fused: bool | None = None
     dev = next(model.parameters()).device
     if fused is None:
         fused = dev.type in ("cuda", "cpu")
-    kwargs = {"fused": True} if fused else {"foreach": True}
+    kwargs = {"fused": True} if fused else {"foreach": foreach}
     cls = kinds[spec.name]
     try:
         return cls(params, lr=lr, betas=spec.betas, eps=spec.eps, **kwargs)

@@ -1,8 +1,9 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8` or `ep=8`; dp x fsdp must equal the world
-size. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the same N
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `ep=8` or `tp=8,fsdp=32`; dp x fsdp x tp
+must equal the world size. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive ranks on one
+sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the same N
 ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`). Model families expose their repeated blocks
 as `model.layers` (an nn.ModuleList); that is all we need.
 """
@@ -17,7 +18,7 @@ from torch import nn
 
 from timetotrain.errors import UserError
 
-KINDS = ("dp", "fsdp", "ep")
+KINDS = ("dp", "fsdp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -25,18 +26,28 @@ class Plan:
     dp: int = 1
     fsdp: int = 1
     ep: int = 1
+    tp: int = 1
     precision: str = "fp32"  # fp32 | bf16
     activation_checkpointing: bool = False
     compile: bool = False
 
     @property
     def world(self) -> int:
-        return self.dp * self.fsdp
+        return self.dp * self.fsdp * self.tp
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different samples (all of them, for DDP and FSDP)."""
+        """Ranks that see different samples (all of them, for DDP and FSDP; one per TP group)."""
         return self.dp * self.fsdp
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters are DTensors: built on the meta device and filled per shard (step._build_sharded)."""
+        return self.fsdp > 1 or self.tp > 1
+
+    def data_rank(self, rank: int) -> int:
+        """Which sample stream global `rank` reads: the TP ranks of a group read the same one."""
+        return rank // self.tp
 
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in KINDS if getattr(self, k) > 1] or ["single process"]
@@ -50,7 +61,7 @@ class Plan:
 
 def parse(spec: str | None, world: int, **switches) -> Plan:
     """`None` means plain data parallel over all ranks."""
-    degrees = {"dp": 1, "fsdp": 1, "ep": 1}
+    degrees = {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1}
     if not spec:
         degrees["dp"] = world
     else:
@@ -61,6 +72,8 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
                     f"--parallel {spec!r}: use comma-separated degrees like dp=8 or fsdp=8 ({', '.join(KINDS)})"
                 )
             degrees[key] = int(val)
+        if degrees["tp"] > 1 and (degrees["dp"] > 1 or degrees["ep"] > 1):
+            raise UserError(f"--parallel {spec!r}: tp combines with fsdp only; use tp=T or tp=T,fsdp=F")
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
         if degrees["ep"] > 1:
@@ -89,6 +102,15 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
     the expert-parallel process group or None). Expert sharding comes first: it slices the experts of
     the initialised model, before checkpoint wrappers, compile and DDP see the parameters."""
     ep_group = None
+    fsdp_mesh = None
+    if plan.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from timetotrain.train.tensor_parallel import apply_tensor_parallel
+
+        mesh = init_device_mesh(device.type, (plan.fsdp, plan.tp), mesh_dim_names=("fsdp", "tp"))
+        apply_tensor_parallel(model, mesh["tp"])
+        fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
         import torch.distributed as dist
 
@@ -114,8 +136,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
             param_dtype=torch.bfloat16 if plan.precision == "bf16" else None, reduce_dtype=torch.float32
         )
         for block in blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+        if plan.tp > 1:
+            from timetotrain.train.tensor_parallel import mark_stacked
+
+            mark_stacked(model)
         return model, ep_group
     if plan.dp > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -131,7 +157,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
     """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
-    if plan.precision == "bf16" and plan.fsdp == 1:
+    if plan.precision == "bf16" and plan.fsdp == 1:  # (under tp alone too: its DTensors keep their dtype)
         return torch.bfloat16
     return None
 

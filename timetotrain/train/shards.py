@@ -38,6 +38,14 @@ def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     possibly short or empty); `Replicate` keeps everything."""
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(f"full tensor {list(full.shape)} does not match the parameter's {list(param.shape)}")
+    from timetotrain.train.tensor_parallel import logical
+
+    full = logical(full, param)  # a tensor-parallel fused layout's row order (train/tensor_parallel.py)
+    if any(type(p).__name__ == "_StridedShard" for p in param.placements):
+        # FSDP over tensor parallelism cuts the TP shard again: DTensor's own split knows the order.
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     mesh, out = param.device_mesh, full
     for mesh_dim, placement in enumerate(param.placements):
         if placement.is_replicate():

@@ -16,8 +16,9 @@ from timetotrain.train.optim import build_optimizer, set_lr
 
 
 def train_step(
-    model, opt, batch: dict, accum: int, loss_fn, clip: float | None, params, autocast=None, ep_group=None
-) -> torch.Tensor:
+    model, opt, batch: dict, accum: int, loss_fn, clip: float | None, params, autocast=None, ep_group=None,
+    tp_world: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """One optimizer step over a local batch split into `accum` equal micro-batches; each micro-batch's
     loss is `loss_fn(model, micro_batch)` (a mean over its samples or tokens), and the step's loss their mean.
     Returns the local loss as a device tensor: no host sync here. `autocast` (e.g. torch.bfloat16) runs the
@@ -33,7 +34,11 @@ def train_step(
             loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     if clip is not None:
-        if ep_group is None:
+        if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
+            from timetotrain.train.tensor_parallel import clip_grad_norm_tp
+
+            clip_grad_norm_tp(params, clip, tp_world)
+        elif ep_group is None:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         else:  # expert slices differ per rank: the global norm sums them across the group
             from timetotrain.train.expert_parallel import clip_grad_norm_ep
@@ -59,6 +64,8 @@ class Training:
     autocast: torch.dtype | None = None
     world: int = 1
     ep_group: object = None  # expert-parallel process group, when experts are sharded
+    tp_world: int | None = None  # under tensor parallelism: the world the gradient norm is summed over
+    load_seconds: float | None = None  # how long reading --init-checkpoint took (logged before run_start)
     _votes: torch.Tensor | None = None
 
     def step(self, step: int, batch: dict, accum: int, loss_fn, stop_vote: bool = False) -> torch.Tensor:
@@ -66,8 +73,9 @@ class Training:
         single collective so every rank sees the same values and takes the same decision."""
         set_lr(self.opt, self.sched(step))
         loss = train_step(
-            self.model, self.opt, batch, accum, loss_fn, self.clip, self.params, self.autocast, self.ep_group
-        )
+            self.model, self.opt, batch, accum, loss_fn, self.clip, self.params, self.autocast, self.ep_group,
+            self.tp_world,
+        )  # fmt: skip
         # Auxiliary-loss-free MoE balancing (DeepSeek-V3): a router bias update outside autograd, once per
         # optimizer step, from the expert loads summed over the whole global batch.
         balance = getattr(self.bare, "update_router_bias", None)
@@ -87,25 +95,36 @@ def build_training(
     """The model, initialised by the benchmark's own rule from `seed` (the same on every rank) or loaded from
     `init_checkpoint` (a Hugging Face or ttt checkpoint folder), adapted by the task (LoRA), warmed up once
     and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
-    from the warm-up survives. Sharded plans (`fsdp > 1`) never hold the whole model on a rank
+    from the warm-up survives. Sharded plans (`fsdp > 1` or `tp > 1`) never hold the whole model on a rank
     (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
-    if plan.fsdp > 1:
-        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint)
+    timer: dict[str, float] = {}
+    if plan.sharded:
+        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer)
     else:
-        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint)
+        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer)
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
-    fused = None if plan.fsdp == 1 else False
-    opt = build_optimizer(model, bench.optimizer, tier.lr, fused)
+    fused = None if not plan.sharded else False
+    opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
     sched = schedule.for_tier(bench.schedule, tier)
     params = [p for p in model.parameters() if p.requires_grad]
     return Training(
         wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
-        ep_group=ep_group,
+        ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
     )  # fmt: skip
 
 
-def _build_whole(bench, tier, device, seed, plan, init_checkpoint):
+def _timed_init_from(timer: dict, *args, **kwargs) -> None:
+    import time
+
+    from timetotrain.train.checkpoint import init_from
+
+    t0 = time.monotonic()
+    init_from(*args, **kwargs)
+    timer["load"] = time.monotonic() - t0
+
+
+def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
     """Model on the meta device, materialised whole on `device`, initialised from `seed + 1`, warmed up,
     initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
     none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
@@ -117,16 +136,16 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint):
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.precision == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
-        from timetotrain.train.checkpoint import init_from
-
-        init_from(init_checkpoint, model, family, tier.model)
+        _timed_init_from(
+            timer, init_checkpoint, model, family, tier.model, truncate_rows=bench.task.checkpoint_rows(tier)
+        )
     bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.precision)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device)
     return model, wrapped, ep_group
 
 
-def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
+def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     """FSDP2 without ever materialising the whole model: build on the meta device -> the task's adaptation
     (LoRA) on the meta device, so that its new modules are inside the blocks before `fully_shard` groups
     their parameters -> activation checkpointing / compile / `fully_shard` per block and root
@@ -148,6 +167,10 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
     task.adapt_model(model, tier, None, plan.precision)
     wrapped, ep_group = parallel.apply(model, plan, device)
     model.to_empty(device=device)
+    if plan.tp > 1:
+        from timetotrain.train.tensor_parallel import mark_stacked
+
+        mark_stacked(model)  # after FSDP's and to_empty's parameter swaps
     with full_init():
         family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
@@ -156,9 +179,14 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint):
     with full_init(skip_sharded=init_checkpoint is not None):
         family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
-        from timetotrain.train.checkpoint import init_from
+        if plan.tp > 1:
+            from timetotrain.train.tensor_parallel import mark_stacked
 
-        init_from(init_checkpoint, model, family, tier.model, names=task.checkpoint_names(model))
+            mark_stacked(model)
+        _timed_init_from(
+            timer, init_checkpoint, model, family, tier.model, truncate_rows=task.checkpoint_rows(tier),
+            names=task.checkpoint_names(model),
+        )  # fmt: skip
     with full_init():
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
     model.train()

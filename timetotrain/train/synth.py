@@ -103,6 +103,9 @@ def synth(opts: SynthOptions) -> dict:
         raise UserError(f"--steps {steps}: need at least 2 timed steps")
     if warmup < 0:
         raise UserError(f"--warmup-steps {warmup} must be >= 0")
+    full_layers = getattr(tier.model, "n_layers", None)
+    if opts.layers is None and tier.name in bench.synth_layers:
+        opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
     if opts.layers is not None:
         tier = _with_layers(bench, tier, opts.layers)
     # The schedule must cover every step we take, whatever the tier's max_steps.
@@ -131,7 +134,10 @@ def synth(opts: SynthOptions) -> dict:
         peak, peak_src = _peak(device)
         tr = prepare.build(prep)
         data = bench.task.synthetic(
-            tier, local, torch.Generator(device=device).manual_seed(seed + 1000 * d.rank), device
+            tier,
+            local,
+            torch.Generator(device=device).manual_seed(seed + 1000 * prep.plan.data_rank(d.rank)),
+            device,
         )
         log.end("init_stop")
 
@@ -212,6 +218,7 @@ def synth(opts: SynthOptions) -> dict:
         }
         if opts.layers is not None:
             summary["layers"] = opts.layers
+            summary["layers_of"] = full_layers
         for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
         log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])
@@ -272,7 +279,8 @@ def format_table(s: dict) -> str:
         loss += f" (uninformed guess: {s['baseline_loss']:.3f})"
     rows = [
         ("benchmark / tier", f"{s['benchmark']} / {s['tier']} ({s['mode']})"
-                             + (f", {s['layers']} layers" if "layers" in s else "")),
+                             + (f", {s['layers']} of its {s.get('layers_of', '?')} layers at the exact "
+                                f"width (reduced depth)" if "layers" in s else "")),
         ("system", f"{s['device']}, world size {s['world_size']}, {s['precision']}"),
         ("batch", f"GBS {s['global_batch_size']} x {s['items_per_sample']} {item} (micro "
                   f"{s['micro_batch_size']}, accum {s['gradient_accumulation_steps']})"),

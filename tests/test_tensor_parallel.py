@@ -1,0 +1,176 @@
+"""Tensor parallelism (train/tensor_parallel.py) on gloo against one process: `--parallel tp=2` (2 ranks)
+and `tp=2,fsdp=2` (4 ranks) train a small Llama from the same seed to the same `train_loss` for 20 steps
+(rtol 1e-5), for llama31_405b's and llama31_8b's harness; plus the fused layouts' row orders. Under
+tp=2,fsdp=2 a random HF `LlamaForCausalLM` with a larger vocabulary, saved in 3 safetensors shards, loads
+into the llama31_405b harness with its embedding and head cut to the model's rows: the logits equal HF's on
+the kept ids (fp32, 1e-5).
+
+Run as a script (by torchrun) this file is the worker; it writes its losses to a file per rank."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, small_llama
+
+from timetotrain.suite import get
+from timetotrain.tasks.causal_lm import lm_loss
+
+STEPS, GBS, SEQ = 20, 4, 32
+CFG = small_llama(max_seq_len=SEQ)  # 4 heads / 2 KV heads, FFN 128: both split over 2 ranks
+HF_VOCAB = 384  # the checkpoint's rows; the model keeps the first CFG.vocab_size (256)
+
+
+def tier(name: str):
+    bench = get(name)
+    t = bench.tier("tiny" if "tiny" in bench.tiers else "reference")
+    return bench, dataclasses.replace(
+        t, model=CFG, data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS, micro_batch_size=GBS, lr=3e-3, end_lr=3e-4, warmup_steps=3,
+        max_steps=100,
+    )  # fmt: skip
+
+
+def batches(data_rank: int, data_world: int) -> list[dict]:
+    """Two random global batches in turn: memorised within 20 steps, so the loss falls."""
+    g = torch.Generator().manual_seed(3)
+    two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
+    return [{"tokens": two[s % 2].chunk(data_world)[data_rank]} for s in range(STEPS)]
+
+
+@functools.cache
+def one_process(name: str) -> tuple[float, ...]:
+    from timetotrain.train import parallel
+
+    return tuple(train(name, parallel.Plan()))
+
+
+def train(name: str, plan, rank: int = 0) -> list[float]:
+    from timetotrain.train.step import build_training
+
+    bench, t = tier(name)
+    torch.manual_seed(0)
+    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
+    data = batches(plan.data_rank(rank), plan.data_parallel)
+    return [
+        tr.step(s, b, 1, lambda m, b: lm_loss(m, b["tokens"], None))[0].item() for s, b in enumerate(data)
+    ]
+
+
+def run_workers(tmp_path, nproc: int, spec: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), spec]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def hf_reference():
+    from conftest import random_hf_llama
+
+    return random_hf_llama(dataclasses.replace(CFG, vocab_size=HF_VOCAB))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One torchrun of 4 ranks under tp=2,fsdp=2: the training curve and the loaded checkpoint's logits."""
+    root = tmp_path_factory.mktemp("tp_fsdp")
+    hf = hf_reference()
+    hf.save_pretrained(root / "hf", safe_serialization=True, max_shard_size=200_000)
+    assert len(list((root / "hf").glob("*.safetensors"))) == 3
+    return run_workers(root, 4, "tp=2,fsdp=2"), hf, root
+
+
+@pytest.mark.slow
+def test_hf_checkpoint_loads_into_tp_fsdp_shards_with_truncated_rows(four_ranks):
+    ranks, hf, root = four_ranks
+    logits = torch.load(root / "logits.pt")
+    assert logits.shape == (2, SEQ, CFG.vocab_size)
+    with torch.no_grad():
+        expected = hf(tokens()).logits[..., : CFG.vocab_size]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    assert all(r["load_seconds"] > 0 for r in ranks)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "spec"), [(2, "tp=2"), (4, "tp=2,fsdp=2")])
+def test_tensor_parallel_trains_as_one_process(tmp_path, request, nproc, spec):
+
+    ranks = run_workers(tmp_path, nproc, spec) if nproc == 2 else request.getfixturevalue("four_ranks")[0]
+    names = ["llama31_405b", "llama31_8b"] if nproc == 2 else ["llama31_405b"]
+    for name in names:
+        expected = list(one_process(name))
+        for r in ranks:
+            assert r[name] == ranks[0][name]  # every rank reports the same global loss
+            torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert expected[-1] < expected[0] - 0.5  # it trained: a plan that froze weights would not match
+
+
+def test_stacked_rows_round_trip():
+    from timetotrain.train.tensor_parallel import STACKED, logical, unstack
+
+    full = torch.arange(16.0).view(8, 2)  # gate rows 0-3, up rows 4-7
+    param = torch.nn.Parameter(torch.empty(8, 2))
+    setattr(param, STACKED, (2, 2))
+    reordered = logical(full, param)
+    # rank 0: gate 0-1, up 4-5; rank 1: gate 2-3, up 6-7
+    assert reordered[:, 0].tolist() == [0, 2, 8, 10, 4, 6, 12, 14]
+    assert torch.equal(unstack(reordered, param), full)
+
+
+def _worker(out: Path, spec: str) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = parallel.parse(spec, world)
+    names = ["llama31_405b", "llama31_8b"] if plan.fsdp == 1 else ["llama31_405b"]
+    results = {name: train(name, plan, rank) for name in names}
+    if (out / "hf").is_dir():  # the checkpoint scenario (tp=2,fsdp=2)
+        from timetotrain.train.step import build_training
+
+        bench, t = tier("llama31_405b")
+        tr = build_training(bench, t, torch.device("cpu"), 7, plan, out / "hf")
+        results["load_seconds"] = tr.load_seconds
+        with torch.no_grad():
+            logits = tr.model(tokens())
+        if rank == 0:
+            torch.save(logits, out / "logits.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])
+
+
+def test_parallel_flag_for_tensor_parallelism():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+    from timetotrain.train.tensor_parallel import check_shape
+
+    plan = parallel.parse("tp=2,fsdp=2", 4)
+    assert (plan.tp, plan.fsdp, plan.world, plan.data_parallel) == (2, 2, 4, 2)
+    assert [plan.data_rank(r) for r in range(4)] == [0, 0, 1, 1] and plan.sharded
+    assert "tp=2" in plan.describe()
+    for spec, world, needle in [
+        ("tp=2,dp=2", 4, "tp combines with fsdp only"),
+        ("tp=2,ep=2", 4, "tp combines with fsdp only"),
+        ("tp=2", 4, "needs 2 processes"),
+    ]:
+        with pytest.raises(UserError, match=needle):
+            parallel.parse(spec, world)
+    with pytest.raises(UserError, match="n_kv_heads 2 .* do not divide by 4"):
+        check_shape(CFG, 4)
