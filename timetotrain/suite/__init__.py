@@ -16,6 +16,7 @@ _MODULES = {
     "llama31_8b": "timetotrain.suite.llama31_8b",
     "gpt_oss_20b": "timetotrain.suite.gpt_oss_20b",
     "llama2_70b_lora": "timetotrain.suite.llama2_70b_lora",
+    "rgat": "timetotrain.suite.rgat",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

@@ -36,6 +36,8 @@ class Metric:
     higher_is_better: bool = False
     # How the log counts eval points: "samples" (`samples_count`) or "epochs" (`epoch_num`, fractional).
     unit: str = "samples"
+    # Decimals `epoch_num` is rounded to, where the reference rounds it (rgat: 2); None: unrounded.
+    epoch_decimals: int | None = None
 
     def met(self, value: float, target: float) -> bool:
         if not math.isfinite(value):
