@@ -70,6 +70,11 @@ class RunData(ABC):
         """The quality metric on the eval set, reduced across ranks; every rank returns the same value."""
         raise NotImplementedError(f"{type(self).__name__} has no eval set")
 
+    def figures(self) -> dict[str, float]:
+        """Figures of the data pipeline itself for `ttt synth` (e.g. a graph sampler's subgraphs/s), by
+        name; most data has none."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional: most data holds nothing to release
         """Release files and threads."""
 

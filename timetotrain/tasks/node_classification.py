@@ -9,6 +9,7 @@ the seeds instead, each rank sampling its own subgraph.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,12 +143,26 @@ class _Synthetic(RunData):
         self.graph = graph_synth.in_memory(sc, seed)
         self.sampler = NeighbourSampler(self.graph.csc, self.graph.num_nodes, tier.data.fanouts)
         self.n, self.generator, self.device = local_batch, generator, device
+        self._seconds, self._subgraphs, self._edges = 0.0, 0, 0
 
     def batch(self, step):
+        t0 = time.perf_counter()
         seeds = torch.randint(0, len(self.graph.labels), (self.n,), generator=self.generator)
         sub = self.sampler.sample(SEED_TYPE, seeds, self.generator)
         b = batch_of(self.graph, sub, self.graph.labels[seeds])
+        self._seconds += time.perf_counter() - t0
+        self._subgraphs += 1
+        self._edges += sub.num_edges
         return {k: v.to(self.device) for k, v in b.items()}
+
+    def figures(self) -> dict[str, float]:
+        """The sampler alone (sampling and feature gathering, on the host), over every batch made."""
+        s = max(self._seconds, 1e-9)
+        return {
+            "sampled subgraphs/s": self._subgraphs / s,
+            "sampled seeds/s": self._subgraphs * self.n / s,
+            "sampled edges/s": self._edges / s,
+        }
 
     def loss(self, model, batch, reduction="mean"):
         return _loss(model, batch, reduction)
