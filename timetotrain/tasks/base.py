@@ -84,6 +84,9 @@ class Task(ABC):
     # Fields of the tier's `data` spec that `--set` may change, besides the Tier's own, each with the log key
     # that records it (e.g. {"seq_len": "max_sequence_length"}).
     settable: dict[str, str] = {}
+    # True for a task whose batch cannot be cut into micro-batches (a sampled subgraph): its micro-batch
+    # is the whole per-rank batch, so `--set global_batch_size` takes micro_batch_size along.
+    whole_batches: bool = False
 
     def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""

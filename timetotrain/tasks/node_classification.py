@@ -178,6 +178,7 @@ class Resolved:
 
 class NodeClassification(Task):
     metric = Metric("validation accuracy", higher_is_better=True, unit="epochs", epoch_decimals=2)
+    whole_batches = True
 
     def validate(self, tier) -> None:
         if tier.micro_batch_size != tier.global_batch_size:
