@@ -112,6 +112,10 @@ class HeteroGATLayer(nn.Module):
 
 
 class RGAT(nn.Module):
+    # The last layer's relations into types other than the target's never reach the logits (the reference
+    # builds them too; PyG leaves their grads None): data parallelism must expect parameters without grads.
+    has_unused_parameters = True
+
     def __init__(self, cfg: RGATConfig):
         super().__init__()
         self.cfg = cfg
