@@ -185,10 +185,23 @@ def block_params(cfg: RGATConfig) -> int:
 
 
 def flops_per_node(cfg: RGATConfig, seq_len: int = 1, causal: bool = False) -> float:
-    """Training FLOPs (x3 forward) of the projections for one node per relation leaving its type, on
-    average: 2 x in x hidden per relation and layer. Messages and softmax are not counted (memory bound)."""
+    """Training FLOPs (3 x forward) of the projections of one node per relation leaving its type, on
+    average (six node types share the eleven relations). Messages and softmax are not counted."""
     layer = cfg.in_dim * cfg.hidden + (cfg.n_layers - 1) * cfg.hidden * cfg.hidden
-    return 6.0 * layer * len(cfg.relations) / 6  # six node types share the eleven relations
+    return 6.0 * layer * len(cfg.relations) / 6
+
+
+def subgraph_flops(cfg: RGATConfig, node_hops: dict, edge_hops: dict, n_seeds: int) -> float:
+    """Training FLOPs (3 x forward) of one trimmed step on a sampled subgraph, counted from its sizes:
+    source projections, folded destination scores, messages (2 per edge and channel), and the head."""
+    total, n_layers = 0.0, cfg.n_layers
+    for i in range(n_layers):
+        keep, d_in = n_layers - 1 - i, cfg.in_dim if i == 0 else cfg.hidden
+        for s, _, d in cfg.relations:
+            total += 2.0 * node_hops[s][keep + 1] * d_in * cfg.hidden  # source projection
+            total += 2.0 * node_hops[d][keep] * d_in * cfg.heads  # destination scores
+        total += sum(2.0 * edge_hops[r][keep] * cfg.hidden for r in cfg.relations)
+    return 3.0 * (total + 2.0 * n_seeds * cfg.hidden * cfg.classes)
 
 
 FAMILY = ModelFamily(
