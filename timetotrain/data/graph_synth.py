@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain import fileio
 from timetotrain.data.igbh import (
     FEAT_FILE,
     LABEL_FILE,
@@ -144,17 +145,23 @@ def generate(out: Path, sc: Scale, seed: int, log=print) -> dict:
     """Write the graph under `out` (the `processed` layout); returns a summary of node and edge counts."""
     feats, labels, edges = make(sc, seed)
     out = Path(out)
-    for t, f in feats.items():
-        (out / t).mkdir(parents=True, exist_ok=True)
-        np.save(out / t / FEAT_FILE, f)
-    np.save(out / "paper" / LABEL_FILE, labels)
     summary = {"nodes": {t: len(f) for t, f in feats.items()}, "edges": {}, "labeled": len(labels),
                "dim": sc.dim, "classes": sc.classes}  # fmt: skip
-    for rel, e in edges.items():
-        (out / rel_dir(rel)).mkdir(exist_ok=True)
-        np.save(out / rel_dir(rel) / "edge_index.npy", e)
-        summary["edges"][rel[1]] = len(e)
-        log(f"{rel_dir(rel)}: {len(e):,} edges")
+    # Every file appears at once, or none (an interrupted generation leaves no half graph).
+    with fileio.Staged() as staged:
+
+        def save(path: Path, arr: np.ndarray) -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with staged.open(path) as f:  # a file object: np.save adds no second .npy
+                np.save(f, arr)
+
+        for t, f in feats.items():
+            save(out / t / FEAT_FILE, f)
+        save(out / "paper" / LABEL_FILE, labels)
+        for rel, e in edges.items():
+            save(out / rel_dir(rel) / "edge_index.npy", e)
+            summary["edges"][rel[1]] = len(e)
+            log(f"{rel_dir(rel)}: {len(e):,} edges")
     return summary
 
 

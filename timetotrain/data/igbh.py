@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 NODE_TYPES = ("paper", "author", "institute", "fos", "journal", "conference")
@@ -156,22 +157,26 @@ def build_csc(g: GraphFiles, log=print) -> float:
         cache.mkdir(exist_ok=True)
     except OSError as e:
         raise UserError(f"{cache}: cannot write the graph cache ({e}): make the data folder writable") from e
-    for s, rel, d in ON_DISK:
-        path = g.root / rel_dir((s, rel, d)) / "edge_index.npy"
-        e = np.load(path, mmap_mode="r")
-        src, dst = np.asarray(e[:, 0]), np.asarray(e[:, 1])
-        for name, ids, t in (("source", src, s), ("destination", dst, d)):
-            if len(ids) and (ids.min() < 0 or ids.max() >= g.num_nodes[t]):
-                raise UserError(
-                    f"{path}: {name} index {int(ids.max() if ids.max() >= g.num_nodes[t] else ids.min())} "
-                    f"is outside [0, {g.num_nodes[t]:,}) ({t}/{FEAT_FILE} rows): the edges do not match the nodes"
-                )
-        for r, a, b in directed((s, rel, d), src, dst):
-            indptr, indices = coo_to_csc(a, b, g.num_nodes[r[0]], g.num_nodes[r[2]])
-            np.save(cache / f"{rel_key(r)}.indptr.npy", indptr)
-            np.save(cache / f"{rel_key(r)}.indices.npy", indices)
-        log(f"graph cache: {rel} ({len(src):,} edges) done")
-    meta.write_text(json.dumps(stamp))
+    with fileio.Staged() as staged:  # the arrays and their stamp appear together, the stamp last
+        for s, rel, d in ON_DISK:
+            path = g.root / rel_dir((s, rel, d)) / "edge_index.npy"
+            e = np.load(path, mmap_mode="r")
+            src, dst = np.asarray(e[:, 0]), np.asarray(e[:, 1])
+            for name, ids, t in (("source", src, s), ("destination", dst, d)):
+                if len(ids) and (ids.min() < 0 or ids.max() >= g.num_nodes[t]):
+                    bad = int(ids.max() if ids.max() >= g.num_nodes[t] else ids.min())
+                    raise UserError(
+                        f"{path}: {name} index {bad} is outside [0, {g.num_nodes[t]:,}) ({t}/{FEAT_FILE} "
+                        "rows): the edges do not match the nodes"
+                    )
+            for r, a, b in directed((s, rel, d), src, dst):
+                indptr, indices = coo_to_csc(a, b, g.num_nodes[r[0]], g.num_nodes[r[2]])
+                for kind, arr in (("indptr", indptr), ("indices", indices)):
+                    with staged.open(cache / f"{rel_key(r)}.{kind}.npy") as f:
+                        np.save(f, arr)
+            log(f"graph cache: {rel} ({len(src):,} edges) done")
+        with staged.open(meta, "w") as f:
+            json.dump(stamp, f)
     return time.monotonic() - t0
 
 
