@@ -271,6 +271,25 @@ CASES = [
     C("report-unknown-benchmark", "report {w}/foo_ref --out {w}/rep", "{w}/foo_ref/result_0.txt", "'foo'"),
     C("report-ruleset-unknown", "report {w}/logs_ok --out {w}/rep --ruleset 9.9.9", "--ruleset '9.9.9'"),
     C("report-out-missing", "report {w}/logs_ok", "--out", "required", usage=True),
+    # -- rgat: its data and `ttt data synth-graph` (broken graphs: tests/test_igbh.py) --
+    C(
+        "rgat-data-not-igbh",
+        "run rgat --tier tiny --data {c4} --logdir {w}/logs",
+        "--data {c4}",
+        "synth-graph",
+    ),
+    C(
+        "synth-graph-out-is-a-file",
+        "data synth-graph --scale tiny --out {w}/afile",
+        "--out {w}/afile",
+        "is a file",
+    ),
+    C(
+        "synth-graph-out-not-empty",
+        "data synth-graph --scale tiny --out {w}/logs_ok",
+        "--out {w}/logs_ok",
+        "not empty",
+    ),
 ]
 
 
@@ -434,5 +453,14 @@ def test_the_suite_covers_every_command():
         c.values[0].argv[0] + (" " + c.values[0].argv[1] if c.values[0].argv[0] == "data" else "")
         for c in CASES
     }
-    assert commands == {"run", "synth", "data prepare", "check", "score", "package", "report"}
+    assert commands == {
+        "run",
+        "synth",
+        "data prepare",
+        "data synth-graph",
+        "check",
+        "score",
+        "package",
+        "report",
+    }
     assert len(CASES) >= 40

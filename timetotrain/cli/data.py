@@ -190,3 +190,39 @@ def add_commands(sub) -> None:
         help="flux: whose shapes to encode for (default: tiny with standin, else reference)",
     )
     s.set_defaults(func=_cmd_prepare)
+    _add_synth_graph(d)
+
+
+def _cmd_synth_graph(args) -> int:
+    from timetotrain.data import graph_synth
+
+    sc = graph_synth.scale(args.scale)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder for the graph")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(
+            f"--out {out} is not empty: give a new folder (a graph is never written over another)"
+        )
+    info = graph_synth.generate(out, sc, args.seed)
+    print(
+        f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
+        f"{sum(info['edges'].values()):,} stored edges, {info['labeled']:,} labeled papers, {info['dim']}-d "
+        f"features, {info['classes']} classes -> {out}"
+    )
+    return 0
+
+
+def _add_synth_graph(d) -> None:
+    s = d.add_parser(
+        "synth-graph",
+        help="write a synthetic IGBH-like graph (rgat) in the IGBH on-disk layout",
+        description="A heterogeneous graph with IGBH's schema (paper, author, institute, fos, journal, "
+        "conference; six stored relations, eleven with reverses), power-law degrees, class-dependent "
+        "features and homophilous edges, in the public IGBH `processed` layout; deterministic for a seed. "
+        "Its parameters: timetotrain/data/graph_synth.py and docs/benchmarks/rgat.md.",
+    )
+    s.add_argument("--scale", required=True, choices=["tiny", "small"], help="tiny: 50k papers; small: 400k")
+    s.add_argument("--out", required=True, help="output folder (new or empty)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    s.set_defaults(func=_cmd_synth_graph)

@@ -19,6 +19,7 @@ _MODULES = {
     "deepseekv3_671b": "timetotrain.suite.deepseekv3_671b",
     "flux1": "timetotrain.suite.flux1",
     "llama31_405b": "timetotrain.suite.llama31_405b",
+    "rgat": "timetotrain.suite.rgat",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

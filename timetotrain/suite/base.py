@@ -233,6 +233,8 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
             changes["end_lr"] = rcp.end_lr
         else:
             changes["end_lr"] = changes["lr"] * tier.end_lr / tier.lr
+    if "micro_batch_size" not in changes and gbs is not None and bench.task.whole_batches:
+        changes["micro_batch_size"] = gbs
     if "micro_batch_size" not in changes and gbs is not None and tier.micro_batch_size > gbs:
         changes["micro_batch_size"] = gbs
     new = dataclasses.replace(tier, **changes, user_set=tier.user_set | given)

@@ -36,6 +36,8 @@ class Metric:
     higher_is_better: bool = False
     # How the log counts eval points: "samples" (`samples_count`) or "epochs" (`epoch_num`, fractional).
     unit: str = "samples"
+    # Decimals `epoch_num` is rounded to, where the reference rounds it (rgat: 2); None: unrounded.
+    epoch_decimals: int | None = None
 
     def met(self, value: float, target: float) -> bool:
         if not math.isfinite(value):
@@ -68,6 +70,11 @@ class RunData(ABC):
         """The quality metric on the eval set, reduced across ranks; every rank returns the same value."""
         raise NotImplementedError(f"{type(self).__name__} has no eval set")
 
+    def figures(self) -> dict[str, float]:
+        """Figures of the data pipeline itself for `ttt synth` (e.g. a graph sampler's subgraphs/s), by
+        name; most data has none."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional: most data holds nothing to release
         """Release files and threads."""
 
@@ -77,6 +84,9 @@ class Task(ABC):
     # Fields of the tier's `data` spec that `--set` may change, besides the Tier's own, each with the log key
     # that records it (e.g. {"seq_len": "max_sequence_length"}).
     settable: dict[str, str] = {}
+    # True for a task whose batch cannot be cut into micro-batches (a sampled subgraph): its micro-batch
+    # is the whole per-rank batch, so `--set global_batch_size` takes micro_batch_size along.
+    whole_batches: bool = False
 
     def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""

@@ -255,7 +255,10 @@ def run(opts: RunOptions) -> RunResult:
 def _point(samples: int, data, metric) -> dict:
     """The metadata of an eval point: `samples_count`, or `epoch_num` for tasks counted in epochs."""
     if metric.unit == "epochs":
-        return {"epoch_num": samples / data.samples_per_epoch}
+        epochs = samples / data.samples_per_epoch
+        return {
+            "epoch_num": epochs if metric.epoch_decimals is None else round(epochs, metric.epoch_decimals)
+        }
     return {"samples_count": samples}
 
 

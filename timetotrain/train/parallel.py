@@ -151,7 +151,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
 
             # Each rank holds different experts: DDP must neither broadcast nor average them.
             ignore_experts_in_ddp(model)
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None), ep_group
+        # A model some of whose parameters cannot reach the loss (R-GAT's last layer into node types other
+        # than the target's, as in the reference) says so; DDP then looks for them each step.
+        unused = getattr(model, "has_unused_parameters", False)
+        return DDP(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
+        ), ep_group
     return model, ep_group
 
 

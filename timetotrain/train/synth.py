@@ -219,6 +219,7 @@ def synth(opts: SynthOptions) -> dict:
         if opts.layers is not None:
             summary["layers"] = opts.layers
             summary["layers_of"] = full_layers
+        summary["data_figures"] = data.figures()
         for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
         log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])
@@ -296,5 +297,6 @@ def format_table(s: dict) -> str:
                    else s["energy_scope"]),
         ("loss", loss),
     ]  # fmt: skip
+    rows += [(name, f"{value:,.1f}") for name, value in s.get("data_figures", {}).items()]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -1,0 +1,54 @@
+"""rgat tiny end to end: `ttt data synth-graph`, `ttt run` to the target on the generated graph, the log
+through the official engine with our rule file (ruleset 5.1.0), and `ttt synth` figures."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import mllog, ttt_command
+
+from timetotrain.suite.rgat import TINY
+
+pytestmark = pytest.mark.slow
+
+
+def ttt(*argv):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(ttt_command(*argv), env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rgat")
+    made = ttt("data", "synth-graph", "--scale", "tiny", "--out", str(root / "graph"), "--seed", "0")
+    assert made.returncode == 0, made.stderr
+    p = ttt("run", "rgat", "--tier", "tiny", "--data", str(root / "graph"), "--logdir", str(root / "logs"),
+            "--seed", "100", "--quiet")  # fmt: skip
+    return root, p
+
+
+def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
+    root, p = run
+    assert p.returncode == 0, p.stderr[-2000:]
+    log = root / "logs" / "rgat" / "tiny" / "result_0.txt"
+    recs = mllog(log)
+    evals = [r for r in recs if r["key"] == "eval_accuracy"]
+    assert evals[-1]["value"] >= TINY.target
+    assert evals[0]["value"] < 0.5  # it learned: the first eval is far from the target
+    epochs = [r["metadata"]["epoch_num"] for r in evals]
+    assert all(e == round(e, 2) for e in epochs) and epochs == sorted(epochs)
+    assert 0.4 < epochs[-1] < 1.0  # the RCP's 10 seeds converged at 0.68-0.74 epochs
+    check = ttt("check", str(log), "--ruleset", "5.1.0")
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_synth_reports_sampler_figures(tmp_path):
+    p = ttt(
+        "synth", "rgat", "--tier", "tiny", "--steps", "2", "--warmup-steps", "1", "--logdir", str(tmp_path)
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = json.loads((tmp_path / "synth" / "rgat" / "tiny" / "summary.json").read_text())
+    figures = s["data_figures"]
+    assert figures["sampled subgraphs/s"] > 0 and figures["sampled edges/s"] > figures["sampled seeds/s"] > 0
+    assert s["seeds_per_s"] > 0 and "sampled edges/s" in p.stdout

@@ -1,0 +1,257 @@
+"""Node classification on a heterogeneous graph (MLPerf rgat): sampled subgraphs around shuffled training
+seeds, cross-entropy on the seeds' logits, accuracy on every validation seed, eval points in epochs.
+
+A batch is one subgraph: `y` (the seeds' labels), `x.<type>` (features of every sampled node of a type,
+seeds first) and `e.<src>__<rel>__<dst>` (local edge index [2, E]). Only `y` has the sample dimension, so a
+batch cannot be cut into micro-batches (`validate` refuses gradient accumulation); data parallelism splits
+the seeds instead, each rank sampling its own subgraph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from timetotrain.data import graph_synth, igbh
+from timetotrain.data.sampler import NeighbourSampler
+from timetotrain.errors import UserError
+from timetotrain.models import rgat
+from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+
+SEED_TYPE = "paper"
+
+
+@dataclass(frozen=True)
+class GraphData:
+    fanouts: tuple[int, ...] = (15, 10, 5)
+    train_fraction: float = 0.6
+    val_fraction: float = 0.005
+    eval_batch: int = 1024  # validation seeds per sampled subgraph
+    # What the preflight expects: rows per node type (empty: not checked), labeled papers (None: any).
+    num_nodes: tuple[tuple[str, int], ...] = ()
+    num_labeled: int | None = None
+    how_to_make: str = "download IGBH-full (the `processed` folder)"
+    synth_scale: str = (
+        "tiny"  # the generated graph of `ttt synth` and the warm-up (sizes scale with the batch)
+    )
+
+
+def batch_of(graph: igbh.Graph, sub, labels: torch.Tensor | None) -> Batch:
+    """A sampled subgraph as a batch: features gathered from the memory-mapped files (never cached)."""
+    out = {f"x.{t}": igbh.gather_features(graph.feats[t], ids) for t, ids in sub.nodes.items()}
+    out.update({f"e.{igbh.rel_key(r)}": e for r, e in sub.edges.items()})
+    # The per-hop counts that trim each layer ride in the shapes of empty tensors: the harness moves them
+    # to the device with the batch, and reading a shape never waits for the device (a count tensor would
+    # need .tolist(), a host sync every step).
+    out.update({f"h.{t}": torch.empty(0, *c) for t, c in sub.node_hops.items()})
+    out.update({f"g.{igbh.rel_key(r)}": torch.empty(0, *c) for r, c in sub.edge_hops.items()})
+    if labels is not None:
+        out["y"] = labels
+    return out
+
+
+def forward(model, batch: Batch) -> torch.Tensor:
+    x = {k[2:]: v for k, v in batch.items() if k.startswith("x.")}
+    edges = {tuple(k[2:].split("__")): v for k, v in batch.items() if k.startswith("e.")}
+    nodes = {k[2:]: v.shape[1:] for k, v in batch.items() if k.startswith("h.")}
+    counts = {tuple(k[2:].split("__")): v.shape[1:] for k, v in batch.items() if k.startswith("g.")}
+    return model(x, edges, batch["y"].shape[0], (nodes, counts))
+
+
+def _loss(model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(forward(model, batch), batch["y"], reduction=reduction)
+
+
+def _generator(*parts: int) -> torch.Generator:
+    """A generator seeded from (run seed, purpose, step, rank): the same subgraph for the same step on any
+    thread, in any order, on every rerun."""
+    return torch.Generator().manual_seed(
+        int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0]) >> 1
+    )
+
+
+class _Seeds(RunData):
+    def __init__(self, graph: igbh.Graph, train, val, spec: GraphData, gbs, rank, world, seed, device):
+        self.graph, self.train, self.spec = graph, train, spec
+        self.samples_per_epoch = len(train)
+        self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
+        self.rank, self.world, self.seed, self.device = rank, world, seed, device
+        self.val = val[len(val) * rank // world : len(val) * (rank + 1) // world]
+        # One sampler per thread: batches are sampled on the prefetch thread, evaluations on the main one.
+        self.sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
+        self.eval_sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
+        self._order: dict[int, torch.Tensor] = {}
+        self._evals = 0
+
+    def _epoch(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._order:  # one seeded shuffle per epoch, the same on every rank
+            g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+            self._order = {epoch: self.train[torch.randperm(len(self.train), generator=g)]}
+        return self._order[epoch]
+
+    def seeds(self, step: int) -> torch.Tensor:
+        n = len(self.train)
+        i = torch.arange(step * self.gbs + self.offset, step * self.gbs + self.offset + self.local)
+        epochs = i // n
+        out = torch.empty_like(i)
+        for e in epochs.unique().tolist():  # one or two epochs per batch
+            mask = epochs == e
+            out[mask] = self._epoch(e)[i[mask] % n]
+        return out
+
+    def batch(self, step: int) -> Batch:
+        seeds = self.seeds(step)
+        sub = self.sampler.sample(SEED_TYPE, seeds, _generator(self.seed, 0, step, self.rank))
+        return batch_of(self.graph, sub, self.graph.labels[seeds])
+
+    def loss(self, model, batch, reduction="mean"):
+        return _loss(model, batch, reduction)
+
+    def evaluate(self, model, autocast=None) -> float:
+        self._evals += 1
+        gen = _generator(self.seed, 1, self._evals, self.rank)
+
+        def items():
+            for chunk in self.val.split(self.spec.eval_batch):
+                sub = self.eval_sampler.sample(SEED_TYPE, chunk, gen)
+                yield {
+                    k: v.to(self.device)
+                    for k, v in batch_of(self.graph, sub, self.graph.labels[chunk]).items()
+                }
+
+        def correct(m, b):
+            return (forward(m, b).argmax(-1) == b["y"]).sum(), b["y"].shape[0]
+
+        return evaluate_ratio(model, items(), correct, self.device, self.world, autocast)
+
+
+class _Synthetic(RunData):
+    """Subgraphs of a generated graph held in memory, made on the host and moved to the device (sampling
+    is part of what `ttt synth` measures)."""
+
+    def __init__(self, tier, local_batch: int, generator: torch.Generator, device):
+        cfg = tier.model
+        base = graph_synth.SCALES[tier.data.synth_scale]
+        # Enough papers that a batch's 3-hop neighbourhood is not the whole graph, at most ~1/8 of `small`.
+        factor = min(max(40 * local_batch / base.papers, 0.04), 1.0)
+        sc = graph_synth.scaled(base, factor, dim=cfg.in_dim, classes=cfg.classes)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        self.graph = graph_synth.in_memory(sc, seed)
+        self.sampler = NeighbourSampler(self.graph.csc, self.graph.num_nodes, tier.data.fanouts)
+        self.n, self.generator, self.device = local_batch, generator, device
+        self._seconds, self._subgraphs, self._edges, self._flops = 0.0, 0, 0, 0.0
+        self.cfg = cfg
+
+    def batch(self, step):
+        t0 = time.perf_counter()
+        seeds = torch.randint(0, len(self.graph.labels), (self.n,), generator=self.generator)
+        sub = self.sampler.sample(SEED_TYPE, seeds, self.generator)
+        b = batch_of(self.graph, sub, self.graph.labels[seeds])
+        self._seconds += time.perf_counter() - t0
+        self._subgraphs += 1
+        self._edges += sub.num_edges
+        self._flops += rgat.subgraph_flops(self.cfg, sub.node_hops, sub.edge_hops, self.n)
+        return {k: v.to(self.device) for k, v in b.items()}
+
+    def figures(self) -> dict[str, float]:
+        """The sampler alone (sampling and feature gathering, on the host), over every batch made."""
+        s = max(self._seconds, 1e-9)
+        return {
+            "sampled subgraphs/s": self._subgraphs / s,
+            "sampled seeds/s": self._subgraphs * self.n / s,
+            "sampled edges/s": self._edges / s,
+            "model GFLOP/subgraph (counted)": self._flops / max(self._subgraphs, 1) / 1e9,
+        }
+
+    def loss(self, model, batch, reduction="mean"):
+        return _loss(model, batch, reduction)
+
+
+class Resolved:
+    def __init__(self, files: igbh.GraphFiles, cache_seconds: float):
+        self.graph_files, self.cache_seconds = files, cache_seconds
+
+    def files(self):
+        return self.graph_files.files()
+
+
+class NodeClassification(Task):
+    metric = Metric("validation accuracy", higher_is_better=True, unit="epochs", epoch_decimals=2)
+    whole_batches = True
+
+    def validate(self, tier) -> None:
+        if tier.micro_batch_size != tier.global_batch_size:
+            raise UserError(
+                f"--set micro_batch_size={tier.micro_batch_size}: a sampled subgraph is one batch; node "
+                "classification has no gradient accumulation (micro_batch_size = global_batch_size)"
+            )
+        if len(tier.data.fanouts) != tier.model.n_layers:
+            raise UserError(
+                f"{len(tier.data.fanouts)} fanouts for {tier.model.n_layers} layers: one per layer"
+            )
+
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
+        spec: GraphData = tier.data
+        files = igbh.check_layout(Path(data_dir))
+        for t, n in spec.num_nodes:
+            if files.num_nodes[t] != n:
+                raise UserError(
+                    f"{files.root / t / igbh.FEAT_FILE} has {files.num_nodes[t]:,} rows; the {tier.name} graph "
+                    f"has {n:,} {t} nodes: {spec.how_to_make}"
+                )
+        if spec.num_labeled is not None and files.num_labeled != spec.num_labeled:
+            raise UserError(
+                f"{files.root / 'paper' / igbh.LABEL_FILE} has {files.num_labeled:,} labels; the {tier.name} "
+                f"graph labels {spec.num_labeled:,} papers: {spec.how_to_make}"
+            )
+        if files.dim != tier.model.in_dim:
+            raise UserError(
+                f"{files.root / 'paper' / igbh.FEAT_FILE} has {files.dim}-d features; the {tier.name} model "
+                f"reads {tier.model.in_dim}: {spec.how_to_make}"
+            )
+        seconds = igbh.build_csc(files, log=lambda s: print(s, flush=True))
+        if seconds:
+            print(f"graph cache built in {seconds:.1f} s (off the clock: the rules allow graph caching)")
+        return Resolved(files, seconds)
+
+    def open(self, tier, resolved, seed, rank, world, device):
+        spec: GraphData = tier.data
+        graph = igbh.open_graph(resolved.graph_files)
+        if int(graph.labels.max()) >= tier.model.classes or int(graph.labels.min()) < 0:
+            raise UserError(
+                f"{resolved.graph_files.root / 'paper' / igbh.LABEL_FILE}: labels outside [0, {tier.model.classes})"
+            )
+        train, val = igbh.split(len(graph.labels), spec.train_fraction, spec.val_fraction)
+        return _Seeds(graph, train, val, spec, tier.global_batch_size, rank, world, seed, device)
+
+    def synthetic(self, tier, local_batch, generator, device):
+        return _Synthetic(tier, local_batch, generator, device)
+
+    def flops_per_sample(self, family, tier):
+        """A lower bound: the FLOPs of the seed itself through every layer. How many nodes a seed brings in
+        depends on the graph (3-hop neighbourhoods overlap more the smaller it is), so `ttt synth` also
+        counts the FLOPs of each sampled subgraph (`figures`); an upper bound at the full fanouts would
+        put MFU above 100% on small graphs."""
+        return family.flops_per_token(tier.model)
+
+    def sample_items(self, tier):
+        return "seeds", 1
+
+    def hyperparameters(self, bench, tier, accum):
+        return [
+            ("global_batch_size", tier.global_batch_size),
+            ("gradient_accumulation_steps", accum),
+            ("opt_base_learning_rate", tier.lr),
+            *bench.optimizer.log_keys(),
+            ("ttt_fanouts", list(tier.data.fanouts)),
+        ]
+
+    def baseline_loss(self, tier):
+        import math
+
+        return math.log(tier.model.classes)
