@@ -11,7 +11,7 @@ import argparse
 import sys
 import warnings
 
-from timetotrain.cli import data, results, run
+from timetotrain.cli import data, results, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     run.add_commands(sub)
     results.add_commands(sub)
+    suite.add_commands(sub)
     return p
 
 
