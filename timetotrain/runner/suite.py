@@ -48,9 +48,10 @@ class Row:
     runs: int
     converged: int
     compliant: int
-    score: float | None
+    score: float | None  # the official olympic score: None with fewer runs than it needs
     rcp: str
     note: str = ""
+    mean_minutes: float | None = None  # run_start -> run_stop, mean of the compliant runs
 
 
 def _ttt(*args: str) -> list[str]:
@@ -290,17 +291,23 @@ def score_row(bench, folder: Path) -> Row:
     if failed:
         note = (note + "; " if note else "") + f"{failed[0].file}: {failed[0].problem}"
     rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
+    minutes = [r.minutes for r in s.runs if r.compliant and r.minutes is not None]
+    mean = sum(minutes) / len(minutes) if minutes else None
     return Row(bench.name, len(s.runs), sum(r.converged for r in s.runs), sum(r.compliant for r in s.runs),
-               s.score_minutes, rcp, note)  # fmt: skip
+               s.score_minutes, rcp, note, mean)  # fmt: skip
 
 
 def format_rows(rows: list[Row]) -> str:
-    head = f"{'benchmark':<18}{'runs converged':>16}{'ttt check':>11}{'score (min)':>13}  {'RCP':<16}note"
+    head = (
+        f"{'benchmark':<18}{'runs converged':>16}{'ttt check':>12}{'score (min)':>13}{'mean run (min)':>16}  "
+        f"{'RCP':<16}note"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         score = "-" if r.score is None else f"{r.score:.3f}"
+        mean = "-" if r.mean_minutes is None else f"{r.mean_minutes:.3f}"
         lines.append(
-            f"{r.benchmark:<18}{f'{r.converged}/{r.runs}':>16}{f'{r.compliant}/{r.runs} pass':>11}{score:>13}  "
-            f"{r.rcp:<16}{r.note}"
+            f"{r.benchmark:<18}{f'{r.converged}/{r.runs}':>16}{f'{r.compliant}/{r.runs} pass':>12}{score:>13}"
+            f"{mean:>16}  {r.rcp:<16}{r.note}"
         )
     return "\n".join(lines)
