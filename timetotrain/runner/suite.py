@@ -186,9 +186,8 @@ class Suite:
         rec = tier.base
         data = self.prepare(rec.benchmark, rec.pretraining, f"{bench.name} {tier.name} base")
         self.say(f"{bench.name} {tier.name}: base model (`ttt base`, cached after the first time)")
+        # On the CPU whatever --device says: the base is deterministic there, so its cache is shared.
         cmd = _ttt("base", bench.name, "--tier", tier.name, "--data", str(data))
-        if self.o.device:
-            cmd += ["--device", self.o.device]
         res = _child(cmd, capture=True)
         if res.returncode != 0:
             raise UserError(f"{bench.name}: `ttt base` failed (exit {res.returncode}); see above")
