@@ -125,7 +125,8 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
     layout = {
         "title": {"text": f"{_e(group.benchmark)} tier {_e(group.tier)}: {scored}, RCP {_e(r.verdict)}"},
         "xaxis": {"title": {"text": f"training {unit}"}},
-        "yaxis": {"title": {"text": metric_label(group.benchmark)}},
+        # The metric label is long (key, what it measures, direction): a smaller font keeps it on the axis.
+        "yaxis": {"title": {"text": metric_label(group.benchmark), "font": {"size": 11}}},
         "hovermode": "closest",
         "legend": {"orientation": "h", "y": -0.2},
         "margin": {"t": 50, "l": 90, "r": 20},
