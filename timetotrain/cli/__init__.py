@@ -25,6 +25,7 @@ examples:
   ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
   ttt base llama2_70b_lora --tier tiny --data data/c4-llama2   # a fine-tuning tier's base, cached
   ttt check logs/llama31_8b/tiny/result_0.txt
+  ttt suite --tier tiny --runs 1 --data ../shared/data --out suite-tiny   # every benchmark, one scorecard
 """
 
 
