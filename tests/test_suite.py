@@ -110,3 +110,16 @@ def test_suite_runs_scores_and_resumes(tmp_path, monkeypatch):
     )
     assert again.returncode == 0 and "already finished" in again.stderr and "not rerun" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in finished_seeds(folder).values()} == stamps
+
+
+def test_eta_comes_from_this_suite_then_from_earlier_ones(tmp_path):
+    from timetotrain.runner.suite import Suite, SuiteOptions
+
+    s = Suite(SuiteOptions(tier="tiny", out=tmp_path / "out", cache=tmp_path / "cache"))
+    s.state = {"tier": "tiny", "seeds": {}, "seconds": {}}
+    assert s.eta("llama31_8b", 2) == "ETA after its first run"
+    s._remember("llama31_8b", 50.0)
+    s._remember("llama31_8b", 70.0)
+    assert s.eta("llama31_8b", 2) == "ETA 2.0 min for llama31_8b, from earlier suites"
+    s.state["seconds"]["llama31_8b"] = [90.0]
+    assert s.eta("llama31_8b", 3) == "ETA 4.5 min for llama31_8b"

@@ -210,10 +210,27 @@ class Suite:
         return have[:n]
 
     def eta(self, bench: str, left: int) -> str:
+        """From this suite's runs of the benchmark, else from earlier suites' on this machine (the cache)."""
         secs = self.state["seconds"].get(bench, [])
+        where = ""
+        if not secs:
+            secs = self._history().get(f"{bench}/{self.o.tier}", [])[-5:]
+            where = ", from earlier suites"
         if not secs:
             return "ETA after its first run"
-        return f"ETA {_fmt_s(left * sum(secs) / len(secs))} for {bench}"
+        return f"ETA {_fmt_s(left * sum(secs) / len(secs))} for {bench}{where}"
+
+    def _history(self) -> dict:
+        try:
+            return json.loads((self.cache / "run_seconds.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _remember(self, bench: str, seconds: float) -> None:
+        hist = self._history()
+        hist.setdefault(f"{bench}/{self.o.tier}", []).append(seconds)
+        self.cache.mkdir(parents=True, exist_ok=True)
+        fileio.write_text(self.cache / "run_seconds.json", json.dumps(hist) + "\n")
 
     def run_bench(self, bench) -> None:
         tier = bench.tier(self.o.tier)
@@ -249,8 +266,10 @@ class Suite:
                 raise UserError(
                     f"{bench.name}: `ttt run` with seed {seed} wrote no result (exit {res.returncode})"
                 )
-            self.state["seconds"].setdefault(bench.name, []).append(round(time.monotonic() - t, 1))
+            took = round(time.monotonic() - t, 1)
+            self.state["seconds"].setdefault(bench.name, []).append(took)
             self.save()
+            self._remember(bench.name, took)
 
     def run(self) -> list[Row]:
         benches = select(self.o.tier, self.o.only)
