@@ -82,6 +82,7 @@ def test_wandb_gets_loss_lr_eval_and_expert_load_offline(tmp_path, monkeypatch):
     t.on_event("ttt_expert_load", {"min": 3, "max": 9, "cv": 0.5}, {"samples_count": 320})
     t.on_event("ttt_tokens_per_expert", [[1, 2], [3, 4]], {"samples_count": 320})
     t.on_event("eval_accuracy", 5.1, {"samples_count": 320})
+    t.on_event("ttt_synth_mfu", 0.25, None)  # `ttt synth`: its summary figures, once
     t.close()
     (run,) = runs
     assert run.init["mode"] == "offline" and run.finished
@@ -91,6 +92,7 @@ def test_wandb_gets_loss_lr_eval_and_expert_load_offline(tmp_path, monkeypatch):
     assert ({"expert_load/min": 3.0, "expert_load/max": 9.0, "expert_load/cv": 0.5}, 20) in run.logged
     assert ({"tokens_per_expert/0": 4.0, "tokens_per_expert/1": 6.0}, 20) in run.logged
     assert ({"eval_accuracy": 5.1}, 20) in run.logged
+    assert run.logged[-1] == ({"synth/mfu": 0.25}, 0)
 
 
 def test_a_missing_tracker_package_is_one_line(tmp_path, monkeypatch):
