@@ -309,6 +309,10 @@ def score_row(bench, folder: Path) -> Row:
     if failed:
         note = (note + "; " if note else "") + f"{failed[0].file}: {failed[0].problem}"
     rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
+    if s.samples_to_converge is None and s.rcp.verdict == "Fail":
+        # The checker's olympic mean of fewer than 3 converged runs is NaN, which it reports as a Fail.
+        note = f"RCP checker: {s.rcp.verdict} (no mean of fewer than 3 runs); " + note
+        rcp = "- (< 3 runs)"
     minutes = [r.minutes for r in s.runs if r.compliant and r.minutes is not None]
     mean = sum(minutes) / len(minutes) if minutes else None
     return Row(bench.name, len(s.runs), sum(r.converged for r in s.runs), sum(r.compliant for r in s.runs),
