@@ -270,7 +270,28 @@ CASES = [
     C("report-out-is-a-file", "report {w}/logs_ok --out {w}/afile", "--out {w}/afile"),
     C("report-unknown-benchmark", "report {w}/foo_ref --out {w}/rep", "{w}/foo_ref/result_0.txt", "'foo'"),
     C("report-ruleset-unknown", "report {w}/logs_ok --out {w}/rep --ruleset 9.9.9", "--ruleset '9.9.9'"),
-    C("report-out-missing", "report {w}/logs_ok", "--out", "required", usage=True),
+    C("report-out-missing", "report {w}/logs_ok", "--out", "required", "--html"),
+    C("report-html-is-a-folder", "report {w}/logs_ok --html {w}/empty", "--html {w}/empty", "a folder"),
+    # -- ttt suite --
+    C("suite-tier-unknown", "suite --tier huge --out {w}/s", "--tier 'huge'", "no benchmark"),
+    C("suite-only-without-tier", "suite --tier huge --only llama31_8b --out {w}/s", "--only llama31_8b"),
+    C("suite-only-unknown", "suite --tier tiny --only nope --out {w}/s", "'nope'", "ttt list"),
+    C("suite-runs-zero", "suite --tier tiny --runs 0 --out {w}/s", "--runs 0"),
+    C("suite-data-missing", "suite --tier tiny --data {w}/nope --out {w}/s", "--data {w}/nope"),
+    # -- ttt data download --
+    C(
+        "download-c4-shards",
+        "data download c4 --shards 9 --split validation --out {w}/dl",
+        "--shards 9",
+        "8 shards",
+    ),
+    C("download-mlcommons-no-metadata", "data download mlcommons --out {w}/dl", "--metadata"),
+    C(
+        "download-metadata-not-uri",
+        "data download mlcommons --metadata {w}/afile --out {w}/dl",
+        "--metadata",
+        ".uri",
+    ),
     # -- rgat: its data and `ttt data synth-graph` (broken graphs: tests/test_igbh.py) --
     C(
         "rgat-data-not-igbh",
@@ -453,14 +474,6 @@ def test_the_suite_covers_every_command():
         c.values[0].argv[0] + (" " + c.values[0].argv[1] if c.values[0].argv[0] == "data" else "")
         for c in CASES
     }
-    assert commands == {
-        "run",
-        "synth",
-        "data prepare",
-        "data synth-graph",
-        "check",
-        "score",
-        "package",
-        "report",
-    }
+    assert commands == {"run", "synth", "data prepare", "data synth-graph", "check", "score", "package",
+                        "report", "suite", "data download"}  # fmt: skip
     assert len(CASES) >= 40

@@ -116,3 +116,11 @@ def test_a_tier_the_benchmark_lacks_is_a_one_line_error(tmp_path, capsys):
         and err
         == f"ttt: error: {log}: ttt_tier 'huge' is not a tier of llama31_8b (its tiers: reference, tiny)"
     )
+
+
+def test_a_relative_log_path_is_checked(tmp_path, capsys, monkeypatch):
+    """The engine runs in a temporary folder: `ttt check out/.../result_0.txt` must still find the file."""
+    tier_log(tmp_path / "out" / "result_0.txt", 5, 3200, 1.0)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "out/result_0.txt"]) == 0
+    assert capsys.readouterr().out.startswith("PASS: out/result_0.txt")

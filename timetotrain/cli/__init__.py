@@ -11,7 +11,7 @@ import argparse
 import sys
 import warnings
 
-from timetotrain.cli import data, results, run
+from timetotrain.cli import data, results, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -25,6 +25,7 @@ examples:
   ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
   ttt base llama2_70b_lora --tier tiny --data data/c4-llama2   # a fine-tuning tier's base, cached
   ttt check logs/llama31_8b/tiny/result_0.txt
+  ttt suite --tier tiny --runs 1 --data ../shared/data --out suite-tiny   # every benchmark, one scorecard
 """
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_commands(sub)
     run.add_commands(sub)
     results.add_commands(sub)
+    suite.add_commands(sub)
     return p
 
 

@@ -108,9 +108,57 @@ def _prepare_flux(args) -> int:
     return 0
 
 
+def _cmd_download(args) -> int:
+    from timetotrain.data import download
+    from timetotrain.interrupt import raise_on_signals
+
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers {args.workers} must be at least 1")
+    workers = args.workers or 4
+    out = Path(args.out)
+    with raise_on_signals():  # a stopped download keeps its .part files: the next call resumes them
+        if args.dataset == "c4":
+            if args.metadata or args.name:
+                raise UserError(
+                    "--metadata and a dataset name are for `ttt data download mlcommons`: drop them"
+                )
+            files = download.download_c4(args.split, args.shards, out, args.mirror, workers)
+        else:
+            if not args.metadata:
+                raise UserError(
+                    "mlcommons needs --metadata URL: the dataset's .uri file, as in MLCommons' download scripts"
+                )
+            files = download.download_mlcommons(args.metadata, out / (args.name or ""), workers)
+    total = sum(f.stat().st_size for f in files)
+    print(f"{len(files)} file(s), {total / 1e6:,.1f} MB, verified, in {out}")
+    return 0
+
+
 def add_commands(sub) -> None:
-    """Register `data prepare`."""
-    d = sub.add_parser("data", help="prepare datasets").add_subparsers(dest="data_command", required=True)
+    """Register `data prepare` and `data download`."""
+    d = sub.add_parser("data", help="download and prepare datasets").add_subparsers(
+        dest="data_command", required=True
+    )
+    s = d.add_parser(
+        "download",
+        help="fetch C4 shards (hub or mirror) or an MLCommons dataset, resumable and verified",
+        description="c4: allenai/c4 `en` json.gz shards 0..K-1 of --split, from the Hugging Face hub (sha256 "
+        "checked) or from --mirror (a URL, file:// URL or folder laid out as the hub repository; each shard "
+        "checked by its gzip CRC). mlcommons: the files listed by the storage metadata --metadata "
+        "(<dataset>.uri with the base URL, <dataset>.md5 beside it), downloaded in parallel and md5-checked. "
+        "Interrupted downloads resume from their .part files when the command runs again.",
+    )
+    s.add_argument("dataset", choices=["c4", "mlcommons"], help="what to download")
+    s.add_argument("name", nargs="?", help="mlcommons: a folder name under --out for the dataset")
+    s.add_argument("--out", required=True, help="download folder (created if missing)")
+    s.add_argument("--shards", type=int, default=1, help="c4: the first K shards (default 1)")
+    s.add_argument(
+        "--split", choices=["train", "validation"], default="train", help="c4 split (default train)"
+    )
+    s.add_argument("--mirror", metavar="URL|DIR", help="c4: a mirror instead of the hub")
+    s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
+    s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
+    s.set_defaults(func=_cmd_download)
     s = d.add_parser(
         "prepare",
         help="tokenize raw data into the files the benchmarks read",

@@ -95,12 +95,30 @@ def _cmd_report(args) -> int:
 
     check_ruleset(args.ruleset)
     _note_unfinished(_existing_dir(args.dir, "DIR"))
+    if args.html is not None:
+        return _report_html(args)
+    if args.out is None:
+        raise UserError("--out is required (a folder for the PNGs and summary.md), or pass --html")
     _warn_problems(Path(args.dir))
     rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
     for p in rep.plots:
         print(f"plot: {p}")
     print(f"summary: {rep.summary}")
     print(f"scores: {rep.scores_json}")
+    return 0
+
+
+def _report_html(args) -> int:
+    from timetotrain.report.html import write_html
+
+    if args.html:
+        path = Path(args.html)
+    else:
+        path = (Path(args.out) if args.out else Path(args.dir)) / "report.html"
+    if path.is_dir():
+        raise UserError(f"--html {path} is a folder: pass a file name such as {path / 'report.html'}")
+    out = write_html(Path(args.dir), path, args.ruleset)
+    print(f"html: {out} ({out.stat().st_size / 1e6:.2f} MB, self-contained)")
     return 0
 
 
@@ -185,12 +203,22 @@ def add_commands(sub) -> None:
             "each run against training samples, the target (horizontal) and the RCP mean and minimum\n"
             "(vertical) when known; OUT/summary.md with the `ttt score` table; OUT/scores.json.\n"
             "When several systems have results of one benchmark x tier, each of their plots is\n"
-            "OUT/<benchmark>-<tier>-<submitter>-<system>.png."
+            "OUT/<benchmark>-<tier>-<submitter>-<system>.png.\n\n"
+            "--html writes one self-contained page instead (plotly.js inlined: no network, no server):\n"
+            "the score table, interactive eval curves with target and RCP lines, each log's official\n"
+            "compliance verdict, and throughput/MFU of `ttt synth` summaries under DIR."
         ),
-        epilog="example:\n  ttt report logs --out report",
+        epilog="examples:\n  ttt report logs --out report\n  ttt report logs --html report.html",
     )
     s.add_argument("dir", metavar="DIR", help="folder with result_<k>.txt files (searched recursively)")
-    s.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs and summary.md (created)")
+    s.add_argument("--out", metavar="DIR", help="folder for the PNGs and summary.md (created)")
+    s.add_argument(
+        "--html",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="write one self-contained HTML page (default OUT/report.html, or DIR/report.html)",
+    )
     s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
     s.set_defaults(func=_cmd_report)
 

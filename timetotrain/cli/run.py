@@ -105,7 +105,7 @@ def run_set(args, seeds: list[int], **fixed) -> list:
             for k, a in [("max_steps", "max_steps"), ("device", "device"), ("org", "org"), ("platform", "platform"),
                          ("parallel", "parallel"), ("precision", "precision"), ("activation_checkpointing", "ac"),
                          ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace"),
-                         ("init_checkpoint", "init_checkpoint")]
+                         ("init_checkpoint", "init_checkpoint"), ("tensorboard", "tensorboard"), ("wandb", "wandb")]
             if hasattr(args, a)
         }  # fmt: skip
         results = []
@@ -158,6 +158,8 @@ def _cmd_synth(args) -> int:
             activation_checkpointing=args.ac,
             compile=args.compile,
             layers=args.layers,
+            tensorboard=Path(args.tensorboard) if args.tensorboard else None,
+            wandb=args.wandb,
         )
     )
     if "log" in summary:  # rank 0 only
@@ -258,6 +260,22 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
     s.add_argument("--compile", action="store_true", help="torch.compile each block")
 
 
+def _add_tracker_flags(s) -> None:
+    s.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="also write TensorBoard events under DIR (train_loss, eval, lr, items/s, MoE expert load); "
+        "needs pip install 'timetotrain[tensorboard]'",
+    )
+    s.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log to Weights & Biases, offline unless WANDB_MODE is set (files under <logdir>/wandb); "
+        "needs pip install 'timetotrain[wandb]'",
+    )
+
+
 def add_list(sub) -> None:
     """Register `list` (first in `ttt --help`, before `data`)."""
     s = sub.add_parser("list", help="benchmarks x tiers: target, eval cadence, runs required")
@@ -320,6 +338,7 @@ def add_commands(sub) -> None:
         help="start from these weights instead of the benchmark's init: a Hugging Face safetensors folder "
         "(model.safetensors or an index + shards) or a ttt checkpoint folder; loaded during init",
     )
+    _add_tracker_flags(s)
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser(
@@ -349,6 +368,7 @@ def add_commands(sub) -> None:
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
     _add_scale_flags(s, precision_default=None)
+    _add_tracker_flags(s)
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser(

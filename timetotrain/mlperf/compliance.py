@@ -160,7 +160,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
         cmd += ["--ruleset", ruleset, "--log_output", str(Path(tmp, "compliance.log"))]
         if rules is not None:
             cmd += ["--config", str(rules)]
-        cmd.append(str(path))
+        cmd.append(str(Path(path).resolve()))  # the engine runs in tmp: a relative path would miss
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
     out = (proc.stdout + proc.stderr).strip()
     ok = proc.returncode == 0

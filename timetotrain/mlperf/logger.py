@@ -127,6 +127,9 @@ class ResultLog:
         self._stopped = False  # run_stop is in the file
         self._raised = False
         self._close_lock = threading.Lock()
+        # Called with (key, value, metadata) after each record: experiment trackers (train/trackers.py)
+        # see the values the log holds, with no read of their own.
+        self.listeners: list = []
         logger = logging.getLogger(f"timetotrain.mllog.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
@@ -157,6 +160,8 @@ class ResultLog:
 
     def _log(self, fn, key, value, metadata, kw) -> None:
         fn(key=key, value=value, metadata=metadata, **kw)
+        for listen in self.listeners:
+            listen(key, value, metadata)
         h = self._handler
         if h is None:
             return

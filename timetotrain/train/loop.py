@@ -31,6 +31,7 @@ from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
+from timetotrain.train.trackers import open_trackers
 
 EXIT_ABORTED = 1
 # Fault injection for the fault-tolerance tests: "RANK:STEP" makes that rank raise before that step.
@@ -59,6 +60,8 @@ class RunOptions:
     dist_timeout: float = 600.0  # a collective waiting longer than this fails (a peer is gone)
     abort_grace: float = 10.0  # after a signal, how long the loop gets to stop before the process exits
     aborter: Aborter | None = None  # the CLI's, entered before torch starts threads; else run() makes one
+    tensorboard: Path | None = None  # write TensorBoard events under this folder (train/trackers.py)
+    wandb: bool = False  # log to Weights & Biases (offline unless WANDB_MODE says otherwise)
 
 
 @dataclass
@@ -125,7 +128,17 @@ def run(opts: RunOptions) -> RunResult:
     metric = task.metric
     item_name, items_per_sample = task.sample_items(tier)
 
+    trackers = None  # opened before the log, so a missing tracker package leaves no result file behind
+    if d.main:
+        trackers = open_trackers(
+            opts.tensorboard, opts.wandb, f"{bench.name}-{tier.name}-seed{seed}",
+            {"benchmark": bench.name, "tier": tier.name, "seed": seed, "global_batch_size": tier.global_batch_size,
+             "item": item_name, "items_per_sample": items_per_sample},
+            opts.logdir / "wandb",
+        )  # fmt: skip
     log = ResultLog(prep.logdir if d.main else None, echo=opts.echo and d.main)
+    if trackers is not None:
+        log.listeners.append(trackers.on_event)
     stop = _Stopper(log)
     live = LiveLine() if d.main else None
     t_run0 = None
@@ -163,6 +176,8 @@ def run(opts: RunOptions) -> RunResult:
                 log.event("ttt_init_checkpoint_load_seconds", round(tr.load_seconds, 3))
                 if live:
                     live.print(f"loaded {prep.init_checkpoint} in {tr.load_seconds:.1f} s")
+            if trackers is not None:
+                trackers.lr_at = tr.sched  # a host function of the step: no device read
             log.end("init_stop")
 
             log.start("run_start")
@@ -239,6 +254,8 @@ def run(opts: RunOptions) -> RunResult:
         if live:
             live.close()
         log.close()
+        if trackers is not None:
+            trackers.close()
         if data is not None:
             data.close()
         tr = None  # noqa: F841 - release the DDP/FSDP model before its process group

@@ -45,6 +45,8 @@ class SynthOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     layers: int | None = None  # replace the tier's layer count (reference width, fewer layers)
+    tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
+    wandb: bool = False
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -121,7 +123,19 @@ def synth(opts: SynthOptions) -> dict:
     prepare.start_device(prep, opts.device, seed=opts.seed)
     device, seed = prep.device, prep.seed
     item_name, items_per_sample = bench.task.sample_items(tier)
+    trackers = None
+    if d.main:
+        from timetotrain.train.trackers import open_trackers
+
+        trackers = open_trackers(
+            opts.tensorboard, opts.wandb, f"synth-{bench.name}-{tier.name}-seed{seed}",
+            {"benchmark": bench.name, "tier": tier.name, "seed": seed, "mode": "synthetic",
+             "global_batch_size": tier.global_batch_size, "item": item_name, "items_per_sample": items_per_sample},
+            opts.logdir / "wandb",
+        )  # fmt: skip
     log = ResultLog(prep.logdir if d.main else None, echo=opts.echo)
+    if trackers is not None:
+        log.listeners.append(trackers.on_event)
     tr = None
     try:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
@@ -230,6 +244,8 @@ def synth(opts: SynthOptions) -> dict:
         raise
     finally:
         log.close()
+        if trackers is not None:
+            trackers.close()
     if d.main:
         summary["log"] = str(log.path)
         k = log.path.stem.split("_")[-1]

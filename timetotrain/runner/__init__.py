@@ -1,0 +1,1 @@
+"""Commands that drive other commands: `ttt suite` and the data it prepares."""

@@ -1,0 +1,335 @@
+"""`ttt suite`: every benchmark that has a tier, N runs each, scored into one results folder.
+
+The benchmarks come from the registry (`timetotrain.suite.names()` and each one's tiers), so a benchmark
+added there joins the suite with no change here. Each step is a `ttt` child process (data prepare, base,
+run), so each keeps its own signal handling, progress and clean-up; this process never imports torch.
+
+Resuming: a run is finished when its `result_<k>.txt` exists (an interrupted run leaves only a
+`.partial`, which no score reads). The seeds are drawn once and kept in OUT/suite.json, so a restarted
+suite runs only the seeds that have no finished log yet, and prepared data and bases come from caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from timetotrain import fileio
+from timetotrain.errors import Interrupted, UserError
+from timetotrain.interrupt import raise_on_signals
+from timetotrain.runner import data as recipes
+
+STATE = "suite.json"
+
+
+@dataclass
+class SuiteOptions:
+    tier: str
+    out: Path
+    only: list[str] | None = None
+    runs: int | None = None  # None: each tier's own run count
+    source: Path | None = None  # raw sources (c4/en, govreport/, tokenizers/) to prepare from
+    prepared: dict[str, Path] = field(default_factory=dict)  # benchmark -> a prepared data folder
+    seed: int | None = None
+    device: str | None = None
+    cache: Path | None = None
+    run_args: list[str] = field(default_factory=list)  # more `ttt run` flags, e.g. --precision bf16
+
+
+@dataclass
+class Row:
+    benchmark: str
+    runs: int
+    converged: int
+    compliant: int
+    score: float | None  # the official olympic score: None with fewer runs than it needs
+    rcp: str
+    note: str = ""
+    mean_minutes: float | None = None  # run_start -> run_stop, mean of the compliant runs
+
+
+def _ttt(*args: str) -> list[str]:
+    return [sys.executable, "-m", "timetotrain", *args]
+
+
+def _child(cmd: list[str], capture: bool = False) -> subprocess.CompletedProcess:
+    """Run one `ttt` step. A signal to the suite is passed on to the step, which stops cleanly (a run
+    logs run_stop aborted and keeps its `.partial`), and then stops the suite."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else None, text=True, env=env)
+    try:
+        out, _ = proc.communicate()
+    except Interrupted:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def select(tier: str, only: list[str] | None) -> list:
+    from timetotrain import suite
+
+    if only:
+        benches = [suite.get(n) for n in only]  # any registered name, listed or not
+        missing = [b.name for b in benches if tier not in b.tiers]
+        if missing:
+            raise UserError(f"--only {missing[0]} has no tier {tier!r}: choose among its tiers or drop it")
+        return benches
+    benches = [suite.get(n) for n in suite.names() if tier in suite.get(n).tiers]
+    if not benches:
+        raise UserError(f"--tier {tier!r}: no benchmark has it (see `ttt list`)")
+    return benches
+
+
+def _load_state(path: Path, tier: str) -> dict:
+    if not path.is_file():
+        return {"tier": tier, "seeds": {}, "seconds": {}}
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): remove it to start the suite afresh") from e
+    if state.get("tier") != tier:
+        raise UserError(
+            f"--out {path.parent} holds a suite of tier {state.get('tier')!r}: pass another --out"
+        )
+    return state
+
+
+def finished_seeds(folder: Path) -> dict[int, Path]:
+    """Seed -> finished log, for the result files already in a benchmark's folder."""
+    from timetotrain.mlperf.results import parse_log, result_files
+
+    out = {}
+    for p in result_files(folder) if folder.is_dir() else []:
+        seed = parse_log(p).seed
+        if seed is not None:
+            out[int(seed)] = p
+    return out
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s / 60:.1f} min" if s >= 120 else f"{s:.0f} s"
+
+
+class Suite:
+    def __init__(self, opts: SuiteOptions):
+        self.o = opts
+        self.cache = opts.cache or recipes.default_cache()
+        self.state_path = opts.out / STATE
+        self.t0 = time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(f"[suite {_fmt_s(time.monotonic() - self.t0)}] {text}", file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        fileio.write_text(self.state_path, json.dumps(self.state, indent=2) + "\n")
+
+    # -- data and bases --
+    def data_for(self, bench, tier) -> Path:
+        if bench.name in self.o.prepared:
+            return self.o.prepared[bench.name]
+        return self.prepare(bench, tier, f"{bench.name} {tier.name}")
+
+    def prepare(self, bench, tier, who: str) -> Path:
+        src = self.o.source
+        if src is None:
+            # No source: only a folder a previous suite prepared can serve.
+            name = recipes.cache_name(bench, tier)
+            found = recipes.cached(self.cache, name) if name else None
+            if found is None:
+                raise UserError(
+                    f"{who}: no data: pass --data SRC (a folder with c4/en, govreport/ and tokenizers/, as "
+                    f"../shared/data) or --data {bench.name}=DIR (a prepared folder)"
+                )
+            return found
+        recipe = recipes.recipe_for(bench, tier, src)
+        if recipe is None:
+            raise UserError(
+                f"{who}: timetotrain cannot prepare this data from --data {src}: pass "
+                f"--data {bench.name}=DIR with a prepared folder"
+            )
+        folder = self.cache / recipe.name
+        if recipes.is_current(folder, recipe):
+            self.say(f"{who}: {recipe.describe}: cached in {folder}")
+            return folder
+        self.say(f"{who}: preparing {recipe.describe} into {folder}")
+        tmp = folder.with_name(folder.name + ".partial")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        if recipe.call is not None:
+            recipe.call(tmp)
+        for step in recipe.steps:
+            cmd = _ttt(*(str(tmp) if a == "{out}" else a for a in step))
+            res = _child(cmd)
+            if res.returncode != 0:
+                raise UserError(f"{who}: `{' '.join(cmd[2:])}` failed (exit {res.returncode}); see above")
+        fileio.write_text(tmp / "source.json", json.dumps(recipes.source_record(recipe), indent=2) + "\n")
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        return folder
+
+    def base_for(self, bench, tier) -> Path | None:
+        if tier.base is None:
+            return None
+        rec = tier.base
+        data = self.prepare(rec.benchmark, rec.pretraining, f"{bench.name} {tier.name} base")
+        self.say(f"{bench.name} {tier.name}: base model (`ttt base`, cached after the first time)")
+        # On the CPU whatever --device says: the base is deterministic there, so its cache is shared.
+        cmd = _ttt("base", bench.name, "--tier", tier.name, "--data", str(data))
+        res = _child(cmd, capture=True)
+        if res.returncode != 0:
+            raise UserError(f"{bench.name}: `ttt base` failed (exit {res.returncode}); see above")
+        return Path(res.stdout.strip().splitlines()[-1])
+
+    # -- runs --
+    def seeds(self, bench, n: int) -> list[int]:
+        from timetotrain.cli.run import _run_seeds
+
+        have = self.state["seeds"].get(bench.name, [])
+        if len(have) < n:
+            need = n - len(have)
+            if self.o.seed is not None:  # SEED, SEED+1, ... as `ttt run --runs`
+                more = [self.o.seed + i for i in range(n) if self.o.seed + i not in have]
+            else:
+                more = [s for s in _run_seeds(None, n) if s not in have]
+            have = have + more[:need]
+            self.state["seeds"][bench.name] = have
+            self.save()
+        return have[:n]
+
+    def eta(self, bench: str, left: int) -> str:
+        """From this suite's runs of the benchmark, else from earlier suites' on this machine (the cache)."""
+        secs = self.state["seconds"].get(bench, [])
+        where = ""
+        if not secs:
+            secs = self._history().get(f"{bench}/{self.o.tier}", [])[-5:]
+            where = ", from earlier suites"
+        if not secs:
+            return "ETA after its first run"
+        return f"ETA {_fmt_s(left * sum(secs) / len(secs))} for {bench}{where}"
+
+    def _history(self) -> dict:
+        try:
+            return json.loads((self.cache / "run_seconds.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _remember(self, bench: str, seconds: float) -> None:
+        hist = self._history()
+        hist.setdefault(f"{bench}/{self.o.tier}", []).append(seconds)
+        self.cache.mkdir(parents=True, exist_ok=True)
+        fileio.write_text(self.cache / "run_seconds.json", json.dumps(hist) + "\n")
+
+    def run_bench(self, bench) -> None:
+        tier = bench.tier(self.o.tier)
+        n = self.o.runs or tier.runs
+        folder = self.o.out / bench.name / tier.name
+        done = finished_seeds(folder)
+        todo = [s for s in self.seeds(bench, n) if s not in done]
+        if not todo:
+            self.say(f"{bench.name}: {n} run(s) already finished in {folder}: not rerun")
+            return
+        if len(todo) < n:
+            self.say(
+                f"{bench.name}: {n - len(todo)} of {n} run(s) already finished: running the other {len(todo)}"
+            )
+        data = self.data_for(bench, tier)
+        base = self.base_for(bench, tier)
+        for k, seed in enumerate(todo):
+            self.say(
+                f"{bench.name}: run {n - len(todo) + k + 1}/{n} (seed {seed}), {self.eta(bench.name, len(todo) - k)}"
+            )
+            cmd = _ttt("run", bench.name, "--tier", tier.name, "--data", str(data), "--logdir", str(self.o.out),
+                       "--seed", str(seed), "--quiet", *self.o.run_args)  # fmt: skip
+            if base is not None:
+                cmd += ["--init-checkpoint", str(base)]
+            if self.o.device:
+                cmd += ["--device", self.o.device]
+            t = time.monotonic()
+            res = _child(cmd)
+            if res.returncode > 128:  # the run was stopped by a signal: so is the suite
+                raise Interrupted(res.returncode - 128)
+            log = finished_seeds(folder).get(seed)
+            if log is None:
+                raise UserError(
+                    f"{bench.name}: `ttt run` with seed {seed} wrote no result (exit {res.returncode})"
+                )
+            took = round(time.monotonic() - t, 1)
+            self.state["seconds"].setdefault(bench.name, []).append(took)
+            self.save()
+            self._remember(bench.name, took)
+
+    def run(self) -> list[Row]:
+        benches = select(self.o.tier, self.o.only)
+        self.o.out.mkdir(parents=True, exist_ok=True)
+        self.state = _load_state(self.state_path, self.o.tier)
+        # Every benchmark's data must be reachable before the first run starts, not an hour into the suite.
+        for b in benches:
+            if b.name not in self.o.prepared and self.o.source is None:
+                self._check_cached(b)
+        self.say(f"tier {self.o.tier}: {', '.join(b.name for b in benches)} -> {self.o.out}")
+        with raise_on_signals():
+            for b in benches:
+                self.run_bench(b)
+        return [score_row(b, self.o.out / b.name / self.o.tier) for b in benches]
+
+    def _check_cached(self, bench) -> None:
+        tier = bench.tier(self.o.tier)
+        for b, t in [(bench, tier)] + ([(tier.base.benchmark, tier.base.pretraining)] if tier.base else []):
+            name = recipes.cache_name(b, t)
+            if name is None or recipes.cached(self.cache, name) is None:
+                raise UserError(
+                    f"{bench.name} {tier.name}: no data: pass --data SRC (a folder with c4/en, govreport/ and "
+                    f"tokenizers/, as ../shared/data) or --data {bench.name}=DIR (a prepared folder)"
+                )
+
+
+def score_row(bench, folder: Path) -> Row:
+    from timetotrain.mlperf.results import find_groups, result_files
+    from timetotrain.mlperf.score import score_group
+
+    if not folder.is_dir() or not result_files(folder):
+        return Row(bench.name, 0, 0, 0, None, "-", "no runs")
+    (g,) = [g for g in find_groups(folder) if g.folder == folder]
+    s = score_group(g)
+    note = "; ".join(s.notes)
+    failed = [r for r in s.runs if not r.compliant]
+    if failed:
+        note = (note + "; " if note else "") + f"{failed[0].file}: {failed[0].problem}"
+    rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
+    if s.samples_to_converge is None and s.rcp.verdict == "Fail":
+        # The checker's olympic mean of fewer than 3 converged runs is NaN, which it reports as a Fail.
+        note = f"RCP checker: {s.rcp.verdict} (no mean of fewer than 3 runs); " + note
+        rcp = "- (< 3 runs)"
+    minutes = [r.minutes for r in s.runs if r.compliant and r.minutes is not None]
+    mean = sum(minutes) / len(minutes) if minutes else None
+    return Row(bench.name, len(s.runs), sum(r.converged for r in s.runs), sum(r.compliant for r in s.runs),
+               s.score_minutes, rcp, note, mean)  # fmt: skip
+
+
+def format_rows(rows: list[Row]) -> str:
+    head = (
+        f"{'benchmark':<18}{'runs converged':>16}{'ttt check':>12}{'score (min)':>13}{'mean run (min)':>16}  "
+        f"{'RCP':<16}note"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        score = "-" if r.score is None else f"{r.score:.3f}"
+        mean = "-" if r.mean_minutes is None else f"{r.mean_minutes:.3f}"
+        lines.append(
+            f"{r.benchmark:<18}{f'{r.converged}/{r.runs}':>16}{f'{r.compliant}/{r.runs} pass':>12}{score:>13}"
+            f"{mean:>16}  {r.rcp:<16}{r.note}"
+        )
+    return "\n".join(lines)
