@@ -123,3 +123,16 @@ def test_eta_comes_from_this_suite_then_from_earlier_ones(tmp_path):
     assert s.eta("llama31_8b", 2) == "ETA 2.0 min for llama31_8b, from earlier suites"
     s.state["seconds"]["llama31_8b"] = [90.0]
     assert s.eta("llama31_8b", 3) == "ETA 4.5 min for llama31_8b"
+
+
+@pytest.mark.parametrize("name", ["rgat", "flux1"])
+def test_tasks_outside_the_two_kinds_prepare_their_tiny_data(name, tmp_path):
+    """`ttt suite --data SRC` reaches rgat and flux1 through Task.prepare_data: the tiny data it writes is
+    what the tier's resolve accepts; a reference tier, whose data no recipe makes, is a one-line error."""
+    bench = suite.get(name)
+    src = require_file(shared_data_dir())
+    bench.task.prepare_data(bench.tier("tiny"), src, tmp_path / "tiny")
+    bench.task.resolve(bench.tier("tiny"), tmp_path / "tiny")
+    with pytest.raises(UserError, match="--data " + name + "=DIR"):
+        bench.task.prepare_data(bench.tier("reference"), src, tmp_path / "ref")
+    assert not (tmp_path / "ref").exists()

@@ -180,6 +180,15 @@ class Resolved:
         return self.graph_files.files()
 
 
+def _generated_sizes(scale: str) -> tuple:
+    """Node counts per type of the generated graph of that scale, () when there is no such scale."""
+    if scale not in graph_synth.SCALES:
+        return ()
+    sc = graph_synth.SCALES[scale]
+    counts = (sc.papers, sc.authors, sc.institutes, sc.fos, sc.journals, sc.conferences)
+    return tuple(zip(igbh.NODE_TYPES, counts, strict=True))
+
+
 class NodeClassification(Task):
     metric = Metric("validation accuracy", higher_is_better=True, unit="epochs", epoch_decimals=2)
     whole_batches = True
@@ -194,6 +203,17 @@ class NodeClassification(Task):
             raise UserError(
                 f"{len(tier.data.fanouts)} fanouts for {tier.model.n_layers} layers: one per layer"
             )
+
+    def prepare_data(self, tier, source: Path, out: Path) -> None:
+        """`ttt suite`: a tier on a generated graph writes it (`source` is not read); the real IGBH is
+        downloaded and named with `--data BENCH=DIR`. Seed 0 is `ttt data synth-graph`'s default, the graph
+        the tiny RCP was measured on."""
+        if not tier.data.num_nodes or tier.data.num_nodes != _generated_sizes(tier.name):
+            raise UserError(
+                f"{tier.name} reads IGBH-full, which no recipe here makes: {tier.data.how_to_make}, then pass "
+                "--data rgat=DIR"
+            )
+        graph_synth.generate(Path(out), graph_synth.scale(tier.name), seed=0, log=lambda *a: None)
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         spec: GraphData = tier.data

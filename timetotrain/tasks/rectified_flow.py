@@ -217,6 +217,28 @@ class RectifiedFlow(Task):
                 f"{tier.micro_batch_size}"
             )
 
+    def prepare_data(self, tier, source: Path, out: Path) -> None:
+        """`ttt suite`: the tiny tier encodes the CC12M and COCO fixture tars under `source` (cc12m/,
+        coco_mini/) with the stand-in encoders and `source`'s Llama 2 tokenizer, as `ttt data prepare flux
+        --encoders standin --select tiny` does; the reference tier's encodings come from MLCommons."""
+        from timetotrain.data import flux_encoders, flux_prepare
+
+        if tier.name != "tiny":
+            raise UserError(
+                f"flux1 {tier.name} reads the MLCommons CC12M/COCO encodings, which no recipe here makes: "
+                "`ttt data download mlcommons` or `ttt data prepare flux --encoders FOLDER`, then --data flux1=DIR"
+            )
+        source = Path(source)
+        tokenizer = source / "tokenizers" / "llama2" / "tokenizer.model"
+        tar_dirs = [source / "cc12m", source / "coco_mini"]
+        for p in (tokenizer, *tar_dirs):
+            if not p.exists():
+                raise UserError(f"--data {source}: no {p.relative_to(source)} in it (the flux1 tiny sources)")
+        encoders = flux_encoders.StandInEncoders(shapes_of(tier.model), tokenizer)
+        tars = flux_prepare.tars_of(",".join(str(d) for d in tar_dirs))
+        for split in ("train", "validation"):
+            flux_prepare.prepare(tars, split, encoders, Path(out), select="tiny")
+
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None) -> Resolved:
         root = Path(data_dir)
         if not root.is_dir():
