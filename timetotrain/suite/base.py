@@ -200,6 +200,28 @@ class Benchmark:
         return self.task.flops_per_sample(self.family, tier)
 
 
+def base_recipe(
+    of: str, *, task: Task, family: ModelFamily, optimizer, schedule: str, seed: int, data_hint: str, **fields
+) -> BaseRecipe:
+    """The base of `of`'s tiny tier: a pretraining tier (`fields`: model, data, batch sizes, LR, steps and
+    eval cadence) of an unlisted benchmark named `<of>_base`. It has no target: `ttt base` runs it to its
+    `max_steps`. The recipe's repr is part of the base's cache key, so the names here are fixed."""
+    pretraining = Tier(
+        name="tiny", target=0.0, runs=1, division="open", description=f"the base of {of} tiny", **fields
+    )
+    bench = Benchmark(
+        name=f"{of}_base",
+        area=f"base pretraining for {of} tiny (off the clock)",
+        task=task,
+        family=family,
+        tiers={"tiny": pretraining},
+        optimizer=optimizer,
+        schedule=schedule,
+        listed=False,
+    )
+    return BaseRecipe(benchmark=bench, tier="tiny", seed=seed, data_hint=data_hint)
+
+
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set, and
     a new base LR takes its end LR along (the RCP's, or the tier's end/base ratio) unless end_lr is set."""

@@ -17,7 +17,7 @@ import dataclasses
 
 from timetotrain.models.deepseek_v3 import DEEPSEEK_V3, FAMILY, DeepSeekV3Config
 from timetotrain.models.layers import YarnScaling
-from timetotrain.suite.base import BaseRecipe, Benchmark, RcpHparams, Tier
+from timetotrain.suite.base import Benchmark, RcpHparams, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 
@@ -97,29 +97,12 @@ TINY_MODEL = DeepSeekV3Config(
 _TINY_DATA = LMData(256, TRAIN_PREFIXES, VAL_PREFIXES, vocab_keep=4095)
 
 # The base, pretrained off the clock by `ttt base` with the same loss (LM + MTP + aux) and bias updates.
-_BASE_PRETRAINING = Benchmark(
-    name="deepseekv3_671b_base",
-    area="base pretraining for deepseekv3_671b tiny (off the clock)",
-    task=MoECausalLM(),
-    family=FAMILY,
-    tiers={
-        "tiny": Tier(
-            name="tiny", model=TINY_MODEL, data=_TINY_DATA, global_batch_size=16, micro_batch_size=16,
-            lr=3e-3, end_lr=3e-4, warmup_steps=10, max_steps=100, eval_every_samples=1600, eval_samples=16,
-            target=0.0, runs=1, division="open", description="the base of deepseekv3_671b tiny",
-        )
-    },
-    optimizer=ADAMW,
-    schedule="megatron",
-    listed=False,
-)  # fmt: skip
-
-TINY_BASE = BaseRecipe(
-    benchmark=_BASE_PRETRAINING,
-    tier="tiny",
-    seed=0,
+TINY_BASE = base_recipe(
+    "deepseekv3_671b", task=MoECausalLM(), family=FAMILY, optimizer=ADAMW, schedule="megatron", seed=0,
     data_hint="C4 tokenized with Llama 3.1: `ttt data prepare c4`, both splits",
-)
+    model=TINY_MODEL, data=_TINY_DATA, global_batch_size=16, micro_batch_size=16,
+    lr=3e-3, end_lr=3e-4, warmup_steps=10, max_steps=100, eval_every_samples=1600, eval_samples=16,
+)  # fmt: skip
 
 TINY = Tier(
     name="tiny",

@@ -13,7 +13,7 @@ measures fine-tuning throughput without data or checkpoint.
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA2_70B, LlamaConfig
-from timetotrain.suite.base import BaseRecipe, Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
+from timetotrain.suite.base import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 from timetotrain.tasks.lora_sft import LoRAData, LoRAFineTune
@@ -72,32 +72,15 @@ TINY_MODEL = LlamaConfig(
 # The base, pretrained off the clock by `ttt base` (train/base_model.py) with the harness of the C4
 # benchmarks: NeMo warmup + cosine, the closed llama31_8b AdamW constants, 1,024-token windows (the
 # fine-tuning block length, so no position is new to the base).
-_BASE_PRETRAINING = Benchmark(
-    name="llama2_70b_lora_base",
-    area="base pretraining for llama2_70b_lora tiny (off the clock)",
-    task=CausalLM(),
-    family=FAMILY,
-    tiers={
-        "tiny": Tier(
-            name="tiny", model=TINY_MODEL,
-            data=LMData(512, TRAIN_PREFIXES, VAL_PREFIXES, tokenizer="llama2", vocab_keep=4095),
-            global_batch_size=8, micro_batch_size=8, lr=6e-3, end_lr=6e-4, warmup_steps=20, max_steps=400,
-            eval_every_samples=1200, eval_samples=16, target=0.0, runs=1, division="open",
-            description="the base of llama2_70b_lora tiny",
-        )
-    },
-    optimizer=CLOSED_ADAMW,
-    schedule="nemo",
-    listed=False,
-)  # fmt: skip
-
-TINY_BASE = BaseRecipe(
-    benchmark=_BASE_PRETRAINING,
-    tier="tiny",
-    seed=0,
+TINY_BASE = base_recipe(
+    "llama2_70b_lora", task=CausalLM(), family=FAMILY, optimizer=CLOSED_ADAMW, schedule="nemo", seed=0,
     data_hint="C4 tokenized with Llama 2: `ttt data prepare c4 --tokenizer llama2 --tokenizer-model FILE`, "
     "both splits",
-)
+    model=TINY_MODEL,
+    data=LMData(512, TRAIN_PREFIXES, VAL_PREFIXES, tokenizer="llama2", vocab_keep=4095),
+    global_batch_size=8, micro_batch_size=8, lr=6e-3, end_lr=6e-4, warmup_steps=20, max_steps=400,
+    eval_every_samples=1200, eval_samples=16,
+)  # fmt: skip
 
 # Tiny: LoRA as the reference (rank 16, alpha 32, dropout 0.1 on qkv and the output projection), with the
 # reference's GBS 8, AdamW, clip and HF cosine (over 100 steps), on the 9 train / 2 validation 1,024-token

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from timetotrain.models.llama import FAMILY, LLAMA31_405B, LlamaConfig
-from timetotrain.suite.base import BaseRecipe, Benchmark, EndLRRule, Tier
+from timetotrain.suite.base import Benchmark, EndLRRule, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW
 from timetotrain.suite.c4_llm import TRAIN_PREFIXES as OUR_TRAIN
 from timetotrain.suite.c4_llm import VAL_PREFIXES as OUR_VAL
@@ -97,31 +97,14 @@ TINY_BASE_MODEL = LlamaConfig(
     rope_scaling=LLAMA31_405B.rope_scaling,
 )  # fmt: skip
 
-_BASE_PRETRAINING = Benchmark(
-    name="llama31_405b_base",
-    area="base pretraining for llama31_405b tiny (off the clock)",
-    task=CausalLM(),
-    family=FAMILY,
-    tiers={
-        "tiny": Tier(
-            name="tiny", model=TINY_BASE_MODEL,
-            data=LMData(256, OUR_TRAIN, OUR_VAL, tokenizer="llama3", vocab_keep=4095),
-            global_batch_size=16, micro_batch_size=16, lr=3e-3, end_lr=3e-4, warmup_steps=20, max_steps=300,
-            eval_every_samples=4800, eval_samples=32, target=0.0, runs=1, division="open",
-            description="the base of llama31_405b tiny",
-        )
-    },
-    optimizer=CLOSED_ADAMW,
-    schedule="nemo",
-    listed=False,
-)  # fmt: skip
-
-TINY_BASE = BaseRecipe(
-    benchmark=_BASE_PRETRAINING,
-    tier="tiny",
-    seed=0,
+TINY_BASE = base_recipe(
+    "llama31_405b", task=CausalLM(), family=FAMILY, optimizer=CLOSED_ADAMW, schedule="nemo", seed=0,
     data_hint="C4 tokenized with Llama 3: `ttt data prepare c4`, both splits",
-)
+    model=TINY_BASE_MODEL,
+    data=LMData(256, OUR_TRAIN, OUR_VAL, tokenizer="llama3", vocab_keep=4095),
+    global_batch_size=16, micro_batch_size=16, lr=3e-3, end_lr=3e-4, warmup_steps=20, max_steps=300,
+    eval_every_samples=4800, eval_samples=32,
+)  # fmt: skip
 
 # Continued on C4 tokenized with the Mixtral 8x22B tokenizer, narrowed to its 2,047 most frequent ids plus
 # "other": the model keeps the base's first 2,048 embedding and head rows (as the real run keeps Llama 3's
