@@ -53,3 +53,22 @@ def figures(ours: float, compiled: float, peer: float, peer_name: str, flops: fl
         "compiled_mfu": compiled * flops / peak,
         f"{peer_name}_mfu": peer * flops / peak,
     }
+
+
+def hf_causal_lm_step(model, opt, params, autocast=None):
+    """A Hugging Face causal LM's training step written the way HF computes its loss (logits upcast to fp32,
+    then `F.cross_entropy`), with the optimizer, clipping (1.0) and zeroing our step uses."""
+    import torch.nn.functional as F
+
+    def step(tokens):
+        with torch.autocast(
+            tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+        ):
+            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step

@@ -21,8 +21,7 @@ import argparse
 import statistics
 
 import torch
-import torch.nn.functional as F
-from side_by_side import add_common_args, figures, peak_for, timed
+from side_by_side import add_common_args, figures, hf_causal_lm_step, peak_for, timed
 
 from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token
 from timetotrain.models.llama_hf import hf_config_kwargs, to_hf_state_dict
@@ -72,18 +71,7 @@ def make_step(model, hf: bool, autocast=None):
 
         return lambda tokens: train_step(model, opt, {"tokens": tokens}, 1, loss, 1.0, params, autocast)
 
-    def step(tokens):
-        with torch.autocast(
-            tokens.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
-        ):
-            logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return hf_causal_lm_step(model, opt, params, autocast)
 
 
 def bench(name: str, reps: int, steps: int, peak: float, device, autocast=None, compile=True) -> dict:
