@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 FIELDS = ("t5", "clip", "vae_mean", "vae_logvar")
@@ -80,28 +81,40 @@ def check_sample(key: str, arrays: dict[str, torch.Tensor], shapes: Shapes) -> N
 
 
 def write_split(root: Path, split: str, keys: list[str], arrays: dict[str, np.ndarray], meta: dict) -> Path:
-    """Write one split (arrays already in stored form, first dim = samples) and its manifest."""
+    """Write one split (arrays already in stored form, first dim = samples) and its manifest. The files
+    appear together or not at all (fileio.Staged): an interrupted prepare leaves no half split."""
     d = Path(root) / split
     d.mkdir(parents=True, exist_ok=True)
     fields = {}
-    for f in FIELDS:
-        a = arrays[f]
-        if a.shape[0] != len(keys):
-            raise ValueError(f"{f}: {a.shape[0]} rows for {len(keys)} keys")
-        np.save(d / f"{f}.npy", a)
-        fields[f] = {"shape": list(a.shape[1:]), "dtype": meta["dtypes"][f]}
-    (d / "keys.txt").write_text("".join(k + "\n" for k in keys))
-    manifest = {"samples": len(keys), "fields": fields, **{k: v for k, v in meta.items() if k != "dtypes"}}
-    (d / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    with fileio.Staged() as staged:
+        for field in FIELDS:
+            a = arrays[field]
+            if a.shape[0] != len(keys):
+                raise ValueError(f"{field}: {a.shape[0]} rows for {len(keys)} keys")
+            with staged.open(d / f"{field}.npy", "wb") as f:  # a file object: np.save adds no second .npy
+                np.save(f, a)
+            fields[field] = {"shape": list(a.shape[1:]), "dtype": meta["dtypes"][field]}
+        with staged.open(d / "keys.txt", "w") as out:
+            out.write("".join(k + "\n" for k in keys))
+        manifest = {
+            "samples": len(keys),
+            "fields": fields,
+            **{k: v for k, v in meta.items() if k != "dtypes"},
+        }
+        with staged.open(d / "manifest.json", "w") as out:
+            out.write(json.dumps(manifest, indent=1) + "\n")
     return d
 
 
 def write_empty(root: Path, t5: np.ndarray, clip: np.ndarray, dtype: str) -> None:
     d = Path(root) / EMPTY_DIR
     d.mkdir(parents=True, exist_ok=True)
-    np.save(d / "t5_empty.npy", t5)
-    np.save(d / "clip_empty.npy", clip)
-    (d / "dtype.txt").write_text(dtype + "\n")
+    with fileio.Staged() as staged:
+        for name, a in (("t5_empty.npy", t5), ("clip_empty.npy", clip)):
+            with staged.open(d / name, "wb") as f:
+                np.save(f, a)
+        with staged.open(d / "dtype.txt", "w") as out:
+            out.write(dtype + "\n")
 
 
 class EncodedSplit:
