@@ -239,3 +239,38 @@ def test_synth_reference_runs_one_block_at_the_exact_width(tmp_path, monkeypatch
     s = synth(SynthOptions("llama31_405b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=3))
     assert (s["layers"], s["layers_of"]) == (1, 2)
     assert "1 of its 2 layers at the exact width (reduced depth)" in format_table(s)
+
+
+@pytest.mark.slow
+def test_tiny_continues_a_llama3_base_on_mixtral_ids(c4_src, c4_prepared, tmp_path):
+    """The tiny tier's situation end to end, shortened: a base pretrained on Llama 3 ids (cut to 3 steps),
+    continued by `ttt run` on Mixtral-tokenized C4 with the embedding and head cut to the tier's rows. The
+    log names the base's sha256 and `init_checkpoint_step` 0, and its keys pass the tier's rule file."""
+    import subprocess
+
+    from conftest import mllog, require_file, shared_data_dir, ttt_command
+
+    from timetotrain.data import c4
+    from timetotrain.mlperf.compliance import rule_file
+    from timetotrain.train import base_model
+
+    recipe = BENCH.tier("tiny").base
+    pre = dataclasses.replace(recipe.pretraining, max_steps=3, warmup_steps=1, eval_samples=2)
+    recipe = dataclasses.replace(recipe, benchmark=dataclasses.replace(recipe.benchmark, tiers={"tiny": pre}))
+    base, doc, _ = base_model.make_base(recipe, c4_prepared, tmp_path / "cache", echo=False)
+    model = require_file(shared_data_dir() / "tokenizers" / "mixtral-8x22b" / "tokenizer.model")
+    mixtral = tmp_path / "c4-mixtral"
+    for split in ("train", "validation"):
+        c4.prepare(c4_src, split, "mixtral", mixtral, workers=1, tokenizer_model=model)
+    args = ["run", "llama31_405b", "--tier", "tiny", "--data", str(mixtral), "--init-checkpoint", str(base)]
+    args += ["--logdir", str(tmp_path / "logs"), "--max-steps", "2", "--quiet", "--seed", "1"]
+    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1) and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
+    log = next((tmp_path / "logs" / "llama31_405b" / "tiny").glob("result_*.txt"))
+    first = {}
+    for r in mllog(log):
+        first.setdefault(r["key"], r["value"])
+    assert first["ttt_init_checkpoint_sha256"] == doc["weights_sha256"]
+    assert first["init_checkpoint_step"] == 0
+    hp = [(k, first[k]) for k, _ in logged(BENCH.tier("tiny"))]
+    assert hparam_violations([rule_file("llama31_405b", "tiny")], hp) == []
