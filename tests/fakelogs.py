@@ -158,3 +158,10 @@ def ttt_main(argv: list[str]) -> int:
 
         print(f"ttt: error: {e}", file=sys.stderr)
         return 2
+
+
+def logged_keys(bench, tier) -> list:
+    """The (key, value) pairs a run of `tier` logs for the rule files: submission keys, then hyperparameters."""
+    from timetotrain.mlperf.keys import submission_keys
+
+    return submission_keys(bench, tier, "org", "platform") + bench.hyperparameters(tier)

@@ -4,11 +4,11 @@ RCP batch sizes, eval after every step), and the tiny tier's declaration."""
 import dataclasses
 
 import pytest
-from fakelogs import _line
+from fakelogs import _line, logged_keys
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir
-from timetotrain.mlperf.keys import check_rules, submission_keys
+from timetotrain.mlperf.keys import check_rules
 from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
 
@@ -16,7 +16,7 @@ BENCH = get("deepseekv3_671b")
 
 
 def logged(tier):
-    return submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier)
+    return logged_keys(BENCH, tier)
 
 
 def closed_files():

@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from fakelogs import logged_keys
 
 from timetotrain.data import flux_encodings as enc
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
-from timetotrain.mlperf.keys import submission_keys
 from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
 from timetotrain.tasks import rectified_flow as rf
@@ -164,7 +164,7 @@ def test_reference_schedule_is_torchtitan_warmup_then_constant():
 
 
 def logged(tier):
-    return submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier)
+    return logged_keys(BENCH, tier)
 
 
 def test_reference_block_passes_every_official_closed_rule():

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import mllog, ttt_command
+from fakelogs import logged_keys
 from test_golden import assert_matches_golden, golden
 
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir, rule_file
-from timetotrain.mlperf.keys import submission_keys
 from timetotrain.models import gpt_oss as moe
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import targets
@@ -20,7 +20,7 @@ BENCH = get("gpt_oss_20b")
 
 
 def logged(tier):
-    return submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier)
+    return logged_keys(BENCH, tier)
 
 
 def test_reference_block_passes_official_closed_rules():

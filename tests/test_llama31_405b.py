@@ -4,10 +4,10 @@ exact LR equality, the eval cadence with its skipped first evaluations, and a wh
 import dataclasses
 
 import pytest
-from fakelogs import tier_log, ttt_main
+from fakelogs import logged_keys, tier_log, ttt_main
 
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
-from timetotrain.mlperf.keys import check_rules, submission_keys
+from timetotrain.mlperf.keys import check_rules
 from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
 from timetotrain.suite.llama31_405b import closed_lr
@@ -26,7 +26,7 @@ TABLE = {
 
 
 def logged(tier):
-    return submission_keys(BENCH, tier, "org", "platform") + BENCH.hyperparameters(tier)
+    return logged_keys(BENCH, tier)
 
 
 def at(gbs, *extra):
