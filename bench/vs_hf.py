@@ -26,6 +26,7 @@ from side_by_side import add_common_args, figures, hf_causal_lm_step, peak_for, 
 from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token
 from timetotrain.models.llama_hf import hf_config_kwargs, to_hf_state_dict
 from timetotrain.suite.llama31_8b import TINY
+from timetotrain.suite.llama31_405b import TINY as TINY_405B
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.optim import build_adamw
 from timetotrain.train.step import train_step
@@ -33,6 +34,8 @@ from timetotrain.train.step import train_step
 CONFIGS = {
     # The llama31_8b tiny tier's model and batch.
     "tiny": (TINY.model, 16, 256),
+    # The llama31_405b tiny tier's model (Llama 3.1 RoPE scaling, 2,048 Mixtral rows) and batch.
+    "405b-tiny": (TINY_405B.model, 16, 256),
     # ~20 M non-embedding parameters: d 512, 8 layers, 8 query / 4 KV heads, FFN 1024, 32k vocabulary.
     "20m": (
         LlamaConfig(
