@@ -85,10 +85,18 @@ def _prepare_govreport(args) -> int:
 
 
 def _prepare_flux(args) -> int:
-    from timetotrain.data import flux_encoders, flux_prepare
+    from timetotrain.data import flux_encoders, flux_mlcommons, flux_prepare
     from timetotrain.suite import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
+    parts = flux_mlcommons.find_sources(args.src)  # MLCommons' preprocessed encodings: imported as they are
+    if parts is not None:
+        from timetotrain.interrupt import raise_on_signals
+
+        with raise_on_signals():  # a stopped import removes its partial (possibly terabyte) temporaries
+            return _import_flux(args, parts)
+    if args.empty_encodings:
+        raise UserError("--empty-encodings applies to importing MLCommons' preprocessed encodings (--src)")
     if not args.encoders:
         raise UserError("flux needs --encoders: `standin` (the tiny tier) or a folder with t5/, clip/, vae/")
     tier = get("flux1").tier(args.flux_tier or ("tiny" if args.encoders == "standin" else "reference"))
@@ -104,6 +112,45 @@ def _prepare_flux(args) -> int:
     print(
         f"flux {args.split}: {info['samples']:,} samples encoded ({encoders.name} encoders, tier {tier.name} "
         f"shapes), {info['skips'].report()} -> {Path(args.out) / args.split}"
+    )
+    return 0
+
+
+def _import_flux(args, parts) -> int:
+    """--src is MLCommons' preprocessed encodings (data/flux_mlcommons.py): import them as they are."""
+    from timetotrain.data import flux_mlcommons
+    from timetotrain.suite import get
+    from timetotrain.tasks.rectified_flow import shapes_of
+
+    if args.encoders:
+        raise UserError(
+            f"--src {args.src} is already encoded (MLCommons' preprocessed layout): drop --encoders"
+        )
+    if args.select != "all":
+        raise UserError(f"--select {args.select} applies to image/caption tars, not to --src {args.src}")
+    tier = get("flux1").tier(args.flux_tier or "reference")
+    shapes = shapes_of(tier.model)
+    out = Path(args.out)
+    empty = flux_mlcommons.find_empty(args.src, args.empty_encodings)
+    if empty is None and not (out / "empty_encodings").is_dir():
+        raise UserError(
+            f"--src {args.src}: no empty_encodings/ beside it: pass --empty-encodings DIR (MLCommons' folder "
+            "with t5_empty.npy and clip_empty.npy)"
+        )
+    if empty is not None:  # checked before the long import
+        flux_mlcommons.import_empty(empty, shapes, out)
+    info = flux_mlcommons.import_split(parts, args.split, shapes, out, tier=tier.name)
+    ts = info["timesteps"]
+    stored = (
+        "no stored timesteps"
+        if ts is None
+        else f"stored eval timesteps {ts['counts']} per value"
+        + (", equal to i mod 8" if ts["equal_to_index_mod_divisor"] else ", not i mod 8 in stored order")
+    )
+    print(
+        f"flux {args.split}: {info['samples']:,} samples imported bit for bit from {info['files']} MLCommons "
+        f"file(s) (tier {tier.name} shapes), {stored}; empty encodings "
+        f"{'from ' + str(empty) if empty else 'kept'} -> {out / args.split}"
     )
     return 0
 
@@ -168,14 +215,18 @@ def add_commands(sub) -> None:
         "input_ids/labels .npy blocks and a manifest (llama2_70b_lora), or import MLCommons' preprocessed "
         "scrolls_gov_report_8k parquet as it is. "
         "flux: encode image/caption WebDataset tars into T5 / CLIP pooled / VAE mean+logvar encodings (flux1); "
-        "--select tiny splits the shared CC12M + COCO fixtures (COCO val2017 is the validation set).",
+        "--select tiny splits the shared CC12M + COCO fixtures (COCO val2017 is the validation set); or, when --src "
+        "is MLCommons' preprocessed download (a `datasets` save_to_disk folder of Arrow files, a folder of them, or "
+        "its data_<rank>_<idx>.parquet files), import those encodings bit for bit, keys and stored eval timesteps "
+        "included, with empty_encodings/ from beside --src or --empty-encodings (see data/flux_mlcommons.py).",
     )
     s.add_argument("dataset", choices=["c4", "govreport", "flux"], help="dataset to prepare")
     s.add_argument(
         "--src",
         required=True,
         help="c4: folder with c4-<split>.*.json.gz (allenai/c4 `en`); govreport: a SCROLLS .jsonl/.parquet, "
-        "or MLCommons' scrolls_gov_report_8k parquet (or its folder)",
+        "or MLCommons' scrolls_gov_report_8k parquet (or its folder); flux: WebDataset tars or folders of them "
+        "(comma-separated), or MLCommons' cc12m_preprocessed / coco_preprocessed folder (detected)",
     )
     s.add_argument("--split", required=True, choices=["train", "validation"])
     s.add_argument(
@@ -235,7 +286,14 @@ def add_commands(sub) -> None:
         "--tier",
         dest="flux_tier",
         choices=["tiny", "reference"],
-        help="flux: whose shapes to encode for (default: tiny with standin, else reference)",
+        help="flux: whose shapes to encode for or to check imported encodings against (default: tiny with "
+        "standin, else reference)",
+    )
+    f.add_argument(
+        "--empty-encodings",
+        metavar="DIR",
+        help="flux import: MLCommons' empty_encodings/ (t5_empty.npy, clip_empty.npy; default: the one beside "
+        "--src)",
     )
     s.set_defaults(func=_cmd_prepare)
     _add_synth_graph(d)

@@ -3,21 +3,29 @@ states (T5), the pooled text vector (CLIP) and the VAE posterior's mean and log-
 preprocessed CC12M / COCO data provides them (benchmarks spec §11.2), plus the empty prompt's encodings for
 the classifier-free-guidance drop.
 
-On disk (one folder per split, written by `ttt data prepare flux`, data/flux_prepare.py):
+On disk (one folder per split, written by `ttt data prepare flux`: data/flux_prepare.py encodes
+image/caption tars, data/flux_mlcommons.py imports MLCommons' preprocessed download):
 
     <root>/<split>/manifest.json     {"samples": N, "fields": {name: {"shape": [...], "dtype": "..."}}, ...}
-    <root>/<split>/keys.txt          the sample keys (tar member stems), one a line, in stored order
+    <root>/<split>/keys.txt          the sample keys (tar member stems / `__key__`), one a line, stored order
     <root>/<split>/t5.npy            [N, L, D_t5]      bfloat16
     <root>/<split>/clip.npy          [N, D_clip]       bfloat16
     <root>/<split>/vae_mean.npy      [N, C, H, W]      bfloat16
     <root>/<split>/vae_logvar.npy    [N, C, H, W]      bfloat16
-    <root>/empty_encodings/t5_empty.npy, clip_empty.npy   [L, D_t5], [D_clip] (the encoders' empty prompt)
+    <root>/<split>/timestep.npy      [N] int32, only when the source fixes each sample's eval timestep
+                                     (MLCommons' COCO validation set): t = timestep / manifest
+                                     ["timesteps"]["divisor"] (8)
+    <root>/empty_encodings/t5_empty.npy, clip_empty.npy   [L, D_t5], [D_clip] (the encoders' empty prompt;
+                                     MLCommons' files, [1, L, D_t5] and [1, D_clip], are accepted too),
+                                     dtype.txt (their dtype; without it, the arrays' own float dtype)
 
 bfloat16 arrays are stored as their uint16 bit patterns (numpy has no bfloat16) and read back bit-exactly;
 the manifest records the logical dtype. One memory-mapped file per field keeps reading a sample O(1)
-without opening millions of files; MLCommons' per-sample arrays go in through `write_split` as they are
-(no re-encoding). The exact on-disk layout of MLCommons' preprocessed download is not
-pinned by the spec we follow, only its content and dtypes; this layout carries that content.
+without opening millions of files, and is what the training loop reads whatever the source was.
+
+MLCommons' preprocessed download is a different layout (a Hugging Face `datasets` folder of Arrow files, one
+row per sample, each encoding an `np.save` blob of its bfloat16 bits); data/flux_mlcommons.py describes it and
+imports it into this one bit for bit, keys and stored timesteps included.
 
 The latent a training step sees is sampled from the posterior (`sample_latent`): z = mean + exp(logvar / 2)
 eps, then normalised (z - shift) * scale (FLUX.1 VAE: shift 0.1159, scale 0.3611).
@@ -37,10 +45,13 @@ from timetotrain.errors import UserError
 
 FIELDS = ("t5", "clip", "vae_mean", "vae_logvar")
 EMPTY_DIR = "empty_encodings"
+TIMESTEP_FILE = "timestep.npy"
+TIMESTEP_DIVISOR = 8  # stored eval timesteps are 0..7, t = stored / 8 (spec §11.4's 8 balanced values)
 DTYPES = {
     "bfloat16": (np.uint16, torch.bfloat16),
     "float16": (np.float16, None),
     "float32": (np.float32, None),
+    "float64": (np.float64, None),
 }
 
 
@@ -80,6 +91,12 @@ def check_sample(key: str, arrays: dict[str, torch.Tensor], shapes: Shapes) -> N
             )
 
 
+def _write_manifest(staged: fileio.Staged, d: Path, n: int, fields: dict, meta: dict) -> None:
+    manifest = {"samples": n, "fields": fields, **{k: v for k, v in meta.items() if k != "dtypes"}}
+    with staged.open(d / "manifest.json", "w") as out:
+        out.write(json.dumps(manifest, indent=1) + "\n")
+
+
 def write_split(root: Path, split: str, keys: list[str], arrays: dict[str, np.ndarray], meta: dict) -> Path:
     """Write one split (arrays already in stored form, first dim = samples) and its manifest. The files
     appear together or not at all (fileio.Staged): an interrupted prepare leaves no half split."""
@@ -96,14 +113,85 @@ def write_split(root: Path, split: str, keys: list[str], arrays: dict[str, np.nd
             fields[field] = {"shape": list(a.shape[1:]), "dtype": meta["dtypes"][field]}
         with staged.open(d / "keys.txt", "w") as out:
             out.write("".join(k + "\n" for k in keys))
-        manifest = {
-            "samples": len(keys),
-            "fields": fields,
-            **{k: v for k, v in meta.items() if k != "dtypes"},
-        }
-        with staged.open(d / "manifest.json", "w") as out:
-            out.write(json.dumps(manifest, indent=1) + "\n")
+        _write_manifest(staged, d, len(keys), fields, meta)
     return d
+
+
+class SplitStream:
+    """One split written sample by sample, for sources larger than memory (MLCommons' 1.1 M CC12M samples
+    are about 2.5 TB): each field's .npy gets its header for `n` samples first, then every sample's stored
+    bytes in order, sequentially (no sparse preallocation, no page-cache-sized mapping). `finish` adds the
+    keys' count check, the stored timesteps and the manifest; all files appear together (fileio.Staged), and
+    none if the `with` block is left by an error or a signal.
+
+        with SplitStream(root, split, n, shapes) as out:
+            for key, arrays in samples:
+                out.add(key, arrays)      # arrays in stored form (uint16 bits), C order, checked shapes
+            out.finish(meta, timesteps)
+    """
+
+    def __init__(self, root: Path, split: str, n: int, shapes: Shapes, dtype: str = "bfloat16"):
+        self.dir, self.n, self.shapes, self.dtype = Path(root) / split, n, shapes, dtype
+        self.count = 0
+        self._staged = fileio.Staged()
+        self._out: dict = {}
+        self._done = False
+
+    def __enter__(self) -> SplitStream:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        descr = np.lib.format.dtype_to_descr(np.dtype(DTYPES[self.dtype][0]))
+        try:
+            for f in FIELDS:
+                fh = self._out[f] = self._staged.open(self.dir / f"{f}.npy", "wb")
+                header = {"descr": descr, "fortran_order": False, "shape": (self.n, *self.shapes.of(f))}
+                np.lib.format.write_array_header_1_0(fh, header)
+            self._out["keys"] = self._staged.open(self.dir / "keys.txt", "w")
+        except BaseException:
+            self._close()
+            self._staged.discard()
+            raise
+        return self
+
+    def add(self, key: str, arrays: dict[str, np.ndarray]) -> None:
+        """One sample, its arrays already checked by the caller (shape, stored dtype, C-contiguous)."""
+        for f in FIELDS:
+            self._out[f].write(arrays[f].data)
+        self._out["keys"].write(key + "\n")
+        self.count += 1
+
+    def finish(self, meta: dict, timesteps: np.ndarray | None = None) -> None:
+        if self.count != self.n:
+            raise UserError(
+                f"{self.dir}: {self.count} samples written for {self.n} counted: did the source change?"
+            )
+        fields = {f: {"shape": list(self.shapes.of(f)), "dtype": self.dtype} for f in FIELDS}
+        meta = dict(meta)
+        if timesteps is not None:
+            ts = np.ascontiguousarray(timesteps, dtype=np.int32)
+            with self._staged.open(self.dir / TIMESTEP_FILE, "wb") as fh:
+                np.save(fh, ts)
+            meta["timesteps"] = {
+                "file": TIMESTEP_FILE,
+                "divisor": TIMESTEP_DIVISOR,
+                "counts": np.bincount(ts, minlength=TIMESTEP_DIVISOR).tolist(),
+                # whether the stored values are what our sampler would give without them, (i mod 8):
+                "equal_to_index_mod_divisor": bool(np.array_equal(ts, np.arange(len(ts)) % TIMESTEP_DIVISOR)),
+            }
+        self._close()
+        _write_manifest(self._staged, self.dir, self.n, fields, meta)
+        self._done = True
+
+    def _close(self) -> None:
+        for fh in self._out.values():
+            fh.close()
+        self._out = {}
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close()
+        if exc_type is None and self._done:
+            self._staged.commit()
+        else:
+            self._staged.discard()
 
 
 def write_empty(root: Path, t5: np.ndarray, clip: np.ndarray, dtype: str) -> None:
@@ -118,7 +206,8 @@ def write_empty(root: Path, t5: np.ndarray, clip: np.ndarray, dtype: str) -> Non
 
 
 class EncodedSplit:
-    """One split, memory-mapped. `sample(i)` -> dict of tensors in their logical dtypes."""
+    """One split, memory-mapped. `rows(idx)` -> dict of fp32 tensors; `timesteps` the source's fixed eval
+    timesteps (int array, t = timesteps / `timestep_divisor`) or None."""
 
     def __init__(self, root: Path, split: str, shapes: Shapes):
         d = Path(root) / split
@@ -148,29 +237,75 @@ class EncodedSplit:
             self.arrays[f], self.dtypes[f] = a, dtype
         if len(self.keys) != self.n:
             raise UserError(f"{d / 'keys.txt'}: {len(self.keys)} keys for {self.n} samples: re-run prepare")
+        self.timesteps: np.ndarray | None = None
+        self.timestep_divisor = TIMESTEP_DIVISOR
+        ts = self.manifest.get("timesteps")
+        if ts:
+            path = d / ts["file"]
+            a = np.load(path) if path.is_file() else None  # [N] int32: small, read whole
+            if a is None or a.shape != (self.n,) or a.dtype.kind not in "iu":
+                got = "missing" if a is None else f"{list(a.shape)} {a.dtype}"
+                raise UserError(f"{path}: {got}, the manifest promises [{self.n}] int32: re-run prepare")
+            self.timesteps, self.timestep_divisor = a, int(ts["divisor"])
 
     def files(self) -> list[Path]:
-        return [self.dir / f"{f}.npy" for f in FIELDS] + [self.dir / "manifest.json"]
+        extra = [self.dir / self.manifest["timesteps"]["file"]] if self.timesteps is not None else []
+        return [self.dir / f"{f}.npy" for f in FIELDS] + extra + [self.dir / "manifest.json"]
 
     def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         """Samples `idx` (numpy ints) of every field, as fp32 tensors `[len(idx), ...]`."""
         return {f: to_tensor(self.arrays[f][idx], self.dtypes[f]).float() for f in FIELDS}
 
+    def stored_timesteps(self, idx: np.ndarray) -> torch.Tensor:
+        """The source's fixed timesteps of samples `idx`, as fp32 t in [0, 1)."""
+        return torch.from_numpy(self.timesteps[idx].astype(np.float32)) / self.timestep_divisor
 
-def read_empty(root: Path, shapes: Shapes) -> tuple[torch.Tensor, torch.Tensor]:
-    d = Path(root) / EMPTY_DIR
+
+def _unbatched(a: np.ndarray, want: tuple[int, ...]) -> np.ndarray:
+    """MLCommons' empty encodings carry a leading batch dim of 1 (the reference indexes [0]); ours do not."""
+    return a[0] if a.ndim == len(want) + 1 and a.shape[0] == 1 else a
+
+
+def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, str]:
+    """The empty-prompt encodings in folder `d`, batch dim dropped, in their stored form, and their dtype:
+    dtype.txt's, or without it the arrays' own float dtype (MLCommons' files: a real float array each)."""
     try:
-        dtype = (d / "dtype.txt").read_text().strip()
         t5, clip = np.load(d / "t5_empty.npy"), np.load(d / "clip_empty.npy")
     except FileNotFoundError as e:
         raise UserError(
-            f"--data {root}: {EMPTY_DIR}/ is incomplete ({Path(e.filename).name}): re-run prepare"
+            f"{d}: no {Path(e.filename).name} in it: the empty-prompt encodings are incomplete"
         ) from e
+    except ValueError as e:
+        raise UserError(f"{d}: the empty-prompt encodings are not .npy arrays ({e})") from e
+    t5, clip = _unbatched(t5, shapes.t5), _unbatched(clip, shapes.clip)
     if t5.shape != shapes.t5 or clip.shape != shapes.clip:
         raise UserError(
             f"{d}: empty-prompt encodings {list(t5.shape)}, {list(clip.shape)}; this tier needs "
-            f"{list(shapes.t5)}, {list(shapes.clip)}"
+            f"{list(shapes.t5)}, {list(shapes.clip)} (or with a leading batch dim of 1)"
         )
+    if (d / "dtype.txt").is_file():
+        dtype = (d / "dtype.txt").read_text().strip()
+    else:
+        dtype = str(np.result_type(t5, clip))
+        if t5.dtype.kind != "f" or clip.dtype.kind != "f" or dtype not in DTYPES:
+            raise UserError(
+                f"{d}: empty-prompt encodings of dtype {t5.dtype}, {clip.dtype} and no dtype.txt: expected a "
+                f"real float array each ({', '.join(k for k in DTYPES if k != 'bfloat16')})"
+            )
+        t5, clip = t5.astype(dtype), clip.astype(dtype)
+    store = DTYPES.get(dtype, (None,))[0]
+    if t5.dtype != store or clip.dtype != store:
+        raise UserError(
+            f"{d}: dtype.txt says {dtype}, the arrays are {t5.dtype}, {clip.dtype}: re-run prepare"
+        )
+    return t5, clip, dtype
+
+
+def read_empty(root: Path, shapes: Shapes) -> tuple[torch.Tensor, torch.Tensor]:
+    d = Path(root) / EMPTY_DIR
+    if not d.is_dir():
+        raise UserError(f"--data {root}: no {EMPTY_DIR}/: re-run `ttt data prepare flux`")
+    t5, clip, dtype = read_empty_arrays(d, shapes)
     return to_tensor(t5, dtype).float(), to_tensor(clip, dtype).float()
 
 

@@ -11,10 +11,12 @@ from a generator seeded by (run seed, rank, step): each data-parallel rank draws
 reference seeds them apart, and a step's batch is the same whatever ran before it.
 
 Evaluation: validation item i has the fixed t = (i mod 8) / 8 (so the 8 values are exactly balanced when the
-item count is a multiple of 8) and noise from a generator seeded by (run seed, i's chunk): the same numbers
-at every eval point of a run and for the same seed on any number of ranks. The metric is the mean over items
-of each item's MSE. `FluxData.eval_repeats` > 1 (tiny) evaluates each image at that many consecutive items,
-i.e. at all 8 timesteps with 8.
+item count is a multiple of 8), unless the validation split stores each sample's timestep (MLCommons' COCO
+encodings do, as an index 0..7, imported by data/flux_mlcommons.py): then item i is evaluated at its
+stored index / 8 (the import records whether those equal i mod 8). Noise comes from a generator seeded by
+(run seed, i's chunk): the same numbers at every eval point of a run and for the same seed on any number of
+ranks. The metric is the mean over items of each item's MSE. `FluxData.eval_repeats` > 1 (tiny) evaluates
+each image at that many consecutive items, i.e. at all 8 timesteps with 8.
 """
 
 from __future__ import annotations
@@ -162,9 +164,13 @@ class _FlowData(RunData):
         """Validation items [c * eval_batch, ...) with their fixed timesteps and seeded noise."""
         n = self.data.eval_batch
         items = torch.arange(c * n, min((c + 1) * n, self.n_eval))
-        rows = self.val.rows((items // self.data.eval_repeats).numpy())
+        idx = (items // self.data.eval_repeats).numpy()
+        rows = self.val.rows(idx)
         gen = torch.Generator().manual_seed(seed_of(self.seed, _EVAL_TAG, c))
-        return self._encode(rows, gen, eval_timesteps(items))
+        # MLCommons' COCO encodings carry each sample's timestep: those are the eval's (resolve checks
+        # eval_repeats is 1 then); data without them gets (i mod 8) / 8.
+        t = eval_timesteps(items) if self.val.timesteps is None else self.val.stored_timesteps(idx)
+        return self._encode(rows, gen, t)
 
     def evaluate(self, model, autocast=None) -> float:
         # Chunks go round-robin over the ranks. Every rank runs the same number of forwards, since under
@@ -226,7 +232,8 @@ class RectifiedFlow(Task):
         if tier.name != "tiny":
             raise UserError(
                 f"flux1 {tier.name} reads the MLCommons CC12M/COCO encodings, which no recipe here makes: "
-                "`ttt data download mlcommons` or `ttt data prepare flux --encoders FOLDER`, then --data flux1=DIR"
+                "`ttt data download mlcommons`, then `ttt data prepare flux --src <its cc12m_preprocessed or "
+                "coco_preprocessed>` (or `--encoders FOLDER` on image tars), then --data flux1=DIR"
             )
         source = Path(source)
         tokenizer = source / "tokenizers" / "llama2" / "tokenizer.model"
@@ -251,6 +258,12 @@ class RectifiedFlow(Task):
             raise UserError(
                 f"--data {root}: {val.n} validation samples, the tier evaluates {tier.eval_samples} items "
                 f"({need} samples x {tier.data.eval_repeats}): prepare the whole validation set"
+            )
+        if val.timesteps is not None and tier.data.eval_repeats != 1:
+            raise UserError(
+                f"--data {root}: the {tier.data.val_split} split fixes one eval timestep per sample (imported "
+                f"from MLCommons), but tier {tier.name} evaluates each sample at {tier.data.eval_repeats}: use "
+                "data prepared from tars for this tier"
             )
         return Resolved(root, train, val, enc.read_empty(root, shapes))
 
