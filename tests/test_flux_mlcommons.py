@@ -148,6 +148,12 @@ def test_what_is_not_the_mlcommons_layout(tmp_path):
     write_parquet(tmp_path / "pq" / "data_0_0000.parquet", make(2)[2])
     with pytest.raises(UserError, match=r"tars is not MLCommons' preprocessed encodings"):
         mlc.find_sources(f"{tmp_path / 'pq'},{tmp_path / 'tars'}")
+    # the download's root holds training and validation: refused, not imported as one split
+    root = tmp_path / "download"
+    for name in ("cc12m_preprocessed", "coco_preprocessed"):
+        save_to_disk(root / name, make(2)[2])
+    with pytest.raises(UserError, match=r"both cc12m_preprocessed/ \(training\) and coco_preprocessed/"):
+        mlc.find_sources(str(root))
 
 
 def tier_for(n_val, eval_repeats=1):

@@ -115,6 +115,12 @@ def _parts_of(p: Path) -> list[Part] | None:
             f"--src {p} holds both `datasets` folders ({subsets[0].name}, ...) and Parquet files "
             f"({parquet[0].name}, ...): name one of them"
         )
+    splits = {s.name for s in subsets} & {"cc12m_preprocessed", "coco_preprocessed"}
+    if len(splits) == 2:  # the download's root: training and validation would be imported as one split
+        raise UserError(
+            f"--src {p} holds both cc12m_preprocessed/ (training) and coco_preprocessed/ (validation): "
+            f"import each with its --split, e.g. --src {p / 'cc12m_preprocessed'} --split train"
+        )
     if subsets:
         return [part for s in subsets for part in _saved_dataset(s)]
     return [Part(f, "parquet") for f in parquet] or None
