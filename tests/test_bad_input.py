@@ -125,6 +125,7 @@ CASES = [
     # -- ttt synth --
     C("synth-steps-zero", SYNTH + "--steps 0", "--steps 0", "at least 2"),
     C("synth-layers-zero", SYNTH + "--layers 0", "--layers 0", "positive"),
+    C("synth-rgat-layers-not-its-hops", "synth rgat --logdir {w}/logs --layers 3", "--layers 3", "fanouts"),
     C("synth-micro-batch-not-dividing", SYNTH + "--micro-batch 5", "--micro-batch=5", "per-rank batch 16"),
     C("synth-micro-batch-zero", SYNTH + "--micro-batch 0", "--micro-batch=0", "per-rank batch 16"),
     C("synth-warmup-negative", SYNTH + "--warmup-steps -1", "--warmup-steps -1", ">= 0"),

@@ -1,8 +1,12 @@
 """`ttt plan`: the memory estimate's arithmetic and its suggestion."""
 
 import pytest
+import torch
 
+from timetotrain.models import flux
+from timetotrain.models.flux import Flux, FluxConfig
 from timetotrain.suite import get
+from timetotrain.tasks.rectified_flow import flow_loss
 from timetotrain.train.memory import GiB, activation_bytes, estimate, plan
 
 BENCH = get("llama31_8b")
@@ -80,3 +84,123 @@ def test_405b_on_256_gpus_suggests_tensor_parallel_with_checkpointing():
     text = format_plan(bench, tier, n, rows, best, 256, 80)
     assert f"--parallel {best.parallel}" in text and "--ac" in text
     assert "not validated on GPUs" in text
+
+
+# -- flux1: the MMDiT's own count (models/flux.py), checked against what autograd really saves --
+
+FLUX_CFG = FluxConfig(
+    dim=32, n_heads=2, n_double=2, n_single=2, latent_channels=4, patch=2, latent_size=8, txt_dim=24,
+    txt_len=8, vec_dim=12, axes_dim=(4, 6, 6),
+)  # fmt: skip
+
+
+def _saved_bytes(fn, model):
+    """Bytes of the distinct storages autograd saves for backward while `fn()` runs (a view keeps its whole
+    storage), the model's parameters and buffers left out: they are states, not activations."""
+    states = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in states:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()  # held until counted, so no storage is freed and its address reused
+    return sum(kept.values()), out
+
+
+def _flux_model(dtype):
+    model = Flux(FLUX_CFG)
+    for p in model.parameters():  # bf16 parameters, fp32 buffers: what FSDP2's bf16 policy computes with
+        p.data = p.data.to(dtype)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flux_activation_count_is_what_autograd_saves(dtype):
+    cfg, B, a = FLUX_CFG, 3, torch.finfo(dtype).bits // 8
+    model = _flux_model(dtype)
+    g = torch.Generator().manual_seed(0)
+    x = {k: torch.randn(B, cfg.img_len, cfg.in_channels, generator=g, dtype=dtype) for k in ("x0", "eps")}
+    batch = {
+        **x,
+        "t": torch.rand(B, generator=g),
+        "txt": torch.randn(B, cfg.txt_len, cfg.txt_dim, generator=g, dtype=dtype),
+        "vec": torch.randn(B, cfg.vec_dim, generator=g, dtype=dtype),
+    }
+    measured, _ = _saved_bytes(lambda: flow_loss(model, batch), model)
+    # Byte for byte. One CPU difference under bf16: LayerNorm keeps its mean and rstd in bf16 on CPU (CUDA,
+    # which the count describes: fp32), 4 bytes less per normalised row (2 per double-block token, 1 per
+    # single-block token, 1 per image token in the final layer).
+    T, d = cfg.seq_len, cfg.dim
+
+    def cpu_ln_stats(rows: int) -> int:
+        return 0 if a == 4 else 4 * rows
+
+    rows = T * (2 * cfg.n_double + cfg.n_single) + cfg.img_len
+    assert measured == flux.activation_bytes(cfg, B, a, ac=False) - B * cpu_ln_stats(rows)
+
+    # Each kind of block alone, over its inputs (the shared conditioning vector counts once per block here).
+    cos, sin = model._tables(cfg.txt_len)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    svec = leaf(B, d)
+    img, txt, joint = leaf(B, cfg.img_len, d), leaf(B, cfg.txt_len, d), leaf(B, T, d)
+    for block, args, count, norms in (
+        (model.layers[0], (img, txt, svec, cos, sin), flux.double_block_bytes, 2),
+        (model.layers[-1], (joint, svec, cos, sin), flux.single_block_bytes, 1),
+    ):
+        measured, _ = _saved_bytes(lambda b=block, x=args: b(*x), model)
+        per_token, per_sample = count(cfg, a)
+        assert measured == B * (T * per_token + per_sample + d * a - cpu_ln_stats(norms * T)), block
+
+
+def test_flux_checkpointing_keeps_block_inputs_and_one_block():
+    cfg, a = get("flux1").tier("reference").model, 2
+    T, d = cfg.seq_len, cfg.dim
+    dt, ds = flux.double_block_bytes(cfg, a)
+    st, ss = flux.single_block_bytes(cfg, a)
+    outer = flux.outer_bytes(cfg, a)
+    assert flux.activation_bytes(cfg, 2, a, ac=False) == 2 * (19 * (T * dt + ds) + 38 * (T * st + ss) + outer)
+    # Checkpointing: 57 block inputs, plus the larger block recomputed (its input already counted).
+    recompute = max(T * dt + ds, T * st + ss) - T * d * a
+    assert flux.activation_bytes(cfg, 2, a, ac=True) == 2 * (57 * T * d * a + recompute + outer)
+    assert flux.activation_bytes(cfg, 1, a, ac=True) < flux.activation_bytes(cfg, 1, a, ac=False) / 10
+
+
+def test_flux1_on_8x80_suggests_fsdp_without_checkpointing():
+    from timetotrain.train.memory import format_plan
+
+    bench = get("flux1")
+    tier = bench.tier("reference")
+    n, rows, best = plan(bench, tier, 8, 80, None)
+    assert n == flux.param_count(tier.model) and 11.8e9 < n < 12.0e9
+    # Every parameter is the MMDiT's and trains: the frozen encoders are not part of training.
+    assert bench.task.param_counts(bench.family, tier) == (n, 0)
+    assert all(r.total > 80 * GiB for r in rows if r.parallel == "dp=8")  # 177 GiB of states alone
+    one = next(r for r in rows if r.parallel == "fsdp=8" and not r.ac and r.micro_batch == 1)
+    assert one.states == 16 * n / 8
+    assert one.compute_copies == 2 * 2 * flux.double_block_params(tier.model)  # two double blocks gathered
+    assert one.activations == flux.activation_bytes(tier.model, 1, 2, ac=False)
+    assert 4.2 * GiB < one.activations < 4.4 * GiB  # 57 blocks x 512 tokens x 154-166 kB
+    no_ac = {r.micro_batch: r.total for r in rows if r.parallel == "fsdp=8" and not r.ac}
+    assert no_ac[8] <= 0.9 * 80 * GiB < no_ac[16]
+    assert best is not None and best.parallel == "fsdp=8" and not best.ac and best.micro_batch == 8
+    text = format_plan(bench, tier, n, rows, best, 8, 80)
+    assert "--parallel fsdp=8 --precision bf16 --set micro_batch_size=8" in text
+    assert "not validated on GPUs" in text and "frozen encoders" in text
+
+
+def test_flux1_plan_other_gpu_counts():
+    bench = get("flux1")
+    tier = bench.tier("reference")
+    _, _, best = plan(bench, tier, 64, 80, None)  # 8 images per GPU: micro-batch 8 without recomputation
+    assert best.parallel == "fsdp=64" and not best.ac and best.micro_batch == 8
+    _, _, best = plan(bench, tier, 2, 80, None)  # 89 GiB of states per GPU
+    assert best is None
+    _, _, best = plan(bench, tier, 4, 80, "fsdp=4")  # 44 GiB of states: micro-batch 4 or checkpointing
+    assert best is not None and best.total <= 0.9 * 80 * GiB

@@ -131,3 +131,35 @@ def test_fsdp_bf16_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())
     assert s["parallel"].startswith("fsdp=2, bf16, AC") and s["world_size"] == 2
+
+
+def test_flux_layers_keep_the_double_single_proportion():
+    from timetotrain.models import flux
+    from timetotrain.suite import get
+
+    ref = get("flux1").tier("reference").model
+    split = {n: (c.n_double, c.n_single) for n in (1, 2, 3, 6, 57) for c in [flux.with_layers(ref, n)]}
+    assert split == {1: (0, 1), 2: (1, 1), 3: (1, 2), 6: (2, 4), 57: (19, 38)}
+    assert flux.with_layers(ref, 57) == ref and ref.n_layers == 57
+
+
+def test_flux_synth_with_layers_counts_the_reduced_model(tmp_path):
+    import dataclasses
+
+    from timetotrain.models import flux
+    from timetotrain.suite import get
+    from timetotrain.train.synth import format_table
+
+    opts = SynthOptions("flux1", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=1, layers=3)
+    s = synth(dataclasses.replace(opts, sets=["global_batch_size=4"]))  # small: only the counts matter
+    assert s["layers"] == 3 and s["layers_of"] == 6  # of the tiny tier's 2 double + 4 single blocks
+    assert s["layers_config"] == {"n_double": 1, "n_single": 2}
+    reduced = dataclasses.replace(get("flux1").tier("tiny").model, n_double=1, n_single=2)
+    assert s["model_flops_per_sample"] == flux.flops_per_sample(reduced)
+    achieved = s["samples_per_s"] * flux.flops_per_sample(reduced)
+    assert s["model_tflops_per_s"] * 1e12 == pytest.approx(achieved)
+    assert s["mfu"] == pytest.approx(s["model_tflops_per_s_per_device"] / s["peak_tflops_per_device"])
+    recs = mllog(Path(s["log"]))
+    logged = next(r["value"] for r in recs if r["key"] == "ttt_model")
+    assert logged["parameters"] == flux.param_count(reduced)  # the model that ran
+    assert "3 of its 6 layers (n_double=1, n_single=2)" in format_table(s)

@@ -359,7 +359,8 @@ def add_commands(sub) -> None:
         type=int,
         default=None,
         help="use N repeated layers instead of the tier's, same width: a reference-width model that fits one "
-        "device (e.g. --tier reference --layers 4)",
+        "device (e.g. --tier reference --layers 4); flux1: N blocks split double:single as the reference's "
+        "19:38 (a third double, rounded: 3 -> 1 + 2, 57 -> 19 + 38); FLOPs and MFU are of the reduced model",
     )
     s.add_argument("--logdir", default="logs", help="where the log and summary go (default: ./logs)")
     s.add_argument(

@@ -14,6 +14,11 @@ All of them take the family's config dataclass (a tier's `model`):
   with alternative checkpoint layouts), for `train/checkpoint.load_hf_checkpoint`;
 - `hf_export(state_dict, cfg)`: optional, the other direction: (Hugging Face state dict, its config.json
   as a dict), for the bases `ttt base` writes (`train/base_model.py`).
+- `activation_bytes(cfg, samples, act_bytes, ac)`: optional, the bytes autograd keeps for a micro-batch of
+  `samples`, for a model that is not a decoder (blocks plus an LM head, which `ttt plan` counts from
+  `activation_elements`); `ttt plan` uses it instead (flux);
+- `with_layers(cfg, n)`: optional, the config with `n` blocks at the same width, for `ttt synth --layers`
+  where replacing an `n_layers` field is not the meaning (flux: double and single blocks in proportion).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class ModelFamily:
     telemetry: Callable[[Any], tuple[dict, str]] | None = None
     hf_mapping: Callable[[Any], dict] | None = None
     hf_export: Callable[[dict, Any], tuple[dict, dict]] | None = None
+    activation_bytes: Callable[[Any, int, int, bool], float] | None = None
+    with_layers: Callable[[Any, int], Any] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -24,6 +24,7 @@ identity in every block and predicts 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -84,6 +85,11 @@ class FluxConfig:
     @property
     def seq_len(self) -> int:
         return self.txt_len + self.img_len
+
+    @property
+    def n_layers(self) -> int:
+        """Blocks in `model.layers`: the double-stream ones, then the single-stream ones."""
+        return self.n_double + self.n_single
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -374,11 +380,100 @@ def flops_per_token(cfg: FluxConfig, seq_len: int | None = None, causal: bool = 
     return flops_per_sample(cfg, T - cfg.img_len) / T
 
 
-def activation_elements(cfg: FluxConfig) -> float:
-    """Elements autograd keeps per token for one block (rough: norm input and output, Q, K, V before and
-    after norm and RoPE, attention output, MLP input and activation, block output)."""
+# ------------------------------------------------------------------------------------------------ memory
+#
+# What autograd keeps for backward, counted from the forward above (`ttt plan`, train/memory.py), with `a`
+# bytes per activation element (2 under bf16 parameters, 4 in fp32), d = dim, m = mlp_dim, H = heads. Each
+# tensor counts once however many ops save it (a view keeps its whole storage alive). Per token:
+# - a stream of a double block: the block input (LayerNorm), the normalised and the modulated values (the
+#   modulation's addcmul, the QKV Linear), the Q and K RMSNorm outputs (the learnable scale's mul), rotated
+#   Q and K, joint V and the SDPA output, the contiguous copy of this stream's slice of it that the
+#   projection reads (a Linear copies a strided 3-d input; at micro-batch 1 the slice is contiguous and this
+#   copy is not made), the projection's output (the gated residual), the mid-block residual, its normalised
+#   and modulated values, fc1's output (GELU), GELU's output (fc2), fc2's output (gate): 15d + 2m elements.
+#   The QK norms read their inputs as fp32: in fp32 that keeps the whole QKV output (3d x 4 bytes), in bf16
+#   they keep fp32 copies of Q and K (2d x 4 bytes) instead;
+# - a single block: input, normalised, modulated (3d), linear1's output (3d + m, kept by V, GELU and, in
+#   fp32, the QK norms), the QK norm outputs and rotated Q and K (4d), the SDPA output (d), the
+#   concatenation of it and GELU's output that linear2 reads (d + m; GELU's output itself only feeds it),
+#   linear2's output (d): 13d + 2m elements, plus the fp32 copies of Q and K (2d x 4 bytes) in bf16;
+# - fp32 statistics: 2 per LayerNorm (mean, rstd), H per QK norm (rstd), H for the SDPA logsumexp
+#   (flash attention keeps no T x T matrix, only these softmax statistics).
+# Per sample and block: the modulation Linear's output (6d per stream, kept by the gate views) and the
+# `1 + scale` tensors (2 per stream): 16d a for a double block, 4d a for a single one.
+# Outside the blocks, per sample: the inputs the embedders keep (latent patches, T5 states, timestep
+# features, CLIP pooled), the embedder MLPs' hidden values (4d), the summed conditioning and its SiLU (2d),
+# the last block's output (T d, read by the final norm), the final normalised and modulated image tokens
+# (2 img_len d) and `1 + scale` (d), and the loss's fp32 prediction and target (2 img_len C p^2 x 4).
+# The frozen T5, CLIP and VAE never run while training: the data are their precomputed outputs.
+# Under DDP's autocast (bf16 without FSDP) the LayerNorms run in fp32 and their outputs stay fp32: about 5%
+# more than this count, which assumes FSDP2's bf16 parameters (every activation bf16 but the parts named).
+
+
+def _qk_norm_bytes(cfg: FluxConfig, a: int, whole_qkv: int) -> int:
+    """Per token: what the fp32 QK norms keep beyond the a-byte tensors (see above)."""
+    return whole_qkv * cfg.dim * 4 if a == 4 else 2 * cfg.dim * 4
+
+
+def _stats_bytes(cfg: FluxConfig, layer_norms: int) -> int:
+    return 4 * (2 * layer_norms + 3 * cfg.n_heads)
+
+
+def double_block_bytes(cfg: FluxConfig, a: int) -> tuple[int, int]:
+    """(bytes per token of the joint sequence, bytes per sample) a double block keeps for backward."""
     d, m = cfg.dim, cfg.mlp_dim
-    return 12 * d + 2 * m
+    per_token = a * (15 * d + 2 * m) + _qk_norm_bytes(cfg, a, 3) + _stats_bytes(cfg, 2)
+    return per_token, 16 * d * a
+
+
+def single_block_bytes(cfg: FluxConfig, a: int) -> tuple[int, int]:
+    """(bytes per token, bytes per sample) a single block keeps for backward."""
+    d, m = cfg.dim, cfg.mlp_dim
+    per_token = a * (13 * d + 2 * m) + _qk_norm_bytes(cfg, a, 0) + _stats_bytes(cfg, 1)
+    return per_token, 4 * d * a
+
+
+def outer_bytes(cfg: FluxConfig, a: int) -> int:
+    """Bytes per sample kept outside the blocks: embedder inputs and hidden values, the conditioning, the
+    final layer and the loss."""
+    d, T, Li, C = cfg.dim, cfg.seq_len, cfg.img_len, cfg.in_channels
+    inputs = Li * C + cfg.txt_len * cfg.txt_dim + cfg.time_dim + cfg.vec_dim
+    conditioning = 4 * d + 2 * d
+    final = T * d + 2 * Li * d + d
+    return a * (inputs + conditioning + final) + 4 * 2 * Li + 4 * 2 * Li * C
+
+
+def activation_bytes(cfg: FluxConfig, samples: int, act_bytes: int, ac: bool) -> float:
+    """Bytes autograd keeps for a micro-batch of `samples` images (the count above). With activation
+    checkpointing each block keeps only its input (T d), plus one block's activations while it is
+    recomputed (the larger kind, less the input it already counts)."""
+    a, T = act_bytes, cfg.seq_len
+    dt, ds = double_block_bytes(cfg, a)
+    st, ss = single_block_bytes(cfg, a)
+    if ac:
+        recompute = max(T * dt + ds, T * st + ss) - T * cfg.dim * a
+        body = cfg.n_layers * T * cfg.dim * a + recompute
+    else:
+        body = cfg.n_double * (T * dt + ds) + cfg.n_single * (T * st + ss)
+    return float(samples * (body + outer_bytes(cfg, a)))
+
+
+def activation_elements(cfg: FluxConfig) -> float:
+    """Elements per token of the larger block in bf16 (the family interface's per-token figure; `ttt plan`
+    uses `activation_bytes`, which also counts the fp32 parts exactly)."""
+    return max(double_block_bytes(cfg, 2)[0], single_block_bytes(cfg, 2)[0]) / 2
+
+
+def largest_block_params(cfg: FluxConfig) -> int:
+    """The double block: the largest unit FSDP2 gathers at once."""
+    return max(double_block_params(cfg), single_block_params(cfg))
+
+
+def with_layers(cfg: FluxConfig, n: int) -> FluxConfig:
+    """`ttt synth --layers n`: n blocks at the same width, split double:single as the reference's 19:38
+    (a third double-stream, rounded): 3 -> 1 + 2, 6 -> 2 + 4, 57 -> 19 + 38, 1 -> 0 + 1."""
+    n_double = round(n * 19 / 57)
+    return dataclasses.replace(cfg, n_double=n_double, n_single=n - n_double)
 
 
 # ------------------------------------------------------------------------------------------------ diffusers
@@ -448,7 +543,9 @@ FAMILY = ModelFamily(
     param_count=param_count,
     active_param_count=param_count,
     flops_per_token=flops_per_token,
-    block_params=single_block_params,
+    block_params=largest_block_params,
     activation_elements=activation_elements,
     hf_mapping=diffusers_mapping,
+    activation_bytes=activation_bytes,
+    with_layers=with_layers,
 )

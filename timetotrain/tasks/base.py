@@ -154,6 +154,10 @@ class Task(ABC):
         """Bytes each frozen parameter is stored in (`ttt plan`), under bf16 compute or not: fp32 (4)."""
         return 4
 
+    def plan_note(self, tier) -> str | None:
+        """A line `ttt plan` adds about what its memory estimate leaves out and why, or None."""
+        return None
+
     def baseline_loss(self, tier) -> float | None:
         """The loss of an uninformed model (e.g. ln V for a uniform guess over V tokens), for `ttt synth`."""
         return None

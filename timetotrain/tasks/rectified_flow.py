@@ -280,6 +280,12 @@ class RectifiedFlow(Task):
     def sample_items(self, tier) -> tuple[str, int]:
         return "images", 1
 
+    def plan_note(self, tier) -> str:
+        return (
+            "frozen encoders (T5-XXL, CLIP-L, the VAE): not in memory, training reads their precomputed "
+            "encodings (ttt data prepare flux); the parameters above are the MMDiT's, all trained."
+        )
+
     def baseline_loss(self, tier) -> float:
         # Predicting 0 costs E|eps - x0|^2 = 1 + E[x0^2] per element; about 2 for unit-variance latents.
         return 2.0

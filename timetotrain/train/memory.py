@@ -20,6 +20,11 @@ Where the numbers come from (an estimate, not a measurement):
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation.
+  A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
+  flux (models/flux.py) counts what each double and single MMDiT block keeps per token of the joint
+  sequence, with its fp32 parts, plus the embedders, final layer and loss per sample; tests/test_plan.py
+  checks the count against the bytes autograd really saves on CPU. The frozen encoders of flux are not
+  counted because training never runs them (it reads their precomputed outputs).
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
   alone fits (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
@@ -93,8 +98,11 @@ def estimate(
         copies = 2 * 2 * block if kind == "fsdp" else 2 * fp32_weights
     else:
         copies = 4 * 2 * block if kind == "fsdp" else 0
-    tokens = micro * bench.task.sample_items(tier)[1]
-    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
+    if family.activation_bytes is not None:
+        act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
+    else:
+        tokens = micro * bench.task.sample_items(tier)[1]
+        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     margin = 0.05 * gpu_mem_gib * GiB + GiB
     return Estimate(f"{kind}={gpus}", ac, micro, states, copies, act, margin)
 
@@ -123,7 +131,8 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16:
     """All candidate configurations with their estimates, and the suggested one (or None if none fits)."""
     if gpus < 1 or gpu_mem_gib <= 0:
         raise UserError("--gpus and --gpu-mem must be positive")
-    if not all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers")):
+    decoder = all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers"))
+    if bench.family.activation_bytes is None and not decoder:
         raise UserError(f"ttt plan has no memory model for {type(tier.model).__name__} yet")
     n = bench.family.param_count(tier.model)
     kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
@@ -174,8 +183,9 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
     if active != n_params:
         params += f" ({active / 1e9:.2f} B active per token)"
     item, per_sample = bench.task.sample_items(tier)
+    per = f"{per_sample:,} {item} per sample, " if per_sample > 1 else ""  # not "1 images per sample"
     out = [
-        f"{bench.name} {tier.name}: {params}, {per_sample:,} {item} per sample, "
+        f"{bench.name} {tier.name}: {params}, {per}"
         f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
         f"{'parallel':<14}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}  fits",
@@ -203,6 +213,16 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
     )
     out.append("timetotrain/train/memory.py); allocator fragmentation and NCCL buffers can add 5-10%.")
+    hook = bench.family.activation_bytes
+    if hook is not None:
+        out.append(
+            f"activations: the {bench.family.name} family's count of the tensors autograd keeps "
+            f"({hook.__module__.replace('.', '/')}.py), checked against the bytes saved on CPU. "
+            "Method only: not validated on GPUs."
+        )
+    note = bench.task.plan_note(tier)
+    if note:
+        out.append(note)
     if any(_tp_of(r) > 1 for r in rows):
         out.append(
             "tp x fsdp rows (tried because nothing fits with dp or fsdp alone): block weights split over tp x "

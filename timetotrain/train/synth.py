@@ -105,7 +105,7 @@ def synth(opts: SynthOptions) -> dict:
         raise UserError(f"--steps {steps}: need at least 2 timed steps")
     if warmup < 0:
         raise UserError(f"--warmup-steps {warmup} must be >= 0")
-    full_layers = getattr(tier.model, "n_layers", None)
+    full_layers, full_model = getattr(tier.model, "n_layers", None), tier.model
     if opts.layers is None and tier.name in bench.synth_layers:
         opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
     if opts.layers is not None:
@@ -233,6 +233,12 @@ def synth(opts: SynthOptions) -> dict:
         if opts.layers is not None:
             summary["layers"] = opts.layers
             summary["layers_of"] = full_layers
+            # The config fields --layers changed (n_layers; flux: n_double and n_single).
+            summary["layers_config"] = {
+                f.name: getattr(tier.model, f.name)
+                for f in dataclasses.fields(tier.model)
+                if getattr(tier.model, f.name) != getattr(full_model, f.name)
+            }
         summary["data_figures"] = data.figures()
         for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
@@ -261,10 +267,28 @@ def synth(opts: SynthOptions) -> dict:
 
 def _with_layers(bench, tier, layers: int):
     """The tier's model with `layers` repeated blocks (same width): a full-width model that fits one device,
-    for throughput checks. Logged as `ttt_layers`; the run is never a closed result."""
+    for throughput checks. Logged as `ttt_layers`; the run is never a closed result. A family with its own
+    meaning of depth says it (`ModelFamily.with_layers`: flux splits the blocks double:single 19:38); FLOPs
+    and MFU come from the changed config."""
     if layers <= 0 or not hasattr(tier.model, "n_layers"):
         raise UserError(f"--layers {layers}: must be positive, for a model with repeated layers")
-    return dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=layers))
+    if bench.family.with_layers is not None:
+        new = dataclasses.replace(tier, model=bench.family.with_layers(tier.model, layers))
+    else:
+        new = dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=layers))
+    try:
+        bench.task.validate(new)  # a depth tied to the data (rgat: one sampling hop per layer) refuses here
+    except UserError as e:
+        raise UserError(f"--layers {layers}: {e} (this benchmark's depth is tied to its data)") from None
+    return new
+
+
+def _split(s: dict) -> str:
+    """How the reduced depth is made up, where --layers changed more than `n_layers` (flux)."""
+    changed = s.get("layers_config", {})
+    if set(changed) <= {"n_layers"}:
+        return ""
+    return " (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
 
 
 def _sync(device: torch.device) -> None:
@@ -296,8 +320,8 @@ def format_table(s: dict) -> str:
         loss += f" (uninformed guess: {s['baseline_loss']:.3f})"
     rows = [
         ("benchmark / tier", f"{s['benchmark']} / {s['tier']} ({s['mode']})"
-                             + (f", {s['layers']} of its {s.get('layers_of', '?')} layers at the exact "
-                                f"width (reduced depth)" if "layers" in s else "")),
+                             + (f", {s['layers']} of its {s.get('layers_of', '?')} layers{_split(s)} at the "
+                                f"exact width (reduced depth)" if "layers" in s else "")),
         ("system", f"{s['device']}, world size {s['world_size']}, {s['precision']}"),
         ("batch", f"GBS {s['global_batch_size']} x {s['items_per_sample']} {item} (micro "
                   f"{s['micro_batch_size']}, accum {s['gradient_accumulation_steps']})"),
