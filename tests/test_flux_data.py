@@ -276,3 +276,21 @@ def test_sigterm_while_writing_removes_the_staged_split(tmp_path, capsys, monkey
     ], err
     assert len(saved) == 2
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == []
+
+
+def test_sample_name_not_utf8_is_one_line_naming_the_tar(tmp_path):
+    """A member name with a byte that is not UTF-8 (tarfile keeps it as a lone surrogate) would fail when
+    keys.txt is written, after all the encoding work: it is named at once instead."""
+    tar, keys = small_tar(tmp_path / "s.tar", n=2)
+    bad = tmp_path / "latin1-names.tar"
+    with tarfile.open(tar) as tin, tarfile.open(bad, "w", format=tarfile.GNU_FORMAT) as tout:
+        for m in tin:
+            data = tin.extractfile(m).read()
+            name = m.name.replace(keys[1], keys[1] + b"-caf\xe9".decode("utf-8", "surrogateescape"))
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tout.addfile(info, io.BytesIO(data))
+    with pytest.raises(UserError) as e:
+        list(read_pairs([bad]))
+    msg = str(e.value)
+    assert msg.startswith(f"{bad}: sample name b'{keys[1]}-caf\\xe9' is not valid UTF-8"), msg

@@ -57,6 +57,15 @@ def _shown(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
 
 
+def _not_utf8(name: str) -> bool:
+    """tarfile decodes member names with surrogateescape: a byte that is not UTF-8 stays a lone surrogate."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _members(tar_path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, {extension: bytes}) per sample, grouped by key in stored order."""
     try:
@@ -90,6 +99,11 @@ def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
     skips = skips if skips is not None else Skips()
     for tar_path in tars:
         for key, parts in _members(Path(tar_path)):
+            if not key.isascii() and _not_utf8(key):  # keys.txt and the summary line are UTF-8 text
+                raise UserError(
+                    f"{tar_path}: sample name {key.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8: "
+                    "rename it in the shard"
+                )
             img_ext = next((e for e in IMAGE_EXTS if e in parts), None)
             if img_ext is None:
                 raise UserError(
