@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -312,6 +313,95 @@ CASES = [
         "--out {w}/logs_ok",
         "not empty",
     ),
+    # -- the benchmarks added since: flux1, rgat, deepseekv3_671b and llama31_405b, their data and rules --
+    C(
+        "flux1-data-not-encodings",
+        "run flux1 --tier tiny --data {c4} --logdir {w}/logs",
+        "--data {c4}",
+        "ttt data prepare flux",
+    ),
+    C(
+        "flux1-data-is-a-file",
+        "run flux1 --tier tiny --data {w}/afile --logdir {w}/logs",
+        "--data {w}/afile",
+        "not a folder",
+    ),
+    C(
+        "flux1-closed-gbs-without-rcp",
+        "run flux1 --tier reference --data {w}/empty --logdir {w}/logs --set global_batch_size=768",
+        "global_batch_size=768",
+        "MLPerf Training rules",
+        "--set division=open",
+    ),
+    C("flux1-synth-steps-one", "synth flux1 --logdir {w}/logs --steps 1", "--steps 1", "at least 2"),
+    C(
+        "prepare-flux-no-encoders",
+        "data prepare flux --src {w}/empty --split train --out {w}/out",
+        "--encoders",
+        "standin",
+    ),
+    C(
+        "prepare-flux-src-without-tars",
+        "data prepare flux --src {w}/empty --split train --encoders standin --tokenizer-model {spm} --out {w}/out",
+        "--src {w}/empty",
+        "no .tar shards",
+    ),
+    C(
+        "prepare-flux-tar-without-samples",
+        "data prepare flux --src {w}/empty.tar --split train --encoders standin --tokenizer-model {spm} --out {w}/out",
+        "--src {w}/empty.tar",
+        "no train samples",
+    ),
+    C(
+        "rgat-closed-target",
+        "run rgat --tier reference --data {w}/empty --logdir {w}/logs --set target=0.7",
+        "--set division=open",
+        "quality target is fixed",
+    ),
+    C(
+        "rgat-data-missing",
+        "run rgat --tier tiny --data {w}/nope --logdir {w}/logs",
+        "--data {w}/nope",
+        "synth-graph",
+    ),
+    C(
+        "deepseekv3-tiny-without-its-base",
+        "run deepseekv3_671b --tier tiny --data {c4} --logdir {w}/logs",
+        "--init-checkpoint",
+        "ttt base deepseekv3_671b --tier tiny",
+    ),
+    C(
+        "deepseekv3-closed-gbs-without-rcp",
+        "run deepseekv3_671b --tier reference --data {w}/empty --logdir {w}/logs --set global_batch_size=17408 "
+        "--set lr=2.4739e-05",  # the LR its yaml computes for this GBS: the warmup is still nobody's choice
+        "global_batch_size=17408",
+        "RCPs at 15360, 16384, 18432",
+        "--set warmup_steps=...",
+    ),
+    C(
+        "deepseekv3-synth-expert-parallel-one-process",
+        "synth deepseekv3_671b --logdir {w}/logs --parallel ep=2,dp=2",
+        "--parallel ep=2,dp=2",
+        "torchrun started 1",
+    ),
+    C(
+        "llama31_405b-base-not-a-checkpoint",
+        "run llama31_405b --tier tiny --data {c4} --logdir {w}/logs --init-checkpoint {w}/empty",
+        "--init-checkpoint {w}/empty",
+        "model.safetensors",
+    ),
+    C(
+        "llama31_405b-closed-end-lr",
+        "run llama31_405b --tier reference --data {w}/empty --logdir {w}/logs --set end_lr=1e-6",
+        "--set end_lr",
+        "0.01 x the base LR",
+    ),
+    C(
+        "llama31_405b-synth-tensor-parallel-one-process",
+        "synth llama31_405b --logdir {w}/logs --parallel tp=2",
+        "--parallel tp=2",
+        "torchrun started 1",
+    ),
 ]
 
 
@@ -323,6 +413,7 @@ def _workspace(w: Path) -> None:
     (w / "notes.txt").write_text("training went fine\nloss 2.31 at step 10\n")
     (w / "empty.txt").write_text("")
     (w / "empty.jsonl").write_text("")
+    tarfile.open(w / "empty.tar", "w").close()  # a valid tar that holds no sample
     (w / "garbage.jsonl").write_text('{"id": "a", "input": "report", "output": "summary"}\nnot json\n')
     (w / "badgz").mkdir()
     (w / "badgz" / "c4-train.00000-of-00001.json.gz").write_bytes(b"not gzip")

@@ -192,3 +192,105 @@ def test_cli_prepare_errors(tmp_path, capsys):
         assert main([*base, *extra]) != 0
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def _recaption(src, dst, key, caption: bytes):
+    """`src` with the caption of sample `key` replaced by these bytes."""
+    with tarfile.open(src) as tin, tarfile.open(dst, "w") as tout:
+        for m in tin:
+            data = caption if m.name == f"{key}.txt" else tin.extractfile(m).read()
+            info = tarfile.TarInfo(m.name)
+            info.size = len(data)
+            tout.addfile(info, io.BytesIO(data))
+    return dst
+
+
+def test_caption_not_utf8_is_kept_counted_and_named(tmp_path, capsys):
+    from timetotrain.cli import main
+
+    tar, _ = small_tar(tmp_path / "s.tar")
+    bad = _recaption(tar, tmp_path / "latin1.tar", "000000004", "a caf\xe9 by the sea".encode("latin-1"))
+    skips = Skips()
+    pairs = {p.key: p.caption for p in read_pairs([bad], skips)}
+    assert len(pairs) == 3 and pairs["000000004"] == "a caf\ufffd by the sea"
+    assert skips.bad_utf8 == ["000000004"] and skips.count == 0
+    assert skips.report() == "1 caption(s) not valid UTF-8, kept with U+FFFD for the bad bytes: 000000004"
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "flux", "--src", str(bad), "--split", "train", "--encoders", "standin",
+            "--tokenizer-model", str(require_file(LLAMA2_SP)), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert (
+        "1 caption(s) not valid UTF-8, kept with U+FFFD for the bad bytes: 000000004"
+        in capsys.readouterr().out
+    )
+    assert json.loads((out / "train" / "manifest.json").read_text())["captions_not_utf8"] == ["000000004"]
+
+
+def test_shards_without_samples_are_one_line_naming_them(tmp_path, capsys):
+    from timetotrain.cli import main
+
+    empty = tmp_path / "empty.tar"
+    tarfile.open(empty, "w").close()
+    argv = ["data", "prepare", "flux", "--src", str(empty), "--split", "train", "--encoders", "standin",
+            "--tokenizer-model", str(require_file(LLAMA2_SP)), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ttt: error: --src {empty}: no train samples found"), err
+    assert not (tmp_path / "out" / "train").exists() or not any((tmp_path / "out" / "train").iterdir())
+
+
+def test_sigterm_while_writing_removes_the_staged_split(tmp_path, capsys, monkeypatch):
+    """`ttt data prepare flux` under SIGTERM: exit 128 + 15 with one line, and of the split whose files were
+    being written, nothing: not the files renamed so far, not the temporaries."""
+    import os
+    import signal
+
+    from timetotrain.cli import main
+
+    def unhandled(signum, frame):  # without ttt's handler the default would end pytest itself
+        raise AssertionError("SIGTERM reached no handler of ttt's")
+
+    old = signal.signal(signal.SIGTERM, unhandled)
+    real_save, saved = np.save, []
+
+    def save_then_signal(f, a, *args, **kwargs):
+        real_save(f, a, *args, **kwargs)
+        saved.append(1)
+        if len(saved) == 2:  # two of the four fields staged
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    tar, _ = small_tar(tmp_path / "s.tar")
+    out = tmp_path / "out"
+    monkeypatch.setattr(enc.np, "save", save_then_signal)
+    argv = ["data", "prepare", "flux", "--src", str(tar), "--split", "train", "--encoders", "standin",
+            "--tokenizer-model", str(require_file(LLAMA2_SP)), "--out", str(out)]  # fmt: skip
+    try:
+        code = main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err  # the progress line may come first; then the one line of ttt's
+    assert [ln for ln in err.splitlines() if ln.startswith("ttt:")] == [
+        "ttt: interrupted by SIGTERM: stopped, temporary files removed"
+    ], err
+    assert len(saved) == 2
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == []
+
+
+def test_sample_name_not_utf8_is_one_line_naming_the_tar(tmp_path):
+    """A member name with a byte that is not UTF-8 (tarfile keeps it as a lone surrogate) would fail when
+    keys.txt is written, after all the encoding work: it is named at once instead."""
+    tar, keys = small_tar(tmp_path / "s.tar", n=2)
+    bad = tmp_path / "latin1-names.tar"
+    with tarfile.open(tar) as tin, tarfile.open(bad, "w", format=tarfile.GNU_FORMAT) as tout:
+        for m in tin:
+            data = tin.extractfile(m).read()
+            name = m.name.replace(keys[1], keys[1] + b"-caf\xe9".decode("utf-8", "surrogateescape"))
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tout.addfile(info, io.BytesIO(data))
+    with pytest.raises(UserError) as e:
+        list(read_pairs([bad]))
+    msg = str(e.value)
+    assert msg.startswith(f"{bad}: sample name b'{keys[1]}-caf\\xe9' is not valid UTF-8"), msg

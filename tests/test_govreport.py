@@ -371,3 +371,42 @@ def test_no_complete_block_is_an_error(tok, tmp_path):
     src = write_jsonl(tmp_path / "one.jsonl", [{"input": "A report.", "output": "A summary."}])
     with pytest.raises(UserError, match="no complete 1,024-token block"):
         g.prepare(src, "train", tok.path, tmp_path / "out", block=1024)
+
+
+def test_sigterm_while_writing_leaves_the_split_as_it_was(gov, tok_path, tmp_path, capsys, monkeypatch):
+    """In the middle of writing a split (its input ids staged, the labels not yet): exit 128 + 15 with one
+    line, the previous files of that split untouched, no temporary left."""
+    import signal
+
+    from timetotrain.cli import main
+
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "govreport", "--src", str(gov), "--split", "validation",
+            "--tokenizer-model", str(tok_path), "--out", str(out), "--select", "tiny"]  # fmt: skip
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def unhandled(signum, frame):  # without ttt's handler the default would end pytest itself
+        raise AssertionError("SIGTERM reached no handler of ttt's")
+
+    real_save, saved = np.save, []
+
+    def save_then_signal(f, a, *args, **kwargs):
+        real_save(f, a, *args, **kwargs)
+        saved.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, unhandled)
+    monkeypatch.setattr(g.np, "save", save_then_signal)
+    try:
+        code = main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and saved == [1], err
+    assert "Traceback" not in err  # the progress line may come first; then the one line of ttt's
+    assert [ln for ln in err.splitlines() if ln.startswith("ttt:")] == [
+        "ttt: interrupted by SIGTERM: stopped, temporary files removed"
+    ], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

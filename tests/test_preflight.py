@@ -15,7 +15,8 @@ from timetotrain.data import tokenizer
 
 
 def results(logdir: Path) -> list[Path]:
-    return sorted(logdir.rglob("result_*.txt")) if logdir.exists() else []
+    """Result files, finished or live (`.partial`): a preflight failure leaves neither."""
+    return sorted(logdir.rglob("result_*")) if logdir.exists() else []
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:

@@ -21,7 +21,10 @@ def _cmd_prepare(args) -> int:
         with raise_on_signals():
             return _prepare_govreport(args)
     if args.dataset == "flux":
-        return _prepare_flux(args)
+        from timetotrain.interrupt import raise_on_signals
+
+        with raise_on_signals():  # as govreport: one process, its staged outputs removed on the way out
+            return _prepare_flux(args)
     from timetotrain.data import c4
 
     if args.dataset != "c4":

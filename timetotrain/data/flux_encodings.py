@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
 
 FIELDS = ("t5", "clip", "vae_mean", "vae_logvar")
@@ -221,11 +222,12 @@ class EncodedSplit:
         self.keys = (d / "keys.txt").read_text().split()
         self.arrays: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, str] = {}
+        self.mapped = MappedFiles()  # read during the timed run: checked before each read (no SIGBUS)
         for f in FIELDS:
             path = d / f"{f}.npy"
             if not path.is_file():
                 raise UserError(f"--data {root}: {split}/{f}.npy is missing: re-run `ttt data prepare flux`")
-            a = np.load(path, mmap_mode="r")
+            a = self.mapped.load(path)
             dtype = self.manifest["fields"][f]["dtype"]
             want = (self.n, *shapes.of(f))
             if a.shape != want or a.dtype != DTYPES[dtype][0]:
@@ -254,6 +256,7 @@ class EncodedSplit:
 
     def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         """Samples `idx` (numpy ints) of every field, as fp32 tensors `[len(idx), ...]`."""
+        self.mapped.check_unchanged()
         return {f: to_tensor(self.arrays[f][idx], self.dtypes[f]).float() for f in FIELDS}
 
     def stored_timesteps(self, idx: np.ndarray) -> torch.Tensor:

@@ -77,7 +77,10 @@ def prepare(tars: list[Path], split: str, encoders, out: Path, select: str = "al
         flush(pending)
     line.close()
     if not keys:
-        raise UserError(f"--src: no {split} samples found ({skips.report()})")
+        names = ", ".join(str(t) for t in tars)
+        raise UserError(
+            f"--src {names}: no {split} samples found ({skips.report()}): pass shards that hold some"
+        )
     arrays = {f: np.concatenate(cols[f]) for f in enc.FIELDS}
     meta = {
         "dtypes": dict.fromkeys(enc.FIELDS, DTYPE),
@@ -85,6 +88,7 @@ def prepare(tars: list[Path], split: str, encoders, out: Path, select: str = "al
         "select": select,
         "sources": [Path(t).name for t in tars],
         "skipped_undecodable": skips.undecodable,
+        "captions_not_utf8": skips.bad_utf8,
         **encoders.identity(),
     }
     enc.write_split(out, split, keys, arrays, meta)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
 
 NODE_TYPES = ("paper", "author", "institute", "fos", "journal", "conference")
@@ -65,13 +66,17 @@ def find_root(data_dir: Path) -> Path:
     )
 
 
+# Into a new folder: a graph written over in place would be cut short under a run that maps it.
+_REMEDY = "regenerate or re-download the graph into a new folder"
+
+
 def _header(path: Path) -> np.ndarray:
     if not path.is_file():
-        raise UserError(f"{path} is missing: the IGBH layout needs it (regenerate or re-download the graph)")
+        raise UserError(f"{path} is missing: the IGBH layout needs it ({_REMEDY})")
     try:
         return np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:
-        raise UserError(f"{path} is not a readable .npy file ({e}): regenerate or re-download it") from e
+        raise UserError(f"{path} is not a readable .npy file ({e}): {_REMEDY}") from e
 
 
 @dataclass
@@ -188,18 +193,21 @@ class Graph:
     feats: dict[str, np.ndarray]  # memory-mapped; gathered per batch, never cached
     labels: torch.Tensor  # [num_labeled] int64
     csc: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor]]  # (indptr, indices)
+    # The files behind `feats` where they are mapped (None: in memory); checked before each gather.
+    mapped: MappedFiles | None = None
 
 
 def open_graph(g: GraphFiles) -> Graph:
     cache = g.root / CACHE
-    feats = {t: np.load(g.root / t / FEAT_FILE, mmap_mode="r") for t in NODE_TYPES}
+    mapped = MappedFiles()
+    feats = {t: mapped.load(g.root / t / FEAT_FILE) for t in NODE_TYPES}
     labels = torch.from_numpy(np.asarray(np.load(g.root / "paper" / LABEL_FILE), dtype=np.int64))
     csc = {}
     for r in RELATIONS:
         indptr = torch.from_numpy(np.load(cache / f"{rel_key(r)}.indptr.npy", mmap_mode="r").copy())
         indices = torch.from_numpy(np.load(cache / f"{rel_key(r)}.indices.npy", mmap_mode="r").copy())
         csc[r] = (indptr, indices)  # int32 sources where they fit: half the memory of the reference's int64
-    return Graph(dict(g.num_nodes), feats, labels, csc)
+    return Graph(dict(g.num_nodes), feats, labels, csc, mapped)
 
 
 def split(num_labeled: int, train_fraction: float = 0.6, val_fraction: float = 0.005):

@@ -4,7 +4,8 @@ of CC12M (`pixparse/cc12m-wds`) and of our COCO sample, read with the standard l
 `read_pairs(tars)` yields `Pair(key, image, caption, meta)` in stored order. A sample without a caption
 (`.txt`) or without an image is a layout error: one `UserError` naming the tar and the key. An image that
 does not decode (a corrupt or truncated JPEG, which crawled datasets contain) is skipped and counted in
-`Skips`, whose `report()` names the keys; the caller prints it.
+`Skips`, whose `report()` names the keys; the caller prints it. A caption that is not valid UTF-8 is kept
+with U+FFFD in place of the bad bytes, and counted and named the same way (`bad_utf8`).
 """
 
 from __future__ import annotations
@@ -31,19 +32,38 @@ class Pair:
 
 @dataclass
 class Skips:
-    """Samples left out, by reason -> keys."""
+    """Samples left out (`undecodable`), and captions kept with replaced bytes (`bad_utf8`), by key."""
 
     undecodable: list[str] = field(default_factory=list)
+    bad_utf8: list[str] = field(default_factory=list)
 
     @property
     def count(self) -> int:
         return len(self.undecodable)
 
     def report(self) -> str:
-        if not self.count:
-            return "no samples skipped"
-        shown = ", ".join(self.undecodable[:5]) + (" ..." if self.count > 5 else "")
-        return f"{self.count} sample(s) skipped, image does not decode: {shown}"
+        parts = []
+        if self.undecodable:
+            parts.append(f"{self.count} sample(s) skipped, image does not decode: {_shown(self.undecodable)}")
+        if self.bad_utf8:
+            parts.append(
+                f"{len(self.bad_utf8)} caption(s) not valid UTF-8, kept with U+FFFD for the bad bytes: "
+                f"{_shown(self.bad_utf8)}"
+            )
+        return "; ".join(parts) or "no samples skipped"
+
+
+def _shown(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (" ..." if len(keys) > 5 else "")
+
+
+def _not_utf8(name: str) -> bool:
+    """tarfile decodes member names with surrogateescape: a byte that is not UTF-8 stays a lone surrogate."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _members(tar_path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -79,6 +99,11 @@ def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
     skips = skips if skips is not None else Skips()
     for tar_path in tars:
         for key, parts in _members(Path(tar_path)):
+            if not key.isascii() and _not_utf8(key):  # keys.txt and the summary line are UTF-8 text
+                raise UserError(
+                    f"{tar_path}: sample name {key.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8: "
+                    "rename it in the shard"
+                )
             img_ext = next((e for e in IMAGE_EXTS if e in parts), None)
             if img_ext is None:
                 raise UserError(
@@ -96,5 +121,9 @@ def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
                 meta = json.loads(parts["json"]) if "json" in parts else {}
             except (json.JSONDecodeError, UnicodeDecodeError):
                 meta = {}
-            caption = parts["txt"].decode("utf-8", errors="replace").strip()
+            try:
+                caption = parts["txt"].decode("utf-8").strip()
+            except UnicodeDecodeError:
+                skips.bad_utf8.append(key)
+                caption = parts["txt"].decode("utf-8", errors="replace").strip()
             yield Pair(key, image, caption, meta)

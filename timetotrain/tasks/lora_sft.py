@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from timetotrain.data import govreport
+from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
 from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
 
@@ -60,8 +61,9 @@ def lm_block_loss(
 
 
 class _Blocks(RunData):
-    def __init__(self, ids, labels, eval_ids, eval_labels, gbs, rank, world, seed, device):
+    def __init__(self, ids, labels, eval_ids, eval_labels, gbs, rank, world, seed, device, mapped=None):
         self.ids, self.labels = ids, labels
+        self.mapped = mapped  # the files behind ids/labels where they are mapped (None: in memory)
         self.samples_per_epoch = len(ids)
         self.gbs, self.local, self.offset, self.seed = gbs, gbs // world, rank * (gbs // world), seed
         lo, hi = len(eval_ids) * rank // world, len(eval_ids) * (rank + 1) // world
@@ -80,6 +82,8 @@ class _Blocks(RunData):
     def batch(self, step: int) -> Batch:
         start = step * self.gbs + self.offset
         rows = [self._sample(i) for i in range(start, start + self.local)]
+        if self.mapped is not None:  # before touching the mapped pages: a file cut short is a SIGBUS
+            self.mapped.check_unchanged()
         return {
             "input_ids": torch.from_numpy(np.asarray(self.ids[rows], dtype=np.int64)),
             "labels": torch.from_numpy(np.asarray(self.labels[rows], dtype=np.int64)),
@@ -163,16 +167,27 @@ class LoRAFineTune(Task):
         return _Resolved(data_dir, table)
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
-        ids, labels, _ = govreport.load_prepared(resolved.data_dir, "train", verify=False)
+        mapped = MappedFiles()
+        ids, labels, _ = govreport.load_prepared(resolved.data_dir, "train", verify=False, mapped=mapped)
         eval_ids, eval_labels, _ = govreport.load_prepared(resolved.data_dir, "validation", verify=False)
         n = tier.eval_samples
         if len(eval_ids) < n:
             raise UserError(f"{resolved.data_dir}: {len(eval_ids)} validation blocks, the tier evaluates {n}")
         if resolved.table is not None:  # a tiny tier's few blocks: mapped once, in memory
             ids, labels = _narrow(resolved.table, ids, labels)
+            mapped = None
             eval_ids, eval_labels = _narrow(resolved.table, eval_ids[:n], eval_labels[:n])
         return _Blocks(
-            ids, labels, eval_ids[:n], eval_labels[:n], tier.global_batch_size, rank, world, seed, device
+            ids,
+            labels,
+            eval_ids[:n],
+            eval_labels[:n],
+            tier.global_batch_size,
+            rank,
+            world,
+            seed,
+            device,
+            mapped,
         )
 
     def synthetic(self, tier, local_batch: int, generator, device) -> RunData:

@@ -43,6 +43,8 @@ class GraphData:
 
 def batch_of(graph: igbh.Graph, sub, labels: torch.Tensor | None) -> Batch:
     """A sampled subgraph as a batch: features gathered from the memory-mapped files (never cached)."""
+    if graph.mapped is not None:
+        graph.mapped.check_unchanged()  # before touching the mapped pages: a file cut short is a SIGBUS
     out = {f"x.{t}": igbh.gather_features(graph.feats[t], ids) for t, ids in sub.nodes.items()}
     out.update({f"e.{igbh.rel_key(r)}": e for r, e in sub.edges.items()})
     # The per-hop counts that trim each layer ride in the shapes of empty tensors: the harness moves them
