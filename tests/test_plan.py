@@ -143,7 +143,7 @@ def test_flux_activation_count_is_what_autograd_saves(dtype):
     assert measured == flux.activation_bytes(cfg, B, a, ac=False) - B * cpu_ln_stats(rows)
 
     # Each kind of block alone, over its inputs (the shared conditioning vector counts once per block here).
-    cos, sin = model._tables(cfg.txt_len)
+    freqs = model._tables(cfg.txt_len)
 
     def leaf(*shape):
         return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
@@ -151,12 +151,13 @@ def test_flux_activation_count_is_what_autograd_saves(dtype):
     svec = leaf(B, d)
     img, txt, joint = leaf(B, cfg.img_len, d), leaf(B, cfg.txt_len, d), leaf(B, T, d)
     for block, args, count, norms in (
-        (model.layers[0], (img, txt, svec, cos, sin), flux.double_block_bytes, 2),
-        (model.layers[-1], (joint, svec, cos, sin), flux.single_block_bytes, 1),
+        (model.layers[0], (img, txt, svec, freqs), flux.double_block_bytes, 2),
+        (model.layers[-1], (joint, svec, freqs), flux.single_block_bytes, 1),
     ):
         measured, _ = _saved_bytes(lambda b=block, x=args: b(*x), model)
         per_token, per_sample = count(cfg, a)
-        assert measured == B * (T * per_token + per_sample + d * a - cpu_ln_stats(norms * T)), block
+        rope = flux.rope_table_bytes(cfg)  # the block's input here, kept by its q/k rotations
+        assert measured == B * (T * per_token + per_sample + d * a - cpu_ln_stats(norms * T)) + rope, block
 
 
 def test_flux_checkpointing_keeps_block_inputs_and_one_block():
@@ -165,10 +166,14 @@ def test_flux_checkpointing_keeps_block_inputs_and_one_block():
     dt, ds = flux.double_block_bytes(cfg, a)
     st, ss = flux.single_block_bytes(cfg, a)
     outer = flux.outer_bytes(cfg, a)
-    assert flux.activation_bytes(cfg, 2, a, ac=False) == 2 * (19 * (T * dt + ds) + 38 * (T * st + ss) + outer)
+    rope = flux.rope_table_bytes(cfg)
+    assert (
+        flux.activation_bytes(cfg, 2, a, ac=False)
+        == 2 * (19 * (T * dt + ds) + 38 * (T * st + ss) + outer) + rope
+    )
     # Checkpointing: 57 block inputs, plus the larger block recomputed (its input already counted).
     recompute = max(T * dt + ds, T * st + ss) - T * d * a
-    assert flux.activation_bytes(cfg, 2, a, ac=True) == 2 * (57 * T * d * a + recompute + outer)
+    assert flux.activation_bytes(cfg, 2, a, ac=True) == 2 * (57 * T * d * a + recompute + outer) + rope
     assert flux.activation_bytes(cfg, 1, a, ac=True) < flux.activation_bytes(cfg, 1, a, ac=False) / 10
 
 

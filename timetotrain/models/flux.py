@@ -405,6 +405,7 @@ def flops_per_token(cfg: FluxConfig, seq_len: int | None = None, causal: bool = 
 # features, CLIP pooled), the embedder MLPs' hidden values (4d), the summed conditioning and its SiLU (2d),
 # the last block's output (T d, read by the final norm), the final normalised and modulated image tokens
 # (2 img_len d) and `1 + scale` (d), and the loss's fp32 prediction and target (2 img_len C p^2 x 4).
+# Per forward: the complex RoPE table cos + i sin [T, head_dim / 2] that each q/k rotation keeps (8 bytes each).
 # The frozen T5, CLIP and VAE never run while training: the data are their precomputed outputs.
 # Under DDP's autocast (bf16 without FSDP) the LayerNorms run in fp32 and their outputs stay fp32: about 5%
 # more than this count, which assumes FSDP2's bf16 parameters (every activation bf16 but the parts named).
@@ -455,7 +456,13 @@ def activation_bytes(cfg: FluxConfig, samples: int, act_bytes: int, ac: bool) ->
         body = cfg.n_layers * T * cfg.dim * a + recompute
     else:
         body = cfg.n_double * (T * dt + ds) + cfg.n_single * (T * st + ss)
-    return float(samples * (body + outer_bytes(cfg, a)))
+    return float(samples * (body + outer_bytes(cfg, a)) + rope_table_bytes(cfg))
+
+
+def rope_table_bytes(cfg: FluxConfig) -> int:
+    """Once per forward, not per sample: the complex RoPE table [T, head_dim / 2] (complex64) that every q/k
+    product keeps (`Flux._tables` builds it per forward, so it is an activation, not a buffer)."""
+    return cfg.seq_len * (cfg.head_dim // 2) * 8
 
 
 def activation_elements(cfg: FluxConfig) -> float:
