@@ -10,8 +10,10 @@ submitter, system and benchmark come from the logs' own `submission_*` keys.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -349,6 +351,40 @@ def captured_logging():
         root.setLevel(saved_level)
 
 
+class _ParsedRules:
+    """Stands in for the `yaml` module inside the compliance engine while it checks a log: the engine
+    re-parses its rule files (pure-Python YAML, most of its time) for every log it checks, though they
+    do not change within a run. Each file is parsed once per content (path and mtime); every check gets
+    its own deep copy, so no check can see another's data. Anything else is the real module."""
+
+    _cache: dict[tuple, object] = {}
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def load(self, stream, Loader):  # noqa: N803 (the engine's keyword)
+        name = getattr(stream, "name", None)
+        if not isinstance(name, str):
+            return self._real.load(stream, Loader=Loader)
+        key = (os.path.abspath(name), os.stat(name).st_mtime_ns, Loader)
+        if key not in self._cache:
+            self._cache[key] = self._real.load(stream, Loader=Loader)
+        return copy.deepcopy(self._cache[key])
+
+
+@contextlib.contextmanager
+def _rules_parsed_once(mlp_compliance):
+    real = mlp_compliance.yaml
+    mlp_compliance.yaml = _ParsedRules(real)
+    try:
+        yield
+    finally:
+        mlp_compliance.yaml = real
+
+
 def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     """The official compliance engine, in process, with the rule file `ttt check` would use: the
     ruleset's common.yaml for reference logs (as the result_summarizer does), ours for other tiers."""
@@ -363,7 +399,7 @@ def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     # for the next one.
     mlp_compliance.enqueued_configs.clear()
     checker = mlp_compliance.make_checker("training", ruleset, quiet=False, werror=False)
-    with captured_logging() as lines:
+    with captured_logging() as lines, _rules_parsed_once(mlp_compliance):
         try:
             valid, *_ = mlp_compliance.main(str(path), config, checker)
         except Exception as e:  # the engine evaluates rule code; a crash is a failed check, as in its CLI
