@@ -148,11 +148,20 @@ def test_in_process_compliance_agrees_with_ttt_check(tmp_path):
         assert ok == (path == good) and (ok or "eval_accuracy" in why)
 
 
-def test_rcp_line_prints_epochs_with_three_decimals():
+def test_rcp_line_prints_epochs_with_four_decimals_and_units():
     from timetotrain.mlperf.rcp import RcpResult
     from timetotrain.mlperf.score import rcp_line
+    from timetotrain.suite import official
 
-    epochs = RcpResult("Pass", "RCP found", bs=256, rcp_mean=0.6920, rcp_min=0.6712, submission_mean=0.6875)
-    assert "runs 0.688 vs RCP mean 0.692, min 0.671" in rcp_line(epochs)
+    epochs = RcpResult(
+        "Pass",
+        "RCP found",
+        bs=256,
+        rcp_mean=0.6920,
+        rcp_min=0.6712,
+        submission_mean=0.6875,
+        unit=official.EPOCHS,
+    )
+    assert "runs 0.6875 vs RCP mean 0.6920, min 0.6712 epochs" in rcp_line(epochs)
     samples = RcpResult("Pass", "RCP found", bs=16, rcp_mean=1140.0, rcp_min=1083.6, submission_mean=1140.0)
-    assert "runs 1,140.0 vs RCP mean 1,140.0, min 1,083.6" in rcp_line(samples)
+    assert "runs 1,140.0 vs RCP mean 1,140.0, min 1,083.6 samples" in rcp_line(samples)

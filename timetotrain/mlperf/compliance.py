@@ -131,7 +131,7 @@ def read_log_keys(path: Path) -> dict[str, object]:
     keys: dict[str, object] = {}
     with open(path, encoding="latin-1") as f:
         for line in f:
-            _, sep, payload = line.partition(":::MLLOG ")
+            _, sep, payload = line.rpartition(":::MLLOG ")  # the official parsers keep the last record
             if not sep:
                 continue
             try:

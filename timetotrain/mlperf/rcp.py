@@ -190,6 +190,7 @@ class RcpResult:
     submission_mean: float | None = None
     norm_factor: float = 1.0
     source: str = ""
+    unit: str = official.SAMPLES  # of the means: samples, or epochs (rgat and other epoch-counted benchmarks)
 
     @property
     def passed(self) -> bool:
@@ -202,17 +203,18 @@ class RcpResult:
 def submission_points(logs: list[RunLog]) -> tuple[int | None, list[float] | None, str]:
     """(bs, convergence points, problem) with the official rules: all runs must agree on the batch size;
     a run that did not converge counts as NOT_CONVERGED; more than one such run is not comparable."""
-    sizes = {lg.global_batch_size for lg in logs}
-    if len(sizes) != 1 or None in sizes:
-        return (
-            None,
-            None,
-            "Could not detect global_batch_size" if None in sizes else "Batch sizes in files do not match",
-        )
+    # A list, not a set: the checker takes the value of any line naming global_batch_size, which need
+    # not be hashable.
+    sizes = [lg.global_batch_size for lg in logs]
+    if not sizes or any(not isinstance(s, int | float) or isinstance(s, bool) for s in sizes):
+        return None, None, "Could not detect global_batch_size"
+    if any(s != sizes[0] for s in sizes):
+        return None, None, "Batch sizes in files do not match"
+    bs = int(sizes[0])
     points = [lg.samples_to_converge for lg in logs]
     if sum(p == NOT_CONVERGED for p in points) > 1:
-        return sizes.pop(), None, "Insufficient convergence"
-    return int(sizes.pop()), points, ""
+        return bs, None, "Insufficient convergence"
+    return bs, points, ""
 
 
 def _judge(table: RcpTable, bs: int, points: list[float], allowance: float = 0.0) -> RcpResult:
@@ -235,7 +237,17 @@ def _judge(table: RcpTable, bs: int, points: list[float], allowance: float = 0.0
     else:
         verdict, msg = "Missing", f"Missing RCP, please submit RCP with BS = {bs}"
     return RcpResult(
-        verdict, msg, how == "interpolated", bs, rec.mean, threshold, rec.stdev, mean, norm, table.source
+        verdict,
+        msg,
+        how == "interpolated",
+        bs,
+        rec.mean,
+        threshold,
+        rec.stdev,
+        mean,
+        norm,
+        table.source,
+        official.eval_unit(table.benchmark),
     )
 
 
@@ -287,6 +299,7 @@ def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult
     else:
         verdict = "Fail"
     res = RcpResult(verdict, msg, msg == "RCP Interpolation", norm_factor=float(norm), source=source)
+    res.unit = official.eval_unit(benchmark)
     bs, points, _ = submission_points(logs)
     res.bs = bs
     if points is None:

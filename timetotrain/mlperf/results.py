@@ -10,8 +10,10 @@ submitter, system and benchmark come from the logs' own `submission_*` keys.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,11 +33,17 @@ class RunLog:
 
     path: Path
     keys: dict[str, object] = field(default_factory=dict)  # first value of each key
+    # The run_start/run_stop pair the result_summarizer times (_query_run_start_stop): both are taken
+    # from the lines up to the first point where each has been seen.
     run_start_ms: float | None = None
     run_stop_ms: float | None = None
-    status: str | None = None
+    status: str | None = None  # of the last run_stop, as the RCP checker reads it
     evals: list[tuple[float, float]] = field(default_factory=list)  # (samples or epoch, metric)
-    converge_point: float | None = None  # samples/epoch of the last eval before a successful run_stop
+    # samples/epoch of the last eval line before the last run_stop, when that run_stop says success
+    converge_point: float | None = None
+    # The batch size as the RCP checker (and the summarizer's GBS column) reads it: the value of the
+    # last line whose record names global_batch_size.
+    batch_size: object = None
     seed_lines: list[tuple[str, int, object]] = field(default_factory=list)  # (file, lineno, seed)
     parse_errors: int = 0
     records: int = 0  # MLLOG lines read; none means the file is not an MLPerf log at all
@@ -59,7 +67,7 @@ class RunLog:
 
     @property
     def global_batch_size(self):
-        return self.keys.get("global_batch_size")
+        return self.batch_size
 
     @property
     def minutes(self) -> float | None:
@@ -81,47 +89,59 @@ class RunLog:
 
 
 def parse_log(path: Path) -> RunLog:
-    """Read a result file the way the official parsers do: latin-1, any line containing the MLLOG token
-    (a rank prefix before it is ignored), the remainder JSON."""
+    """Read a result file the way the official parsers do: latin-1, any line containing the MLLOG token,
+    the JSON after its last occurrence (their `.*:::MLLOG ` regex is greedy, so a rank prefix, or a
+    record another rank printed on the same line, is dropped). Which lines count for the time, the
+    status, the convergence point and the batch size follows the result_summarizer and the RCP
+    checker line for line, so a log that logs a key more than once reads as they read it."""
     log = RunLog(Path(path))
     bench = None
     last_point = None
+    timed = False
     try:
         text = Path(path).read_text(encoding="latin-1")
     except OSError as e:
         raise UserError(f"cannot read {path} ({e.strerror}): check the path and permissions") from e
-    for line in text.splitlines():
-        _, sep, payload = line.partition(TOKEN)
+    # Split on newlines only, as the official readers iterate a file (str.splitlines would also split
+    # on \x85 and other separators that latin-1 text can hold).
+    for line in text.split("\n"):
+        _, sep, payload = line.rpartition(TOKEN)
         if not sep:
             continue
         try:
             rec = json.loads(payload)
-            key, value, meta = rec["key"], rec.get("value"), rec.get("metadata") or {}
+            key, value, meta = rec["key"], rec.get("value"), rec.get("metadata")
             t = float(rec["time_ms"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             log.parse_errors += 1
             continue
         log.records += 1
+        meta = meta if isinstance(meta, dict) else {}
         log.keys.setdefault(key, value)
-        if key == "submission_benchmark":
-            bench = value
-        elif key == "seed":
-            log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
-        elif key == "run_start":
-            log.run_starts += 1
-            if log.run_start_ms is None:
+        if not timed:  # result_summarizer._query_run_start_stop: the latest of each until both are seen
+            if key == "run_start":
                 log.run_start_ms = t
-        elif key == "run_stop" and log.run_stop_ms is None:
-            log.run_stop_ms = t
-            log.status = meta.get("status")
-            if log.status == "success":
-                log.converge_point = last_point
-        elif key in ("eval_accuracy", "eval_error"):
+            elif key == "run_stop":
+                log.run_stop_ms = t
+            timed = log.run_start_ms is not None and log.run_stop_ms is not None
+        # rcp_checker.read_submission_file finds these by substring anywhere in the record, in this order.
+        if "global_batch_size" in payload:
+            log.batch_size = value
+        if "submission_benchmark" in payload:
+            bench = value if isinstance(value, str) else None
+        if "eval_accuracy" in payload or "eval_error" in payload:
             point = _eval_point(bench, meta)
             if point is not None:
                 last_point = point
-                if isinstance(value, int | float):
+                if key in ("eval_accuracy", "eval_error") and isinstance(value, int | float):
                     log.evals.append((point, float(value)))
+        if key == "seed":
+            log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
+        elif key == "run_start":
+            log.run_starts += 1
+        elif key == "run_stop":  # the last one decides, as in the RCP checker
+            log.status = meta.get("status")
+            log.converge_point = last_point if log.status == "success" else None
     return log
 
 
@@ -130,8 +150,14 @@ def _eval_point(bench, meta: dict):
     benchmark: samples_count, or epoch_num rounded to 3 decimals (as the official RCP checker reads them). Benchmarks the official
     tools do not know use epoch_num when the line has one."""
     if official.eval_unit(bench) == official.SAMPLES or "epoch_num" not in meta:
-        return meta.get("samples_count")
-    return round(meta["epoch_num"], 3)
+        point = meta.get("samples_count")
+        return point if _is_number(point) else None
+    epoch = meta["epoch_num"]
+    return round(epoch, 3) if _is_number(epoch) else None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def result_files(folder: Path) -> list[Path]:
@@ -325,6 +351,40 @@ def captured_logging():
         root.setLevel(saved_level)
 
 
+class _ParsedRules:
+    """Stands in for the `yaml` module inside the compliance engine while it checks a log: the engine
+    re-parses its rule files (pure-Python YAML, most of its time) for every log it checks, though they
+    do not change within a run. Each file is parsed once per content (path and mtime); every check gets
+    its own deep copy, so no check can see another's data. Anything else is the real module."""
+
+    _cache: dict[tuple, object] = {}
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def load(self, stream, Loader):  # noqa: N803 (the engine's keyword)
+        name = getattr(stream, "name", None)
+        if not isinstance(name, str):
+            return self._real.load(stream, Loader=Loader)
+        key = (os.path.abspath(name), os.stat(name).st_mtime_ns, Loader)
+        if key not in self._cache:
+            self._cache[key] = self._real.load(stream, Loader=Loader)
+        return copy.deepcopy(self._cache[key])
+
+
+@contextlib.contextmanager
+def _rules_parsed_once(mlp_compliance):
+    real = mlp_compliance.yaml
+    mlp_compliance.yaml = _ParsedRules(real)
+    try:
+        yield
+    finally:
+        mlp_compliance.yaml = real
+
+
 def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     """The official compliance engine, in process, with the rule file `ttt check` would use: the
     ruleset's common.yaml for reference logs (as the result_summarizer does), ours for other tiers."""
@@ -339,7 +399,7 @@ def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     # for the next one.
     mlp_compliance.enqueued_configs.clear()
     checker = mlp_compliance.make_checker("training", ruleset, quiet=False, werror=False)
-    with captured_logging() as lines:
+    with captured_logging() as lines, _rules_parsed_once(mlp_compliance):
         try:
             valid, *_ = mlp_compliance.main(str(path), config, checker)
         except Exception as e:  # the engine evaluates rule code; a crash is a failed check, as in its CLI

@@ -233,11 +233,10 @@ def rcp_line(r: RcpResult) -> str:
     verdict = r.verdict + (" (interpolated)" if r.interpolated and r.verdict == "Pass" else "")
     text = f"RCP: {verdict} - {r.message}"
     if r.rcp_mean is not None:
-        # Samples to converge print with one decimal; epochs (rgat's ~0.7) need three to tell runs apart.
-        fmt = ",.1f" if r.rcp_mean >= 100 else ",.3f"
+        fmt = ",.4f" if r.unit == official.EPOCHS else ",.1f"  # 0.9250 epochs, not 0.9
         text += (
             f"; BS {r.bs}: runs {_num(r.submission_mean, fmt)} vs RCP mean {r.rcp_mean:{fmt}}, "
-            f"min {r.rcp_min:{fmt}}"
+            f"min {r.rcp_min:{fmt}} {r.unit}"
         )
         if r.norm_factor != 1.0:
             text += f"; normalization factor {r.norm_factor:.6f}"
