@@ -125,6 +125,36 @@ def test_gpt_oss_reference_schedule_is_megatron_core_with_primus_decay(gbs, lr, 
     )
 
 
+# (samples_count, lr) of `train_loss` lines in the official gpt_oss_20b RCP log at GBS 64 (mlcommons/training,
+# small_llm_moe_pretraining/primus/rcp_logs/gbs64/run_0.log): two in the warmup, five where runs converge.
+GPT_OSS_RCP_LOG_LRS = {
+    0: 5.208333333333333e-06,
+    128: 1.5625e-05,
+    274688: 0.0009999723177203208,
+    274752: 0.0009999723042185464,
+    275008: 0.000999972250178531,
+    276480: 0.0009999719384263422,
+    278016: 0.0009999716112631452,
+}
+
+
+def test_gpt_oss_reproduces_the_lrs_its_official_rcp_run_logged():
+    """Primus logs, with each step's train_loss at samples_count s, the LR its Megatron scheduler holds after
+    that step: num_steps = s / GBS + 1, the argument our schedule takes (see the megatron-core test above).
+    Float equality: the decay over 1.2M - 2W steps (lr_decay_iters = 1.2M - W, ending at that iteration)
+    gives these bits; a cosine over max_steps - W missed them by about 1e-8."""
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+    from timetotrain.train.schedule import for_tier
+
+    bench = get("gpt_oss_20b")
+    tier = apply_overrides(bench, bench.tier("reference"), ["global_batch_size=64"])
+    ours = for_tier(bench.schedule, tier)
+    assert {s: ours(s // 64 + 1) for s in GPT_OSS_RCP_LOG_LRS} == GPT_OSS_RCP_LOG_LRS
+    old = WarmupCosine(tier.lr, tier.end_lr, tier.warmup_steps, 1_200_000, "megatron")
+    assert all(old(s // 64 + 1) != lr for s, lr in GPT_OSS_RCP_LOG_LRS.items() if s > 64 * 192)
+
+
 def test_llama_and_tiny_schedules_still_end_at_max_steps():
     """NeMo's decay argument counts after the warmup, so llama31_8b still reaches its end LR at max_steps;
     gpt_oss_20b tiny keeps the cosine to max_steps its golden runs were recorded with."""
