@@ -169,8 +169,8 @@ class SplitStream:
         meta = dict(meta)
         if timesteps is not None:
             ts = np.ascontiguousarray(timesteps, dtype=np.int32)
-            with self._staged.open(self.dir / TIMESTEP_FILE, "wb") as fh:
-                np.save(fh, ts)
+            with self._staged.open(self.dir / TIMESTEP_FILE, "wb") as f:
+                np.save(f, ts)
             meta["timesteps"] = {
                 "file": TIMESTEP_FILE,
                 "divisor": TIMESTEP_DIVISOR,
