@@ -209,3 +209,37 @@ def test_flux1_plan_other_gpu_counts():
     assert best is None
     _, _, best = plan(bench, tier, 4, 80, "fsdp=4")  # 44 GiB of states: micro-batch 4 or checkpointing
     assert best is not None and best.total <= 0.9 * 80 * GiB
+
+
+def test_expert_parallel_rows():
+    """`--parallel ep=N[,fsdp=N]` for the MoE families: the expert count behind the estimate, DDP keeping 1/N
+    of the experts, FSDP2 the states of fsdp=N but gathering blocks without their experts."""
+    from timetotrain.errors import UserError
+    from timetotrain.train.memory import expert_params
+
+    ds = get("deepseekv3_671b")
+    cfg = ds.tier("reference").model
+    experts, per_layer = expert_params(ds.family, cfg)
+    assert per_layer == 256 * 3 * 7168 * 2048
+    assert experts == (cfg.n_layers - cfg.first_dense + cfg.mtp_layers) * per_layer  # 58 MoE layers + MTP
+
+    bench = get("gpt_oss_20b")
+    tier = bench.tier("reference")
+    n, fsdp_rows, _ = plan(bench, tier, 8, 80, "fsdp=8")
+    _, ep_fsdp, best = plan(bench, tier, 8, 80, "ep=8,fsdp=8")
+    _, ep_ddp, _ = plan(bench, tier, 8, 80, "ep=8")
+    experts, per_layer = expert_params(bench.family, tier.model)
+    assert experts == tier.model.n_layers * per_layer
+    assert {r.parallel for r in ep_fsdp} == {"ep=8,fsdp=8"} and {r.parallel for r in ep_ddp} == {"ep=8"}
+    for a, b, c in zip(fsdp_rows, ep_fsdp, ep_ddp, strict=True):
+        assert b.states == a.states == 2 * n
+        assert c.states == pytest.approx(16 * (n - experts) + 2 * experts)
+        assert b.activations == a.activations
+        # bf16 copies: FSDP2 gathers blocks without experts; the local expert slices' autocast copies are
+        # kept for the backward, for every layer unless checkpointing recomputes them block by block.
+        local = 2 * (2 * per_layer / 8 if b.ac else experts / 8)
+        assert b.compute_copies == pytest.approx(a.compute_copies - 4 * per_layer + local)
+        assert (b.compute_copies < a.compute_copies) == b.ac
+    assert best is not None and best.parallel == "ep=8,fsdp=8"
+    with pytest.raises(UserError, match="needs a mixture-of-experts model"):
+        plan(BENCH, REF, 8, 80, "ep=8,fsdp=8")

@@ -246,8 +246,9 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
     s.add_argument(
         "--parallel",
         default=None,
-        help="under torchrun: dp=N (DDP), fsdp=N (FSDP2, sharded per block) or tp=T[,fsdp=F] (tensor "
-        "parallel, Llama-family decoders); default dp over all processes",
+        help="under torchrun: dp=N (DDP), fsdp=N (FSDP2, sharded per block), ep=N or ep=N,fsdp=N (MoE "
+        "experts split over the N ranks) or tp=T[,fsdp=F] (tensor parallel, Llama-family decoders); "
+        "default dp over all processes",
     )
     s.add_argument(
         "--precision",
@@ -382,7 +383,9 @@ def add_commands(sub) -> None:
     s.add_argument("--tier", default="reference")
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
-    s.add_argument("--parallel", default=None, help="only consider this kind: dp=N or fsdp=N")
+    s.add_argument(
+        "--parallel", default=None, help="only consider this kind: dp=N, fsdp=N, ep=N, ep=N,fsdp=N or tp=T"
+    )
     s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.set_defaults(func=_cmd_plan)

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
-from timetotrain.train.shards import copy_full
+from timetotrain.train.shards import copy_full, full_shape, is_part
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -92,8 +92,9 @@ def load_hf_checkpoint(
     (`Source.otherwise`), each parameter is read from the first one the checkpoint holds in full. Calls
     `model.reset_rope()` afterwards when the model has it.
 
-    A sharded parameter gets only this rank's slice of the full tensor its `Source` builds (one parameter's
-    full tensor at a time, on the CPU; `shards.local_shard`), so no rank ever holds the whole model.
+    A sharded parameter (an FSDP2 shard, or an expert-parallel slice) gets only this rank's part of the
+    full tensor its `Source` builds (one parameter's full tensor at a time, on the CPU;
+    `shards.local_shard`), so no rank ever holds the whole model.
     `names` renames our parameters (names without wrapper levels) to the names `mapping` uses, None for a
     parameter the checkpoint does not hold (e.g. LoRA adapters, which the caller initialises):
     `lora.base_names`. Unlisted names stay as they are.
@@ -256,13 +257,13 @@ def _assign(path: Path, ours: str, param: torch.Tensor, src: Source, inputs: lis
                 f"{path}: truncate_rows[{ours}]={rows} but the checkpoint has {value.shape[0]} rows"
             )
         value = value[:rows]
-    if value.shape != param.shape:
+    if tuple(value.shape) != full_shape(param):  # a sharded parameter's full shape
         raise UserError(
-            f"{path}: {ours} expects shape {list(param.shape)} but {', '.join(src.hf_names)} give "
+            f"{path}: {ours} expects shape {list(full_shape(param))} but {', '.join(src.hf_names)} give "
             f"{list(value.shape)}; the model config does not match the checkpoint"
         )
     with torch.no_grad():
-        if isinstance(param, DTensor):
+        if is_part(param):  # an FSDP2 shard or an expert slice
             copy_full(param, value)  # this rank's rows only; casts to the shard's dtype and device
         else:
             param.data.copy_(value)  # casts to the parameter's dtype and device
@@ -290,8 +291,18 @@ def _no_single_process_warning():
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     # Sharded (DTensor) entries under FSDP2: each rank saves and loads its own shards, nothing is gathered.
+    # Expert slices (expert parallelism) enter as DTensor views of their full stacks for the same reason.
+    from timetotrain.train.expert_parallel import expert_dtensors
+
+    experts = {_clean_name(n): t for n, t in expert_dtensors(model).items()}
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        model_sd = get_model_state_dict(model)
+        return {"model": {n: experts.get(_clean_name(n), t) for n, t in model_sd.items()}}
+    if experts:
+        raise UserError(
+            "checkpoints with optimizer state are not supported under expert parallelism; "
+            "save the model alone"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
 
@@ -404,12 +415,20 @@ def load_checkpoint(
     with _no_single_process_warning():
         dcp.load(state, checkpoint_id=final, no_dist=not _distributed())
     if optimizer is None:
-        model_sd = {ours.get(n, n): t for n, t in state["model"].items()}
+        # Expert-slice views were read in place (they share the slices' storage): hand back the plain slices.
+        model_sd = {ours.get(n, n): _local(t) for n, t in state["model"].items()}
         # Not strict when renamed: the parameters mapped to None are not in the checkpoint.
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=names is None))
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta["step"], meta["extra"]
+
+
+def _local(t):
+    """An expert slice's DTensor view (`_state`) -> the slice itself; anything else as it is."""
+    if isinstance(t, DTensor) and getattr(t, "_ttt_expert_view", False):
+        return t.to_local()
+    return t
 
 
 def _check_fits(final: Path, state: dict) -> None:

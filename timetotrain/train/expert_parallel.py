@@ -44,16 +44,26 @@ is the mean of the rank losses over the `dp` data-parallel ranks):
 So the caller keeps DDP for the replicated parameters and hides the expert slices from it
 (`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor
 broadcasts rank 0's slice over the others' at construction, and keeps its bucketed, backward-overlapped
-all-reduce and `no_sync` for accumulation. `is_expert_sharded` / `expert_sharded_names` tell which
-parameters are sharded; `clip_grad_norm_ep` clips by the true global norm.
+all-reduce and `no_sync` for accumulation. Under FSDP2 over the same ranks (`ep=N,fsdp=N`) the slices are
+`fully_shard`'s `ignored_params` for the same reasons (FSDP2 neither shards, gathers, casts nor
+reduce-scatters them; it averages the rest over the N ranks as DDP would), and the experts compute under
+autocast when FSDP2 casts the rest to bf16 (`compute_dtype`). `is_expert_sharded` / `expert_sharded_names`
+tell which parameters are sharded, `expert_slice` which rows of the full stack a slice holds;
+`clip_grad_norm_ep` clips by the true global norm (expert slices and FSDP2's gradient shards summed over
+the group, replicated gradients once).
 
-Apply EP to the bare model after its weights are initialised (identically on every rank: slicing the same
-full tensors keeps the same model), before activation checkpointing, compile, DDP and the optimizer.
-Not combinable with FSDP here. State dicts hold only the local slice.
+Where the whole model exists (DDP), apply EP to the bare model after its weights are initialised
+(identically on every rank: slicing the same full tensors keeps the same model), before activation
+checkpointing, compile, DDP and the optimizer. The sharded build (FSDP2) applies it on the meta device
+and fills the slices afterwards: `shards.full_init` draws each expert stack whole and keeps this rank's
+rows, the checkpoint loaders copy this rank's rows, so both builds start from the same weights. Anything
+that replaces parameter objects (`to_empty` from the meta device) drops the marks and the gradient scaling
+hooks: `mark_expert_slices` puts them back. State dicts hold only the local slice.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -62,7 +72,8 @@ from torch import nn
 
 from timetotrain.models.moe import MoE
 
-# Marks expert-sharded Parameters; an attribute on the tensor survives DDP and optimizers holding it.
+# Marks expert-sharded Parameters with (experts in the full stack, first expert held); an attribute on the
+# tensor survives DDP and optimizers holding it, not `to_empty` from the meta device (`mark_expert_slices`).
 _SHARDED = "_ttt_expert_sharded"
 
 # `all_gather_into_tensor` is deprecated in recent torch in favour of `all_gather_single`; keep both working.
@@ -129,8 +140,13 @@ class ExpertParallelDispatch:
     """Installed as `MoE.dispatcher` on a layer holding experts `[ep_rank * L, (ep_rank + 1) * L)` of
     `n_experts`; moves the grouped copies to the rank owning their expert and back (module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ep: int, rank: int, local: int):
+    def __init__(
+        self, group: dist.ProcessGroup | None, ep: int, rank: int, local: int,
+        compute_dtype: torch.dtype | None = None,
+    ):  # fmt: skip
         self.group, self.ep, self.rank, self.local = group, ep, rank, local
+        # Autocast dtype for the expert matmuls (None: whatever autocast state the caller runs under).
+        self.compute_dtype = compute_dtype
 
     def __call__(self, layer: MoE, grouped: torch.Tensor, grouped_probs: torch.Tensor, counts: torch.Tensor):
         ep, local, rank, group = self.ep, self.local, self.rank, self.group
@@ -162,7 +178,13 @@ class ExpertParallelDispatch:
             # (not None) like the single-process layer's idle experts, so AdamW updates them in step.
             y = rx.new_zeros(0, w2.shape[1]) + 0 * (rx.sum() + rp.sum() + w1.sum() + w2.sum()).to(rx.dtype)
         else:
-            y = layer.experts(rx, mine.sum(0), rp)
+            cast = (
+                torch.autocast(rx.device.type, dtype=self.compute_dtype)
+                if self.compute_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with cast:
+                y = layer.experts(rx, mine.sum(0), rp)
         if regroup is not None:
             inverse = torch.empty_like(regroup).scatter_(
                 0, regroup, torch.arange(regroup.numel(), device=regroup.device)
@@ -171,8 +193,12 @@ class ExpertParallelDispatch:
         return _AllToAll.apply(y, send, recv, group)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Shard the experts of every `MoE` in `model` over `group` (default: all ranks), in place.
+def apply_expert_parallel(
+    model: nn.Module, group: dist.ProcessGroup | None = None, compute_dtype: torch.dtype | None = None
+) -> None:
+    """Shard the experts of every `MoE` in `model` over `group` (default: all ranks), in place; works on a
+    model on the meta device too. `compute_dtype`: run the expert matmuls under autocast to it (bf16 under
+    FSDP2, which casts only the parameters it manages).
 
     A group of one rank leaves the model as it is. Raises if a layer's expert count is not a multiple of
     the group size or EP was already applied.
@@ -195,20 +221,70 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
             full = getattr(moe.experts, name)
             # A fresh Parameter (clone, not a view) so the full stack is freed and the optimizer sees [L, ...].
             shard = nn.Parameter(full.detach()[lo : lo + local].clone(), requires_grad=full.requires_grad)
-            setattr(shard, _SHARDED, True)
-            # Each rank's expert grad sums all EP ranks' loss gradients: divide by ep (module docstring).
-            shard.register_hook(lambda g, ep=ep: g / ep)
             setattr(moe.experts, name, shard)
-        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local)
+        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype)
+    mark_expert_slices(model)
+
+
+def mark_expert_slices(model: nn.Module) -> None:
+    """Mark the expert slices of every expert-parallel `MoE` in `model` and give each the hook that divides
+    its gradient by `ep`; once per parameter object, so calling it again only covers parameters replaced
+    since (`to_empty` from the meta device makes new ones, without the mark or the hook)."""
+    for moe in model.modules():
+        dispatch = getattr(moe, "dispatcher", None) if isinstance(moe, MoE) else None
+        if not isinstance(dispatch, ExpertParallelDispatch):
+            continue
+        for p in (moe.experts.w1, moe.experts.w2):
+            if getattr(p, _SHARDED, None) is not None:
+                continue
+            setattr(p, _SHARDED, (moe.n_experts, dispatch.rank * dispatch.local))
+            if p.requires_grad:
+                # Each rank's expert grad sums all EP ranks' loss gradients: divide by ep (module docstring).
+                p.register_hook(lambda g, ep=dispatch.ep: g / ep)
 
 
 def is_expert_sharded(p: torch.Tensor) -> bool:
-    return getattr(p, _SHARDED, False)
+    return getattr(p, _SHARDED, None) is not None
+
+
+def expert_slice(p: torch.Tensor) -> tuple[int, int] | None:
+    """For an expert slice: (experts in the full stack, index of the first expert it holds); else None. The
+    slice is rows `[first, first + p.shape[0])` of the full `[experts, ...]` tensor."""
+    return getattr(p, _SHARDED, None)
 
 
 def expert_sharded_names(model: nn.Module) -> list[str]:
     """Qualified names of the expert-sharded parameters of `model` (as `model.named_parameters` spells them)."""
     return [n for n, p in model.named_parameters() if is_expert_sharded(p)]
+
+
+def expert_dtensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every expert slice of `model` as a DTensor of its full `[E, ...]` stack, sharded on dim 0 over the
+    expert-parallel group and sharing the slice's storage, by the slice's parameter name (wrapper levels
+    included). What torch.distributed.checkpoint needs to write and read the slices of all ranks as one
+    tensor (a plain tensor it takes for a replica, keeping rank 0's alone)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    meshes: dict[int, DeviceMesh] = {}
+    out = {}
+    for prefix, moe in model.named_modules():
+        dispatch = getattr(moe, "dispatcher", None) if isinstance(moe, MoE) else None
+        if not isinstance(dispatch, ExpertParallelDispatch):
+            continue
+        group = dispatch.group or dist.group.WORLD
+        for name in ("w1", "w2"):
+            p = getattr(moe.experts, name)
+            if id(group) not in meshes:
+                meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
+            shape = torch.Size((moe.n_experts, *p.shape[1:]))
+            stride = torch.empty(shape, device="meta").stride()
+            view = DTensor.from_local(
+                p.detach(), meshes[id(group)], [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
+            view._ttt_expert_view = True  # (checkpoint.py hands the slice back after loading)
+            out[f"{prefix}.experts.{name}"] = view
+    return out
 
 
 def ignore_experts_in_ddp(model: nn.Module) -> None:
@@ -229,12 +305,19 @@ def clip_grad_norm_ep(
     """`clip_grad_norm_` (2-norm) over a model whose experts are sharded over `group`; returns the norm.
 
     Replicated gradients (already averaged, so equal on every rank) count once; the squared norms of the
-    expert slices are summed over `group`. Every rank of `group` must call it (one all-reduce). Without an
-    initialised process group it is plain global-norm clipping.
+    expert slices, and of FSDP2's gradient shards (DTensors, `ep=N,fsdp=N`: sharded over the same ranks as
+    `group`, each element on one rank), are summed over `group`. Every rank of `group` must call it (one
+    all-reduce). Without an initialised process group it is plain global-norm clipping.
     """
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in params if p.grad is not None]
-    replicated = [p.grad for p in params if not is_expert_sharded(p)]
-    sharded = [p.grad for p in params if is_expert_sharded(p)]
+    fsdp = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    for g in fsdp[:1]:
+        if dist.get_world_size(group) != g.device_mesh.size() or len(g.placements) != 1:
+            raise ValueError("clip_grad_norm_ep: FSDP2 must shard over exactly the expert-parallel group")
+    replicated = [p.grad for p in params if not is_expert_sharded(p) and not isinstance(p.grad, DTensor)]
+    sharded = [p.grad for p in params if is_expert_sharded(p)] + [g.to_local() for g in fsdp]
     device = params[0].grad.device if params else torch.device("cpu")
     zero = torch.zeros((), device=device, dtype=torch.float32)
     rep = torch.nn.utils.get_total_norm(replicated, foreach=foreach) if replicated else zero
@@ -242,5 +325,10 @@ def clip_grad_norm_ep(
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(shard_sq, group=group)
     total = (rep**2 + shard_sq).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    if fsdp:
+        # DTensor gradients take no plain-tensor factor: scale the local shards (as clip_grads_with_norm_).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(replicated + sharded, coef)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total

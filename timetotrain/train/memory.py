@@ -34,6 +34,12 @@ Where the numbers come from (an estimate, not a measurement):
   parallelism), the block inputs kept under checkpointing too; the head and loss see the whole sequence.
   T runs over 2, 4, 8 (one node's NVLink domain) where heads and FFN width divide. This estimate has not
   been validated on GPUs; the TP code is tested for exactness on CPU (gloo) only.
+- Expert parallelism (MoE families, only when --parallel names it): `ep=N` (DDP) keeps the replicated part
+  whole and 1/N of the routed experts on every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
+  parts 1/N (the states of `fsdp=N`), but FSDP2 gathers a block without its experts, and the experts' bf16
+  copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
+  under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
+  (balanced routing).
 """
 
 from __future__ import annotations
@@ -86,25 +92,50 @@ def estimate(
     family, cfg = bench.family, tier.model
     if tp > 1:
         return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp)
-    shards = gpus if kind == "fsdp" else 1
+    sharded = kind in ("fsdp", "ep,fsdp")
+    shards = gpus if sharded else 1
     trainable, frozen = bench.task.param_counts(family, tier)
     frozen_bytes = bench.task.frozen_bytes(tier, bf16)
     states = (16 * trainable + frozen_bytes * frozen) / shards
     block = family.block_params(cfg)
+    # Expert parallelism (module docstring): experts not held by this GPU, and a block's experts.
+    experts = away = 0.0
+    layer_experts = 0
+    if kind.startswith("ep"):
+        experts, layer_experts = expert_params(family, cfg)
+        away = experts * (1 - 1 / gpus)
+        if kind == "ep":
+            states -= 16 * away
+        block -= layer_experts  # FSDP2 gathers a block without its (ignored) expert slices
     if bf16:
         # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
         # frozen base unless it is stored in bf16 already).
         fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
-        copies = 2 * 2 * block if kind == "fsdp" else 2 * fp32_weights
+        if sharded:
+            # The local expert slices' autocast copies, kept for the backward: of every layer, or with
+            # checkpointing of the two blocks in flight, as FSDP2's gathered ones.
+            local = experts - away
+            copies = 2 * 2 * block + 2 * (2 * layer_experts / gpus if ac else local)
+        else:
+            copies = 2 * (fp32_weights - away)
     else:
-        copies = 4 * 2 * block if kind == "fsdp" else 0
+        copies = 4 * 2 * block if sharded else 0
     if family.activation_bytes is not None:
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
         tokens = micro * bench.task.sample_items(tier)[1]
         act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     margin = 0.05 * gpu_mem_gib * GiB + GiB
-    return Estimate(f"{kind}={gpus}", ac, micro, states, copies, act, margin)
+    label = f"ep={gpus},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
+    return Estimate(label, ac, micro, states, copies, act, margin)
+
+
+def expert_params(family, cfg) -> tuple[float, int]:
+    """(routed-expert parameters of the model, of one MoE layer), from the family's total and active counts:
+    a token skips `n_experts - top_k` experts of every MoE layer."""
+    per_layer = cfg.n_experts * 3 * cfg.dim * cfg.expert_ffn_dim
+    skipped = family.param_count(cfg) - family.active_param_count(cfg)
+    return skipped * cfg.n_experts / (cfg.n_experts - cfg.top_k), per_layer
 
 
 def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimate:
@@ -136,9 +167,14 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16:
         raise UserError(f"ttt plan has no memory model for {type(tier.model).__name__} yet")
     n = bench.family.param_count(tier.model)
     kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
+    named = [item.split("=")[0].strip() for item in (parallel or "").split(",")]
+    if "ep" in named:
+        kinds = ["ep,fsdp"] if "fsdp" in named else ["ep"]
+        if not hasattr(tier.model, "n_experts"):
+            raise UserError(f"--parallel {parallel!r}: expert parallelism needs a mixture-of-experts model")
     for k in kinds:
-        if k not in ("dp", "fsdp", "tp"):
-            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N, fsdp=N and tp=T")
+        if k not in ("dp", "fsdp", "tp", "ep", "ep,fsdp"):
+            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N, fsdp=N, ep=N[,fsdp=N] and tp=T")
     local = max(1, tier.global_batch_size // gpus)
     micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
     rows = [
@@ -184,17 +220,18 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
         params += f" ({active / 1e9:.2f} B active per token)"
     item, per_sample = bench.task.sample_items(tier)
     per = f"{per_sample:,} {item} per sample, " if per_sample > 1 else ""  # not "1 images per sample"
+    w = max([14] + [len(r.parallel) + 2 for r in rows])  # (ep=256,fsdp=256)
     out = [
         f"{bench.name} {tier.name}: {params}, {per}"
         f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
-        f"{'parallel':<14}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
+        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}  fits",
     ]
     for r in rows:
         cap = gpu_mem_gib * GiB
         fits = "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
         out.append(
-            f"{r.parallel:<14}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
+            f"{r.parallel:<{w}}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
             f"{r.total / GiB:>8.1f}G  {fits}"
         )

@@ -32,7 +32,7 @@ def build_optimizer(
     kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
     if spec.name not in kinds:
         raise ValueError(f"unknown optimizer {spec.name!r}: choose one of {', '.join(kinds)}")
-    params = param_groups(model, spec.weight_decay, spec.decay_mask)
+    params = _apart_by_kind(param_groups(model, spec.weight_decay, spec.decay_mask))
     dev = next(model.parameters()).device
     if fused is None:
         fused = dev.type in ("cuda", "cpu")
@@ -42,6 +42,23 @@ def build_optimizer(
         return cls(params, lr=lr, betas=spec.betas, eps=spec.eps, **kwargs)
     except (RuntimeError, TypeError):
         return cls(params, lr=lr, betas=spec.betas, eps=spec.eps)
+
+
+def _apart_by_kind(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensor and its plain parameters, when it holds both (FSDP2 shards next
+    to expert-parallel slices, which FSDP2 leaves plain): a foreach kernel takes one kind or the other.
+    AdamW's update is elementwise, so the grouping changes no value."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for g in groups:
+        sharded = [p for p in g["params"] if isinstance(p, DTensor)]
+        plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+        if sharded and plain:
+            out += [{**g, "params": sharded}, {**g, "params": plain}]
+        else:
+            out.append(g)
+    return out
 
 
 def build_adamw(

@@ -1,11 +1,18 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `ep=8` or `tp=8,fsdp=32`; dp x fsdp x tp
-must equal the world size. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive ranks on one
-sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the same N
-ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`). Model families expose their repeated blocks
-as `model.layers` (an nn.ModuleList); that is all we need.
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `ep=8`, `ep=8,fsdp=8` or `tp=8,fsdp=32`;
+dp x fsdp x tp must equal the world size. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
+ranks on one sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first
+dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
+same N ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`, DDP for the rest of the model), and
+`ep=N,fsdp=N` does the same with FSDP2 sharding the rest (attention, router, shared experts, embedding,
+head) over those N ranks. There the expert slices are `ignored_params` of `fully_shard`: FSDP2 neither
+shards, gathers, casts nor reduces them (expert_parallel.py gives them their gradient scale), and under
+bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep` must equal the degree of
+the data-parallel kind it is combined with (a hybrid of expert and data replicas, `dp = ep * edp`, is not
+built). Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we
+need.
 """
 
 from __future__ import annotations
@@ -76,11 +83,13 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
             raise UserError(f"--parallel {spec!r}: tp combines with fsdp only; use tp=T or tp=T,fsdp=F")
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
-        if degrees["ep"] > 1:
-            if degrees["fsdp"] > 1:
+        if degrees["ep"] > 1 and degrees["fsdp"] > 1:
+            if degrees["ep"] != degrees["fsdp"]:
                 raise UserError(
-                    f"--parallel {spec!r}: ep with fsdp is not supported yet; use ep=N (with dp=N)"
+                    f"--parallel {spec!r}: ep must equal fsdp (the experts are split over the same ranks "
+                    "FSDP2 shards the rest over); use ep=N,fsdp=N"
                 )
+        elif degrees["ep"] > 1:
             degrees["dp"] = degrees["dp"] if degrees["dp"] > 1 else world
             if degrees["ep"] != degrees["dp"]:
                 raise UserError(
@@ -100,7 +109,8 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
 def apply(model: nn.Module, plan: Plan, device: torch.device):
     """Wrap `model` per plan. Returns (the module to call: the same object for FSDP2, a DDP wrapper else;
     the expert-parallel process group or None). Expert sharding comes first: it slices the experts of
-    the initialised model, before checkpoint wrappers, compile and DDP see the parameters."""
+    the initialised model (or of the meta model the sharded build fills later), before checkpoint wrappers,
+    compile, DDP or FSDP2 see the parameters."""
     ep_group = None
     fsdp_mesh = None
     if plan.tp > 1:
@@ -116,9 +126,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
 
         from timetotrain.train.expert_parallel import apply_expert_parallel
 
-        # A group of its own keeps the all-to-alls apart from DDP's gradient all-reduces.
+        # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
         ep_group = dist.new_group(list(range(plan.ep)))
-        apply_expert_parallel(model, ep_group)
+        # FSDP2 casts only the parameters it manages to bf16; the expert slices it ignores compute under
+        # autocast instead (DDP runs the whole forward under autocast already).
+        bf16_experts = plan.precision == "bf16" and plan.fsdp > 1
+        apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None)
     blocks = model.layers
     if plan.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -135,9 +148,16 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.precision == "bf16" else None, reduce_dtype=torch.float32
         )
+        # Expert slices differ per rank and are complete: FSDP2 must neither shard nor reduce them.
+        ignored = None
+        if ep_group is not None:
+            from timetotrain.train.expert_parallel import is_expert_sharded
+
+            ignored = {p for p in model.parameters() if is_expert_sharded(p)}
         for block in blocks:
-            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
+            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
+        # The root too: blocks outside `model.layers` (DeepSeek's MTP) hold experts.
+        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
         if plan.tp > 1:
             from timetotrain.train.tensor_parallel import mark_stacked
 

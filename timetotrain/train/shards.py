@@ -20,6 +20,11 @@ the unsharded build would give:
   (1.9 GB at 70B, fc1) and every rank draws every element; no communication.
   Low-precision parameters (a bf16 frozen LoRA base) are drawn in fp32 and rounded, as the unsharded build
   initialises its fp32 model before `apply_lora` casts the base.
+
+Expert slices (`ep=N,fsdp=N`: plain tensors holding rows `[first, first + L)` of a full `[E, ...]` expert
+stack, `expert_parallel.expert_slice`) are parts of a full tensor too: `full_init` draws the whole stack and
+keeps the rows, `local_shard` / `copy_full` cut them, so a rank's experts equal the same rows of the
+one-process model's.
 """
 
 from __future__ import annotations
@@ -31,13 +36,33 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from timetotrain.train.expert_parallel import expert_slice
 
-def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
-    """The part of `full` (a tensor of `param`'s global shape) that this rank's local tensor of `param`
-    holds: a view, cut per mesh dimension as DTensor's `Shard(d)` does (`torch.chunk`, trailing ranks
-    possibly short or empty); `Replicate` keeps everything."""
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(f"full tensor {list(full.shape)} does not match the parameter's {list(param.shape)}")
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the full tensor `param` holds a part of: a DTensor's global shape, an expert slice's
+    whole expert stack, else its own shape."""
+    part = expert_slice(param)
+    if part is not None:
+        return (part[0], *param.shape[1:])
+    return tuple(param.shape)
+
+
+def is_part(param: torch.Tensor) -> bool:
+    """Whether `param` holds only a part of its full tensor on this rank (a DTensor or an expert slice)."""
+    return isinstance(param, DTensor) or expert_slice(param) is not None
+
+
+def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of `full` (a tensor of `full_shape(param)`) that this rank's local tensor of `param` holds:
+    a view, cut per mesh dimension as DTensor's `Shard(d)` does (`torch.chunk`, trailing ranks possibly
+    short or empty; `Replicate` keeps everything), or an expert slice's rows."""
+    if tuple(full.shape) != full_shape(param):
+        expected = list(full_shape(param))
+        raise ValueError(f"full tensor {list(full.shape)} does not match the parameter's {expected}")
+    part = expert_slice(param)
+    if part is not None:
+        return full[part[1] : part[1] + param.shape[0]]
     from timetotrain.train.tensor_parallel import logical
 
     full = logical(full, param)  # a tensor-parallel fused layout's row order (train/tensor_parallel.py)
@@ -63,9 +88,10 @@ def local_shard(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def copy_full(param: DTensor, full: torch.Tensor) -> None:
-    """Copy this rank's slice of the full tensor `full` into sharded `param` (cast to its dtype and device)."""
-    param.to_local().copy_(local_shard(full, param))
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor `full` into `param` (a DTensor or an expert slice; cast to
+    its dtype and device)."""
+    (param.to_local() if isinstance(param, DTensor) else param).copy_(local_shard(full, param))
 
 
 # The in-place initialisers that draw or fill: what nn.init's functions end in (`ones_` is `fill_`, `zeros_`
@@ -91,14 +117,14 @@ class _FullInit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if func not in _FILLS or not isinstance(target, DTensor):
+        if func not in _FILLS or not isinstance(target, torch.Tensor) or not is_part(target):
             return func(*args, **kwargs)
         if self.skip:  # the values come from elsewhere (a checkpoint): draw nothing
             return target
         dtype = (
             torch.promote_types(target.dtype, torch.float32) if target.is_floating_point() else target.dtype
         )
-        full = torch.empty(target.shape, dtype=dtype, device=target.device)
+        full = torch.empty(full_shape(target), dtype=dtype, device=target.device)
         if args:
             func(full, *args[1:], **kwargs)
         else:

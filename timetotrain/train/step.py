@@ -171,6 +171,10 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
         from timetotrain.train.tensor_parallel import mark_stacked
 
         mark_stacked(model)  # after FSDP's and to_empty's parameter swaps
+    if plan.ep > 1:
+        from timetotrain.train.expert_parallel import mark_expert_slices
+
+        mark_expert_slices(model)  # to_empty made new expert Parameters: mark them, scale their gradients
     with full_init():
         family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))

@@ -90,6 +90,10 @@ def _experts_loop(x, counts, w1, w2, probs):
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @functools.cache
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dim: int, ffn_dim: int) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward correctly here (probed once per key).
@@ -105,6 +109,10 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dim: int, ffn
             torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast(device_type=device.type, enabled=False),
+            # Keep the probe's saved tensors its own: the first call may come from an activation-checkpointed
+            # forward (the sharded build warms up the wrapped blocks), whose recomputation, with the probe
+            # cached, would then save fewer tensors than the forward did.
+            torch.autograd.graph.saved_tensors_hooks(_keep, _keep),
         ):
             gen = torch.Generator(device=device).manual_seed(0)
             x = torch.randn(4, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
