@@ -139,6 +139,16 @@ def test_plan_counts_the_frozen_base_without_optimizer_state():
     assert dp_opt_out.states == 16 * lora + 4 * n and dp_opt_out.compute_copies == 2 * (lora + n)
 
 
+def test_plan_command_says_the_frozen_base_has_no_optimizer_state(capsys):
+    from timetotrain.cli import main
+
+    assert main(["plan", "llama2_70b_lora", "--tier", "reference", "--gpus", "8", "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "44.56 M trainable x 16 B" in out
+    assert "68.98 B frozen x 2 B (bf16 weight only: no gradient, no optimizer state)" in out
+    assert "suggestion: fsdp=8, activation checkpointing on" in out
+
+
 def test_a_training_step_runs_exactly_the_matmuls_the_flops_count():
     """torch's FLOP counter over one forward and backward of the LoRA model: its matmul FLOPs are the
     task's count without attention, so no frozen weight gets a weight-gradient matmul, and the count
