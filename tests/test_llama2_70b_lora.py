@@ -283,3 +283,42 @@ def test_synth_measures_lora_fine_tuning(tmp_path):
     assert s["model_tflops_per_s"] * 1e12 == pytest.approx(s["samples_per_s"] * s["model_flops_per_sample"])
     logged = {r["key"]: r["value"] for r in mllog(Path(s["log"]))}
     assert (logged["lora_rank"], logged["lora_alpha"], logged["eval_samples"]) == (16, 32, tiny.eval_samples)
+
+
+def test_run_from_a_base_without_its_qkv_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """`ttt run --init-checkpoint` at a base whose layer 1 has neither `qkv_proj` nor all of q/k/v_proj: one
+    line naming the tensor and both layouts, before run_start."""
+    safetensors = require("safetensors.torch")
+    from timetotrain.cli import main
+    from timetotrain.train.checkpoint import HF_SINGLE
+
+    tok = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    data_dir = _gov_rows(tok, tmp_path)
+    capsys.readouterr()  # the preparation's progress lines
+    hf = random_hf_llama(SMALL).state_dict()
+    (tmp_path / "base").mkdir()
+    broken = {n: t for n, t in hf.items() if n != "model.layers.1.self_attn.k_proj.weight"}
+    safetensors.save_file(broken, tmp_path / "base" / HF_SINGLE)
+    tier = dataclasses.replace(
+        REF, model=SMALL, data=LoRAData(block=64, train_samples=8), global_batch_size=2, micro_batch_size=2,
+        eval_samples=2, max_steps=5, eval_every_samples=4, division="open",
+    )  # fmt: skip
+    monkeypatch.setitem(BENCH.tiers, "reference", tier)
+    argv = [
+        "run",
+        "llama2_70b_lora",
+        "--tier",
+        "reference",
+        "--data",
+        str(data_dir),
+        "--logdir",
+        str(tmp_path / "logs"),
+    ]
+    assert main([*argv, "--init-checkpoint", str(tmp_path / "base"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ttt: error: "), err
+    assert "model.layers.1.self_attn.k_proj.weight (needed for layers.1.attn.qkv.weight) is missing" in err
+    assert "and so is model.layers.1.self_attn.qkv_proj.weight" in err
+    # Found while loading, inside init: the log ends there, aborted, without a run_start.
+    recs = mllog(tmp_path / "logs" / "llama2_70b_lora" / "reference" / "result_0.txt")
+    assert "run_start" not in [r["key"] for r in recs] and recs[-1]["metadata"]["status"] == "aborted"
