@@ -27,16 +27,17 @@ PEFT's model, `--peft-qkv`:
   `LlamaAttention` with q/k/v_proj replaced by one `qkv_proj` whose output is split, then RoPE and HF's
   attention dispatch (SDPA) unchanged. Same adapters, same adapter parameter count as ours.
 - `separate`: stock HF Llama (q/k/v_proj), PEFT on q_proj, k_proj, v_proj, o_proj: what a user without
-  the MLCommons modeling code would do. Three adapters where the reference has one, so 2 x rank x dim more
-  adapter parameters per layer; the output says how many. Each of q/k/v gets our qkv A (B zero), so the
-  first step's loss is still identical, but the training trajectories differ.
+  the MLCommons modeling code would do. Ours then targets the q, k and v parts of its fused qkv (LoRA targets
+  "attn.q", "attn.k", "attn.v", "attn.proj"): the same adapters, each with its own A, so like with like again
+  (`tests/test_lora.py::test_peft_parity[separate_qkv]`). Three adapters where the reference has one: 2 x rank
+  x dim more adapter parameters per layer than `fused`.
 
 Tokens are counted per block (`block` tokens a sample, the task's `sample_items`); the model sees
 `block - 1` positions of each (next-token shift). MFU uses the task's FLOPs per sample
-(`LoRAFineTune.flops_per_sample` on REFERENCE with this config's model and block: 4 FLOPs per frozen weight
-per token, 6 per adapter parameter, plus causal attention), for ours and PEFT alike, so PEFT's MFU in the
-`separate` layout leaves out its extra adapter work (small: rank 16 against widths of 128 and up). On CPU
-the peak is an fp32 matmul peak measured in the same run (`train/peak.py`); on CUDA the datasheet bf16 peak.
+(`LoRAFineTune.flops_per_sample` on REFERENCE with this config's model, block and the layout's adapters: 4
+FLOPs per frozen weight per token, 6 per adapter parameter, plus causal attention), for ours and PEFT alike.
+On CPU the peak is an fp32 matmul peak measured in the same run (`train/peak.py`); on CUDA the datasheet bf16
+peak.
 
 The step loops alternate within each repetition (ours eager, ours compiled, PEFT) so drift in machine load
 hits all of them; medians and their ratios are printed. Ours compiled is `--compile` of `ttt run`: each block
@@ -113,10 +114,15 @@ CONFIGS: dict[str, tuple[LlamaConfig, int, int]] = {
 # blocks label every token): exercises the ignore path of both losses at no cost to either.
 MASKED_PREFIX = 1 / 8
 
+# Ours in the `separate` layout: an adapter on each of the q, k, v parts of the fused qkv, as PEFT on q/k/v.
+SEPARATE_TARGETS = ("attn.q", "attn.k", "attn.v", "attn.proj")
 
-def flops_per_token(cfg: LlamaConfig, block: int) -> float:
-    """The task's model FLOPs per sample (frozen-base convention) for this model and block, per block token."""
-    tier = dataclasses.replace(REFERENCE, model=cfg, data=dataclasses.replace(REFERENCE.data, block=block))
+
+def flops_per_token(cfg: LlamaConfig, block: int, targets: tuple[str, ...]) -> float:
+    """The task's model FLOPs per sample (frozen-base convention) for this model, block and LoRA targets, per
+    block token."""
+    data = dataclasses.replace(REFERENCE.data, block=block, targets=targets)
+    tier = dataclasses.replace(REFERENCE, model=cfg, data=data)
     return BENCHMARK.flops_per_sample(tier) / block
 
 
@@ -193,9 +199,8 @@ def build_peft(ours_base: dict[str, torch.Tensor], cfg: LlamaConfig, device, fus
 
 @torch.no_grad()
 def copy_adapters(ours: nn.Module, theirs: nn.Module, cfg: LlamaConfig, fused: bool) -> None:
-    """Our adapters into PEFT's. A multiplies the input, so it copies as is (into each of q/k/v when
-    separate); B has one row per output, so qkv's B goes from our grouped-per-KV-head rows to HF's q|k|v."""
-    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    """Our adapters into PEFT's. A multiplies the input, so it copies as is; B has one row per output, so the
+    fused qkv's B goes from our grouped-per-KV-head rows to HF's q|k|v (the parts' B are in HF's order)."""
 
     def put(module, a, b):
         module.lora_A["default"].weight.copy_(a)
@@ -204,18 +209,17 @@ def copy_adapters(ours: nn.Module, theirs: nn.Module, cfg: LlamaConfig, fused: b
     for block, layer in zip(ours.layers, theirs.get_base_model().model.layers, strict=True):
         attn, qkv, proj = layer.self_attn, block.attn.qkv, block.attn.proj
         put(attn.o_proj, proj.lora_A.weight, proj.lora_B.weight)
-        b = qkv_to_hf(qkv.lora_B.weight, cfg)
         if fused:
-            put(attn.qkv_proj, qkv.lora_A.weight, b)
+            put(attn.qkv_proj, qkv.lora_A.weight, qkv_to_hf(qkv.lora_B.weight, cfg))
         else:
-            for name, rows in zip(
-                ("q_proj", "k_proj", "v_proj"), b.split([q_rows, kv_rows, kv_rows]), strict=True
-            ):
-                put(getattr(attn, name), qkv.lora_A.weight, rows)
+            for part in "qkv":
+                put(getattr(attn, f"{part}_proj"), qkv.lora_A[part].weight, qkv.lora_B[part].weight)
 
 
-def build_ours(base: dict[str, torch.Tensor], cfg: LlamaConfig, device, dropout: float, seed: int) -> Llama:
-    """Our Llama with `base` loaded and the task's LoRA applied, adapters drawn from `seed` (as
+def build_ours(
+    base: dict[str, torch.Tensor], cfg: LlamaConfig, device, dropout: float, seed: int, targets
+) -> Llama:
+    """Our Llama with `base` loaded and the task's LoRA applied on `targets`, adapters drawn from `seed` (as
     `build_training` does: load the base, then `adapt_model` with a seeded generator)."""
     with torch.device("meta"):
         model = Llama(cfg)
@@ -224,7 +228,7 @@ def build_ours(base: dict[str, torch.Tensor], cfg: LlamaConfig, device, dropout:
     model.load_state_dict(base)
     d = REFERENCE.data
     g = torch.Generator(device=device).manual_seed(seed)
-    return apply_lora(model, d.targets, d.rank, d.alpha, dropout, generator=g).train()
+    return apply_lora(model, targets, d.rank, d.alpha, dropout, generator=g).train()
 
 
 def make_step_ours(model: nn.Module, autocast=None):
@@ -273,13 +277,14 @@ def build(name: str, device, autocast=None, compile=True, fused=True, dropout=No
     cfg, batch, block = CONFIGS[name]
     dropout = REFERENCE.data.dropout if dropout is None else dropout
     device = torch.device(device)
+    targets = REFERENCE.data.targets if fused else SEPARATE_TARGETS
     torch.manual_seed(seed)
     with torch.device(device):
         base = Llama(cfg).state_dict()  # Megatron init from the global RNG, on the device (fast at 70B width)
-    ours = build_ours(base, cfg, device, dropout, seed + 1)
+    ours = build_ours(base, cfg, device, dropout, seed + 1, targets)
     compiled = None
     if compile:
-        compiled = build_ours(base, cfg, device, dropout, seed + 1)
+        compiled = build_ours(base, cfg, device, dropout, seed + 1, targets)
         for blk in compiled.layers:  # what `ttt run --compile` does
             blk.compile()
     theirs = build_peft(base, cfg, device, fused, dropout)
@@ -290,7 +295,8 @@ def build(name: str, device, autocast=None, compile=True, fused=True, dropout=No
         "batch": make_batch(cfg, batch, block, device, seed),
         "blocks": batch,
         "block": block,
-        "adapters_ours": lora_param_count(cfg, REFERENCE.data.rank, REFERENCE.data.targets),
+        "targets": targets,
+        "adapters_ours": lora_param_count(cfg, REFERENCE.data.rank, targets),
         "adapters_peft": sum(p.numel() for p in theirs.parameters() if p.requires_grad),
         "params": FAMILY.param_count(cfg),
         "ours_model": ours,
@@ -315,7 +321,7 @@ def bench(name, reps, steps, peak, device, autocast=None, compile=True, fused=Tr
         peft_tps.append(tok / timed(b["peft"], batch, steps, device))
     mo, mp = statistics.median(ours_tps), statistics.median(peft_tps)
     mc = statistics.median(comp_tps) if comp_tps else float("nan")
-    flops = flops_per_token(b["cfg"], b["block"])
+    flops = flops_per_token(b["cfg"], b["block"], b["targets"])
     return {
         "config": name,
         "params": b["params"],

@@ -5,6 +5,7 @@ error naming it."""
 import itertools
 
 import pytest
+import yaml
 from fakelogs import tier_log
 
 from timetotrain import suite
@@ -41,6 +42,16 @@ def logged(bench_name, tier_name, as_benchmark):
 @pytest.mark.parametrize("bench,tier", TIERS)
 def test_each_tier_passes_its_own_rule_file(bench, tier):
     assert hparam_violations([rule_file(bench, tier)], logged(bench, tier, bench)) == []
+
+
+@pytest.mark.parametrize("bench,tier", TIERS)
+def test_each_rule_file_states_each_key_once(bench, tier):
+    """The official engine keeps the last rule of a name and ignores the earlier ones: a second rule would
+    be dead text that says something else (llama2_70b_lora tiny once held a stray eval_samples == 64)."""
+    rules = yaml.safe_load(rule_file(bench, tier).read_text())
+    names = [item["KEY"]["NAME"] for item in rules if "KEY" in item]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    assert all("REQ" in item["KEY"] for item in rules if "KEY" in item)
 
 
 @pytest.mark.parametrize("src,dst", list(itertools.permutations(TIERS, 2)))

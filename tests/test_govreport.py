@@ -139,13 +139,30 @@ def test_reference_groups():
     assert g.reference_groups(0, "train") == []
 
 
-def test_too_long_dropped_and_counted(tok, tmp_path):
+def test_too_long_dropped_and_counted(tok, tmp_path, capsys):
+    from timetotrain.cli import main
+
     short = {"id": "a", "input": "Short report.", "output": "Short."}
     long_ = {"id": "b", "input": "word " * 200, "output": "Long."}
     n_short = len(g.encode_example(tok, short["input"], short["output"], "train")[0])
     src = write_jsonl(tmp_path / "x.jsonl", [short, long_, short, short])
-    # block == an example's length keeps it (the reference drops only longer ones).
-    info = g.prepare(src, "train", tok.path, tmp_path / "out", block=n_short, packing="whole")
+    # block == an example's length keeps it (the reference drops only longer ones). The command's summary
+    # line and the manifest both count the drop.
+    argv = [
+        "data",
+        "prepare",
+        "govreport",
+        "--src",
+        str(src),
+        "--split",
+        "train",
+        "--tokenizer-model",
+        str(tok.path),
+    ]
+    argv += ["--out", str(tmp_path / "out"), "--block", str(n_short), "--packing", "whole"]
+    assert main(argv) == 0
+    assert f"4 examples, 1 longer than {n_short:,} tokens dropped, 3 blocks" in capsys.readouterr().out
+    info = json.loads((tmp_path / "out" / "govreport-train.manifest.json").read_text())
     c = info["counts"]
     assert (c["examples"], c["dropped_too_long"], c["examples_packed"]) == (4, 1, 3)
     assert (c["blocks"], c["remainder_tokens_dropped"], c["tokens"]) == (3, 0, 3 * n_short)

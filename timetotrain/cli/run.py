@@ -238,7 +238,7 @@ def _cmd_plan(args) -> int:
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=args.precision == "bf16")
-    print(format_plan(bench, tier, n, rows, best, args.gpus, args.gpu_mem))
+    print(format_plan(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16"))
     return 0 if best is not None else 1
 
 

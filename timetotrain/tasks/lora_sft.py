@@ -234,14 +234,23 @@ class LoRAFineTune(Task):
     def flops_per_sample(self, family, tier) -> float:
         """Frozen weights cost no weight-gradient matmul: 4 FLOPs per weight per token (forward, and the
         input gradient backpropagation needs) instead of 6; the adapters cost the usual 6 per parameter;
-        attention scores count in full, forward and backward."""
-        from timetotrain.train.lora import lora_param_count
+        attention scores count in full, forward and backward.
 
-        seq, cfg = tier.data.block - 1, tier.model
+        Except in block 0: its qkv projection reads the frozen embedding through a frozen norm, so nothing
+        asks for the gradient of that input. Its base weight costs 2 per token (the forward) and the A of
+        each adapter there 4 (forward and weight gradient). `tests/test_llama2_70b_lora.py` counts the
+        matmuls of a training step with torch's FLOP counter against this. (Assumes, as every tier here,
+        an adapter in block 0's attention; without one its whole attention would need no backward.)"""
+        from timetotrain.train.lora import QKV_PARTS, lora_param_count
+
+        seq, cfg, d = tier.data.block - 1, tier.model, tier.data
         matmul6 = family.flops_per_token(cfg, 0, causal=True)  # 6 x matmul weights, no attention term
         attention = family.flops_per_token(cfg, seq, causal=True) - matmul6
-        lora = lora_param_count(cfg, tier.data.rank, tier.data.targets)
-        return seq * (4 * matmul6 / 6 + attention + 6 * lora)
+        lora = lora_param_count(cfg, d.rank, d.targets)
+        qkv_weights = cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        qkv_adapters = sum(t == "attn.qkv" or t in QKV_PARTS for t in d.targets)
+        no_input_grad = 2 * qkv_weights + 2 * qkv_adapters * d.rank * cfg.dim
+        return seq * (4 * matmul6 / 6 + attention + 6 * lora - no_input_grad)
 
     def sample_items(self, tier) -> tuple[str, int]:
         return "tokens", tier.data.block

@@ -213,7 +213,7 @@ def _tp_of(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
 
-def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
+def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True) -> str:
     active = bench.family.active_param_count(tier.model)
     params = f"{n_params / 1e9:.2f} B parameters"
     if active != n_params:
@@ -224,9 +224,19 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib) -> str:
     out = [
         f"{bench.name} {tier.name}: {params}, {per}"
         f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
-        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
-        f"{'margin':>9}{'total':>9}  fits",
     ]
+    trainable, frozen = bench.task.param_counts(bench.family, tier)
+    if frozen:  # say what the states column charges, since most of the model carries no optimizer state
+        frozen_bytes = bench.task.frozen_bytes(tier, bf16)
+        out.append(
+            f"states: {trainable / 1e6:,.2f} M trainable x 16 B (fp32 weight, gradient, 2 Adam moments) + "
+            f"{frozen / 1e9:.2f} B frozen x {frozen_bytes} B ({'bf16' if frozen_bytes == 2 else 'fp32'} weight "
+            "only: no gradient, no optimizer state)"
+        )
+    out.append(
+        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
+        f"{'margin':>9}{'total':>9}  fits"
+    )
     for r in rows:
         cap = gpu_mem_gib * GiB
         fits = "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
