@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain.data.mapped import DataChangedError, MappedFiles
+
 __all__ = ["IndexedDataError", "IndexedWriter", "IndexedDataset", "best_dtype", "DEFAULT_REMEDY"]
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -227,7 +229,7 @@ class IndexedDataset:
         self.remedy = remedy
         self.idx_path = self.prefix + ".idx"
         self.bin_path = self.prefix + ".bin"
-        self._files: list = []  # (path, open file, (size, mtime_ns) at open) of each mapped file
+        self._watched = MappedFiles()  # the mapped files, kept open and checked for changes under a run
         self._open(verify)
 
     def _fail(self, path: str, problem: str) -> IndexedDataError:
@@ -302,31 +304,16 @@ class IndexedDataset:
             self.tokens = np.empty(0, self.dtype)
 
     def _keep_open(self, path: str):
-        """Open `path` for mapping and remember its size and mtime. The map is made from this very file
-        object, so `check_unchanged` fstat()s the inode that is mapped, whatever the name points to later."""
-        f = open(path, "rb")  # noqa: SIM115 - open as long as the map: check_unchanged fstat()s it
-        st = os.fstat(f.fileno())
-        self._files.append((path, f, (st.st_size, st.st_mtime_ns)))
-        return f
+        """Open `path` for mapping, watched: the map is made from this very file object."""
+        return self._watched.watch(path)
 
     def check_unchanged(self) -> None:
-        """Raise IndexedDataError if a mapped file was truncated or rewritten in place since it was opened.
-
-        Reading a page of a mapping beyond the end of a file that shrank raises SIGBUS, which kills the
-        process with no log line; and a file rewritten in place serves a mix of old and new tokens. One
-        fstat per file (about a microsecond) before each batch's reads catches both. A file *replaced* by a
-        rename (what `ttt data prepare` does) is harmless: the map keeps the old inode, and is not flagged.
-        The reads that follow a check can still fault if the file is cut in the microseconds between them.
-        """
-        for path, f, (size, mtime) in self._files:
-            st = os.fstat(f.fileno())
-            if st.st_size != size or st.st_mtime_ns != mtime:
-                change = "truncated" if st.st_size < size else "modified"
-                raise IndexedDataError(
-                    f"{path} was {change} while this run was reading it ({size} bytes when opened, now "
-                    f"{st.st_size}): never write over data a run is using; put new data in a new folder, or "
-                    "let `ttt data prepare` rename new files into place"
-                )
+        """Raise IndexedDataError if a mapped file was truncated or rewritten in place since it was opened
+        (data/mapped.py says why: SIGBUS or mixed tokens otherwise). One fstat per file before each batch."""
+        try:
+            self._watched.check_unchanged()
+        except DataChangedError as e:
+            raise IndexedDataError(str(e)) from e
 
     def _verify(self, chunk: int = 1 << 22) -> None:
         itemsize = self.dtype.itemsize

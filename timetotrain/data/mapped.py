@@ -5,7 +5,7 @@ Reading a page of a mapping beyond the end of a file that shrank raises SIGBUS, 
 no log line; a file rewritten in place serves a mix of old and new values. Each map here is made from an
 open file object, so `check_unchanged` fstat()s the very inode that is mapped (about a microsecond a file),
 whatever the name points to later: a file *replaced* by a rename, as every ttt writer does, is harmless and
-not flagged. Readers call it before each batch's reads. (IndexedDataset does the same for .bin/.idx.)
+not flagged. Readers call it before each batch's reads; IndexedDataset watches its .bin/.idx with it.
 """
 
 from __future__ import annotations
@@ -32,13 +32,22 @@ class MappedFiles:
     def __init__(self) -> None:
         self._files: list[tuple[Path, object, tuple[int, int]]] = []
 
-    def load(self, path: str | os.PathLike) -> np.ndarray:
-        """`np.load(path, mmap_mode="r")`, mapped from a file object this keeps open and watches."""
+    def watch(self, path: str | os.PathLike):
+        """Open `path` for mapping, keep it open and remember its size and mtime: map from the returned file
+        object, so `check_unchanged` fstat()s the inode that is mapped, whatever the name points to later."""
         path = Path(path)
         try:
             f = open(path, "rb")  # noqa: SIM115 - open as long as the map: check_unchanged fstat()s it
         except OSError as e:
             raise UserError(f"{path} cannot be read ({e.strerror}): {RECOPY}") from e
+        st = os.fstat(f.fileno())
+        self._files.append((path, f, (st.st_size, st.st_mtime_ns)))
+        return f
+
+    def load(self, path: str | os.PathLike) -> np.ndarray:
+        """`np.load(path, mmap_mode="r")`, mapped from a file object this keeps open and watches."""
+        path = Path(path)
+        f = self.watch(path)
         try:
             shape, dtype, order, offset = _header(f, path)
             st = os.fstat(f.fileno())
@@ -50,9 +59,9 @@ class MappedFiles:
             else:
                 arr = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
         except BaseException:
+            self._files.pop()
             f.close()
             raise
-        self._files.append((path, f, (st.st_size, st.st_mtime_ns)))
         return arr
 
     def check_unchanged(self) -> None:
