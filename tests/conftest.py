@@ -111,3 +111,17 @@ def small_llama(**overrides):
 
     shape = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, max_seq_len=64)
     return LlamaConfig(**{**shape, **overrides})
+
+
+def small_deepseek_v3():
+    """The small DeepSeek-V3 shape the expert-parallel tests share: MLA with q_lora, 16 experts top-4 in 4
+    groups, one dense layer, YaRN (original context 8) at 32 tokens."""
+    from timetotrain.models.deepseek_v3 import DeepSeekV3Config
+    from timetotrain.models.layers import YarnScaling
+
+    return DeepSeekV3Config(
+        dim=32, n_layers=2, n_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
+        v_head_dim=8, ffn_dim=48, n_experts=16, top_k=4, expert_ffn_dim=16, n_groups=4, topk_groups=2,
+        first_dense=1, vocab_size=128, max_seq_len=32, bias_rate=1e-2, init_std=0.05,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
+    )  # fmt: skip

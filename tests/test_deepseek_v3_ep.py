@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import small_deepseek_v3
 
-from timetotrain.models.deepseek_v3 import DeepSeekV3Config
-from timetotrain.models.layers import YarnScaling
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
@@ -22,12 +21,7 @@ from timetotrain.train.step import build_training
 
 BENCH = get("deepseekv3_671b")
 WORLD, STEPS = 2, 6
-CFG = DeepSeekV3Config(
-    dim=32, n_layers=2, n_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
-    v_head_dim=8, ffn_dim=48, n_experts=16, top_k=4, expert_ffn_dim=16, n_groups=4, topk_groups=2,
-    first_dense=1, vocab_size=128, max_seq_len=32, rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
-    bias_rate=1e-2, init_std=0.05,
-)  # fmt: skip
+CFG = small_deepseek_v3()
 TIER = dataclasses.replace(
     BENCH.tier("tiny"), model=CFG, data=dataclasses.replace(BENCH.tier("tiny").data, seq_len=32), global_batch_size=8, micro_batch_size=4, lr=1e-2, warmup_steps=1,
     max_steps=50, base=None,

@@ -24,11 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import small_deepseek_v3
 
 import timetotrain.train.expert_parallel as expert_parallel
-from timetotrain.models.deepseek_v3 import DeepSeekV3Config
 from timetotrain.models.gpt_oss import GptOssConfig
-from timetotrain.models.layers import YarnScaling
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
@@ -36,12 +35,7 @@ from timetotrain.train.step import build_training
 
 WORLD, STEPS, LOAD_STEPS, BF16_STEPS = 2, 10, 3, 4
 DS, GPT = get("deepseekv3_671b"), get("gpt_oss_20b")
-DS_CFG = DeepSeekV3Config(
-    dim=32, n_layers=2, n_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
-    v_head_dim=8, ffn_dim=48, n_experts=16, top_k=4, expert_ffn_dim=16, n_groups=4, topk_groups=2,
-    first_dense=1, vocab_size=128, max_seq_len=32, rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
-    bias_rate=1e-2, init_std=0.05,
-)  # fmt: skip
+DS_CFG = small_deepseek_v3()
 GPT_CFG = GptOssConfig(
     dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2, expert_ffn_dim=24,
     vocab_size=64, max_seq_len=16, sliding_window=4, init_std=0.1,
