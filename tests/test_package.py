@@ -199,10 +199,14 @@ def _damage(folder, how):
         other.rename(bad)
     elif how == "truncated":
         bad.write_text(text[: text.index('"key": "run_start"') + 200].rsplit("\n", 1)[0] + "\n")
-    elif how == "two_run_starts":
+    elif how == "two_run_starts":  # as logs that write run_start once per rank
         lines = text.splitlines()
         i = next(k for k, ln in enumerate(lines) if '"key": "run_start"' in ln)
         bad.write_text("\n".join(lines[: i + 1] + lines[i:]) + "\n")
+    elif how == "second_run":  # two runs' logs in one file
+        lines = text.splitlines()
+        i = next(k for k, ln in enumerate(lines) if '"key": "run_start"' in ln)
+        bad.write_text("\n".join(lines + lines[i:]) + "\n")
     return bad
 
 
@@ -212,7 +216,8 @@ def _damage(folder, how):
         ("foreign", "holds no :::MLLOG lines: not an MLPerf result log", True),
         ("other_benchmark", "names 'gpt_oss_20b', but", True),
         ("truncated", "has no run_stop: the log is truncated", False),
-        ("two_run_starts", "logs run_start 2 times", False),
+        ("two_run_starts", "logs run_start 2 times, before its run_stop (one per rank?)", False),
+        ("second_run", "logs run_start 2 times, one after a run_stop: two runs in one file", False),
     ],
 )
 def test_a_result_file_that_cannot_count_is_named_before_the_checker(tmp_path, capsys, how, needle, refused):
@@ -231,7 +236,7 @@ def test_a_result_file_that_cannot_count_is_named_before_the_checker(tmp_path, c
         assert "Traceback" not in captured.out + captured.err
 
 
-@pytest.mark.parametrize("how", ["foreign", "other_benchmark", "truncated", "two_run_starts"])
+@pytest.mark.parametrize("how", ["foreign", "other_benchmark", "truncated", "two_run_starts", "second_run"])
 def test_score_and_report_warn_naming_the_file(tmp_path, capsys, how):
     bad = _damage(tmp_path / "logs", how)
     ttt_main(["score", str(tmp_path / "logs")])

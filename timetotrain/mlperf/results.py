@@ -47,7 +47,8 @@ class RunLog:
     seed_lines: list[tuple[str, int, object]] = field(default_factory=list)  # (file, lineno, seed)
     parse_errors: int = 0
     records: int = 0  # MLLOG lines read; none means the file is not an MLPerf log at all
-    run_starts: int = 0  # more than one: two runs' logs in one file (the engine wants EXACTLY_ONE)
+    run_starts: int = 0  # more than one: per-rank copies, or two runs' logs in one file
+    starts_after_stop: int = 0  # run_start lines after a run_stop: a second run in this file
 
     @property
     def benchmark(self) -> str:
@@ -139,6 +140,7 @@ def parse_log(path: Path) -> RunLog:
             log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
         elif key == "run_start":
             log.run_starts += 1
+            log.starts_after_stop += log.run_stop_ms is not None
         elif key == "run_stop":  # the last one decides, as in the RCP checker
             log.status = meta.get("status")
             log.converge_point = last_point if log.status == "success" else None
@@ -221,11 +223,13 @@ def log_problems(groups: list[ResultGroup]) -> list[LogProblem]:
                     )
                 )
             if lg.run_starts > 1:
-                out.append(
-                    LogProblem(
-                        lg.path, f"logs run_start {lg.run_starts} times: one result file is one run", False
-                    )
+                why = (
+                    "one after a run_stop: two runs in one file; one result file is one run"
+                    if lg.starts_after_stop
+                    else "before its run_stop (one per rank?): the official checker accepts repeats whose "
+                    "values agree"
                 )
+                out.append(LogProblem(lg.path, f"logs run_start {lg.run_starts} times, {why}", False))
             if lg.run_stop_ms is None:
                 out.append(
                     LogProblem(
