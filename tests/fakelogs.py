@@ -165,3 +165,18 @@ def logged_keys(bench, tier) -> list:
     from timetotrain.mlperf.keys import submission_keys
 
     return submission_keys(bench, tier, "org", "platform") + bench.hyperparameters(tier)
+
+
+def uncovered_rule_keys(rule_files, logged: list) -> list[str]:
+    """ "<file>: <key>" for every key a rule file checks (eval_accuracy aside: a run logs it, not its
+    hyperparameter block) that the (key, value) pairs `logged` do not hold: a rule silently not exercised."""
+    import yaml
+
+    keys = {k for k, _ in logged}
+    out = []
+    for f in rule_files:
+        for item in yaml.safe_load(f.read_text()):
+            name = item.get("KEY", {}).get("NAME")
+            if name and name != "eval_accuracy" and name not in keys:
+                out.append(f"{f.name}: {name}")
+    return out
