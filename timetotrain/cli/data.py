@@ -27,8 +27,6 @@ def _cmd_prepare(args) -> int:
             return _prepare_flux(args)
     from timetotrain.data import c4
 
-    if args.dataset != "c4":
-        raise UserError(f"unknown dataset {args.dataset!r}: this version prepares c4 and govreport")
     given = [n for n in _GOVREPORT_ONLY if getattr(args, n) not in (None, "all")]
     if given:
         flag = "--" + given[0].replace("_", "-")

@@ -27,8 +27,6 @@ LLAMA2_SHA256 = "9e556afd44213b6bd1be2b850ebbbd98f5481437a8021afaf58ee7fb1818d34
 MIXTRAL_SHA256 = "37f00374dea48658ee8f5d0f21895b9bc55cb0103939607c8185bfd1c6ca1f89"
 # The files we know by content, so a manifest names the tokenizer rather than "some SentencePiece file".
 KNOWN = {LLAMA2_SHA256: "llama2", MIXTRAL_SHA256: "mixtral"}
-LLAMA2_VOCAB = 32_000
-LLAMA2_BOS, LLAMA2_EOS = 1, 2
 
 
 @dataclass(frozen=True)

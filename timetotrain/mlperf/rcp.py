@@ -84,10 +84,6 @@ class Record:
     min_mean: float  # minimum acceptable submission mean
     n: int = 0  # convergence points behind it (0 for an interpolated record)
 
-    @property
-    def max_speedup(self) -> float:
-        return self.mean / self.min_mean
-
 
 class RcpTable:
     """The records of one benchmark (one tier), their statistics and the pruned set used for checks."""

@@ -105,10 +105,6 @@ def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, rows)
 
 
-def _hf_layer(cfg: DeepSeekV3Config, layer: int) -> tuple[str, bool]:
-    return f"model.layers.{layer}.", cfg.is_moe(layer)
-
-
 def _block_names(cfg: DeepSeekV3Config, layer: int) -> dict[str, tuple[str, ...]]:
     """Our block-relative name -> the HF tensors (layer-relative) it is built from, for one decoder layer."""
     out = {

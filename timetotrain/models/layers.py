@@ -245,9 +245,6 @@ class Attention(nn.Module):
             if norm is not None:
                 nn.init.ones_(norm.weight)
 
-    def matmul_params(self) -> int:
-        return self.qkv.weight.numel() + self.proj.weight.numel()
-
 
 class FeedForward(nn.Module):
     """SwiGLU: `fc2(silu(gate) * up)`, gate and up rows fused in `fc1`."""
