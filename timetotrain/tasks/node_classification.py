@@ -32,6 +32,9 @@ class GraphData:
     train_fraction: float = 0.6
     val_fraction: float = 0.005
     eval_batch: int = 1024  # validation seeds per sampled subgraph
+    # The reference's --validation_frac_within_epoch: an eval every int(batches per epoch x this) batches,
+    # counted within each epoch (`eval_interval`).
+    eval_fraction: float = 0.05
     # What the preflight expects: rows per node type (empty: not checked), labeled papers (None: any).
     num_nodes: tuple[tuple[str, int], ...] = ()
     num_labeled: int | None = None
@@ -39,6 +42,22 @@ class GraphData:
     synth_scale: str = (
         "tiny"  # the generated graph of `ttt synth` and the warm-up (sizes scale with the batch)
     )
+
+
+def batches_per_epoch(train_seeds: int, gbs: int) -> int:
+    """Steps in one epoch: the reference's loader keeps the last, partial batch (drop_last=False)."""
+    return -(-train_seeds // gbs)
+
+
+def eval_interval(batches: int, fraction: float) -> int:
+    """The reference's `validation_freq = int(batch_num * validation_frac_within_epoch)`
+    (train_rgnn_multi_gpu.py), at least 1: an epoch shorter than 1/fraction batches evaluates every batch
+    where the reference would divide by zero."""
+    return max(int(batches * fraction), 1)
+
+
+def train_seeds(tier) -> int:
+    return igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction)[0]
 
 
 def batch_of(graph: igbh.Graph, sub, labels: torch.Tensor | None) -> Batch:
@@ -205,6 +224,19 @@ class NodeClassification(Task):
             raise UserError(
                 f"{len(tier.data.fanouts)} fanouts for {tier.model.n_layers} layers: one per layer"
             )
+        if tier.data.num_labeled is None:
+            raise UserError(
+                f"{tier.name}: the tier's graph must say how many papers are labeled (num_labeled)"
+            )
+
+    def eval_due(self, tier, step: int) -> bool:
+        """The reference's cadence (train_rgnn_multi_gpu.py): an eval after batch `idx` of an epoch when
+        idx % int(batches_per_epoch x 0.05) == 0, idx restarting at 1 each epoch. A tier whose
+        `eval_every_samples` was --set evaluates every that many samples instead."""
+        if "eval_every_samples" in tier.user_set:
+            return super().eval_due(tier, step)
+        batches = batches_per_epoch(train_seeds(tier), tier.global_batch_size)
+        return ((step - 1) % batches + 1) % eval_interval(batches, tier.data.eval_fraction) == 0
 
     def prepare_data(self, tier, source: Path, out: Path) -> None:
         """`ttt suite`: a tier on a generated graph writes it (`source` is not read); the real IGBH is

@@ -187,8 +187,7 @@ def run(opts: RunOptions) -> RunResult:
                 live.update("opening the data ...", force=True)
             data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
             fetch = loader.Prefetcher(data, 0, device)
-            gbs, every, accum = tier.global_batch_size, tier.eval_every_steps, prep.accum
-            first_eval = task.first_eval_step(tier)
+            gbs, accum = tier.global_batch_size, prep.accum
             items_per_step = gbs * items_per_sample
             pending = None  # (step, [loss, stop votes]): read one step late so the host never waits
             log.start("block_start", metadata=_point(0, data, metric))
@@ -206,7 +205,7 @@ def run(opts: RunOptions) -> RunResult:
                         if reason:
                             break
                     pending = (step, loss)
-                    on_cadence = step % every == 0 and step >= first_eval
+                    on_cadence = task.eval_due(tier, step)
                     if on_cadence or step == stop_after:
                         reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
                         if reason:
