@@ -56,10 +56,10 @@ def test_tiny_block_passes_our_rule_file():
 
 def test_epoch_num_is_rounded_to_two_decimals():
     class Data:
-        samples_per_epoch = 18_000
+        samples_per_epoch = 71 * 256  # the tiny tier's 71 batches an epoch
 
     point = _point(7 * 256, Data(), BENCH.task.metric)
-    assert point == {"epoch_num": 0.1}  # 1,792 / 18,000 = 0.0996
+    assert point == {"epoch_num": 0.1}  # 7 / 71 = 0.0986
 
 
 def _reference_eval_steps(train: int, world: int, local: int, epochs: int) -> list[int]:

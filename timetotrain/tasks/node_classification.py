@@ -99,7 +99,12 @@ def _generator(*parts: int) -> torch.Generator:
 class _Seeds(RunData):
     def __init__(self, graph: igbh.Graph, train, val, spec: GraphData, gbs, rank, world, seed, device):
         self.graph, self.train, self.spec = graph, train, spec
-        self.samples_per_epoch = len(train)
+        # An epoch is the reference's batches_per_epoch batches, so eval points and `epoch_num` (the loop's
+        # samples / samples_per_epoch = steps / batches, the reference's epoch + idx / batch_num) restart
+        # with each epoch. Its last batch, partial in the reference, is filled with the epoch's first seeds:
+        # every batch is whole, so each rank's share and `samples_count` stay exact.
+        self.batches = batches_per_epoch(len(train), gbs)
+        self.samples_per_epoch = self.batches * gbs
         self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
         self.rank, self.world, self.seed, self.device = rank, world, seed, device
         self.val = val[len(val) * rank // world : len(val) * (rank + 1) // world]
@@ -116,14 +121,11 @@ class _Seeds(RunData):
         return self._order[epoch]
 
     def seeds(self, step: int) -> torch.Tensor:
-        n = len(self.train)
-        i = torch.arange(step * self.gbs + self.offset, step * self.gbs + self.offset + self.local)
-        epochs = i // n
-        out = torch.empty_like(i)
-        for e in epochs.unique().tolist():  # one or two epochs per batch
-            mask = epochs == e
-            out[mask] = self._epoch(e)[i[mask] % n]
-        return out
+        """This rank's seeds of batch `step` (from 0): batch j of epoch e is positions [j x GBS, (j+1) x GBS)
+        of that epoch's shuffle, wrapping to its start in the last batch."""
+        epoch, j = divmod(step, self.batches)
+        start = j * self.gbs + self.offset
+        return self._epoch(epoch)[torch.arange(start, start + self.local) % len(self.train)]
 
     def batch(self, step: int) -> Batch:
         seeds = self.seeds(step)
@@ -303,6 +305,12 @@ class NodeClassification(Task):
             ("opt_base_learning_rate", tier.lr),
             *bench.optimizer.log_keys(),
             ("ttt_fanouts", list(tier.data.fanouts)),
+            # The split's sizes, as the reference logs them (train_idx.size(0), val_idx.size(0)).
+            *zip(
+                ("train_samples", "eval_samples"),
+                igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction),
+                strict=True,
+            ),
         ]
 
     def baseline_loss(self, tier):

@@ -190,7 +190,9 @@ def run(opts: RunOptions) -> RunResult:
             gbs, accum = tier.global_batch_size, prep.accum
             items_per_step = gbs * items_per_sample
             pending = None  # (step, [loss, stop votes]): read one step late so the host never waits
-            log.start("block_start", metadata=_point(0, data, metric))
+            # Blocks count samples for every task, epoch-counted ones too: the common rules want
+            # `samples_count` (or whole-epoch `epoch_count` + `first_epoch_num`) on block_start/stop.
+            log.start("block_start", metadata={"samples_count": 0})
             try:
                 while True:
                     if fault_at is not None and step + 1 >= fault_at:
@@ -216,7 +218,7 @@ def run(opts: RunOptions) -> RunResult:
                             break
                         point = _point(step * gbs, data, metric)
                         stats = _telemetry(bench, tr.bare, log, point)
-                        log.end("block_stop", metadata=point)
+                        log.end("block_stop", metadata={"samples_count": step * gbs})
                         log.start("eval_start", metadata=point)
                         last_eval = data.evaluate(tr.model, tr.autocast)
                         log.event("eval_accuracy", last_eval, metadata=point)
@@ -237,7 +239,7 @@ def run(opts: RunOptions) -> RunResult:
                         if step >= stop_after:
                             reason = f"reached {step} steps without meeting the target {tier.target}"
                             break
-                        log.start("block_start", metadata=point)
+                        log.start("block_start", metadata={"samples_count": step * gbs})
             finally:
                 fetch.close()
             if status != "success" and aborter.caught:
