@@ -2,6 +2,7 @@
 relation and seed-42 split, and the preflight's one-line errors naming the file."""
 
 import dataclasses
+import json
 import shutil
 
 import numpy as np
@@ -48,23 +49,55 @@ def test_generator_is_deterministic_and_igbh_like(graph, tmp_path):
     assert 0.2 < acc < 0.8
 
 
-def test_csc_holds_every_relation_with_reverses(graph):
+def _csc_keys(indptr, indices) -> np.ndarray:
+    """The CSC's (source, destination) entries as one sorted int64 each, duplicates kept."""
+    dst = torch.repeat_interleave(torch.arange(len(indptr) - 1), indptr[1:] - indptr[:-1])
+    return _keys(indices.long(), dst)
+
+
+def _keys(src, dst) -> np.ndarray:
+    return np.sort((dst.long() * 2**32 + src.long()).numpy())
+
+
+def test_csc_holds_every_relation_as_the_reference_builds_it(graph, tmp_path):
+    """Each relation's CSC is the multiset of edges the reference gives GLT (dataset.py, compress_graph.py),
+    built here with PyG's own `remove_self_loops` / `add_self_loops`: cites gets a self-loop per paper, then
+    every edge appended reversed, so a loop and a citation stored both ways are there twice (GLT's CSC
+    keeps duplicates); every other relation is itself and its reverse. The stored cites gain a
+    self-citation and a duplicate first, which the reference drops and keeps."""
+    pyg = pytest.importorskip("torch_geometric.utils")
+    graph = shutil.copytree(graph, tmp_path / "g", ignore=shutil.ignore_patterns(igbh.CACHE))
+    path = graph / "paper__cites__paper" / "edge_index.npy"
+    e = np.load(path)
+    np.save(path, np.concatenate([e, [[7, 7], e[0]]]))
     files = igbh.check_layout(graph)
     assert igbh.build_csc(files, log=lambda s: None) > 0
     assert igbh.build_csc(files, log=lambda s: None) == 0.0  # cached, stamped by the source files
     g = igbh.open_graph(files)
     assert len(g.csc) == 11
     for s, rel, d in igbh.ON_DISK:
-        e = np.load(graph / igbh.rel_dir((s, rel, d)) / "edge_index.npy")
-        stored = set(map(tuple, e.tolist()))
-        for r, want in (
-            [((s, rel, d), stored | {(b, a) for a, b in stored})]
-            if rel == "cites"
-            else [((s, rel, d), stored), ((d, f"rev_{rel}", s), {(b, a) for a, b in stored})]
-        ):
-            indptr, indices = g.csc[r]
-            dst = torch.repeat_interleave(torch.arange(len(indptr) - 1), indptr[1:] - indptr[:-1])
-            assert set(zip(indices.tolist(), dst.tolist(), strict=True)) == want, r
+        e = torch.from_numpy(np.load(graph / igbh.rel_dir((s, rel, d)) / "edge_index.npy")).t()
+        if rel == "cites":
+            c = pyg.add_self_loops(pyg.remove_self_loops(e)[0])[0]
+            ref = {(s, rel, d): (torch.cat([c[1], c[0]]), torch.cat([c[0], c[1]]))}
+        else:
+            ref = {(s, rel, d): (e[0], e[1]), (d, f"rev_{rel}", s): (e[1], e[0])}
+        for r, (src, dst) in ref.items():
+            assert np.array_equal(_csc_keys(*g.csc[r]), _keys(src, dst)), r
+    indptr, indices = g.csc[igbh.ON_DISK[0]]
+    for p in (0, 7):  # one loop per paper, appended twice
+        assert (indices[indptr[p] : indptr[p + 1]] == p).sum() == 2
+
+
+def test_an_old_cache_is_rebuilt(graph, tmp_path):
+    """A cache written before the self-loops (another format stamp) is not read."""
+    graph = shutil.copytree(graph, tmp_path / "g", ignore=shutil.ignore_patterns(igbh.CACHE))
+    files = igbh.check_layout(graph)
+    igbh.build_csc(files, log=lambda s: None)
+    meta = graph / igbh.CACHE / "stamp.json"
+    stamp = json.loads(meta.read_text())
+    meta.write_text(json.dumps({k: v for k, v in stamp.items() if k != "ttt_csc_format"}))
+    assert igbh.build_csc(files, log=lambda s: None) > 0
 
 
 def test_split_is_the_references():

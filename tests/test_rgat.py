@@ -19,6 +19,11 @@ def _graph(dim, gen, nodes=(30, 20, 5, 8, 4, 3), edges=60):
         src = torch.randint(0, n[s], (edges,), generator=gen)
         dst = torch.randint(0, n[d], (edges,), generator=gen)
         e[(s, r, d)] = torch.stack([src, dst])
+    # cites as the reference builds it (data/igbh.py): every paper's self-loop twice, and edges stored
+    # twice, which both softmaxes must count twice.
+    loops = torch.arange(n["paper"]).repeat(2)
+    cites = e[RELATIONS[0]]
+    e[RELATIONS[0]] = torch.cat([cites, cites[:, :5], torch.stack([loops, loops])], 1)
     e[RELATIONS[-1]] = torch.empty(2, 0, dtype=torch.long)  # a relation with no sampled edge
     return x, e
 

@@ -29,7 +29,10 @@ def test_reference_is_the_5_1_closed_configuration():
     assert uncovered_rule_keys(CLOSED, logged(tier)) == []
     # §13: 60% / 0.5% of 157,675,969 labeled papers, 20 evals per epoch, at most 2 epochs, target 0.72.
     assert (tier.eval_samples, tier.target, tier.lr) == (788_379, 0.72, 1e-3)
-    assert tier.eval_every_samples == 4_730_280 and tier.max_steps * 4096 >= 2 * 94_605_581
+    # An eval every int(23,098 batches x 0.05) = 1,154 batches; 2 epochs of 23,098 batches.
+    assert (tier.eval_every_samples, tier.max_steps) == (1154 * 4096, 2 * 23_098)
+    keys = dict(logged(tier))  # the split's sizes, as the reference logs them
+    assert (keys["train_samples"], keys["eval_samples"]) == (94_605_581, 788_379)
     # The reference's rgnn.py builds GATConv(in_dim, ...) with an int in_dim: one projection shared by
     # source and destination, so 13.1 M parameters (spec §13's "about 25 M" would need two).
     assert BENCH.family.param_count(tier.model) == 13_115_303
@@ -54,7 +57,43 @@ def test_tiny_block_passes_our_rule_file():
 
 def test_epoch_num_is_rounded_to_two_decimals():
     class Data:
-        samples_per_epoch = 18_000
+        samples_per_epoch = 71 * 256  # the tiny tier's 71 batches an epoch
 
     point = _point(7 * 256, Data(), BENCH.task.metric)
-    assert point == {"epoch_num": 0.1}  # 1,792 / 18,000 = 0.0996
+    assert point == {"epoch_num": 0.1}  # 7 / 71 = 0.0986
+
+
+def _reference_eval_steps(train: int, world: int, local: int, epochs: int) -> list[int]:
+    """The global steps after which train_rgnn_multi_gpu.py evaluates, by its own loop: each rank holds
+    train // world seeds (`split`), batch_num = ceil(that / local), validation_freq =
+    int(batch_num * 0.05), and an eval after batch idx when idx % validation_freq == 0, idx from 1 in
+    every epoch."""
+    batch_num = (train // world + local - 1) // local
+    freq = int(batch_num * 0.05)
+    return [e * batch_num + idx for e in range(epochs) for idx in range(1, batch_num + 1) if idx % freq == 0]
+
+
+@pytest.mark.parametrize(
+    "tier_name,world,local",
+    [("reference", 4, 1024), ("reference", 16, 1024), ("reference", 32, 1024), ("reference", 64, 1024),
+     ("reference", 256, 1024), ("reference", 1, 1024), ("reference", 6, 1024), ("tiny", 1, 256),
+     ("tiny", 2, 64)],
+)  # fmt: skip
+def test_eval_cadence_is_the_references(tier_name, world, local):
+    """Every eval step over two epochs equals the reference's, at the RCP batch sizes (1,024 per GPU),
+    two sizes without an RCP, and the tiny graph."""
+    gbs = world * local
+    tier = BENCH.tier(tier_name)
+    if gbs != tier.global_batch_size:
+        tier = apply_overrides(BENCH, tier, [f"global_batch_size={gbs}", "lr=1e-3", "warmup_steps=0"])
+    train = int(0.6 * tier.data.num_labeled)
+    want = _reference_eval_steps(train, world, local, 2)
+    batches = -(-train // gbs)
+    got = [s for s in range(1, 2 * batches + 1) if BENCH.task.eval_due(tier, s)]
+    assert got == want
+    assert len(got) >= 40 and got[0] == int(batches * 0.05)  # 20 an epoch, the first at the floor
+
+
+def test_a_set_eval_interval_counts_samples():
+    tier = apply_overrides(BENCH, BENCH.tier("tiny"), ["eval_every_samples=1000"])
+    assert [s for s in range(1, 20) if BENCH.task.eval_due(tier, s)] == [4, 8, 12, 16]  # ceil(1000 / 256)

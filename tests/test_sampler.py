@@ -1,4 +1,4 @@
-"""The vectorized neighbour sampler: every sampled edge exists, no neighbour twice, small neighbourhoods
+"""The vectorized neighbour sampler: every sampled edge exists, no CSC entry twice, small neighbourhoods
 taken whole, neighbours drawn uniformly (chi-square), and the same seed gives the same subgraph."""
 
 import numpy as np
@@ -15,13 +15,16 @@ N = {"a": 300, "b": 120}
 
 
 def _graph(seed=0):
-    """Random relations with power-law in-degrees (some nodes with hundreds of neighbours, many with few)."""
+    """Random relations with power-law in-degrees (some nodes with hundreds of neighbours, many with few),
+    each edge once: the CSC keeps an edge stored twice (test_igbh.py), and here a neighbour drawn twice
+    would be a sampler bug."""
     rng = np.random.default_rng(seed)
     csc, pairs = {}, {}
     for s, r, d in RELS:
         e = 3000
         dst = np.minimum(rng.zipf(1.6, e) - 1, N[d] - 1)
-        src = rng.integers(0, N[s], e)
+        key = np.unique(dst * N[s] + rng.integers(0, N[s], e))
+        dst, src = np.divmod(key, N[s])
         indptr, indices = coo_to_csc(src, dst, N[s], N[d])
         csc[(s, r, d)] = (torch.from_numpy(indptr), torch.from_numpy(indices))
         pairs[(s, r, d)] = set(zip(src.tolist(), dst.tolist(), strict=True))

@@ -5,12 +5,14 @@ The layout (IGB's `IGBHeteroDataset`, and the MLPerf rgat reference that reads i
   paper/node_label_2K.npy             [n_labeled] class ids of the first n_labeled papers
   <type>/node_feat.npy                for author, institute, fos, journal, conference
   <src>__<rel>__<dst>/edge_index.npy  [E, 2] int64: column 0 the source, column 1 the destination
-Only six relations are on disk; the eleven the model uses are cites made symmetric plus each of the other
-five with its reverse (`rev_<rel>`), built here as the reference builds them in memory.
+Only six relations are on disk; the eleven the model uses are cites with a self-loop per paper made
+symmetric plus each of the other five with its reverse (`rev_<rel>`), built here as the reference builds
+them in memory.
 
 The reference compresses COO to CSC once (`compress_graph.py`); the rules allow graph caching (not
 feature caching), so the CSC arrays are built at preflight, off the clock, cached next to the data as
-`ttt_csc/` and stamped with the sizes and mtimes of the files they came from. The run memory-maps them.
+`ttt_csc/` and stamped with the sizes and mtimes of the files they came from and the cache's format (a
+cache built by an older ttt is rebuilt, not read). The run memory-maps them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ RELATIONS = (ON_DISK[0],) + tuple(r for s, rel, d in ON_DISK[1:] for r in ((s, r
 LABEL_FILE = "node_label_2K.npy"
 FEAT_FILE = "node_feat.npy"
 CACHE = "ttt_csc"
+# Bumped whenever what the cache holds changes (2: cites self-loops and duplicate edges kept).
+CACHE_FORMAT = 2
 # The reference split (split_seeds.py): a torch seed-42 permutation of the labeled papers.
 SPLIT_SEED = 42
 
@@ -128,24 +132,42 @@ def _stamp(root: Path) -> dict:
     files = [root / rel_dir(r) / "edge_index.npy" for r in ON_DISK] + [
         root / t / FEAT_FILE for t in NODE_TYPES
     ]
-    return {str(f.relative_to(root)): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    stamp = {str(f.relative_to(root)): [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    return {**stamp, "ttt_csc_format": CACHE_FORMAT}
 
 
 def coo_to_csc(src: np.ndarray, dst: np.ndarray, n_src: int, n_dst: int) -> tuple[np.ndarray, np.ndarray]:
-    """CSC of one relation: for each destination its sources, sorted, duplicates dropped."""
-    key = np.unique(dst.astype(np.int64) * n_src + src)
+    """CSC of one relation: for each destination its sources, sorted, duplicates kept. The reference's graph
+    keeps them (GLT's `coo_to_csc` is a torch_sparse SparseTensor, sorted, never coalesced), its sampler
+    draws CSC entries, so an edge stored twice is twice as likely to be drawn and counts twice in the
+    softmax (docs/benchmarks/rgat.md, "Graph")."""
+    key = np.sort(dst.astype(np.int64) * n_src + src)
     col, row = np.divmod(key, n_src)
     indptr = np.zeros(n_dst + 1, np.int64)
     np.cumsum(np.bincount(col, minlength=n_dst), out=indptr[1:])
     return indptr, row.astype(np.int32 if n_src < 2**31 else np.int64)
 
 
+def cites_with_self_loops(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's cites edges before it symmetrizes them (dataset.py and compress_graph.py:
+    `add_self_loops(remove_self_loops(paper_paper_edges)[0])[0]`): self-citations dropped, then one loop
+    per paper appended, for the papers 0..max id of the remaining edges (PyG's `maybe_num_nodes`, as no
+    `num_nodes` is given)."""
+    keep = src != dst
+    src, dst = src[keep], dst[keep]
+    n = int(max(src.max(), dst.max())) + 1 if len(src) else 0
+    loops = np.arange(n, dtype=np.int64)
+    return np.concatenate([src, loops]), np.concatenate([dst, loops])
+
+
 def directed(rel, src: np.ndarray, dst: np.ndarray) -> list:
-    """The model's relations from one stored relation, as (relation, sources, destinations): cites made
-    symmetric, any other relation and its reverse, as the reference builds them."""
+    """The model's relations from one stored relation, as (relation, sources, destinations): cites with
+    the reference's self-loops made symmetric by appending every edge reversed (each loop so appears
+    twice, as in the reference), any other relation and its reverse."""
     s, name, d = rel
     if name == "cites":
-        return [(rel, np.concatenate([src, dst]), np.concatenate([dst, src]))]
+        a, b = cites_with_self_loops(np.asarray(src, np.int64), np.asarray(dst, np.int64))
+        return [(rel, np.concatenate([a, b]), np.concatenate([b, a]))]
     return [(rel, src, dst), ((d, f"rev_{name}", s), dst, src)]
 
 

@@ -145,6 +145,12 @@ class Task(ABC):
         default; tasks whose reference delays evaluation say so here."""
         return tier.eval_every_steps
 
+    def eval_due(self, tier, step: int) -> bool:
+        """Whether the loop evaluates after `step` (counted from 1): every `eval_every_steps` from
+        `first_eval_step` by default; a task whose reference counts eval points within each epoch says so
+        here."""
+        return step >= self.first_eval_step(tier) and step % tier.eval_every_steps == 0
+
     def param_counts(self, family, tier) -> tuple[int, int]:
         """(trainable, frozen) parameters of the model as the task trains it, for `ttt plan`: all of the
         family's trainable unless the task freezes some (and perhaps adds its own, e.g. LoRA adapters)."""

@@ -32,6 +32,9 @@ class GraphData:
     train_fraction: float = 0.6
     val_fraction: float = 0.005
     eval_batch: int = 1024  # validation seeds per sampled subgraph
+    # The reference's --validation_frac_within_epoch: an eval every int(batches per epoch x this) batches,
+    # counted within each epoch (`eval_interval`).
+    eval_fraction: float = 0.05
     # What the preflight expects: rows per node type (empty: not checked), labeled papers (None: any).
     num_nodes: tuple[tuple[str, int], ...] = ()
     num_labeled: int | None = None
@@ -39,6 +42,22 @@ class GraphData:
     synth_scale: str = (
         "tiny"  # the generated graph of `ttt synth` and the warm-up (sizes scale with the batch)
     )
+
+
+def batches_per_epoch(train_seeds: int, gbs: int) -> int:
+    """Steps in one epoch: the reference's loader keeps the last, partial batch (drop_last=False)."""
+    return -(-train_seeds // gbs)
+
+
+def eval_interval(batches: int, fraction: float) -> int:
+    """The reference's `validation_freq = int(batch_num * validation_frac_within_epoch)`
+    (train_rgnn_multi_gpu.py), at least 1: an epoch shorter than 1/fraction batches evaluates every batch
+    where the reference would divide by zero."""
+    return max(int(batches * fraction), 1)
+
+
+def train_seeds(tier) -> int:
+    return igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction)[0]
 
 
 def batch_of(graph: igbh.Graph, sub, labels: torch.Tensor | None) -> Batch:
@@ -80,7 +99,12 @@ def _generator(*parts: int) -> torch.Generator:
 class _Seeds(RunData):
     def __init__(self, graph: igbh.Graph, train, val, spec: GraphData, gbs, rank, world, seed, device):
         self.graph, self.train, self.spec = graph, train, spec
-        self.samples_per_epoch = len(train)
+        # An epoch is the reference's batches_per_epoch batches, so eval points and `epoch_num` (the loop's
+        # samples / samples_per_epoch = steps / batches, the reference's epoch + idx / batch_num) restart
+        # with each epoch. Its last batch, partial in the reference, is filled with the epoch's first seeds:
+        # every batch is whole, so each rank's share and `samples_count` stay exact.
+        self.batches = batches_per_epoch(len(train), gbs)
+        self.samples_per_epoch = self.batches * gbs
         self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
         self.rank, self.world, self.seed, self.device = rank, world, seed, device
         self.val = val[len(val) * rank // world : len(val) * (rank + 1) // world]
@@ -97,14 +121,11 @@ class _Seeds(RunData):
         return self._order[epoch]
 
     def seeds(self, step: int) -> torch.Tensor:
-        n = len(self.train)
-        i = torch.arange(step * self.gbs + self.offset, step * self.gbs + self.offset + self.local)
-        epochs = i // n
-        out = torch.empty_like(i)
-        for e in epochs.unique().tolist():  # one or two epochs per batch
-            mask = epochs == e
-            out[mask] = self._epoch(e)[i[mask] % n]
-        return out
+        """This rank's seeds of batch `step` (from 0): batch j of epoch e is positions [j x GBS, (j+1) x GBS)
+        of that epoch's shuffle, wrapping to its start in the last batch."""
+        epoch, j = divmod(step, self.batches)
+        start = j * self.gbs + self.offset
+        return self._epoch(epoch)[torch.arange(start, start + self.local) % len(self.train)]
 
     def batch(self, step: int) -> Batch:
         seeds = self.seeds(step)
@@ -205,6 +226,19 @@ class NodeClassification(Task):
             raise UserError(
                 f"{len(tier.data.fanouts)} fanouts for {tier.model.n_layers} layers: one per layer"
             )
+        if tier.data.num_labeled is None:
+            raise UserError(
+                f"{tier.name}: the tier's graph must say how many papers are labeled (num_labeled)"
+            )
+
+    def eval_due(self, tier, step: int) -> bool:
+        """The reference's cadence (train_rgnn_multi_gpu.py): an eval after batch `idx` of an epoch when
+        idx % int(batches_per_epoch x 0.05) == 0, idx restarting at 1 each epoch. A tier whose
+        `eval_every_samples` was --set evaluates every that many samples instead."""
+        if "eval_every_samples" in tier.user_set:
+            return super().eval_due(tier, step)
+        batches = batches_per_epoch(train_seeds(tier), tier.global_batch_size)
+        return ((step - 1) % batches + 1) % eval_interval(batches, tier.data.eval_fraction) == 0
 
     def prepare_data(self, tier, source: Path, out: Path) -> None:
         """`ttt suite`: a tier on a generated graph writes it (`source` is not read); the real IGBH is
@@ -271,6 +305,12 @@ class NodeClassification(Task):
             ("opt_base_learning_rate", tier.lr),
             *bench.optimizer.log_keys(),
             ("ttt_fanouts", list(tier.data.fanouts)),
+            # The split's sizes, as the reference logs them (train_idx.size(0), val_idx.size(0)).
+            *zip(
+                ("train_samples", "eval_samples"),
+                igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction),
+                strict=True,
+            ),
         ]
 
     def baseline_loss(self, tier):

@@ -187,11 +187,12 @@ def run(opts: RunOptions) -> RunResult:
                 live.update("opening the data ...", force=True)
             data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
             fetch = loader.Prefetcher(data, 0, device)
-            gbs, every, accum = tier.global_batch_size, tier.eval_every_steps, prep.accum
-            first_eval = task.first_eval_step(tier)
+            gbs, accum = tier.global_batch_size, prep.accum
             items_per_step = gbs * items_per_sample
             pending = None  # (step, [loss, stop votes]): read one step late so the host never waits
-            log.start("block_start", metadata=_point(0, data, metric))
+            # Blocks count samples for every task, epoch-counted ones too: the common rules want
+            # `samples_count` (or whole-epoch `epoch_count` + `first_epoch_num`) on block_start/stop.
+            log.start("block_start", metadata={"samples_count": 0})
             try:
                 while True:
                     if fault_at is not None and step + 1 >= fault_at:
@@ -206,7 +207,7 @@ def run(opts: RunOptions) -> RunResult:
                         if reason:
                             break
                     pending = (step, loss)
-                    on_cadence = step % every == 0 and step >= first_eval
+                    on_cadence = task.eval_due(tier, step)
                     if on_cadence or step == stop_after:
                         reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
                         if reason:
@@ -217,7 +218,7 @@ def run(opts: RunOptions) -> RunResult:
                             break
                         point = _point(step * gbs, data, metric)
                         stats = _telemetry(bench, tr.bare, log, point)
-                        log.end("block_stop", metadata=point)
+                        log.end("block_stop", metadata={"samples_count": step * gbs})
                         log.start("eval_start", metadata=point)
                         last_eval = data.evaluate(tr.model, tr.autocast)
                         log.event("eval_accuracy", last_eval, metadata=point)
@@ -238,7 +239,7 @@ def run(opts: RunOptions) -> RunResult:
                         if step >= stop_after:
                             reason = f"reached {step} steps without meeting the target {tier.target}"
                             break
-                        log.start("block_start", metadata=point)
+                        log.start("block_start", metadata={"samples_count": step * gbs})
             finally:
                 fetch.close()
             if status != "success" and aborter.caught:
