@@ -213,3 +213,45 @@ def test_truncated_train_bin_under_a_live_run_aborts_not_sigbus(c4_prepared, tmp
     log = live.with_name("result_0.txt")  # run_stop was written, so the log is a (failed) result
     last = [ln for ln in log.read_text().splitlines() if ":::MLLOG" in ln][-1]
     assert '"run_stop"' in last and '"status": "aborted"' in last
+
+
+# --- issue 22: result files, kills, locks ---
+
+
+def test_an_abort_before_run_start_leaves_no_result_file(tmp_path, monkeypatch):
+    """An error during init (a bad checkpoint, say) or a signal before run_start: no result_<k>.txt, and
+    no .partial either (mlperf/logger.py says why)."""
+    from toy_benchmark import make_data
+
+    from timetotrain.errors import Interrupted, UserError
+    from timetotrain.train import loop, prepare
+    from timetotrain.train.abort import Aborter
+
+    monkeypatch.setenv("TTT_EXTRA_BENCHMARKS", "toy_benchmark")
+    make_data(tmp_path / "data")
+    folder = tmp_path / "logs" / "toy_classify" / "tiny"
+
+    def opts(**kw):
+        return loop.RunOptions(
+            "toy_classify", "tiny", tmp_path / "data", tmp_path / "logs", seed=1, echo=False, **kw
+        )
+
+    real_build = prepare.build
+
+    def bad_checkpoint(prep):
+        real_build(prep)
+        raise UserError("--init-checkpoint X: shapes do not match")
+
+    monkeypatch.setattr(prepare, "build", bad_checkpoint)
+    with pytest.raises(UserError, match="shapes do not match"):
+        loop.run(opts())
+    assert list(folder.iterdir()) == []
+    monkeypatch.setattr(prepare, "build", real_build)
+    signalled = Aborter()  # as if SIGINT had come during preflight or init: the watcher has caught it
+    signalled.caught = signal.SIGINT
+    with pytest.raises(Interrupted) as e:
+        loop.run(opts(aborter=signalled))
+    assert e.value.signum == signal.SIGINT and "no result file" in e.value.outcome
+    assert list(folder.iterdir()) == []
+    res = loop.run(opts(max_steps=2))  # the same run, not stopped: a result file, aborted by the rules
+    assert res.status == "aborted" and sorted(p.name for p in folder.iterdir()) == ["result_0.txt"]
