@@ -255,3 +255,60 @@ def test_an_abort_before_run_start_leaves_no_result_file(tmp_path, monkeypatch):
     assert list(folder.iterdir()) == []
     res = loop.run(opts(max_steps=2))  # the same run, not stopped: a result file, aborted by the rules
     assert res.status == "aborted" and sorted(p.name for p in folder.iterdir()) == ["result_0.txt"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ttt_command("data", "prepare", "c4", "--src", str(big_c4_src), "--split", "train", "--out", str(out),
+                    "--workers", "2"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: out.is_dir() and any(p.stat().st_size > 0 for p in out.iterdir()), 60, "tokens")
+        kids = child_pids(proc.pid)  # two tokenizer workers and the guardian of the temporaries
+        assert len(kids) == 3, kids
+        assert any(".tmp" in p.name for p in out.iterdir())
+    finally:
+        proc.kill()
+    proc.wait(timeout=30)
+    wait_for(lambda: not any(alive(k) for k in kids), 10, "the workers and the guardian to exit")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["fsync", "rename"])
+def test_a_signal_during_staged_commit_leaves_no_temporary_and_a_consistent_output(
+    tmp_path, monkeypatch, where
+):
+    """A signal while the set is fsynced: the old outputs stay, the temporaries go, "stopped". A signal
+    during the renames: raised after the last one, the new outputs all in place, and the line says so."""
+    from timetotrain import fileio
+    from timetotrain.cli import _outcome
+    from timetotrain.errors import Interrupted
+    from timetotrain.interrupt import raise_on_signals
+
+    names = ["a.bin", "a.idx", "a.manifest.json"]
+    for n in names:
+        (tmp_path / n).write_text("old")
+    real = getattr(os, where if where == "fsync" else "replace")
+    calls = []
+
+    def signalled(*args):
+        calls.append(1)
+        if len(calls) == 1:  # the first fsync / the first rename: SIGTERM arrives right there
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(os, where if where == "fsync" else "replace", signalled)
+    monkeypatch.setattr(fileio, "COMPLETED", [])
+    with pytest.raises(Interrupted) as e, raise_on_signals(), fileio.Staged() as staged:
+        for n in names:
+            staged.write_text(tmp_path / n, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary either way
+    texts = {(tmp_path / n).read_text() for n in names}
+    if where == "fsync":
+        assert texts == {"old"} and _outcome(e.value) == "stopped, temporary files removed"
+    else:
+        assert len(calls) == len(names) and texts == {"new"}  # every rename ran, the signal after them
+        assert _outcome(e.value).startswith("the new output is complete")

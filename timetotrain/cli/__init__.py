@@ -11,6 +11,7 @@ import argparse
 import sys
 import warnings
 
+from timetotrain import fileio
 from timetotrain.cli import data, results, run, suite
 from timetotrain.errors import Interrupted, UserError
 
@@ -60,11 +61,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Interrupted as e:
         # 128 + signum, as a shell reports a process the signal ended; the command has cleaned up.
-        print(f"ttt: interrupted by {e}: stopped, temporary files removed", file=sys.stderr)
+        print(f"ttt: interrupted by {e}: {_outcome(e)}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print("ttt: interrupted", file=sys.stderr)
         return 130
+
+
+def _outcome(e: Interrupted) -> str:
+    """What the signal left. "stopped" only where the previous output is intact: a signal that took effect
+    after a staged set was renamed into place (fileio.Staged defers it past the last rename) left the new
+    output complete, and the line says so."""
+    if e.outcome:
+        return e.outcome
+    if fileio.COMPLETED:
+        first, n = fileio.COMPLETED[0], len(fileio.COMPLETED)
+        more = f" and {n - 1} more file(s)" if n > 1 else ""
+        return f"the new output is complete ({first}{more} written in full before the signal took effect)"
+    return "stopped, temporary files removed"
 
 
 if __name__ == "__main__":
