@@ -218,6 +218,98 @@ def test_truncated_train_bin_under_a_live_run_aborts_not_sigbus(c4_prepared, tmp
 # --- issue 22: result files, kills, locks ---
 
 
+def _toy_suite(tmp_path, *extra_env: tuple[str, str]):
+    """`ttt suite` of the toy benchmark (tests/toy_benchmark.py), one run of seed 7, into tmp_path/out."""
+    from test_suite import _env, suite_cmd
+    from toy_benchmark import make_data
+
+    if not (tmp_path / "data").exists():
+        make_data(tmp_path / "data")
+    return suite_cmd(tmp_path, 1), {**_env(tmp_path), **dict(extra_env)}
+
+
+def _start_slow_suite(tmp_path) -> tuple[subprocess.Popen, int, Path]:
+    """A suite whose `ttt run` child is training (its live log has a train_loss line), with every toy
+    step slowed so the run is surely still training when it is signalled. Returns (suite, child, folder)."""
+    cmd, env = _toy_suite(tmp_path, ("TOY_STEP_SECONDS", "0.5"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = tmp_path / "out" / "toy_classify" / "tiny"
+    live = folder / "result_0.txt.partial"
+    try:
+        wait_for(lambda: live.exists() and '"train_loss"' in live.read_text(), 120, "the run to train")
+        (child,) = child_pids(proc.pid)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, child, folder
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group `pgid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_suite_sigterm_sets_the_run_aside_and_a_second_suite_is_refused(tmp_path):
+    proc, child, folder = _start_slow_suite(tmp_path)
+    # A second suite on the same --out is refused, naming the lock and its holder.
+    cmd, env = _toy_suite(tmp_path)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("ttt:")]
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert len(lines) == 1 and f"pid {proc.pid}" in lines[0] and "suite.lock" in lines[0], second.stderr
+    assert "Traceback" not in second.stderr
+    # SIGTERM: passed on to the run, which logs its stop; the suite sets that log aside at once.
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert (
+        "result_0.txt (seed 7) was stopped by SIGTERM: kept as result_0.txt.signalled, not scored; seed 7 "
+        "runs again when the suite resumes" in err
+    ), err[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["result_0.txt.signalled"]  # no result counts it
+    assert not alive(child)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_suite_stops_its_run_and_the_resumed_suite_reruns_that_seed(tmp_path):
+    import json
+
+    from timetotrain.mlperf.results import parse_log
+    from timetotrain.runner.suite import finished_seeds
+
+    proc, child, folder = _start_slow_suite(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    # The run got SIGTERM when the suite died (PR_SET_PDEATHSIG): it logged its stop and exited, with
+    # nothing of its process group left.
+    wait_for(lambda: not alive(child) and not group_members(child), 30, "the suite's run to exit")
+    (log,) = folder.glob("result_*.txt")
+    lg = parse_log(log)
+    assert lg.status == "aborted" and lg.keys["ttt_stop_signal"] == "SIGTERM"
+    # Resumed: that log is set aside (kept, not scored), the seed runs again under a new index.
+    cmd, env = _toy_suite(tmp_path)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (
+        "result_0.txt (seed 7) was stopped by SIGTERM: kept as result_0.txt.signalled, not scored; seed 7 "
+        "runs again" in res.stderr
+    ), res.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["result_0.txt.signalled", "result_1.txt"]
+    assert list(finished_seeds(folder)) == [7]
+    (row,) = json.loads((tmp_path / "out" / "scorecard.json").read_text())["benchmarks"]
+    assert row["runs"] == 1 and row["converged"] == 1, row
+
+
 def test_an_abort_before_run_start_leaves_no_result_file(tmp_path, monkeypatch):
     """An error during init (a bad checkpoint, say) or a signal before run_start: no result_<k>.txt, and
     no .partial either (mlperf/logger.py says why)."""
