@@ -404,3 +404,25 @@ def test_a_signal_during_staged_commit_leaves_no_temporary_and_a_consistent_outp
     else:
         assert len(calls) == len(names) and texts == {"new"}  # every rename ran, the signal after them
         assert _outcome(e.value).startswith("the new output is complete")
+
+
+def test_sigterm_while_synth_graph_writes_leaves_no_file_and_no_folder(tmp_path, monkeypatch, capsys):
+    """`ttt data synth-graph` stopped half-way: its staged files and the folders it made are gone, so the
+    same command can run again (it refuses a non-empty --out)."""
+    import numpy as np
+
+    from timetotrain.cli import main
+
+    real_save, saved = np.save, []
+
+    def save(*args, **kwargs):
+        saved.append(1)
+        if len(saved) == 3:  # a few arrays are written: SIGTERM comes now
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", save)
+    out = tmp_path / "graph"
+    assert main(["data", "synth-graph", "--scale", "tiny", "--out", str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "ttt: interrupted by SIGTERM: stopped, temporary files removed"
+    assert len(saved) == 3 and not out.exists()

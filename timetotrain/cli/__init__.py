@@ -54,6 +54,7 @@ def _one_line_warning(message, category, filename, lineno, line=None):
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     args = build_parser().parse_args(argv)
+    fileio.COMPLETED.clear()  # what this command completes (main may run many times in one process)
     try:
         return args.func(args)
     except UserError as e:
