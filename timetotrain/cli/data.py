@@ -6,6 +6,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from timetotrain import lifeline
 from timetotrain.errors import UserError
 from timetotrain.interrupt import raise_on_signals
 
@@ -17,9 +18,10 @@ def _cmd_prepare(args) -> int:
         # c4 handed 0 to multiprocessing (a ValueError traceback), govreport ran on one thread anyway.
         raise UserError(f"--workers {args.workers} must be at least 1 (leave it out to use every core)")
     if args.dataset == "govreport":
-        # SIGTERM/SIGINT become an exception, so the `with` blocks on the way out remove temporaries. (c4
-        # enters its own block once its worker processes exist: they must not inherit the handler.)
-        with raise_on_signals():
+        # SIGTERM/SIGINT become an exception, so the `with` blocks on the way out remove temporaries (c4
+        # enters its own block once its worker processes exist: they must not inherit the handler); after
+        # a SIGKILL the guardian removes them (lifeline.py; the staged files are all directly in --out).
+        with lifeline.guard_temporaries(Path(args.out)), raise_on_signals():
             return _prepare_govreport(args)
     if args.dataset == "flux":
         with raise_on_signals():  # as govreport: one process, its staged outputs removed on the way out
