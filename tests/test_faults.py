@@ -357,16 +357,21 @@ def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_
                     "--workers", "2"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    kids = []
     try:
         wait_for(lambda: out.is_dir() and any(p.stat().st_size > 0 for p in out.iterdir()), 60, "tokens")
         kids = child_pids(proc.pid)  # two tokenizer workers and the guardian of the temporaries
         assert len(kids) == 3, kids
         assert any(".tmp" in p.name for p in out.iterdir())
-    finally:
         proc.kill()
-    proc.wait(timeout=30)
-    wait_for(lambda: not any(alive(k) for k in kids), 10, "the workers and the guardian to exit")
-    assert list(out.iterdir()) == []
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(alive(k) for k in kids), 10, "the workers and the guardian to exit")
+        assert list(out.iterdir()) == []
+    finally:  # on a failure, nothing of this test stays behind either
+        for pid in [proc.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("where", ["fsync", "rename"])
