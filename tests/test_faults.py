@@ -374,41 +374,55 @@ def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_
         proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("where", ["fsync", "rename"])
+@pytest.mark.parametrize("where", ["fsync", "rename", "second set"])
 def test_a_signal_during_staged_commit_leaves_no_temporary_and_a_consistent_output(
     tmp_path, monkeypatch, where
 ):
     """A signal while the set is fsynced: the old outputs stay, the temporaries go, "stopped". A signal
-    during the renames: raised after the last one, the new outputs all in place, and the line says so."""
+    during the renames: raised after the last one, the new outputs all in place, and the line says so.
+    A signal in a second set after a first one went in place: the line says the output is partly new."""
     from timetotrain import fileio
     from timetotrain.cli import _outcome
     from timetotrain.errors import Interrupted
     from timetotrain.interrupt import raise_on_signals
 
-    names = ["a.bin", "a.idx", "a.manifest.json"]
+    sets = [["a.bin", "a.idx", "a.manifest.json"]] + (
+        [["b.bin", "b.manifest.json"]] if where == "second set" else []
+    )
+    names = sorted(n for names in sets for n in names)
     for n in names:
         (tmp_path / n).write_text("old")
-    real = getattr(os, where if where == "fsync" else "replace")
+    patched = "replace" if where == "rename" else "fsync"
+    real = getattr(os, patched)
+    # The call SIGTERM arrives at: the first; or the second set's first fsync, after the first set's
+    # three and its folder's.
+    at = len(sets[0]) + 2 if where == "second set" else 1
     calls = []
 
     def signalled(*args):
         calls.append(1)
-        if len(calls) == 1:  # the first fsync / the first rename: SIGTERM arrives right there
+        if len(calls) == at:
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args)
 
-    monkeypatch.setattr(os, where if where == "fsync" else "replace", signalled)
+    monkeypatch.setattr(os, patched, signalled)
     monkeypatch.setattr(fileio, "COMPLETED", [])
-    with pytest.raises(Interrupted) as e, raise_on_signals(), fileio.Staged() as staged:
-        for n in names:
-            staged.write_text(tmp_path / n, "new")
-    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary either way
-    texts = {(tmp_path / n).read_text() for n in names}
+    monkeypatch.setattr(fileio, "DISCARDED", [])
+    with pytest.raises(Interrupted) as e, raise_on_signals():
+        for one in sets:
+            with fileio.Staged() as staged:
+                for n in one:
+                    staged.write_text(tmp_path / n, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary in any case
+    texts = {n: (tmp_path / n).read_text() for n in names}
     if where == "fsync":
-        assert texts == {"old"} and _outcome(e.value) == "stopped, temporary files removed"
-    else:
-        assert len(calls) == len(names) and texts == {"new"}  # every rename ran, the signal after them
+        assert set(texts.values()) == {"old"} and _outcome(e.value) == "stopped, temporary files removed"
+    elif where == "rename":
+        assert len(calls) == len(names) and set(texts.values()) == {"new"}  # the signal after every rename
         assert _outcome(e.value).startswith("the new output is complete")
+    else:
+        assert texts == {n: "new" if n.startswith("a.") else "old" for n in names}  # whole sets only
+        assert _outcome(e.value).startswith("the output is partly new")
 
 
 def test_sigterm_while_synth_graph_writes_leaves_no_file_and_no_folder(tmp_path, monkeypatch, capsys):

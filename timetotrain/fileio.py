@@ -20,9 +20,11 @@ from typing import IO
 from timetotrain.interrupt import deferred
 
 TMP_SUFFIX = ".tmp"
-# Final paths that Staged sets have put in place in this process: after a signal, the CLI says the new
-# output is complete rather than "stopped" when its set was committed before the signal took effect.
+# Final paths that Staged sets have put in place, and final paths whose staged new version was dropped
+# (an error or a signal before its commit), in this command: after a signal, the CLI says "stopped" only
+# when nothing was put in place, and that the new output is complete when nothing was dropped.
 COMPLETED: list[Path] = []
+DISCARDED: list[Path] = []
 
 
 def fsync_dir(directory: Path) -> None:
@@ -172,7 +174,8 @@ class Staged:
             raise
 
     def discard(self) -> None:
-        for tmp, _ in self._pairs:
+        for tmp, final in self._pairs:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            DISCARDED.append(final)
         self._pairs = []

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     args = build_parser().parse_args(argv)
     fileio.COMPLETED.clear()  # what this command completes (main may run many times in one process)
+    fileio.DISCARDED.clear()
     try:
         return args.func(args)
     except UserError as e:
@@ -75,11 +76,13 @@ def _outcome(e: Interrupted) -> str:
     output complete, and the line says so."""
     if e.outcome:
         return e.outcome
-    if fileio.COMPLETED:
-        first, n = fileio.COMPLETED[0], len(fileio.COMPLETED)
-        more = f" and {n - 1} more file(s)" if n > 1 else ""
-        return f"the new output is complete ({first}{more} written in full before the signal took effect)"
-    return "stopped, temporary files removed"
+    if not fileio.COMPLETED:
+        return "stopped, temporary files removed"
+    first, n = fileio.COMPLETED[0], len(fileio.COMPLETED)
+    done = f"{first}" + (f" and {n - 1} more file(s)" if n > 1 else "")
+    if fileio.DISCARDED:  # a set went in place, a later one was dropped: neither old nor new as a whole
+        return f"the output is partly new: {done} were complete and replaced the old; the unfinished rest was removed"
+    return f"the new output is complete ({done} written in full before the signal took effect)"
 
 
 if __name__ == "__main__":

@@ -114,6 +114,11 @@ def hold_lock(out: Path) -> int:
             f"--out {out} is in use: another `ttt suite` (pid {holder}) holds {path}; wait for it or pass "
             "another --out"
         ) from None
+    except OSError as e:  # a file system without locks (some network mounts): no way to keep suites apart
+        os.close(fd)
+        raise UserError(
+            f"--out {out}: cannot lock {path} ({e.strerror}): pass a folder on a local disk"
+        ) from e
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
