@@ -362,12 +362,15 @@ class Suite:
             raise UserError(
                 f"--out {self.o.out} cannot be created ({e.strerror}): pass a folder you can write to"
             ) from e
-        self._lock = hold_lock(self.o.out)  # held until this process ends
-        self.state = _load_state(self.state_path, self.o.tier)
+        _load_state(self.state_path, self.o.tier)  # bad input first: a refused suite leaves no lock file
         # Every benchmark's data must be reachable before the first run starts, not an hour into the suite.
         for b in benches:
             if b.name not in self.o.prepared and self.o.source is None:
                 self._check_cached(b)
+        self._lock = hold_lock(self.o.out)  # held until this process ends
+        self.state = _load_state(
+            self.state_path, self.o.tier
+        )  # again: a suite that held the lock may have changed it
         self.say(f"tier {self.o.tier}: {', '.join(b.name for b in benches)} -> {self.o.out}")
         with raise_on_signals():
             for b in benches:
