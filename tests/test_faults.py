@@ -213,3 +213,235 @@ def test_truncated_train_bin_under_a_live_run_aborts_not_sigbus(c4_prepared, tmp
     log = live.with_name("result_0.txt")  # run_stop was written, so the log is a (failed) result
     last = [ln for ln in log.read_text().splitlines() if ":::MLLOG" in ln][-1]
     assert '"run_stop"' in last and '"status": "aborted"' in last
+
+
+# --- issue 22: result files, kills, locks ---
+
+
+def _toy_suite(tmp_path, *extra_env: tuple[str, str]):
+    """`ttt suite` of the toy benchmark (tests/toy_benchmark.py), one run of seed 7, into tmp_path/out."""
+    from test_suite import _env, suite_cmd
+    from toy_benchmark import make_data
+
+    if not (tmp_path / "data").exists():
+        make_data(tmp_path / "data")
+    return suite_cmd(tmp_path, 1), {**_env(tmp_path), **dict(extra_env)}
+
+
+def _start_slow_suite(tmp_path) -> tuple[subprocess.Popen, int, Path]:
+    """A suite whose `ttt run` child is training (its live log has a train_loss line), with every toy
+    step slowed so the run is surely still training when it is signalled. Returns (suite, child, folder)."""
+    cmd, env = _toy_suite(tmp_path, ("TOY_STEP_SECONDS", "0.5"))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = tmp_path / "out" / "toy_classify" / "tiny"
+    live = folder / "result_0.txt.partial"
+    try:
+        wait_for(lambda: live.exists() and '"train_loss"' in live.read_text(), 120, "the run to train")
+        (child,) = child_pids(proc.pid)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, child, folder
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group `pgid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_suite_sigterm_sets_the_run_aside_and_a_second_suite_is_refused(tmp_path):
+    proc, child, folder = _start_slow_suite(tmp_path)
+    # A second suite on the same --out is refused, naming the lock and its holder.
+    cmd, env = _toy_suite(tmp_path)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("ttt:")]
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert len(lines) == 1 and f"pid {proc.pid}" in lines[0] and "suite.lock" in lines[0], second.stderr
+    assert "Traceback" not in second.stderr
+    # SIGTERM: passed on to the run, which logs its stop; the suite sets that log aside at once.
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    assert (
+        "result_0.txt (seed 7) was stopped by SIGTERM: kept as result_0.txt.signalled, not scored; seed 7 "
+        "runs again when the suite resumes" in err
+    ), err[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["result_0.txt.signalled"]  # no result counts it
+    assert not alive(child)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_suite_stops_its_run_and_the_resumed_suite_reruns_that_seed(tmp_path):
+    import json
+
+    from timetotrain.mlperf.results import parse_log
+    from timetotrain.runner.suite import finished_seeds
+
+    proc, child, folder = _start_slow_suite(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    # The run got SIGTERM when the suite died (PR_SET_PDEATHSIG): it logged its stop and exited, with
+    # nothing of its process group left.
+    wait_for(lambda: not alive(child) and not group_members(child), 30, "the suite's run to exit")
+    (log,) = folder.glob("result_*.txt")
+    lg = parse_log(log)
+    assert lg.status == "aborted" and lg.keys["ttt_stop_signal"] == "SIGTERM"
+    # Resumed: that log is set aside (kept, not scored), the seed runs again under a new index.
+    cmd, env = _toy_suite(tmp_path)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (
+        "result_0.txt (seed 7) was stopped by SIGTERM: kept as result_0.txt.signalled, not scored; seed 7 "
+        "runs again" in res.stderr
+    ), res.stderr[-2000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["result_0.txt.signalled", "result_1.txt"]
+    assert list(finished_seeds(folder)) == [7]
+    (row,) = json.loads((tmp_path / "out" / "scorecard.json").read_text())["benchmarks"]
+    assert row["runs"] == 1 and row["converged"] == 1, row
+
+
+def test_an_abort_before_run_start_leaves_no_result_file(tmp_path, monkeypatch):
+    """An error during init (a bad checkpoint, say) or a signal before run_start: no result_<k>.txt, and
+    no .partial either (mlperf/logger.py says why)."""
+    from toy_benchmark import make_data
+
+    from timetotrain.errors import Interrupted, UserError
+    from timetotrain.train import loop, prepare
+    from timetotrain.train.abort import Aborter
+
+    monkeypatch.setenv("TTT_EXTRA_BENCHMARKS", "toy_benchmark")
+    make_data(tmp_path / "data")
+    folder = tmp_path / "logs" / "toy_classify" / "tiny"
+
+    def opts(**kw):
+        return loop.RunOptions(
+            "toy_classify", "tiny", tmp_path / "data", tmp_path / "logs", seed=1, echo=False, **kw
+        )
+
+    real_build = prepare.build
+
+    def bad_checkpoint(prep):
+        real_build(prep)
+        raise UserError("--init-checkpoint X: shapes do not match")
+
+    monkeypatch.setattr(prepare, "build", bad_checkpoint)
+    with pytest.raises(UserError, match="shapes do not match"):
+        loop.run(opts())
+    assert list(folder.iterdir()) == []
+    monkeypatch.setattr(prepare, "build", real_build)
+    signalled = Aborter()  # as if SIGINT had come during preflight or init: the watcher has caught it
+    signalled.caught = signal.SIGINT
+    with pytest.raises(Interrupted) as e:
+        loop.run(opts(aborter=signalled))
+    assert e.value.signum == signal.SIGINT and "no result file" in e.value.outcome
+    assert list(folder.iterdir()) == []
+    res = loop.run(opts(max_steps=2))  # the same run, not stopped: a result file, aborted by the rules
+    assert res.status == "aborted" and sorted(p.name for p in folder.iterdir()) == ["result_0.txt"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ttt_command("data", "prepare", "c4", "--src", str(big_c4_src), "--split", "train", "--out", str(out),
+                    "--workers", "2"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    kids = []
+    try:
+        wait_for(lambda: out.is_dir() and any(p.stat().st_size > 0 for p in out.iterdir()), 60, "tokens")
+        kids = child_pids(proc.pid)  # two tokenizer workers and the guardian of the temporaries
+        assert len(kids) == 3, kids
+        assert any(".tmp" in p.name for p in out.iterdir())
+        proc.kill()
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(alive(k) for k in kids), 10, "the workers and the guardian to exit")
+        assert list(out.iterdir()) == []
+    finally:  # on a failure, nothing of this test stays behind either
+        for pid in [proc.pid, *kids]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("where", ["fsync", "rename", "second set"])
+def test_a_signal_during_staged_commit_leaves_no_temporary_and_a_consistent_output(
+    tmp_path, monkeypatch, where
+):
+    """A signal while the set is fsynced: the old outputs stay, the temporaries go, "stopped". A signal
+    during the renames: raised after the last one, the new outputs all in place, and the line says so.
+    A signal in a second set after a first one went in place: the line says the output is partly new."""
+    from timetotrain import fileio
+    from timetotrain.cli import _outcome
+    from timetotrain.errors import Interrupted
+    from timetotrain.interrupt import raise_on_signals
+
+    sets = [["a.bin", "a.idx", "a.manifest.json"]] + (
+        [["b.bin", "b.manifest.json"]] if where == "second set" else []
+    )
+    names = sorted(n for names in sets for n in names)
+    for n in names:
+        (tmp_path / n).write_text("old")
+    patched = "replace" if where == "rename" else "fsync"
+    real = getattr(os, patched)
+    # The call SIGTERM arrives at: the first; or the second set's first fsync, after the first set's
+    # three and its folder's.
+    at = len(sets[0]) + 2 if where == "second set" else 1
+    calls = []
+
+    def signalled(*args):
+        calls.append(1)
+        if len(calls) == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(os, patched, signalled)
+    monkeypatch.setattr(fileio, "COMPLETED", [])
+    monkeypatch.setattr(fileio, "DISCARDED", [])
+    with pytest.raises(Interrupted) as e, raise_on_signals():
+        for one in sets:
+            with fileio.Staged() as staged:
+                for n in one:
+                    staged.write_text(tmp_path / n, "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary in any case
+    texts = {n: (tmp_path / n).read_text() for n in names}
+    if where == "fsync":
+        assert set(texts.values()) == {"old"} and _outcome(e.value) == "stopped, temporary files removed"
+    elif where == "rename":
+        assert len(calls) == len(names) and set(texts.values()) == {"new"}  # the signal after every rename
+        assert _outcome(e.value).startswith("the new output is complete")
+    else:
+        assert texts == {n: "new" if n.startswith("a.") else "old" for n in names}  # whole sets only
+        assert _outcome(e.value).startswith("the output is partly new")
+
+
+def test_sigterm_while_synth_graph_writes_leaves_no_file_and_no_folder(tmp_path, monkeypatch, capsys):
+    """`ttt data synth-graph` stopped half-way: its staged files and the folders it made are gone, so the
+    same command can run again (it refuses a non-empty --out)."""
+    import numpy as np
+
+    from timetotrain.cli import main
+
+    real_save, saved = np.save, []
+
+    def save(*args, **kwargs):
+        saved.append(1)
+        if len(saved) == 3:  # a few arrays are written: SIGTERM comes now
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(np, "save", save)
+    out = tmp_path / "graph"
+    assert main(["data", "synth-graph", "--scale", "tiny", "--out", str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "ttt: interrupted by SIGTERM: stopped, temporary files removed"
+    assert len(saved) == 3 and not out.exists()

@@ -22,6 +22,7 @@ def test_partial_while_live_renamed_after_run_stop(tmp_path):
     log.start("init_start")
     assert names(tmp_path) == ["result_0.txt.partial"]
     assert log.live_path.read_text().count(":::MLLOG") == 1  # every line is in the file at once
+    log.start("run_start")
     log.end("run_stop", metadata={"status": "aborted"})
     assert names(tmp_path) == ["result_0.txt.partial"]  # renamed by close, after the fsync
     log.close()
@@ -33,15 +34,25 @@ def test_partial_while_live_renamed_after_run_stop(tmp_path):
 def test_without_run_stop_the_log_stays_partial(tmp_path):
     log = ResultLog(tmp_path)
     log.start("init_start")
+    log.start("run_start")
     log.close()  # e.g. the run raised before it could log run_stop
     assert names(tmp_path) == ["result_0.txt.partial"]
+
+
+def test_a_log_that_never_reached_run_start_is_removed(tmp_path):
+    log = ResultLog(tmp_path)
+    log.start("init_start")
+    log.end("run_stop", metadata={"status": "aborted"})  # an init that failed: no clock ever ran
+    log.close()
+    assert names(tmp_path) == []
 
 
 def test_index_counts_finished_and_unfinished_logs(tmp_path):
     (tmp_path / "result_0.txt").write_text("")
     (tmp_path / "result_3.txt.partial").write_text("")  # a killed run keeps its index reserved
+    (tmp_path / "result_5.txt.signalled").write_text("")  # and so does one `ttt suite` set aside
     log = ResultLog(tmp_path)
-    assert log.path.name == "result_4.txt"
+    assert log.path.name == "result_6.txt"
     log.close()
 
 
@@ -67,6 +78,7 @@ def test_runs_started_together_never_share_an_index(tmp_path):
         try:
             barrier.wait()
             log = ResultLog(tmp_path)
+            log.start("run_start")
             log.end("run_stop", metadata={"status": "success"})
             log.close()
             paths.append(log.path.name)
@@ -86,6 +98,7 @@ def test_runs_started_together_never_share_an_index(tmp_path):
 def test_write_error_stops_at_once_and_leaves_partial(tmp_path, monkeypatch):
     log = ResultLog(tmp_path)
     log.start("init_start")
+    log.start("run_start")
     real = logger._write_all
     attempts = []
 

@@ -4,12 +4,15 @@ weight decay, every parameter), a warmup+constant schedule, accuracy as the metr
 eval points counted in epochs (`epoch_num`), as R-GAT's are. Not in `ttt list` (`listed=False`).
 
 Made known to every `ttt` command by TTT_EXTRA_BENCHMARKS=toy_benchmark (with tests/ on PYTHONPATH).
-Its data is one .npz file that `make_data` writes.
+Its data is one .npz file that `make_data` writes. TOY_STEP_SECONDS=S makes each training batch take S
+seconds more, so the fault tests can signal a run that is surely still training.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +113,7 @@ class _Points(RunData):
         return self._perm[epoch]
 
     def batch(self, step: int) -> Batch:
+        time.sleep(float(os.environ.get("TOY_STEP_SECONDS", "0")))
         start = step * self.gbs + self.offset
         idx = torch.stack(
             [self._order(i // len(self.y))[i % len(self.y)] for i in range(start, start + self.local)]

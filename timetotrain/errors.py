@@ -7,10 +7,13 @@ class UserError(Exception):
 
 class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGINT stopped a command that cleans up on the way out (`ttt data prepare`); the CLI
-    exits with 128 + signum. A KeyboardInterrupt, so `except Exception` cleanup code never swallows it."""
+    exits with 128 + signum. A KeyboardInterrupt, so `except Exception` cleanup code never swallows it.
+    `outcome` is what the signal left, for the CLI's one line (None: the CLI says it from what was
+    committed, see cli/__init__.py)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, outcome: str | None = None):
         import signal
 
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.outcome = outcome

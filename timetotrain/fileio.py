@@ -20,6 +20,11 @@ from typing import IO
 from timetotrain.interrupt import deferred
 
 TMP_SUFFIX = ".tmp"
+# Final paths that Staged sets have put in place, and final paths whose staged new version was dropped
+# (an error or a signal before its commit), in this command: after a signal, the CLI says "stopped" only
+# when nothing was put in place, and that the new output is complete when nothing was dropped.
+COMPLETED: list[Path] = []
+DISCARDED: list[Path] = []
 
 
 def fsync_dir(directory: Path) -> None:
@@ -137,21 +142,40 @@ class Staged:
             f.write(text)
 
     def commit(self) -> None:
-        for tmp, _ in self._pairs:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        with deferred():
-            for tmp, final in self._pairs:
-                os.replace(tmp, final)
-            for folder in {final.parent for _, final in self._pairs}:
-                fsync_dir(folder)
-        self._pairs = []
+        """fsync every temporary, then rename them all into place. A signal or an error while fsyncing
+        removes the temporaries (the previous outputs stay as they were); the renames run with SIGTERM/SIGINT
+        deferred, so a signal never splits the set, and one that arrived meanwhile is raised after the last
+        rename, with the set recorded in COMPLETED."""
+        pairs, self._pairs = self._pairs, []
+        try:
+            for tmp, _ in pairs:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            self._pairs = pairs
+            self.discard()
+            raise
+        done = 0
+        try:
+            with deferred():
+                for tmp, final in pairs:
+                    os.replace(tmp, final)
+                    done += 1
+                for folder in {final.parent for _, final in pairs}:
+                    fsync_dir(folder)
+                COMPLETED.extend(final for _, final in pairs)
+        except BaseException:
+            if done < len(pairs):  # a failed rename: the rest stays unwritten, its temporaries removed
+                self._pairs = pairs[done:]
+                self.discard()
+            raise
 
     def discard(self) -> None:
-        for tmp, _ in self._pairs:
+        for tmp, final in self._pairs:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            DISCARDED.append(final)
         self._pairs = []

@@ -11,6 +11,7 @@ import argparse
 import sys
 import warnings
 
+from timetotrain import fileio
 from timetotrain.cli import data, results, run, suite
 from timetotrain.errors import Interrupted, UserError
 
@@ -53,6 +54,8 @@ def _one_line_warning(message, category, filename, lineno, line=None):
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     args = build_parser().parse_args(argv)
+    fileio.COMPLETED.clear()  # what this command completes (main may run many times in one process)
+    fileio.DISCARDED.clear()
     try:
         return args.func(args)
     except UserError as e:
@@ -60,11 +63,26 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except Interrupted as e:
         # 128 + signum, as a shell reports a process the signal ended; the command has cleaned up.
-        print(f"ttt: interrupted by {e}: stopped, temporary files removed", file=sys.stderr)
+        print(f"ttt: interrupted by {e}: {_outcome(e)}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print("ttt: interrupted", file=sys.stderr)
         return 130
+
+
+def _outcome(e: Interrupted) -> str:
+    """What the signal left. "stopped" only where the previous output is intact: a signal that took effect
+    after a staged set was renamed into place (fileio.Staged defers it past the last rename) left the new
+    output complete, and the line says so."""
+    if e.outcome:
+        return e.outcome
+    if not fileio.COMPLETED:
+        return "stopped, temporary files removed"
+    first, n = fileio.COMPLETED[0], len(fileio.COMPLETED)
+    done = f"{first}" + (f" and {n - 1} more file(s)" if n > 1 else "")
+    if fileio.DISCARDED:  # a set went in place, a later one was dropped: neither old nor new as a whole
+        return f"the output is partly new: {done} were complete and replaced the old; the unfinished rest was removed"
+    return f"the new output is complete ({done} written in full before the signal took effect)"
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
+from timetotrain import lifeline
 from timetotrain.errors import UserError
+from timetotrain.interrupt import raise_on_signals
 
 _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
@@ -14,15 +18,12 @@ def _cmd_prepare(args) -> int:
         # c4 handed 0 to multiprocessing (a ValueError traceback), govreport ran on one thread anyway.
         raise UserError(f"--workers {args.workers} must be at least 1 (leave it out to use every core)")
     if args.dataset == "govreport":
-        from timetotrain.interrupt import raise_on_signals
-
-        # SIGTERM/SIGINT become an exception, so the `with` blocks on the way out remove temporaries. (c4
-        # enters its own block once its worker processes exist: they must not inherit the handler.)
-        with raise_on_signals():
+        # SIGTERM/SIGINT become an exception, so the `with` blocks on the way out remove temporaries (c4
+        # enters its own block once its worker processes exist: they must not inherit the handler); after
+        # a SIGKILL the guardian removes them (lifeline.py; the staged files are all directly in --out).
+        with lifeline.guard_temporaries(Path(args.out)), raise_on_signals():
             return _prepare_govreport(args)
     if args.dataset == "flux":
-        from timetotrain.interrupt import raise_on_signals
-
         with raise_on_signals():  # as govreport: one process, its staged outputs removed on the way out
             return _prepare_flux(args)
     from timetotrain.data import c4
@@ -92,8 +93,6 @@ def _prepare_flux(args) -> int:
 
     parts = flux_mlcommons.find_sources(args.src)  # MLCommons' preprocessed encodings: imported as they are
     if parts is not None:
-        from timetotrain.interrupt import raise_on_signals
-
         with raise_on_signals():  # a stopped import removes its partial (possibly terabyte) temporaries
             return _import_flux(args, parts)
     if args.empty_encodings:
@@ -158,7 +157,6 @@ def _import_flux(args, parts) -> int:
 
 def _cmd_download(args) -> int:
     from timetotrain.data import download
-    from timetotrain.interrupt import raise_on_signals
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers} must be at least 1")
@@ -311,13 +309,30 @@ def _cmd_synth_graph(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a graph is never written over another)"
         )
-    info = graph_synth.generate(out, sc, args.seed)
+    created = not out.exists()
+    try:
+        with raise_on_signals():  # a stopped generation removes its staged files, as `data prepare`
+            info = graph_synth.generate(out, sc, args.seed)
+    except BaseException:
+        _remove_empty_folders(out, created)  # else the next call would find --out "not empty"
+        raise
     print(
         f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
         f"{sum(info['edges'].values()):,} stored edges, {info['labeled']:,} labeled papers, {info['dim']}-d "
         f"features, {info['classes']} classes -> {out}"
     )
     return 0
+
+
+def _remove_empty_folders(out: Path, created: bool) -> None:
+    """The folders a stopped `synth-graph` made under `out` (empty once its staged files are gone), and
+    `out` itself if it made it. `out` was new or empty, so every folder in it is ours."""
+    if not out.is_dir():
+        return
+    for folder, _, _ in sorted(os.walk(out, topdown=False), key=lambda w: -len(w[0])):
+        if Path(folder) != out or created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only an empty one
 
 
 def _add_synth_graph(d) -> None:

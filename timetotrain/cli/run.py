@@ -214,12 +214,15 @@ def _cmd_base(args) -> int:
             f"{args.benchmark} --tier {args.tier} starts from no base of ours (random init or a real checkpoint); "
             f"tiers with one: {', '.join(with_base) or 'none'}"
         )
+    from timetotrain.interrupt import raise_on_signals
     from timetotrain.train.base_model import make_base
 
     cache = Path(args.cache) if args.cache else None
-    folder, doc, cached = make_base(
-        tier.base, Path(args.data), cache, args.device or "cpu", echo=not args.quiet
-    )
+    # SIGTERM/SIGINT raise, so make_base removes its unfinished .partial folder on the way out.
+    with raise_on_signals():
+        folder, doc, cached = make_base(
+            tier.base, Path(args.data), cache, args.device or "cpu", echo=not args.quiet
+        )
     how = "cached" if cached else f"made in {doc['seconds']:.0f} s"
     print(
         f"base for {args.benchmark} {args.tier} ({how}): {doc['steps']} steps, {doc['tokens']:,} tokens, "

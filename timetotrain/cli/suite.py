@@ -68,7 +68,9 @@ def add_commands(sub) -> None:
             "(cached). Prints each benchmark's ETA, then one table: runs converged, `ttt check` verdicts,\n"
             "score and RCP verdict (also OUT/scorecard.json).\n\n"
             "Resumable: the seeds are kept in OUT/suite.json and a run whose result file exists is not run\n"
-            "again, so a suite stopped with Ctrl-C and started again finishes what is left."
+            "again, so a suite stopped with Ctrl-C and started again finishes what is left. A run a signal\n"
+            "stopped is no result: its log is kept as result_<k>.txt.signalled (never scored) and its seed\n"
+            "runs again. One suite per OUT (OUT/suite.lock); its runs die with it, kill -9 included (Linux)."
         ),
         epilog=(
             "examples:\n"

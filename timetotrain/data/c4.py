@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from timetotrain import fileio, interrupt
+from timetotrain import fileio, interrupt, lifeline
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -158,7 +158,10 @@ def prepare(
     # The workers exist before our signal handlers do (a forked worker must not inherit them). Every
     # output stays under a temporary name until all are complete (Staged): SIGTERM/SIGINT, an error or a
     # full disk anywhere before that kills the workers (OrderedWorkers.__exit__) and removes the temporaries.
+    # A SIGKILL gives us no such chance: the workers then die with us and the guardian (lifeline.py, forked
+    # first, so it is no worker's child) removes the temporaries.
     with (
+        lifeline.guard_temporaries(out),
         OrderedWorkers(workers, _encode_batch, _worker_init, (tokenizer, tokenizer_model)) as pool,
         interrupt.raise_on_signals(),
         fileio.Staged() as staged,

@@ -9,26 +9,36 @@ stopping is: kill the processes, join them, close the pipes.
 Each worker has at most one job in flight, and the parent prepares the next job while the workers compute.
 With one job in flight a worker is always reading when the parent sends to it, so large jobs and large
 results cannot fill both directions of a pipe at once and deadlock.
+
+A worker never outlives the parent: on Linux it gets SIGKILL when the parent dies (lifeline.py), and
+everywhere its pipe reaches end of file then, because a forked worker closes the parent's ends of every
+pipe it inherited (holding its own pipe's other end kept it alive after a `kill -9` of the parent).
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import signal
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from timetotrain import lifeline
 
 
 def _context():
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
-def _serve(conn, fn, init, initargs) -> None:
+def _serve(conn, fn, init, initargs, parent_pid, parent_ends) -> None:
     # Ctrl-C reaches the whole process group; only the parent reacts (it stops us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    lifeline.die_with_parent(parent_pid, signal.SIGKILL)  # a job in flight is not worth finishing
+    for c in parent_ends:  # under fork we hold copies; only the parent's may keep our pipe open
+        c.close()
     try:
         if init is not None:
             init(*initargs)
@@ -57,9 +67,13 @@ class OrderedWorkers:
     def __init__(self, n: int, fn: Callable, init: Callable | None = None, initargs: tuple = ()):
         ctx = _context()
         self._procs, self._conns = [], []
+        fork = ctx.get_start_method() == "fork"
         for _ in range(max(1, n)):
             parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_serve, args=(child, fn, init, initargs), daemon=True)
+            # Under spawn nothing is inherited, and connections cannot be sent along: nothing to close.
+            ends = [*self._conns, parent] if fork else []
+            args = (child, fn, init, initargs, os.getpid(), ends)
+            p = ctx.Process(target=_serve, args=args, daemon=True)
             p.start()
             child.close()
             self._procs.append(p)

@@ -3,17 +3,25 @@
 One new file per run, `result_<k>.txt`: an existing result is never overwritten or appended to
 (appending breaks the compliance checker's EXACTLY_ONE keys).
 
-Crash safety. While the run is live its log is `result_<k>.txt.partial`; only once `run_stop` is written
-and fsynced is it renamed to `result_<k>.txt`. So a result file is always a finished run, and a run that
-was killed (SIGKILL, OOM killer, power loss) leaves only a `.partial`, which `ttt score`/`package`/`report`
-skip with a note. The index k is reserved by creating the `.partial` exclusively (O_CREAT|O_EXCL), with
-k above every existing `result_<k>.txt` and `.partial`, so runs started together never share an index and
-a killed run's k is never reused. A failed write (a full disk: ENOSPC) stops the run at once with a
+Crash safety. While the run is live its log is `result_<k>.txt.partial`; only once `run_start` and then
+`run_stop` are written and fsynced is it renamed to `result_<k>.txt`. So a result file is always a run
+that ran: its clock started and it stopped (success, or aborted by the rules). A run that stops before
+`run_start` (an error or a signal during init) removes its `.partial`: no clock ran, nothing in it is a
+measurement, the reason is on stderr, and a kept file would read as a killed run. A run that was killed
+(SIGKILL, OOM killer, power loss) leaves only a `.partial`, which `ttt score`/`package`/`report` skip with
+a note. The index k is reserved by creating the `.partial` exclusively (O_CREAT|O_EXCL), with k above
+every existing `result_<k>.txt`, `.partial` and `.signalled`, so runs started together never share an
+index and a killed or set-aside run's k is never reused.
+
+A run stopped by a signal logs `ttt_stop_signal` (the signal's name) just before its `run_stop aborted`:
+`ttt suite` sets such logs aside as `result_<k>.txt.signalled` (not a result: the glob `result_*.txt`
+never matches it) and runs the seed again. A failed write (a full disk: ENOSPC) stops the run at once with a
 UserError: a log missing lines is not a result, and training on would only waste the allocation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -27,7 +35,9 @@ from timetotrain.errors import UserError
 from timetotrain.fileio import fsync_dir
 
 PARTIAL = ".partial"
-_RESULT_RE = re.compile(r"result_(\d+)\.txt(?:\.partial)?$")
+SIGNALLED = ".signalled"  # a result a signal stopped, set aside by `ttt suite` (runner/suite.py)
+STOP_SIGNAL_KEY = "ttt_stop_signal"
+_RESULT_RE = re.compile(r"result_(\d+)\.txt(?:\.partial|\.signalled)?$")
 
 
 def check_writable(directory: Path, flag: str = "--logdir") -> Path:
@@ -51,7 +61,8 @@ def _mkstemp(directory: Path):
 
 
 def next_index(directory: Path) -> int:
-    """One above every result index in `directory`, finished (`.txt`) or not (`.txt.partial`)."""
+    """One above every result index in `directory`: finished (`.txt`), live or killed (`.txt.partial`) or
+    set aside (`.txt.signalled`)."""
     taken = [int(m.group(1)) for p in directory.iterdir() if (m := _RESULT_RE.match(p.name))]
     return max(taken) + 1 if taken else 0
 
@@ -124,6 +135,7 @@ class ResultLog:
         self.path: Path | None = None
         self.live_path: Path | None = None
         self._handler: _FileHandler | None = None
+        self.started = False  # run_start is in the file: the clock ran
         self._stopped = False  # run_stop is in the file
         self._raised = False
         self._close_lock = threading.Lock()
@@ -173,12 +185,15 @@ class ResultLog:
                     f"cannot write the result log {self.live_path} ({e.strerror or e}): the run is stopped; "
                     "free space (or fix the file system) and run again"
                 ) from e
+        elif key == "run_start":
+            self.started = True
         elif key == "run_stop":
             self._stopped = True
 
     def close(self) -> None:
-        """Flush and close; after a written run_stop, fsync and rename `.partial` -> `result_<k>.txt`.
-        Safe to call twice and from the abort watcher thread."""
+        """Flush and close; after a written run_start and run_stop, fsync and rename `.partial` ->
+        `result_<k>.txt`; a log that never reached run_start is removed. Safe to call twice and from the
+        abort watcher thread."""
         with self._close_lock:
             for h in list(self._logger.handlers):
                 h.flush()
@@ -188,6 +203,11 @@ class ResultLog:
                 return
             with h.lock:  # no record is being written while the file goes away
                 fd, h.fd = h.fd, -1
+            if not self.started:  # stopped during init: not a run (see the module docstring)
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.live_path)
+                return
             finished = self._stopped and h.error is None
             try:
                 os.fsync(fd)  # also for an unfinished log: whatever was written is worth keeping

@@ -4,13 +4,22 @@ The benchmarks come from the registry (`timetotrain.suite.names()` and each one'
 added there joins the suite with no change here. Each step is a `ttt` child process (data prepare, base,
 run), so each keeps its own signal handling, progress and clean-up; this process never imports torch.
 
-Resuming: a run is finished when its `result_<k>.txt` exists (an interrupted run leaves only a
-`.partial`, which no score reads). The seeds are drawn once and kept in OUT/suite.json, so a restarted
-suite runs only the seeds that have no finished log yet, and prepared data and bases come from caches.
+Resuming: a run is finished when its `result_<k>.txt` exists (a killed run leaves only a `.partial`,
+which no score reads). A run that a signal stopped (its log names the signal, `ttt_stop_signal`) did not
+finish either: its log is set aside as `result_<k>.txt.signalled` (kept, never scored) and its seed runs
+again, with one line saying so. The seeds are drawn once and kept in OUT/suite.json, so a restarted suite
+runs only the seeds that have no finished log yet, and prepared data and bases come from caches.
+
+One suite per folder: OUT/suite.lock is held (flock) for the suite's life; a second suite on the same
+OUT stops with one line naming the pid that holds it. Each child runs in its own process group and, on
+Linux, gets SIGTERM when the suite dies (lifeline.py), so a `kill -9` of the suite stops its run
+cleanly instead of leaving it to run on unwatched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -20,12 +29,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, lifeline
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
+from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
 from timetotrain.runner import data as recipes
 
 STATE = "suite.json"
+LOCK = "suite.lock"
+STOP_WAIT_S = 60.0  # after passing on a signal: how long a step may take to stop before it is killed
+_STOPPED = "stopped; finished runs are kept, and `ttt suite` with the same --out resumes the rest"
 
 
 @dataclass
@@ -59,17 +72,74 @@ def _ttt(*args: str) -> list[str]:
 
 
 def _child(cmd: list[str], capture: bool = False) -> subprocess.CompletedProcess:
-    """Run one `ttt` step. A signal to the suite is passed on to the step, which stops cleanly (a run
-    logs run_stop aborted and keeps its `.partial`), and then stops the suite."""
+    """Run one `ttt` step in its own process group, dying with the suite (SIGTERM on Linux). A signal to
+    the suite is passed on to the step, which stops cleanly (a run logs run_stop aborted and the signal),
+    and then stops the suite; a step that has not stopped STOP_WAIT_S later is killed with its group."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else None, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE if capture else None, text=True, env=env,
+        process_group=0, preexec_fn=lifeline.preexec(signal.SIGTERM),
+    )  # fmt: skip
     try:
         out, _ = proc.communicate()
-    except Interrupted:
+    except Interrupted as e:
         proc.send_signal(signal.SIGTERM)
-        proc.wait()
-        raise
+        try:
+            proc.wait(timeout=STOP_WAIT_S)
+        except (subprocess.TimeoutExpired, Interrupted):  # too slow, or a second Ctrl-C: no more waiting
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise Interrupted(e.signum, _STOPPED) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def hold_lock(out: Path) -> int:
+    """Take OUT/suite.lock for this process's life (the fd stays open; the kernel drops the lock when the
+    process ends, however it ends). The file is kept, not removed: removing it would let a third suite
+    lock a new file while a second still waits on the old one."""
+    path = out / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UserError(
+            f"--out {out}: cannot create {path} ({e.strerror}): pass a folder you can write to"
+        ) from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(
+            f"--out {out} is in use: another `ttt suite` (pid {holder}) holds {path}; wait for it or pass "
+            "another --out"
+        ) from None
+    except OSError as e:  # a file system without locks (some network mounts): no way to keep suites apart
+        os.close(fd)
+        raise UserError(
+            f"--out {out}: cannot lock {path} ({e.strerror}): pass a folder on a local disk"
+        ) from e
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def set_aside_signalled(folder: Path) -> list[tuple[Path, Path, object, str]]:
+    """Move the logs of runs a signal stopped out of the results: result_<k>.txt -> result_<k>.txt.signalled.
+    Returns (old, new, seed, signal) for each."""
+    from timetotrain.mlperf.results import parse_log, result_files
+
+    moved = []
+    for p in result_files(folder) if folder.is_dir() else []:
+        lg = parse_log(p)
+        sig = lg.keys.get(STOP_SIGNAL_KEY)
+        if sig is not None and lg.status != "success":
+            new = p.with_name(p.name + SIGNALLED)
+            os.replace(p, new)
+            moved.append((p, new, lg.seed, str(sig)))
+    if moved:
+        fileio.fsync_dir(folder)
+    return moved
 
 
 def select(tier: str, only: list[str] | None) -> list:
@@ -236,6 +306,7 @@ class Suite:
         tier = bench.tier(self.o.tier)
         n = self.o.runs or tier.runs
         folder = self.o.out / bench.name / tier.name
+        self._set_aside(folder, bench.name)
         done = finished_seeds(folder)
         todo = [s for s in self.seeds(bench, n) if s not in done]
         if not todo:
@@ -258,9 +329,14 @@ class Suite:
             if self.o.device:
                 cmd += ["--device", self.o.device]
             t = time.monotonic()
-            res = _child(cmd)
+            try:
+                res = _child(cmd)
+            except Interrupted:
+                self._set_aside(folder, bench.name, " when the suite resumes")
+                raise
             if res.returncode > 128:  # the run was stopped by a signal: so is the suite
-                raise Interrupted(res.returncode - 128)
+                self._set_aside(folder, bench.name, " when the suite resumes")
+                raise Interrupted(res.returncode - 128, _STOPPED)
             log = finished_seeds(folder).get(seed)
             if log is None:
                 raise UserError(
@@ -271,14 +347,30 @@ class Suite:
             self.save()
             self._remember(bench.name, took)
 
+    def _set_aside(self, folder: Path, bench: str, when: str = "") -> None:
+        for old, new, seed, sig in set_aside_signalled(folder):
+            self.say(
+                f"{bench}: {old.name} (seed {seed}) was stopped by {sig}: kept as {new.name}, not scored; "
+                f"seed {seed} runs again{when}"
+            )
+
     def run(self) -> list[Row]:
         benches = select(self.o.tier, self.o.only)
-        self.o.out.mkdir(parents=True, exist_ok=True)
-        self.state = _load_state(self.state_path, self.o.tier)
+        try:
+            self.o.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(
+                f"--out {self.o.out} cannot be created ({e.strerror}): pass a folder you can write to"
+            ) from e
+        _load_state(self.state_path, self.o.tier)  # bad input first: a refused suite leaves no lock file
         # Every benchmark's data must be reachable before the first run starts, not an hour into the suite.
         for b in benches:
             if b.name not in self.o.prepared and self.o.source is None:
                 self._check_cached(b)
+        self._lock = hold_lock(self.o.out)  # held until this process ends
+        self.state = _load_state(
+            self.state_path, self.o.tier
+        )  # again: a suite that held the lock may have changed it
         self.say(f"tier {self.o.tier}: {', '.join(b.name for b in benches)} -> {self.o.out}")
         with raise_on_signals():
             for b in benches:

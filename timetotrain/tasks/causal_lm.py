@@ -159,13 +159,16 @@ class CausalLM(Task):
             )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
-        return loader.resolve(
+        res = loader.resolve(
             tier.data,
             data_dir,
             verify=verify,
             vocab_size=tier.model.vocab_size,
             eval_samples=tier.eval_samples,
         )
+        if tier.data.vocab_keep:  # before the clock: an EOD id narrowed away is bad data, not a run
+            self._eod_id(tier, loader.vocab_table(res.counts_file, tier.data.vocab_keep))
+        return res
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         data = tier.data

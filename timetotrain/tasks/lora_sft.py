@@ -164,15 +164,17 @@ class LoRAFineTune(Task):
                 )
             if int(ids.max()) >= vocab:
                 raise UserError(f"{data_dir}: {split} token ids reach {int(ids.max())} >= vocabulary {vocab}")
+            if split == "validation" and len(ids) < tier.eval_samples:  # before the clock, not at open()
+                raise UserError(
+                    f"{data_dir}: {len(ids)} validation blocks, the tier evaluates {tier.eval_samples}"
+                )
         return _Resolved(data_dir, table)
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         mapped = MappedFiles()
         ids, labels, _ = govreport.load_prepared(resolved.data_dir, "train", verify=False, mapped=mapped)
         eval_ids, eval_labels, _ = govreport.load_prepared(resolved.data_dir, "validation", verify=False)
-        n = tier.eval_samples
-        if len(eval_ids) < n:
-            raise UserError(f"{resolved.data_dir}: {len(eval_ids)} validation blocks, the tier evaluates {n}")
+        n = tier.eval_samples  # resolve() checked there are as many validation blocks
         if resolved.table is not None:  # a tiny tier's few blocks: mapped once, in memory
             ids, labels = _narrow(resolved.table, ids, labels)
             mapped = None

@@ -270,6 +270,12 @@ class NodeClassification(Task):
                 f"{files.root / 'paper' / igbh.FEAT_FILE} has {files.dim}-d features; the {tier.name} model "
                 f"reads {tier.model.in_dim}: {spec.how_to_make}"
             )
+        # Before the clock: a label outside the model's classes is bad data, not a run that aborts (it
+        # would leave a result file). One pass over the labels, as reading them at open() did.
+        label_file = files.root / "paper" / igbh.LABEL_FILE
+        labels = np.load(label_file, mmap_mode="r", allow_pickle=False)
+        if len(labels) and (int(labels.max()) >= tier.model.classes or int(labels.min()) < 0):
+            raise UserError(f"{label_file}: labels outside [0, {tier.model.classes})")
         seconds = igbh.build_csc(files, log=lambda s: print(s, flush=True))
         if seconds:
             print(f"graph cache built in {seconds:.1f} s (off the clock: the rules allow graph caching)")
@@ -277,11 +283,7 @@ class NodeClassification(Task):
 
     def open(self, tier, resolved, seed, rank, world, device):
         spec: GraphData = tier.data
-        graph = igbh.open_graph(resolved.graph_files)
-        if int(graph.labels.max()) >= tier.model.classes or int(graph.labels.min()) < 0:
-            raise UserError(
-                f"{resolved.graph_files.root / 'paper' / igbh.LABEL_FILE}: labels outside [0, {tier.model.classes})"
-            )
+        graph = igbh.open_graph(resolved.graph_files)  # labels range-checked in resolve(), before the clock
         train, val = igbh.split(len(graph.labels), spec.train_fraction, spec.val_fraction)
         return _Seeds(graph, train, val, spec, tier.global_batch_size, rank, world, seed, device)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from timetotrain import fileio
+from timetotrain import fileio, interrupt
 from timetotrain.data import loader
 from timetotrain.data.manifest import sha256_file
 from timetotrain.errors import UserError
@@ -169,40 +169,47 @@ def make_base(
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted `ttt base`
     partial.mkdir(parents=True)
-    state, config = family.hf_export(
-        {k: v.detach().cpu() for k, v in tr.bare.state_dict().items()}, tier.model
-    )
-    from safetensors.torch import save_file
+    try:
+        state, config = family.hf_export(
+            {k: v.detach().cpu() for k, v in tr.bare.state_dict().items()}, tier.model
+        )
+        from safetensors.torch import save_file
 
-    save_file(state, partial / WEIGHTS, metadata={"format": "pt"})
-    fileio.write_text(partial / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    doc = {
-        "benchmark": bench.name,
-        "tier": tier.name,
-        "seed": recipe.seed,
-        "key": key,
-        "steps": tier.max_steps,
-        "tokens": tier.max_steps * tier.global_batch_size * bench.task.sample_items(tier)[1],
-        "final_train_loss": train_losses[-1],
-        "mean_train_loss_last_10": float(np.mean(train_losses[-10:])),
-        "eval_loss": eval_loss,
-        "eval_samples": tier.eval_samples,
-        "seconds": round(time.monotonic() - t0, 1),
-        "device": str(dev),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "data": str(data_dir.resolve()),
-        "weights_sha256": sha256_file(partial / WEIGHTS),
-    }
-    keep = getattr(tier.data, "vocab_keep", None)
-    if keep:
-        with fileio.atomic_write(partial / VOCAB_TABLE, "wb") as f:
-            np.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
-        doc["vocab_keep"] = keep
-        doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
-    fileio.write_text(partial / BASE_JSON, json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, folder)  # complete or absent: a crash leaves only the .partial
-    fileio.fsync_dir(folder.parent)
+        save_file(state, partial / WEIGHTS, metadata={"format": "pt"})
+        fileio.write_text(partial / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        doc = {
+            "benchmark": bench.name,
+            "tier": tier.name,
+            "seed": recipe.seed,
+            "key": key,
+            "steps": tier.max_steps,
+            "tokens": tier.max_steps * tier.global_batch_size * bench.task.sample_items(tier)[1],
+            "final_train_loss": train_losses[-1],
+            "mean_train_loss_last_10": float(np.mean(train_losses[-10:])),
+            "eval_loss": eval_loss,
+            "eval_samples": tier.eval_samples,
+            "seconds": round(time.monotonic() - t0, 1),
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "data": str(data_dir.resolve()),
+            "weights_sha256": sha256_file(partial / WEIGHTS),
+        }
+        keep = getattr(tier.data, "vocab_keep", None)
+        if keep:
+            with fileio.atomic_write(partial / VOCAB_TABLE, "wb") as f:
+                np.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
+            doc["vocab_keep"] = keep
+            doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
+        fileio.write_text(partial / BASE_JSON, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        # A signal during the rename is raised after it (the base is then complete and says so).
+        with interrupt.deferred():
+            os.replace(partial, folder)  # complete or absent: a crash leaves only the .partial
+            fileio.fsync_dir(folder.parent)
+            fileio.COMPLETED.append(folder)
+    except BaseException:  # an error or a signal (raised as Interrupted under `ttt base`): no half folder
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return folder, doc, False
 
 

@@ -18,15 +18,16 @@ import contextlib
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from timetotrain.data import loader
-from timetotrain.errors import UserError
+from timetotrain.errors import Interrupted, UserError
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.mlperf.logger import ResultLog
+from timetotrain.mlperf.logger import STOP_SIGNAL_KEY, ResultLog
 from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
@@ -34,6 +35,7 @@ from timetotrain.train.base_model import check_init_base
 from timetotrain.train.trackers import open_trackers
 
 EXIT_ABORTED = 1
+_BEFORE_RUN_START = "stopped before run_start (preflight or init): no result file written"
 # Fault injection for the fault-tolerance tests: "RANK:STEP" makes that rank raise before that step.
 FAULT_ENV = "TTT_INJECT_FAULT"
 
@@ -79,17 +81,21 @@ class RunResult:
 
 
 class _Stopper:
-    """Writes run_stop exactly once, from the loop or from the abort watcher thread."""
+    """Writes run_stop exactly once, from the loop or from the abort watcher thread; after a signal, the
+    signal's name first (`ttt_stop_signal`: `ttt suite` reruns such a run). Before run_start there is no
+    run to stop: nothing is written and the log is removed (mlperf/logger.py)."""
 
     def __init__(self, log: ResultLog):
         self.log = log
         self.done = False
         self._lock = threading.Lock()
 
-    def __call__(self, status: str, samples: int) -> None:
+    def __call__(self, status: str, samples: int, sig: int | None = None) -> None:
         with self._lock:
-            if not self.done:
+            if not self.done and self.log.started:
                 self.done = True
+                if sig:
+                    self.log.event(STOP_SIGNAL_KEY, signal_name(sig))
                 self.log.end("run_stop", metadata={"status": status, "samples_count": samples})
 
 
@@ -151,8 +157,10 @@ def run(opts: RunOptions) -> RunResult:
     clean = False
 
     def on_timeout(sig: int) -> None:
-        stop("aborted", step * tier.global_batch_size)
+        stop("aborted", step * tier.global_batch_size, sig)
         log.close()
+        if not log.started:
+            print(f"ttt: interrupted by {signal_name(sig)}: {_BEFORE_RUN_START}", file=sys.stderr, flush=True)
 
     aborter = opts.aborter or Aborter()
     aborter.arm(on_timeout, opts.abort_grace)
@@ -180,6 +188,11 @@ def run(opts: RunOptions) -> RunResult:
                 trackers.lr_at = tr.sched  # a host function of the step: no device read
             log.end("init_stop")
 
+            # A signal during preflight or init stops the run here, before its clock: no result file. Every
+            # rank takes the same decision (one reduction), so none waits on a peer that left.
+            caught = int(distributed.all_reduce([float(aborter.caught or 0)], "max", device)[0])
+            if caught:
+                raise Interrupted(caught, _BEFORE_RUN_START)
             log.start("run_start")
             t_run0 = time.monotonic()
             # -- the clock runs: dataset access from here on --
@@ -242,14 +255,15 @@ def run(opts: RunOptions) -> RunResult:
                         log.start("block_start", metadata={"samples_count": step * gbs})
             finally:
                 fetch.close()
-            if status != "success" and aborter.caught:
-                reason = f"signal {signal_name(aborter.caught)}"
-            stop(status, step * gbs)
+            sig = aborter.caught if status != "success" else None
+            if sig:
+                reason = f"signal {signal_name(sig)}"
+            stop(status, step * gbs, sig)
             aborter.finish()
             clean = aborter.caught is None
     except BaseException as e:
         reason = reason or f"{type(e).__name__}: {e}"
-        stop("aborted", step * tier.global_batch_size)
+        stop("aborted", step * tier.global_batch_size, aborter.caught)
         raise
     finally:
         if live:
