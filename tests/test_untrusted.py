@@ -1,0 +1,190 @@
+"""Untrusted input never executes (issue 22): a hostile pickle planted in every pickle-bearing format ttt
+reads does not run, no value from a log reaches a shell unquoted, served download metadata cannot reach
+local files, no symlink or index entry leads out of the tree it was given, and no log value becomes
+markup in a chart or in summary.md.
+
+Each hostile payload is shown to be live first (plain `pickle.loads` does create the marker), so a test
+that then finds no marker proves the refusal, not a dud payload. Command cases run `timetotrain.cli.main`
+in this process and expect what test_bad_input.py expects: one `ttt: error:` line naming the file, exit 2.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from timetotrain.cli import main
+from timetotrain.errors import UserError
+from timetotrain.suite import get
+from timetotrain.train import checkpoint as ckpt
+from timetotrain.train import dcp_safe
+from timetotrain.train.optim import build_adamw
+from timetotrain.train.step import build_training
+
+BENCH = get("llama31_8b")
+TIER = BENCH.tier("tiny")
+
+
+class Planted:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def live_payload(marker: Path, wrap=lambda x: x) -> bytes:
+    """pickle.dumps(wrap(Planted(marker))), checked to create the marker when plainly unpickled."""
+    data = pickle.dumps(wrap(Planted(marker)))
+    pickle.loads(data)
+    assert marker.exists(), "the planted payload is a dud"
+    marker.unlink()
+    return data
+
+
+def one_error_line(capsys, code: int) -> str:
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ttt: error: "), err
+    return lines[0]
+
+
+def run_cli(argv: list[str]) -> int:
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
+
+
+# --- checkpoints: torch.distributed.checkpoint folders ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ttt_checkpoint(tmp_path_factory) -> Path:
+    """A genuine model-only ttt checkpoint of llama31_8b tiny (what --init-checkpoint reads)."""
+    tr = build_training(BENCH, TIER, torch.device("cpu"), seed=7)
+    path = tmp_path_factory.mktemp("ck") / "ck"
+    ckpt.save_checkpoint(path, tr.bare, None, step=0)
+    return path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _run_init(c4: Path, folder: Path, logdir: Path) -> list[str]:
+    return [
+        "run",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--data",
+        c4,
+        "--logdir",
+        logdir,
+        "--init-checkpoint",
+        folder,
+    ]
+
+
+@pytest.mark.parametrize("where", ["whole-file", "nested-in-metadata"])
+def test_planted_metadata_pickle_does_not_run(where, ttt_checkpoint, c4_prepared, tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    folder = _copy(ttt_checkpoint, tmp_path / "ck")
+    if where == "whole-file":
+        payload = live_payload(marker)
+    else:  # DCP's own Metadata, every class allowed, with the object inside its planner data
+        meta = pickle.loads((folder / ".metadata").read_bytes())
+
+        def wrap(obj):
+            meta.planner_data = {"x": obj}
+            return meta
+
+        payload = live_payload(marker, wrap)
+    (folder / ".metadata").write_bytes(payload)
+    logdir = tmp_path / "logs"
+    line = one_error_line(capsys, run_cli(_run_init(c4_prepared, folder, logdir)))
+    assert f"{folder}/.metadata" in line and "refusing to unpickle" in line and "posix.system" in line
+    assert not marker.exists()
+    assert not list(logdir.rglob("result_*"))  # refused in preflight, before any log
+
+
+def _repoint(folder: Path, fqn_prefix: str, payload: bytes) -> None:
+    """Rewrite the (genuine, allowed) metadata so the entries starting with `fqn_prefix` are read from a
+    new file holding `payload`."""
+    (folder / "planted.distcp").write_bytes(payload)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    hits = [k for k in meta.storage_data if k.fqn.startswith(fqn_prefix)]
+    assert hits
+    for k in hits:
+        meta.storage_data[k] = _StorageInfo("planted.distcp", 0, len(payload))
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def test_planted_tensor_shard_does_not_run(ttt_checkpoint, tmp_path):
+    marker = tmp_path / "pwned"
+    folder = _copy(ttt_checkpoint, tmp_path / "ck")
+
+    def as_torch_save(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    payload = as_torch_save(Planted(marker))
+    torch.load(io.BytesIO(payload), weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    _repoint(folder, "model.embed.weight", payload)
+    tr = build_training(BENCH, TIER, torch.device("cpu"), seed=8)
+    with pytest.raises(UserError, match=r"a shard cannot be read .*weights_only|the checkpoint is damaged"):
+        ckpt.load_checkpoint(folder, tr.bare, None)
+    assert not marker.exists()
+
+
+def test_planted_optimizer_entry_does_not_run(tmp_path):
+    """Non-tensor entries (an optimizer's param groups) are read with torch.load(weights_only=True); DCP's
+    own planner reads them with weights_only=False."""
+    from conftest import small_llama
+
+    from timetotrain.models.llama import Llama
+
+    model = Llama(small_llama())
+    opt = build_adamw(model, 1e-3, (0.9, 0.95), 1e-5, 0.1, fused=False)
+    folder = tmp_path / "ck"
+    ckpt.save_checkpoint(folder, model, opt, step=1)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(Planted(marker), buf)
+    _repoint(folder, "optim.param_groups.0.lr", buf.getvalue())
+    with pytest.raises(UserError, match=r"optim\.param_groups\.0\.lr in the checkpoint is not plain data"):
+        ckpt.load_checkpoint(folder, model, opt)
+    assert not marker.exists()
+    # The genuine entries load: a saved optimizer state still round-trips (tests/test_checkpoint.py too).
+    ckpt.save_checkpoint(folder, model, opt, step=1)
+    assert ckpt.load_checkpoint(folder, model, opt) == (1, {})
+
+
+@pytest.mark.parametrize("rel", ["../outside.distcp", "/etc/passwd", "sub/x.distcp", "link.distcp"])
+def test_metadata_cannot_point_out_of_the_folder(rel, ttt_checkpoint, tmp_path):
+    folder = _copy(ttt_checkpoint, tmp_path / "ck")
+    (tmp_path / "outside.distcp").write_bytes(b"x" * 64)
+    (folder / "link.distcp").symlink_to(tmp_path / "outside.distcp")
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    first = next(iter(meta.storage_data))
+    meta.storage_data[first] = _StorageInfo(rel, 0, 64)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(UserError, match=r"\.metadata: storage (entry|file) .*refusing to read it"):
+        dcp_safe.read_metadata(folder)
