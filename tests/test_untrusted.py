@@ -188,3 +188,134 @@ def test_metadata_cannot_point_out_of_the_folder(rel, ttt_checkpoint, tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(UserError, match=r"\.metadata: storage (entry|file) .*refusing to read it"):
         dcp_safe.read_metadata(folder)
+
+
+# --- generated scripts: ttt package's run_and_time.sh --------------------------------------------------
+
+
+def hostile(what: str) -> str:
+    """A value that runs `touch pwned` (in the current folder) if a shell reads it as code, whichever
+    quoting it lands in: bare, double quotes, after `;`, on a new line."""
+    return f"{what}$(touch pwned)`touch pwned`;touch pwned\n'\"\\ && touch pwned #"
+
+
+def test_the_hostile_value_is_live(tmp_path):
+    import subprocess
+
+    subprocess.run(["bash", "-c", f"echo {hostile('x')}"], cwd=tmp_path, capture_output=True)
+    assert (tmp_path / "pwned").exists()
+
+
+def _edit_log(path: Path, values: dict, add: dict) -> None:
+    """Replace the values of logged keys and add keys before init_stop, as a log of `ttt run` holds them."""
+    import json
+
+    out = []
+    for ln in path.read_text().splitlines():
+        rec = json.loads(ln.removeprefix(":::MLLOG "))
+        if rec["key"] == "init_stop":
+            for k, v in add.items():
+                out.append(
+                    ":::MLLOG " + json.dumps({**rec, "event_type": "POINT_IN_TIME", "key": k, "value": v})
+                )
+        if rec["key"] in values:
+            rec["value"] = values[rec["key"]]
+        out.append(":::MLLOG " + json.dumps(rec))
+    path.write_text("\n".join(out) + "\n")
+
+
+def stub_ttt(folder: Path) -> tuple[Path, Path]:
+    """A `ttt` on PATH that records its argv (one JSON list a line) instead of running."""
+    import sys
+
+    folder.mkdir()
+    calls = folder / "calls.jsonl"
+    stub = folder / "ttt"
+    stub.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    stub.chmod(0o755)
+    return folder, calls
+
+
+def run_script(script: Path, stub_dir: Path, cwd: Path, **env) -> None:
+    import subprocess
+
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    env = {"PATH": f"{stub_dir}:/usr/bin:/bin", "HOME": str(stub_dir), **env}
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_logged_value_reaches_the_shell(tmp_path, capsys, monkeypatch):
+    import json
+
+    from fakelogs import tier_log, ttt_main
+
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "pwned"
+    v = {k: hostile(k) for k in ("tier", "seed", "platform", "set", "ckpt", "data", "org", "system")}
+    results = tmp_path / "logs"
+    for i in range(3):
+        log = tier_log(results / f"result_{i}.txt", 10 + i, 640, 2.0, start_ms=1_767_225_600_000 + i * 10**6)
+        _edit_log(
+            log,
+            {"ttt_tier": v["tier"], "seed": v["seed"] + str(i), "submission_platform": v["platform"]},
+            {"ttt_set": [v["set"]], "ttt_init_checkpoint": v["ckpt"], "ttt_data": v["data"]},
+        )
+    out = tmp_path / "pkg"
+    argv = [
+        "package",
+        "--org",
+        v["org"],
+        "--system",
+        v["system"],
+        "--results",
+        str(results),
+        "--out",
+        str(out),
+    ]
+    assert ttt_main(argv) == 0, capsys.readouterr().err
+    (script,) = out.rglob("run_and_time.sh")
+    stub_dir, calls = stub_ttt(tmp_path / "bin")
+    run_script(script, stub_dir, tmp_path, LOGDIR=str(tmp_path / "new"))
+    assert not marker.exists()
+    got = [json.loads(ln) for ln in calls.read_text().splitlines()]
+    want = [
+        ["run", "llama31_8b", "--tier", v["tier"], "--data", v["data"], "--logdir", str(tmp_path / "new")]
+        + ["--seed", v["seed"] + str(i), "--org", v["org"], "--platform", v["platform"], "--set", v["set"]]
+        + ["--init-checkpoint", v["ckpt"]]
+        for i in range(3)
+    ]
+    assert got == want  # each value arrives as the one word it was, byte for byte
+    assert "\\$(touch" in (script.parent / "README.md").read_text()  # escaped in the markdown too
+
+
+def test_a_package_repeats_its_run(ttt_checkpoint, c4_prepared, tmp_path, capsys):
+    """issue 29: the script carries the run's inputs (checkpoint, data, --set values, --max-steps): a real
+    `ttt run`, packaged, and the command the script runs parses to the same run."""
+    import json
+
+    from fakelogs import ttt_main
+
+    from timetotrain.cli import build_parser
+
+    logs = tmp_path / "logs"
+    argv = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(logs)]
+    argv += ["--seed", "3", "--max-steps", "1", "--quiet", "--init-checkpoint", str(ttt_checkpoint)]
+    argv += ["--set", "eval_every_samples=64", "--platform", "box 1"]
+    assert main(argv) == 1  # aborted at the step limit: a run, not an error
+    capsys.readouterr()
+    out = tmp_path / "pkg"
+    assert (
+        ttt_main(["package", "--org", "o", "--system", "s", "--results", str(logs), "--out", str(out)]) == 0
+    )
+    (script,) = out.rglob("run_and_time.sh")
+    stub_dir, calls = stub_ttt(tmp_path / "bin")
+    run_script(script, stub_dir, tmp_path, LOGDIR=str(tmp_path / "again"))
+    (again,) = [json.loads(ln) for ln in calls.read_text().splitlines()]
+    first, second = build_parser().parse_args(argv), build_parser().parse_args(again)
+    for field in ("benchmark", "tier", "seed", "max_steps", "set", "init_checkpoint", "platform"):
+        assert getattr(second, field) == getattr(first, field), field
+    assert Path(second.data) == Path(c4_prepared).resolve()

@@ -164,7 +164,12 @@ def run(opts: RunOptions) -> RunResult:
                 "ttt_tier": tier.name,
                 "ttt_parallel": prep.plan.describe(),
                 "ttt_eval_every_samples": tier.eval_every_samples,
+                # The inputs `ttt package` writes into run_and_time.sh to repeat this run.
+                "ttt_data": str(Path(opts.data).resolve()),
+                "ttt_set": list(opts.sets),
             }
+            if opts.max_steps is not None:
+                extra["ttt_max_steps"] = opts.max_steps
             if prep.init_checkpoint is not None:
                 extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
             if base_sha is not None:
