@@ -319,3 +319,69 @@ def test_a_package_repeats_its_run(ttt_checkpoint, c4_prepared, tmp_path, capsys
     for field in ("benchmark", "tier", "seed", "max_steps", "set", "init_checkpoint", "platform"):
         assert getattr(second, field) == getattr(first, field), field
     assert Path(second.data) == Path(c4_prepared).resolve()
+
+
+# --- log values shown as text: Plotly labels, summary.md -----------------------------------------------
+
+LINK = '<a href="https://evil.example">x</a><b>b</b><br>'
+MD_TRAPS = "`code` | [link](https://evil.example) ![i](x.png) <b>b</b> *e* ~s~ $m$ https://evil.example"
+
+
+def _hostile_results(root: Path) -> Path:
+    from fakelogs import tier_log
+
+    for i in range(3):
+        log = tier_log(root / f"result_{i}.txt", 10 + i, 640, 2.0, start_ms=1_767_225_600_000 + i * 10**6)
+        values = {"seed": f"{LINK}{i}", "submission_org": "# " + MD_TRAPS, "submission_platform": MD_TRAPS}
+        _edit_log(log, values, {})
+    return root
+
+
+def test_plotly_labels_show_log_values_as_text(tmp_path):
+    import json
+
+    from timetotrain.mlperf.results import find_groups
+    from timetotrain.mlperf.score import score_group
+    from timetotrain.report import html as report_html
+
+    (g,) = find_groups(_hostile_results(tmp_path / "logs"))
+    fig = report_html.group_figure(g, score_group(g))
+    labels = [t["name"] for t in fig["data"]] + [t["hovertemplate"].split("<br>")[0] for t in fig["data"][:3]]
+    labels.append(fig["layout"]["title"]["text"])
+    assert any("&lt;a href=" in n for n in labels)  # the value is there, as text
+    assert not any("<a" in n or "<b>" in n or "<br>" in n.split("<extra>")[0] for n in labels)
+    doc = {"benchmark": LINK, "tier": "tiny", "item": "tokens", "tokens_per_s": 1.0, "mfu": 0.1}
+    (tmp_path / "logs" / "summary_0.json").write_text(json.dumps(doc))
+    _, synth = report_html._synth_section(report_html.synth_summaries(tmp_path / "logs"))
+    ticks = synth["data"][0]["x"]
+    assert ticks and all("<" not in t and "&lt;a href=" in t for t in ticks)
+
+
+def _cells(row: str) -> list[str]:
+    """A markdown table row's cells, split on the pipes a renderer splits on (not backslash-escaped)."""
+    import re
+
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def test_summary_md_escapes_log_values(tmp_path):
+    import re
+
+    from timetotrain.mlperf.results import find_groups
+    from timetotrain.mlperf.score import score_group
+    from timetotrain.report.summary import summary_markdown
+
+    (g,) = find_groups(_hostile_results(tmp_path / "logs"))
+    text = summary_markdown([score_group(g)], [tmp_path / "llama31_8b-tiny.png"])
+    tables = [ln for ln in text.splitlines() if ln.startswith("|")]
+    widths = {len(_cells(ln)) for ln in tables if "---" not in ln}
+    assert widths == {13, 6}, widths  # the score table and the runs table: no cell split by a value's pipe
+    unescaped = re.compile(r"(?<!\\)[`\[\]<>*~$]|(?<!\\)https?:")
+    value_lines = [ln for ln in text.splitlines() if "evil" in ln]
+    assert len(value_lines) >= 5  # the values are all there (score row, heading, three runs)
+    for ln in value_lines:
+        for cell in _cells(ln) if ln.startswith("|") else [ln.removeprefix("### ")]:
+            assert "evil" not in cell or not unescaped.search(cell), cell
+    assert not any(
+        ln.startswith("#") and "evil" in ln and not ln.startswith("### ") for ln in text.splitlines()
+    )
