@@ -385,3 +385,72 @@ def test_summary_md_escapes_log_values(tmp_path):
     assert not any(
         ln.startswith("#") and "evil" in ln and not ln.startswith("### ") for ln in text.splitlines()
     )
+
+
+# --- downloads: served metadata names only served files, written only inside --out --------------------
+
+
+def _bucket(tmp_path: Path, secret: Path) -> tuple[Path, str]:
+    """A served bucket whose ds.md5 lists `secret`'s file under its real md5 (so a copy would verify)."""
+    import hashlib
+
+    root = tmp_path / "bucket"
+    (root / "metadata").mkdir(parents=True)
+    digest = hashlib.md5((secret / "id_rsa").read_bytes()).hexdigest()
+    (root / "metadata" / "ds.md5").write_text(f"{digest}  id_rsa\n")
+    return root, digest
+
+
+def _secret(tmp_path: Path) -> Path:
+    d = tmp_path / "home" / ".ssh"
+    d.mkdir(parents=True)
+    (d / "id_rsa").write_text("PRIVATE KEY\n")
+    return d
+
+
+@pytest.mark.parametrize("base", ["file://{secret}", "{secret}", "ftp://127.0.0.1{secret}"])
+def test_served_metadata_cannot_name_local_files(base, tmp_path, capsys):
+    from test_download import Server
+
+    secret = _secret(tmp_path)
+    root, _ = _bucket(tmp_path, secret)
+    (root / "metadata" / "ds.uri").write_text(base.format(secret=secret) + "\n")
+    srv = Server(root)
+    out = tmp_path / "out"
+    try:
+        code = run_cli(["data", "download", "mlcommons", "ds", "--metadata", f"{srv.url}/metadata/ds.uri"]
+                       + ["--out", out])  # fmt: skip
+    finally:
+        srv.close()
+    line = one_error_line(capsys, code)
+    assert "--metadata http://127.0.0.1:" in line and "not an http(s) URL" in line
+    assert not [p for p in out.rglob("*") if p.is_file()]
+
+
+def test_downloads_stay_inside_out(tmp_path, capsys):
+    """A symlinked folder under --out does not redirect a download: the path is checked after resolving."""
+    import hashlib
+
+    from test_download import Server
+
+    root = tmp_path / "bucket"
+    (root / "files" / "tok").mkdir(parents=True)
+    (root / "metadata").mkdir()
+    (root / "files" / "tok" / "x.model").write_bytes(b"model")
+    md5 = hashlib.md5(b"model").hexdigest()
+    (root / "metadata" / "ds.md5").write_text(f"{md5}  tok/x.model\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    srv = Server(root)
+    (root / "metadata" / "ds.uri").write_text(f"{srv.url}/files\n")
+    out = tmp_path / "out"
+    (out / "ds").mkdir(parents=True)
+    (out / "ds" / "tok").symlink_to(elsewhere)
+    try:
+        code = run_cli(["data", "download", "mlcommons", "ds", "--metadata", f"{srv.url}/metadata/ds.uri"]
+                       + ["--out", out])  # fmt: skip
+    finally:
+        srv.close()
+    line = one_error_line(capsys, code)
+    assert "tok/x.model" in line and "outside --out" in line
+    assert list(elsewhere.iterdir()) == []
