@@ -454,3 +454,133 @@ def test_downloads_stay_inside_out(tmp_path, capsys):
     line = one_error_line(capsys, code)
     assert "tok/x.model" in line and "outside --out" in line
     assert list(elsewhere.iterdir()) == []
+
+
+# --- symlinks and index entries out of the given folder ------------------------------------------------
+
+
+def _tree_with_outside_link(tmp_path: Path) -> tuple[Path, Path]:
+    from fakelogs import tier_log
+
+    root = tmp_path / "logs" / "llama31_8b" / "tiny"
+    for i in range(3):
+        tier_log(root / f"result_{i}.txt", 10 + i, 640, 2.0, start_ms=1_767_225_600_000 + i * 10**6)
+    outside = tier_log(tmp_path / "elsewhere" / "result_9.txt", 99, 640, 1.0)
+    (root / "result_3.txt").symlink_to(outside)
+    (root / "result_4.txt").symlink_to(root / "result_0.txt")  # a link inside the tree is fine...
+    return tmp_path / "logs", root / "result_3.txt"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["score", "{logs}"],
+        ["report", "{logs}", "--out", "{w}/report"],
+        ["report", "{logs}", "--html", "{w}/r.html"],
+        ["package", "--org", "o", "--system", "s", "--results", "{logs}", "--out", "{w}/pkg"],
+    ],
+    ids=["score", "report", "report-html", "package"],
+)
+def test_result_trees_refuse_links_out_of_the_tree(argv, tmp_path, capsys):
+    from fakelogs import ttt_main
+
+    logs, link = _tree_with_outside_link(tmp_path)
+    argv = [a.format(logs=logs, w=tmp_path) for a in argv]
+    line = one_error_line(capsys, ttt_main(argv))
+    assert f"{link} resolves to {tmp_path / 'elsewhere' / 'result_9.txt'}, outside {logs}" in line
+    assert not (tmp_path / "pkg").exists() and not (tmp_path / "r.html").exists()
+    (logs / "llama31_8b" / "tiny" / "result_3.txt").unlink()
+    assert ttt_main(["score", str(logs)]) == 0  # ...as the same tree without the outside link shows
+    capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    """llama31_8b tiny weights as a sharded Hugging Face checkpoint."""
+    from conftest import require
+
+    from timetotrain.models.llama_hf import hf_config_kwargs
+
+    transformers = require("transformers")
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_kwargs(TIER.model))).float()
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    hf.save_pretrained(out, safe_serialization=True, max_shard_size=2_000_000)
+    return out
+
+
+@pytest.mark.parametrize("how", ["index-names-parent", "shard-is-a-link-out", "index-is-a-link-out"])
+def test_hf_checkpoints_are_read_only_inside_their_folder(how, hf_folder, c4_prepared, tmp_path, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    index_path = folder / ckpt.HF_INDEX
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    shutil.move(folder / shard, tmp_path / "outside.safetensors")
+    if how == "index-names-parent":
+        index["weight_map"] = {
+            k: "../outside.safetensors" if v == shard else v for k, v in index["weight_map"].items()
+        }
+        index_path.write_text(json.dumps(index))
+        named = "'../outside.safetensors' is not a file name of this folder"
+    elif how == "shard-is-a-link-out":
+        (folder / shard).symlink_to(tmp_path / "outside.safetensors")
+        named = f"{folder / shard} resolves to {tmp_path / 'outside.safetensors'}, outside {folder}"
+    else:
+        (folder / shard).symlink_to(tmp_path / "outside.safetensors")
+        shutil.move(index_path, tmp_path / "index.json")
+        index_path.symlink_to(tmp_path / "index.json")
+        named = f"{index_path} resolves to {tmp_path / 'index.json'}, outside {folder}"
+    logdir = tmp_path / "logs"
+    line = one_error_line(capsys, run_cli(_run_init(c4_prepared, folder, logdir)))
+    assert named in line, line
+    assert not list(logdir.rglob("result_*"))  # refused in preflight
+
+
+def _encoders(tmp_path: Path) -> Path:
+    enc = tmp_path / "enc"
+    for sub in ("t5", "clip", "vae"):
+        (enc / sub).mkdir(parents=True)
+        (enc / sub / "config.json").write_text("{}")
+        (enc / sub / "model.safetensors").write_bytes(b"")
+    return enc
+
+
+def test_encoder_folders_refuse_links_out_and_pickled_weights(tmp_path, capsys):
+    from conftest import require
+
+    require("transformers")
+    require("diffusers")
+    enc = _encoders(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (enc / "vae" / "model.safetensors").unlink()
+    (enc / "vae" / "model.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    src = tmp_path / "src"
+    src.mkdir()
+    argv = [
+        "data",
+        "prepare",
+        "flux",
+        "--src",
+        src,
+        "--split",
+        "train",
+        "--encoders",
+        enc,
+        "--out",
+        tmp_path / "o",
+    ]
+    line = one_error_line(capsys, run_cli(argv))
+    assert f"{enc / 'vae' / 'model.safetensors'} resolves to {tmp_path / 'outside.safetensors'}" in line
+
+    marker = tmp_path / "pwned"
+    (enc / "vae" / "model.safetensors").unlink()
+    buf = io.BytesIO()
+    torch.save({"w": Planted(marker)}, buf)
+    (enc / "vae" / "diffusion_pytorch_model.bin").write_bytes(buf.getvalue())
+    line = one_error_line(capsys, run_cli(argv))
+    assert "vae/ has no *.safetensors weights" in line
+    assert not marker.exists()

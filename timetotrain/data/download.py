@@ -31,6 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from timetotrain import trees
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -215,8 +216,8 @@ def _check_base(metadata: str, base: str) -> None:
 def _inside(root: Path, dest: Path, listing: str) -> None:
     """`dest` (which need not exist yet) stays in the resolved --out: no symlinked folder under --out may
     redirect a download elsewhere."""
-    target = dest.resolve()
-    if target != root and root not in target.parents:
+    target = trees.outside(dest, root)
+    if target is not None:
         raise UserError(
             f"{listing}: {dest} resolves to {target}, outside --out {root} (a symlink in --out?); "
             "refusing to write there: remove the link or choose a new --out"

@@ -12,7 +12,7 @@ import html
 import json
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.markup import plotly
 from timetotrain.mlperf.compliance import RULESET
@@ -182,6 +182,7 @@ def synth_summaries(root: Path) -> list[dict]:
     """Every per-run `summary_<k>.json` of `ttt synth` under root (summary.json repeats the latest)."""
     found = []
     for p in sorted(Path(root).rglob("summary_*.json")):
+        trees.check_inside(p, root, "copy the summary into the tree if it belongs there")
         try:
             doc = json.loads(p.read_text())
         except (OSError, ValueError):

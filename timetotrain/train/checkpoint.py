@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from timetotrain import fileio
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
 from timetotrain.train import dcp_safe
@@ -62,18 +62,34 @@ def _clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
 
 
+# A Hugging Face hub cache links a snapshot's files to ../../blobs: such a folder is refused too.
+_COPY_IN = (
+    "a checkpoint is read only from files inside its folder (copy them in, e.g. `huggingface-cli download "
+    "--local-dir DIR`, which writes real files)"
+)
+
+
 def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
     """HF tensor name -> shard file name, and the file that says so (the index or the single file)."""
     from safetensors import safe_open
 
     index = path / HF_INDEX
     if index.is_file():
+        trees.check_inside(index, path, _COPY_IN)
         try:
-            return dict(json.loads(index.read_text())["weight_map"]), index
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{index}: not a safetensors index ({exc}); re-download the checkpoint") from None
+        for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise UserError(
+                    f"{index}: shard {shard!r} is not a file name of this folder; re-download the checkpoint"
+                )
+            trees.check_inside(path / shard, path, _COPY_IN)
+        return weight_map, index
     single = path / HF_SINGLE
     if single.is_file():
+        trees.check_inside(single, path, _COPY_IN)
         with safe_open(single, framework="pt") as f:  # reads the header only
             return dict.fromkeys(f.keys(), HF_SINGLE), single
     raise UserError(
