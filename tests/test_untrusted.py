@@ -584,3 +584,77 @@ def test_encoder_folders_refuse_links_out_and_pickled_weights(tmp_path, capsys):
     line = one_error_line(capsys, run_cli(argv))
     assert "vae/ has no *.safetensors weights" in line
     assert not marker.exists()
+
+
+# --- .npy files: an object array is refused, never unpickled -------------------------------------------
+
+
+def _npy_readers():
+    from timetotrain.data import flux_encodings, igbh, loader, mapped
+    from timetotrain.train import base_model
+
+    shapes = flux_encodings.Shapes(t5=(2, 3), clip=(3,), latent=(4, 2, 2))
+    return {
+        "token-counts": ("c4-train_token_counts.npy", lambda p: loader._load_counts(p)),
+        "base-vocab-table": (base_model.VOCAB_TABLE, lambda p: base_model.load_vocab_table(p.parent, 3)),
+        "flux-empty-encodings": (
+            "t5_empty.npy",
+            lambda p: flux_encodings.read_empty_arrays(p.parent, shapes),
+        ),
+        "igbh-array": ("node_feat.npy", lambda p: igbh._header(p)),
+        "mapped-array": ("x.npy", lambda p: mapped.MappedFiles().load(p)),
+    }
+
+
+@pytest.mark.parametrize("reader", list(_npy_readers()))
+def test_object_npy_is_refused(reader, tmp_path):
+    import numpy as np
+
+    name, read = _npy_readers()[reader]
+    marker = tmp_path / "pwned"
+    path = tmp_path / name
+    np.save(path, np.array([Planted(marker)], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "clip_empty.npy", np.zeros(3, np.float32))
+    np.load(path, allow_pickle=True)
+    assert marker.exists()  # live
+    marker.unlink()
+    with pytest.raises(UserError, match=str(tmp_path)):
+        read(path)
+    assert not marker.exists()
+
+
+def _module_calls():
+    """(file, line, module, attribute, keywords) of every `<module>.<attribute>` use in timetotrain/ whose
+    module is np, numpy, torch or pickle."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "timetotrain"
+    for f in sorted(root.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in ("np", "numpy", "torch", "pickle"):
+                    call = calls.get(id(node))
+                    kw = {k.arg: k.value for k in call.keywords} if call is not None else None
+                    yield f, node.lineno, node.value.id, node.attr, kw
+
+
+def test_no_reader_can_unpickle():
+    """Every np.load passes allow_pickle=False, every torch.load weights_only=True, and pickle is only
+    read in dcp_safe.py, through its restricted Unpickler subclass."""
+    import ast
+
+    def const(v, want) -> bool:
+        return isinstance(v, ast.Constant) and v.value is want
+
+    uses = list(_module_calls())
+    loads = [(f, ln, m, kw) for f, ln, m, a, kw in uses if a == "load" and m != "pickle"]
+    assert any(m == "np" for _, _, m, _ in loads)  # the scan sees them
+    for f, ln, m, kw in loads:
+        if m in ("np", "numpy"):
+            assert kw is not None and const(kw.get("allow_pickle"), False), f"{f}:{ln}: np.load"
+        else:
+            assert kw is not None and const(kw.get("weights_only"), True), f"{f}:{ln}: torch.load"
+    readers = [(f.name, a) for f, _, m, a, _ in uses if m == "pickle" and a in ("load", "loads", "Unpickler")]
+    assert readers == [("dcp_safe.py", "Unpickler")]
