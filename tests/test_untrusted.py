@@ -255,14 +255,16 @@ def test_no_logged_value_reaches_the_shell(tmp_path, capsys, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     marker = tmp_path / "pwned"
-    v = {k: hostile(k) for k in ("tier", "seed", "platform", "set", "ckpt", "data", "org", "system")}
+    keys = ("tier", "seed", "platform", "set", "steps", "ckpt", "data", "org", "system")
+    v = {k: hostile(k) for k in keys}
     results = tmp_path / "logs"
     for i in range(3):
         log = tier_log(results / f"result_{i}.txt", 10 + i, 640, 2.0, start_ms=1_767_225_600_000 + i * 10**6)
         _edit_log(
             log,
             {"ttt_tier": v["tier"], "seed": v["seed"] + str(i), "submission_platform": v["platform"]},
-            {"ttt_set": [v["set"]], "ttt_init_checkpoint": v["ckpt"], "ttt_data": v["data"]},
+            {"ttt_set": [v["set"]], "ttt_max_steps": v["steps"], "ttt_init_checkpoint": v["ckpt"]}
+            | {"ttt_data": v["data"]},
         )
     out = tmp_path / "pkg"
     argv = [
@@ -285,11 +287,34 @@ def test_no_logged_value_reaches_the_shell(tmp_path, capsys, monkeypatch):
     want = [
         ["run", "llama31_8b", "--tier", v["tier"], "--data", v["data"], "--logdir", str(tmp_path / "new")]
         + ["--seed", v["seed"] + str(i), "--org", v["org"], "--platform", v["platform"], "--set", v["set"]]
-        + ["--init-checkpoint", v["ckpt"]]
+        + ["--max-steps", v["steps"], "--init-checkpoint", v["ckpt"]]
         for i in range(3)
     ]
     assert got == want  # each value arrives as the one word it was, byte for byte
     assert "\\$(touch" in (script.parent / "README.md").read_text()  # escaped in the markdown too
+
+
+def test_settings_of_older_logs_are_quoted_too(tmp_path, monkeypatch):
+    """A log without ttt_set: the settings that differ from the tier's become --set values, quoted."""
+    import json
+
+    from fakelogs import tier_log
+
+    from timetotrain.mlperf.package import run_and_time
+    from timetotrain.mlperf.results import find_groups
+
+    monkeypatch.chdir(tmp_path)
+    log = tier_log(tmp_path / "logs" / "result_0.txt", 10, 640, 2.0)
+    _edit_log(log, {"opt_base_learning_rate": hostile("lr"), "seed": hostile("seed")}, {})
+    (g,) = find_groups(tmp_path / "logs")
+    script = tmp_path / "run_and_time.sh"
+    script.write_text(run_and_time(g, g.logs, "o", "s"))
+    stub_dir, calls = stub_ttt(tmp_path / "bin")
+    run_script(script, stub_dir, tmp_path, DATA=str(tmp_path))
+    assert not (tmp_path / "pwned").exists()
+    (argv,) = [json.loads(ln) for ln in calls.read_text().splitlines()]
+    assert argv[argv.index("--seed") + 1] == hostile("seed")
+    assert argv[argv.index("--set") + 1] == "lr=" + hostile("lr")
 
 
 def test_a_package_repeats_its_run(ttt_checkpoint, c4_prepared, tmp_path, capsys):
