@@ -44,16 +44,18 @@ _DCP_METADATA_CLASSES = {
     "TensorProperties",
     "_MEM_FORMAT_ENCODING",
 }
-# (module, name) -> what a DCP metadata pickle may name. Each is a plain data type or an enum/lookup
-# that takes a value, none runs anything it is handed.
+# What a DCP metadata pickle may name, as (module, name). Each is a plain data type or an enum/lookup that
+# takes a value; none runs anything it is handed.
 _ALLOWED = {
-    **{("torch.distributed.checkpoint.metadata", n): None for n in _DCP_METADATA_CLASSES},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
-    ("torch", "Size"): None,
-    ("torch.serialization", "_get_layout"): None,  # str -> torch.layout, from a fixed table
-    ("pathlib", "PosixPath"): None,  # StorageMeta.checkpoint_id: where it was saved
-    ("pathlib", "PurePosixPath"): None,
+    *(("torch.distributed.checkpoint.metadata", n) for n in _DCP_METADATA_CLASSES),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # str -> torch.layout, from a fixed table
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: where it was saved
+    ("pathlib", "PurePosixPath"),
 }
+# A tensor's dtype is pickled as the torch attribute (torch.float32): looked up here, not on the module.
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -64,8 +66,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # a tensor's dtype, e.g. torch.float32
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         raise UserError(
             f"{self.path}: names {module}.{name}, which a torch distributed checkpoint's metadata never "
             "holds: refusing to unpickle it (the file was altered or is not a checkpoint); pass a folder "
