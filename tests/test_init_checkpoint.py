@@ -65,3 +65,39 @@ def test_bad_init_checkpoint_is_one_line_before_any_log(c4_prepared, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--init-checkpoint" in proc.stderr
     assert not list(tmp_path.rglob("result_*"))  # failed in preflight: no log started
+
+
+def test_ttt_run_saves_a_checkpoint_init_checkpoint_reads(c4_prepared, tmp_path, capsys):
+    """`--save-checkpoint DIR` (issue 24): after run_stop, the trained model and optimizer; the folder is
+    what `--init-checkpoint` accepts, and only an earlier checkpoint is ever replaced."""
+    from timetotrain.cli import main
+    from timetotrain.train.checkpoint import check_init_source, load_checkpoint
+    from timetotrain.train.loop import _check_save_target
+
+    ck = tmp_path / "ck"
+    args = [
+        "run",
+        "llama31_8b",
+        "--tier",
+        "tiny",
+        "--data",
+        str(c4_prepared),
+        "--logdir",
+        str(tmp_path / "logs"),
+    ]
+    args += ["--seed", "4", "--max-steps", "2", "--quiet", "--save-checkpoint", str(ck)]
+    assert main(args) == 1  # aborted at the step limit, then saved
+    assert "saved the trained state (step 2)" in capsys.readouterr().err
+    assert check_init_source(ck, BENCH.family) == "ours"
+    fresh = build_training(BENCH, TIER, torch.device("cpu"), seed=4)
+    init = {k: v.clone() for k, v in fresh.bare.state_dict().items()}
+    step, extra = load_checkpoint(ck, fresh.bare, fresh.opt)
+    assert (step, extra) == (2, {"benchmark": "llama31_8b", "tier": "tiny", "seed": 4})
+    moved = [k for k, v in fresh.bare.state_dict().items() if not torch.equal(v, init[k])]
+    assert "embed.weight" in moved  # the trained weights, not the seed's init
+    assert all(int(s["step"]) == 2 for s in fresh.opt.state.values())  # and the optimizer after 2 steps
+    _check_save_target(ck)  # an earlier checkpoint may be replaced
+    (tmp_path / "notes").mkdir()
+    args[args.index(str(ck))] = str(tmp_path / "notes")
+    assert main(args) == 2  # anything else is not
+    assert "--save-checkpoint" in capsys.readouterr().err and list((tmp_path / "notes").iterdir()) == []

@@ -84,6 +84,10 @@ def _check_seconds(args) -> None:
 def _cmd_run(args) -> int:
     if args.runs < 1:
         raise UserError(f"--runs {args.runs} must be at least 1")
+    if args.save_checkpoint is not None and args.runs > 1:
+        raise UserError(
+            f"--save-checkpoint with --runs {args.runs}: each run would replace it; pass --runs 1"
+        )
     _check_seconds(args)
     results = run_set(args, _run_seeds(args.seed, args.runs))
     return max(r.exit_code for _, r in results)
@@ -105,7 +109,8 @@ def run_set(args, seeds: list[int], **fixed) -> list:
             for k, a in [("max_steps", "max_steps"), ("device", "device"), ("org", "org"), ("platform", "platform"),
                          ("parallel", "parallel"), ("precision", "precision"), ("activation_checkpointing", "ac"),
                          ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace"),
-                         ("init_checkpoint", "init_checkpoint"), ("tensorboard", "tensorboard"), ("wandb", "wandb")]
+                         ("init_checkpoint", "init_checkpoint"), ("save_checkpoint", "save_checkpoint"),
+                         ("tensorboard", "tensorboard"), ("wandb", "wandb")]
             if hasattr(args, a)
         }  # fmt: skip
         results = []
@@ -341,6 +346,13 @@ def add_commands(sub) -> None:
         default=None,
         help="start from these weights instead of the benchmark's init: a Hugging Face safetensors folder "
         "(model.safetensors or an index + shards) or a ttt checkpoint folder; loaded during init",
+    )
+    s.add_argument(
+        "--save-checkpoint",
+        default=None,
+        metavar="DIR",
+        help="after run_stop (off the clock), save the trained model and optimizer as a ttt checkpoint "
+        "folder, for --init-checkpoint (one run: --runs 1)",
     )
     _add_tracker_flags(s)
     s.set_defaults(func=_cmd_run)

@@ -7,7 +7,9 @@ from its offset, for file:// and local mirrors); a dropped connection is retried
 
 MLCommons metadata: `<dataset>.uri` holds the base URL of the dataset's files; `<dataset>.md5`, in the
 same folder as the .uri, lists `<md5>  <relative path>` lines (md5sum's format). Each file is fetched from
-`<base>/<relative path>` into OUT/<relative path> and checked against its md5.
+`<base>/<relative path>` into OUT/<relative path> and checked against its md5. Metadata fetched over
+HTTP(S) may only name http(s) files (never file:// or a local path), and no listed path may resolve
+outside OUT (`..`, an absolute path, or a symlink under OUT).
 
 C4 from a mirror (a URL, file:// URL or folder laid out as the hub repository: en/c4-<split>.*.json.gz):
 the mirror has no checksums, so each shard is verified by decompressing it (gzip's CRC-32 and length). From
@@ -29,6 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from timetotrain import trees
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -190,17 +193,53 @@ def parse_md5_list(text: str, source: str) -> list[tuple[str, str]]:
     return out
 
 
+_REMOTE = ("http", "https")
+
+
+def _scheme(url: str) -> str:
+    """ "http"/"https"/"ftp"/... for a URL, "file" for a file:// URL or a local path."""
+    return "file" if _local_path(url) is not None else urllib.parse.urlparse(url).scheme.lower()
+
+
+def _check_base(metadata: str, base: str) -> None:
+    """Served metadata may only name served files: a `.uri` fetched over HTTP(S) whose base is a file://
+    URL, a local path or another scheme would have the download copy files of this machine into --out."""
+    if _scheme(metadata) == "file":
+        return  # the user's own file: whatever it names, they chose
+    if _scheme(metadata) not in _REMOTE or _scheme(base) not in _REMOTE:
+        raise UserError(
+            f"--metadata {metadata}: its base URL {base!r} is not an http(s) URL; metadata served over "
+            f"{_scheme(metadata)} may only point at http(s) files (a local copy of the .uri may name a folder)"
+        )
+
+
+def _inside(root: Path, dest: Path, listing: str) -> None:
+    """`dest` (which need not exist yet) stays in the resolved --out: no symlinked folder under --out may
+    redirect a download elsewhere."""
+    target = trees.outside(dest, root)
+    if target is not None:
+        raise UserError(
+            f"{listing}: {dest} resolves to {target}, outside --out {root} (a symlink in --out?); "
+            "refusing to write there: remove the link or choose a new --out"
+        )
+
+
 def download_mlcommons(metadata: str, out: Path, workers: int = 4) -> list[Path]:
     if not metadata.endswith(".uri"):
         raise UserError(f"--metadata {metadata}: expected the dataset's .uri metadata file (…/<dataset>.uri)")
     base = read_text(metadata).strip().rstrip("/")
     if not base:
         raise UserError(f"--metadata {metadata}: empty: it should hold the dataset's base URL")
+    _check_base(metadata, base)
     name = metadata.rsplit("/", 1)[-1].removesuffix(".uri")
     md5_url = metadata.rsplit("/", 1)[0] + f"/{name}.md5" if "/" in metadata else f"{name}.md5"
     entries = parse_md5_list(read_text(md5_url), md5_url)
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(f"{name}: {len(entries)} files")
+
+    root = out.resolve()
+    for _, rel in entries:  # all checked before the first byte is written
+        _inside(root, out / rel, md5_url)
 
     def one(entry: tuple[str, str]) -> Path:
         digest, rel = entry

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from timetotrain import trees
 from timetotrain.data.flux_encodings import Shapes
 from timetotrain.errors import UserError
 
@@ -85,6 +86,19 @@ class StandInEncoders:
         return t5, clip
 
 
+def check_encoder_files(folder: Path) -> None:
+    """Before anything is loaded: every file of the encoder folder lies inside it (no symlink out), and
+    each model has safetensors weights (transformers and diffusers would otherwise unpickle a .bin)."""
+    for p in sorted(folder.rglob("*")):
+        trees.check_inside(p, folder, "copy the encoder files into --encoders")
+    for sub in ("t5", "clip", "vae"):
+        if not list((folder / sub).glob("*.safetensors")):
+            raise UserError(
+                f"--encoders {folder}: {sub}/ has no *.safetensors weights; ttt loads no pickled weights "
+                "(.bin/.pt): save the model with save_pretrained(..., safe_serialization=True)"
+            )
+
+
 class RealEncoders:
     """T5 / CLIP text encoders and the VAE from local `save_pretrained` folders (module docstring)."""
 
@@ -105,12 +119,15 @@ class RealEncoders:
                     f"--encoders {folder}: no {sub}/config.json: the folder needs t5/, clip/ and vae/ as "
                     "save_pretrained writes them (T5EncoderModel, CLIPTextModel, diffusers AutoencoderKL)"
                 )
+        check_encoder_files(folder)
         self.folder, self.shapes, self.device = folder, shapes, device
-        self.t5_tok = transformers.AutoTokenizer.from_pretrained(folder / "t5")
-        self.t5 = transformers.T5EncoderModel.from_pretrained(folder / "t5").to(device).eval()
-        self.clip_tok = transformers.AutoTokenizer.from_pretrained(folder / "clip")
-        self.clip = transformers.CLIPTextModel.from_pretrained(folder / "clip").to(device).eval()
-        self.vae = AutoencoderKL.from_pretrained(folder / "vae").to(device).eval()
+        # Weights from safetensors only (a pickled .bin is never read), nothing fetched, no code run.
+        load = {"use_safetensors": True, "local_files_only": True}
+        self.t5_tok = transformers.AutoTokenizer.from_pretrained(folder / "t5", local_files_only=True)
+        self.t5 = transformers.T5EncoderModel.from_pretrained(folder / "t5", **load).to(device).eval()
+        self.clip_tok = transformers.AutoTokenizer.from_pretrained(folder / "clip", local_files_only=True)
+        self.clip = transformers.CLIPTextModel.from_pretrained(folder / "clip", **load).to(device).eval()
+        self.vae = AutoencoderKL.from_pretrained(folder / "vae", **load).to(device).eval()
 
     def identity(self) -> dict:
         return {"encoders": self.name, "folder": str(self.folder)}

@@ -244,7 +244,10 @@ class EncodedSplit:
         ts = self.manifest.get("timesteps")
         if ts:
             path = d / ts["file"]
-            a = np.load(path) if path.is_file() else None  # [N] int32: small, read whole
+            try:
+                a = np.load(path, allow_pickle=False) if path.is_file() else None  # [N] int32: read whole
+            except (ValueError, OSError, EOFError) as e:  # an object (pickled) array is refused
+                raise UserError(f"{path}: not a numeric .npy array ({e}): re-run prepare") from None
             if a is None or a.shape != (self.n,) or a.dtype.kind not in "iu":
                 got = "missing" if a is None else f"{list(a.shape)} {a.dtype}"
                 raise UserError(f"{path}: {got}, the manifest promises [{self.n}] int32: re-run prepare")
@@ -273,7 +276,10 @@ def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, 
     """The empty-prompt encodings in folder `d`, batch dim dropped, in their stored form, and their dtype:
     dtype.txt's, or without it the arrays' own float dtype (MLCommons' files: a real float array each)."""
     try:
-        t5, clip = np.load(d / "t5_empty.npy"), np.load(d / "clip_empty.npy")
+        t5, clip = (
+            np.load(d / "t5_empty.npy", allow_pickle=False),
+            np.load(d / "clip_empty.npy", allow_pickle=False),
+        )
     except FileNotFoundError as e:
         raise UserError(
             f"{d}: no {Path(e.filename).name} in it: the empty-prompt encodings are incomplete"

@@ -646,5 +646,5 @@ def load_prepared(
     if verify:
         verify_manifest(data_dir, doc)
     ids_name, lab_name = array_names(split)
-    load = mapped.load if mapped is not None else (lambda p: np.load(p, mmap_mode="r"))
+    load = mapped.load if mapped is not None else (lambda p: np.load(p, mmap_mode="r", allow_pickle=False))
     return load(data_dir / ids_name), load(data_dir / lab_name), doc

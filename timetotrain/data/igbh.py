@@ -78,7 +78,7 @@ def _header(path: Path) -> np.ndarray:
     if not path.is_file():
         raise UserError(f"{path} is missing: the IGBH layout needs it ({_REMEDY})")
     try:
-        return np.load(path, mmap_mode="r")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as e:
         raise UserError(f"{path} is not a readable .npy file ({e}): {_REMEDY}") from e
 
@@ -187,7 +187,7 @@ def build_csc(g: GraphFiles, log=print) -> float:
     with fileio.Staged() as staged:  # the arrays and their stamp appear together, the stamp last
         for s, rel, d in ON_DISK:
             path = g.root / rel_dir((s, rel, d)) / "edge_index.npy"
-            e = np.load(path, mmap_mode="r")
+            e = np.load(path, mmap_mode="r", allow_pickle=False)
             src, dst = np.asarray(e[:, 0]), np.asarray(e[:, 1])
             for name, ids, t in (("source", src, s), ("destination", dst, d)):
                 if len(ids) and (ids.min() < 0 or ids.max() >= g.num_nodes[t]):
@@ -223,11 +223,17 @@ def open_graph(g: GraphFiles) -> Graph:
     cache = g.root / CACHE
     mapped = MappedFiles()
     feats = {t: mapped.load(g.root / t / FEAT_FILE) for t in NODE_TYPES}
-    labels = torch.from_numpy(np.asarray(np.load(g.root / "paper" / LABEL_FILE), dtype=np.int64))
+    labels = torch.from_numpy(
+        np.asarray(np.load(g.root / "paper" / LABEL_FILE, allow_pickle=False), dtype=np.int64)
+    )
     csc = {}
     for r in RELATIONS:
-        indptr = torch.from_numpy(np.load(cache / f"{rel_key(r)}.indptr.npy", mmap_mode="r").copy())
-        indices = torch.from_numpy(np.load(cache / f"{rel_key(r)}.indices.npy", mmap_mode="r").copy())
+        indptr = torch.from_numpy(
+            np.load(cache / f"{rel_key(r)}.indptr.npy", mmap_mode="r", allow_pickle=False).copy()
+        )
+        indices = torch.from_numpy(
+            np.load(cache / f"{rel_key(r)}.indices.npy", mmap_mode="r", allow_pickle=False).copy()
+        )
         csc[r] = (indptr, indices)  # int32 sources where they fit: half the memory of the reference's int64
     return Graph(dict(g.num_nodes), feats, labels, csc, mapped)
 

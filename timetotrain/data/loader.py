@@ -203,7 +203,7 @@ def drop_page_cache(files: list[Path]) -> bool:
 
 def vocab_table(counts_file: Path, keep: int) -> torch.Tensor:
     """Old id -> new id: the `keep` most frequent training ids by rank (ties: lower id first), others -> keep."""
-    counts = np.load(counts_file)
+    counts = np.load(counts_file, allow_pickle=False)
     order = np.argsort(-counts, kind="stable")[:keep]
     table = np.full(counts.size, keep, dtype=np.int64)
     table[order] = np.arange(keep)

@@ -11,10 +11,10 @@ as TODO text for the submitter, and listed. `--system-json` starts from an exist
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,8 +24,10 @@ from pathlib import Path
 
 from timetotrain import fileio, suite
 from timetotrain.errors import UserError
+from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
+from timetotrain.shell import Var, comment, line, quote
 from timetotrain.suite import official
 
 TODO = "TODO: fill in"
@@ -427,59 +429,115 @@ def _overrides(log: RunLog) -> list[str]:
     return sets
 
 
+def _inputs(log: RunLog, org: str, system: str) -> tuple[list, dict[str, str]]:
+    """The `ttt run` arguments after the seed that repeat `log`'s run, and the script variables they use
+    (name -> default). Everything comes from the log: the `--set` values as given when it logged them
+    (`ttt_set`), else the settings that differ from the tier's; the starting checkpoint; the data folder."""
+    words: list = ["--org", org, "--platform", str(log.keys.get("submission_platform", system))]
+    logged = log.keys.get("ttt_set")
+    sets = [str(s) for s in logged] if isinstance(logged, list) else _overrides(log)
+    for s in sets:
+        words += ["--set", s]
+    if "ttt_max_steps" in log.keys:
+        words += ["--max-steps", log.keys["ttt_max_steps"]]
+    defaults = {}
+    if "ttt_init_checkpoint" in log.keys:
+        words += ["--init-checkpoint", Var("INIT_CHECKPOINT")]
+        defaults["INIT_CHECKPOINT"] = str(log.keys["ttt_init_checkpoint"])
+    return words, defaults
+
+
 def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -> str:
+    """The script that repeats the runs of `ordered`, each with its logged seed and inputs; consecutive
+    runs with the same inputs share one loop. Every value from a log is a quoted word (`shell.quote`)."""
     first = ordered[0]
-    seeds = " ".join(shlex.quote(str(lg.seed)) for lg in ordered)
+    data = first.keys.get("ttt_data")
     head = [
         "#!/usr/bin/env bash",
-        f"# Reproduces the {len(ordered)} {g.benchmark} runs of results/{system}/{g.benchmark}/: one `ttt run`",
-        "# per result_<i>.txt, with the seed that run logged, in the same order.",
-        "#   DATA    folder prepared by `ttt data prepare` (required)",
-        "#   LOGDIR  where the new result files go (default ./logs)",
-        "# Multi-GPU / multi-node: put `torchrun --nproc-per-node=... -m timetotrain` in place of `ttt`",
-        "# (see the timetotrain README).",
+        comment(f"Reproduces the {len(ordered)} {g.benchmark} runs of results/{system}/{g.benchmark}/: one"),
+        comment("`ttt run` per result_<i>.txt, with the seed and inputs that run logged, in the same order."),
+        comment(
+            "  DATA    folder prepared by `ttt data prepare`"
+            + (" (default: the logged one)" if data else " (required)")
+        ),
+        comment("  LOGDIR  where the new result files go (default ./logs)"),
+        comment(
+            "Multi-GPU / multi-node: put `torchrun --nproc-per-node=... -m timetotrain` in place of `ttt`"
+        ),
+        comment("(see the timetotrain README)."),
         "set -euo pipefail",
-        ': "${DATA:?set DATA to the folder prepared by ttt data prepare}"',
-        'LOGDIR="${LOGDIR:-./logs}"',
     ]
+    if data:
+        head.append(_default("DATA", data))
+    else:
+        head.append(': "${DATA:?set DATA to the folder prepared by ttt data prepare}"')
+    head.append('LOGDIR="${LOGDIR:-./logs}"')
     if g.benchmark not in suite.names():
-        body = [
-            f'echo "timetotrain does not implement {g.benchmark} yet; these logs came from elsewhere" >&2',
-            "exit 1",
+        msg = f"timetotrain does not implement {g.benchmark} yet; these logs came from elsewhere"
+        return "\n".join(head + [f"echo {quote(msg)} >&2", "exit 1"]) + "\n"
+    runs = [(lg, *_inputs(lg, org, system)) for lg in ordered]
+    defaults: dict[str, str] = {}
+    for _, _, d in runs:
+        for name, value in d.items():
+            if defaults.setdefault(name, value) != value:
+                raise UserError(
+                    f"{g.folder}: the runs logged different {name.lower()}s ({defaults[name]!r}, {value!r}); "
+                    "package runs of one starting point together"
+                )
+    head += [_default(name, value) for name, value in defaults.items()]
+    body = []
+    for words, group in itertools.groupby(runs, key=lambda r: r[1]):
+        seeds = " ".join(quote(lg.seed) for lg, _, _ in group)
+        run = [
+            "ttt",
+            "run",
+            g.benchmark,
+            "--tier",
+            first.tier,
+            "--data",
+            Var("DATA"),
+            "--logdir",
+            Var("LOGDIR"),
         ]
-        return "\n".join(head + body) + "\n"
-    sets = "".join(f" --set {shlex.quote(s)}" for s in _overrides(first))
-    platform_arg = shlex.quote(str(first.keys.get("submission_platform", system)))
-    body = [
-        f"for SEED in {seeds}; do",
-        f'  ttt run {g.benchmark} --tier {first.tier} --data "$DATA" --logdir "$LOGDIR" --seed "$SEED"'
-        f" --org {shlex.quote(org)} --platform {platform_arg}{sets}",
-        "done",
-    ]
+        body += [f"for SEED in {seeds}; do", "  " + line([*run, "--seed", Var("SEED"), *words]), "done"]
     return "\n".join(head + body) + "\n"
+
+
+def _default(name: str, value: str) -> str:
+    """`NAME` keeps the caller's value, else gets `value`, assigned as one quoted word."""
+    return f'[ -n "${{{name}:-}}" ] || {name}={quote(value)}'
 
 
 def _impl_readme(g: ResultGroup, ordered: list[RunLog]) -> str:
     from timetotrain import __version__
 
     first = ordered[0]
+    tier, bench = md(first.tier), md(g.benchmark)  # values from the logs
+    init = first.keys.get("ttt_init_checkpoint")
+    start = (
+        f"The runs started from the checkpoint the logs name ({md(init)}): set `INIT_CHECKPOINT` to its "
+        "folder on this machine if it is elsewhere (the logs record its sha256 where a `ttt base` made it).\n\n"
+        if init is not None
+        else ""
+    )
     return (
-        f"# {g.benchmark}: timetotrain {__version__}\n\n"
+        f"# {bench}: timetotrain {__version__}\n\n"
         f"Implementation: [timetotrain](https://pypi.org/project/timetotrain/) {__version__}, "
-        f"benchmark `{g.benchmark}`, tier `{first.tier}`, global batch size {first.global_batch_size}.\n\n"
+        f"benchmark {bench}, tier {tier}, global batch size {md(first.global_batch_size)}.\n\n"
         "## Setup\n\n"
         "```sh\n"
         f"pip install timetotrain=={__version__}\n"
         "ttt data prepare c4 --src <allenai/c4 en folder> --split train --out data\n"
         "ttt data prepare c4 --src <allenai/c4 en folder> --split validation --out data\n"
         "```\n\n"
+        f"{start}"
         "## Run\n\n"
         "```sh\n"
         "DATA=data LOGDIR=logs ./run_and_time.sh\n"
         "```\n\n"
-        f"`run_and_time.sh` repeats the {len(ordered)} runs of this package with the seeds their logs recorded "
-        f"(in the order of `result_0.txt` ... `result_{len(ordered) - 1}.txt`). Each run writes a new "
-        f"`$LOGDIR/{g.benchmark}/{first.tier}/result_<k>.txt`; score them with `ttt score $LOGDIR`.\n"
+        f"`run_and_time.sh` repeats the {len(ordered)} runs of this package with the seeds, `--set` values and "
+        f"inputs their logs recorded (in the order of `result_0.txt` ... `result_{len(ordered) - 1}.txt`). Each "
+        f"run writes a new `$LOGDIR/<benchmark>/<tier>/result_<k>.txt`; score them with `ttt score $LOGDIR`.\n"
     )
 
 

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from timetotrain import trees
 from timetotrain.errors import UserError
 from timetotrain.suite import official
 
@@ -255,7 +256,10 @@ def find_groups(root: Path, with_foreign: bool = False) -> list[ResultGroup]:
         raise UserError(
             f"{root} is not a directory: pass a folder of result_<k>.txt files or a submission tree"
         )
-    folders = sorted({p.parent for p in root.rglob("result_*.txt") if p.is_file()})
+    files = [p for p in root.rglob("result_*.txt") if p.is_file()]
+    for p in files:  # a symlink to a log elsewhere would be counted, scored and packaged as this tree's
+        trees.check_inside(p, root, "copy the log into the tree if it belongs there")
+    folders = sorted({p.parent for p in files})
     found = [_group(f) for f in folders]
     groups = [g for g in found if g.logs]
     if not groups and found:

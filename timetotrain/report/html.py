@@ -12,8 +12,9 @@ import html
 import json
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
+from timetotrain.markup import plotly
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance
 from timetotrain.mlperf.score import Score, rcp_line, score_group
@@ -72,12 +73,12 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
             {
                 "type": "scatter",
                 "mode": "lines+markers",
-                "name": name,
+                "name": plotly(name),  # a log value: shown as text, never as Plotly markup
                 "x": xs,
                 "y": ys,
                 "line": {"dash": "solid" if run.converged else "dash", "width": 1.5},
                 "marker": {"size": 5},
-                "hovertemplate": f"{_e(lg.path.name)}<br>%{{x:,}} -> %{{y:.5g}}<extra></extra>",
+                "hovertemplate": f"{plotly(lg.path.name)}<br>%{{x:,}} -> %{{y:.5g}}<extra></extra>",
             }
         )
     target = target_of(group.benchmark, group.tier.split("+")[0])
@@ -123,7 +124,7 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
     unit = official.eval_unit(group.benchmark)
     scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
     layout = {
-        "title": {"text": f"{_e(group.benchmark)} tier {_e(group.tier)}: {scored}, RCP {_e(r.verdict)}"},
+        "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: {scored}, RCP {r.verdict}")},
         "xaxis": {"title": {"text": f"training {unit}"}},
         # The metric label is long (key, what it measures, direction): a smaller font keeps it on the axis.
         "yaxis": {"title": {"text": metric_label(group.benchmark), "font": {"size": 11}}},
@@ -181,6 +182,7 @@ def synth_summaries(root: Path) -> list[dict]:
     """Every per-run `summary_<k>.json` of `ttt synth` under root (summary.json repeats the latest)."""
     found = []
     for p in sorted(Path(root).rglob("summary_*.json")):
+        trees.check_inside(p, root, "copy the summary into the tree if it belongs there")
         try:
             doc = json.loads(p.read_text())
         except (OSError, ValueError):
@@ -205,7 +207,7 @@ def _synth_section(summaries: list[dict]) -> tuple[str, dict | None]:
         per_s = s.get(f"{item}_per_s")
         label = f"{s['benchmark']}/{s['tier']}" + (f" {s['layers']}L" if "layers" in s else "")
         label += f" {s.get('precision', '')} ({Path(s['_path']).stem})"
-        labels.append(label)
+        labels.append(plotly(label))  # category ticks render Plotly markup too
         items.append(per_s)
         mfus.append(100 * s["mfu"])
         rows.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from timetotrain import fileio
+from timetotrain.markup import mpl
 from timetotrain.mlperf.results import ResultGroup
 from timetotrain.mlperf.score import Score
 from timetotrain.suite import official
@@ -66,7 +67,13 @@ def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
             if not lg.evals:  # still listed, so a run that stopped before its first eval is not lost
                 label += ", no eval"
             ax.plot(
-                xs, ys, "-" if run.converged else "--", marker="o", markersize=3, linewidth=1.1, label=label
+                xs,
+                ys,
+                "-" if run.converged else "--",
+                marker="o",
+                markersize=3,
+                linewidth=1.1,
+                label=mpl(label),
             )
         if target is not None:
             ax.axhline(target, color="black", linewidth=1.2, label=f"target {target}")
@@ -100,8 +107,9 @@ def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
     )
     scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
     fig.suptitle(
-        f"{group.benchmark} tier {group.tier}: {group.submitter} / {group.system}: {scored}, "
-        f"RCP {r.verdict}" + (" (interpolated)" if r.interpolated else ""),
+        mpl(f"{group.benchmark} tier {group.tier}: {group.submitter} / {group.system}: {scored}, ")
+        + f"RCP {r.verdict}"
+        + (" (interpolated)" if r.interpolated else ""),
         fontsize=11,
     )
     # Below the panels: with 10 runs and 4 marks a legend inside would cover the curves.

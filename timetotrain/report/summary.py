@@ -1,7 +1,7 @@
 """`ttt report`: a picture per benchmark and a markdown summary of a tree of result logs.
 
-summary.md holds the score table of `ttt score` with a section per system x benchmark; scores.json its
-machine-readable form; one PNG per group (see plots.py).
+summary.md holds the score table of `ttt score` with a section per system x benchmark (every value from a
+log escaped: `markup.md`); scores.json its machine-readable form; one PNG per group (see plots.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
+from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import find_groups
 from timetotrain.mlperf.score import Score, rcp_line, score_group, to_json
@@ -55,15 +56,15 @@ def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
         ok = sum(r.compliant for r in s.runs)
         rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
         lines.append(
-            f"| {s.submitter} | {s.system} | {s.benchmark} | {s.tier} | {ok}/{len(s.runs)} | "
+            f"| {md(s.submitter)} | {md(s.system)} | {md(s.benchmark)} | {md(s.tier)} | {ok}/{len(s.runs)} | "
             f"{_fmt(s.score_minutes, '.4f')} | {_pct(s.cv_minutes)} | "
             f"{_fmt(s.samples_to_converge, ',.1f')} | {_pct(s.cv_samples)} | "
-            f"{rcp} | {_fmt(s.rcp.rcp_mean, ',.1f')} | {_fmt(s.rcp.rcp_min, ',.1f')} | [{p.name}]({p.name}) |"
+            f"{md(rcp)} | {_fmt(s.rcp.rcp_mean, ',.1f')} | {_fmt(s.rcp.rcp_min, ',.1f')} | [{p.name}]({p.name}) |"
         )
     lines += ["", "## Details", ""]
     for s, p in zip(scores, plots, strict=True):
         lines += [
-            f"### {s.benchmark} ({s.tier}) - {s.submitter} / {s.system}",
+            f"### {md(s.benchmark)} ({md(s.tier)}) - {md(s.submitter)} / {md(s.system)}",
             "",
             f"![{p.name}]({p.name})",
             "",
@@ -75,11 +76,11 @@ def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
         for r in s.runs:
             ok = "yes" if r.compliant else f"no: {r.problem}"
             lines.append(
-                f"| {r.file} | {r.seed} | {_fmt(r.minutes, '.3f')} | {r.status or '-'} | "
-                f"{_fmt(r.samples_to_converge, ',.0f')} | {ok.replace('|', '/')} |"
+                f"| {md(r.file)} | {md(r.seed)} | {_fmt(r.minutes, '.3f')} | {md(r.status or '-')} | "
+                f"{_fmt(r.samples_to_converge, ',.0f')} | {md(ok)} |"
             )
-        lines += ["", rcp_line(s.rcp), ""]
-        lines += [f"- {n}" for n in s.notes]
+        lines += ["", md(rcp_line(s.rcp)), ""]
+        lines += [f"- {md(n)}" for n in s.notes]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -111,7 +111,12 @@ def load_vocab_table(folder: Path, keep: int) -> torch.Tensor:
             f"--init-checkpoint {folder} has no {VOCAB_TABLE}: this tier narrows the vocabulary as its base "
             "did; pass the folder `ttt base` wrote"
         )
-    table = np.load(path)
+    try:
+        table = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # an object array (pickled) is refused, never unpickled
+        raise UserError(
+            f"{path} is not a numeric .npy table ({e}); pass the folder `ttt base` wrote"
+        ) from None
     if table.ndim != 1 or table.min() < 0 or table.max() != keep:
         raise UserError(
             f"{path} maps ids into [0, {int(table.max())}], this tier keeps {keep} ids plus one other: "

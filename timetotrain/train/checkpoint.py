@@ -4,7 +4,8 @@
   shard by shard. A model family supplies the name mapping: for each of our parameters, a `Source` naming
   the HF tensors it is built from and how to combine them (fusing QKV, stacking experts, ...).
 - `save_checkpoint` / `load_checkpoint`: our own training state (model, optimizer, step) with
-  torch.distributed.checkpoint, so each rank of an FSDP2 run writes and reads only its own shards.
+  torch.distributed.checkpoint, so each rank of an FSDP2 run writes and reads only its own shards. A folder
+  is read through `dcp_safe` (its pickled metadata and non-tensor entries are untrusted input).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from timetotrain import fileio
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
+from timetotrain.train import dcp_safe
 from timetotrain.train.shards import copy_full, full_shape, is_part
 
 HF_SINGLE = "model.safetensors"
@@ -58,18 +62,34 @@ def _clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
 
 
+# A Hugging Face hub cache links a snapshot's files to ../../blobs: such a folder is refused too.
+_COPY_IN = (
+    "a checkpoint is read only from files inside its folder (copy them in, e.g. `huggingface-cli download "
+    "--local-dir DIR`, which writes real files)"
+)
+
+
 def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
     """HF tensor name -> shard file name, and the file that says so (the index or the single file)."""
     from safetensors import safe_open
 
     index = path / HF_INDEX
     if index.is_file():
+        trees.check_inside(index, path, _COPY_IN)
         try:
-            return dict(json.loads(index.read_text())["weight_map"]), index
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{index}: not a safetensors index ({exc}); re-download the checkpoint") from None
+        for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise UserError(
+                    f"{index}: shard {shard!r} is not a file name of this folder; re-download the checkpoint"
+                )
+            trees.check_inside(path / shard, path, _COPY_IN)
+        return weight_map, index
     single = path / HF_SINGLE
     if single.is_file():
+        trees.check_inside(single, path, _COPY_IN)
         with safe_open(single, framework="pt") as f:  # reads the header only
             return dict.fromkeys(f.keys(), HF_SINGLE), single
     raise UserError(
@@ -324,6 +344,7 @@ def check_init_source(path: str | os.PathLike, family) -> str:
             f"--init-checkpoint {p} is not a folder: pass a Hugging Face or ttt checkpoint folder"
         )
     if (p / META).is_file():
+        dcp_safe.read_metadata(p)  # a damaged or planted .metadata is refused here, before any log line
         return "ours"
     if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
         if family.hf_mapping is None:
@@ -413,7 +434,19 @@ def load_checkpoint(
         state["model"] = renamed
     _check_fits(final, state)
     with _no_single_process_warning():
-        dcp.load(state, checkpoint_id=final, no_dist=not _distributed())
+        try:
+            dcp.load(
+                state,
+                storage_reader=dcp_safe.SafeReader(final),
+                planner=dcp_safe.SafeLoadPlanner(),
+                no_dist=not _distributed(),
+            )
+        except CheckpointException as e:  # DCP wraps every rank's exception in one of these
+            raise _checkpoint_error(final, [exc for exc, _ in e.failures.values()]) from None
+        except UserError:
+            raise
+        except _SHARD_ERRORS as e:
+            raise _checkpoint_error(final, [e]) from None
     if optimizer is None:
         # Expert-slice views were read in place (they share the slices' storage): hand back the plain slices.
         model_sd = {ours.get(n, n): _local(t) for n, t in state["model"].items()}
@@ -422,6 +455,24 @@ def load_checkpoint(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta["step"], meta["extra"]
+
+
+# What reading a truncated or garbled shard, or one that is not plain tensors, raises (torch.load with
+# weights_only=True raises UnpicklingError for a planted object).
+_SHARD_ERRORS = (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, EOFError, OSError)
+
+
+def _checkpoint_error(final: Path, failures: list[BaseException]) -> BaseException:
+    """One UserError for a failed DCP read: ours as it is, a damaged shard as one line; anything else (a
+    bug, an interrupt) is handed on unchanged."""
+    for exc in failures:
+        if isinstance(exc, UserError):
+            return exc
+    for exc in failures:
+        if isinstance(exc, _SHARD_ERRORS):
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return UserError(f"{final}: a shard cannot be read ({reason}); the checkpoint is damaged")
+    return failures[0]
 
 
 def _local(t):
@@ -434,7 +485,7 @@ def _local(t):
 def _check_fits(final: Path, state: dict) -> None:
     """Compare names and global shapes with the checkpoint's metadata first: every rank reads the same
     file and so raises the same one-line error, instead of DCP's per-rank tracebacks."""
-    saved = dcp.FileSystemReader(final).read_metadata().state_dict_metadata
+    saved = dcp_safe.read_metadata(final).state_dict_metadata
     for name, t in state["model"].items():
         if not isinstance(t, torch.Tensor):
             continue

@@ -59,6 +59,7 @@ class RunOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     init_checkpoint: Path | None = None  # start from these weights (Hugging Face or ttt checkpoint folder)
+    save_checkpoint: Path | None = None  # after run_stop, save the trained state here (a ttt checkpoint)
     dist_timeout: float = 600.0  # a collective waiting longer than this fails (a peer is gone)
     abort_grace: float = 10.0  # after a signal, how long the loop gets to stop before the process exits
     aborter: Aborter | None = None  # the CLI's, entered before torch starts threads; else run() makes one
@@ -125,6 +126,8 @@ def run(opts: RunOptions) -> RunResult:
         check_init_source(opts.init_checkpoint, bench.family)
         prep.init_checkpoint = Path(opts.init_checkpoint)
     base_sha = check_init_base(bench, tier, prep.init_checkpoint)
+    if opts.save_checkpoint is not None:
+        _check_save_target(Path(opts.save_checkpoint))
     res = task.resolve(
         tier, opts.data, verify=opts.verify_data and d.main, init_checkpoint=prep.init_checkpoint
     )
@@ -172,7 +175,12 @@ def run(opts: RunOptions) -> RunResult:
                 "ttt_tier": tier.name,
                 "ttt_parallel": prep.plan.describe(),
                 "ttt_eval_every_samples": tier.eval_every_samples,
+                # The inputs `ttt package` writes into run_and_time.sh to repeat this run.
+                "ttt_data": str(Path(opts.data).resolve()),
+                "ttt_set": list(opts.sets),
             }
+            if opts.max_steps is not None:
+                extra["ttt_max_steps"] = opts.max_steps
             if prep.init_checkpoint is not None:
                 extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
             if base_sha is not None:
@@ -259,6 +267,9 @@ def run(opts: RunOptions) -> RunResult:
             if sig:
                 reason = f"signal {signal_name(sig)}"
             stop(status, step * gbs, sig)
+            if opts.save_checkpoint is not None and aborter.caught is None:
+                # After run_stop: the clock has stopped, so saving costs the result nothing.
+                _save_after_run(Path(opts.save_checkpoint), tr, bench, tier, seed, step, live)
             aborter.finish()
             clean = aborter.caught is None
     except BaseException as e:
@@ -282,6 +293,38 @@ def run(opts: RunOptions) -> RunResult:
         status, reason, log.path, step, step * tier.global_batch_size, last_eval, seconds,
         items_done / max(seconds, 1e-9), item_name, code,
     )  # fmt: skip
+
+
+def _check_save_target(path: Path) -> None:
+    """--save-checkpoint replaces only an earlier ttt checkpoint, never another folder or a file."""
+    from timetotrain.train.checkpoint import META
+
+    if path.exists() and not (path.is_dir() and (path / META).is_file()):
+        raise UserError(
+            f"--save-checkpoint {path} exists and is not a ttt checkpoint: choose a new folder "
+            "(only an earlier checkpoint is replaced)"
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UserError(f"--save-checkpoint {path}: {path.parent} is not a folder")
+
+
+def _save_after_run(path: Path, tr, bench, tier, seed: int, step: int, live) -> None:
+    """The trained model (and its optimizer, except under expert parallelism, where DCP gets the model
+    alone) as a ttt checkpoint `--init-checkpoint` reads; every rank writes its own shards."""
+    from timetotrain.train.checkpoint import save_checkpoint
+    from timetotrain.train.expert_parallel import expert_dtensors
+
+    opt = None if expert_dtensors(tr.bare) else tr.opt
+    extra = {"benchmark": bench.name, "tier": tier.name, "seed": seed}
+    try:
+        save_checkpoint(path, tr.bare, opt, step, extra)
+    except OSError as e:
+        raise UserError(
+            f"--save-checkpoint {path}: cannot be written ({e.strerror}); the run's result is complete, "
+            "only the checkpoint is missing"
+        ) from None
+    if live:
+        live.print(f"saved the trained state (step {step}) to {path}")
 
 
 def _point(samples: int, data, metric) -> dict:
