@@ -70,6 +70,7 @@ def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
             raise UserError(f"{index}: not a safetensors index ({exc}); re-download the checkpoint") from None
     single = path / HF_SINGLE
     if single.is_file():
+        check_safetensors_layout(single)
         with safe_open(single, framework="pt") as f:  # reads the header only
             return dict.fromkeys(f.keys(), HF_SINGLE), single
     raise UserError(
@@ -146,6 +147,7 @@ def load_hf_checkpoint(
         if live is not None:
             live.update(f"loading {path.name}: shard {k + 1}/{len(shards)} ({shard})", force=k == 0)
         wanted = {hf for hf in consumers if weight_map[hf] == shard}
+        check_safetensors_layout(path / shard)
         with safe_open(path / shard, framework="pt", device="cpu") as f:
             absent = sorted(wanted - set(f.keys()))
             if absent:
@@ -188,13 +190,47 @@ def _progress_line(n_shards: int):
 
 def check_hf_files(path: Path) -> None:
     """Preflight of a Hugging Face checkpoint (before `init_start`): every shard its index lists is
-    present, so a missing one is a one-line error naming it rather than a failure minutes into loading."""
+    present and whole (`check_safetensors_layout`), so a missing or truncated one is a one-line error naming
+    it rather than a failure minutes into loading."""
     weight_map, listing = _weight_map(path)
     for shard in sorted(set(weight_map.values())):
         if not (path / shard).is_file():
             raise UserError(
                 f"{path / shard}: shard listed in {listing.name} is missing; re-download the checkpoint"
             )
+        check_safetensors_layout(path / shard)
+
+
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
+
+
+def check_safetensors_layout(file: Path) -> None:
+    """Before the safetensors library parses `file` (its errors are tracebacks, not one line): the 8-byte
+    header length, the JSON header, and every tensor's byte range must fit the file, and the data must end
+    where the file does. Reads the header only (no sha256 is known for a downloaded checkpoint; a `ttt base`
+    folder's weights are hashed against its base.json first, in `base_model.check_init_base`)."""
+    size = file.stat().st_size
+
+    def bad(why: str) -> UserError:
+        return UserError(
+            f"{file}: not a whole safetensors file ({why}); re-download or re-save the checkpoint"
+        )
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(_MAX_HEADER, size - 8):
+            raise bad(f"{size:,} bytes, header length {n:,}")
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+            starts = [int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise bad(f"unreadable header: {exc}") from None
+    if any(a < 0 or b < a for a, b in zip(starts, ends, strict=True)) or 8 + n + max(ends, default=0) != size:
+        raise bad(
+            f"{size:,} bytes, the header describes {8 + n + max(ends, default=0):,}: truncated or garbled"
+        )
 
 
 def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
