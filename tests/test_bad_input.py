@@ -7,11 +7,14 @@ Most cases run `timetotrain.cli.main` in this process; the last test runs a few 
 show the same single line reaches a terminal."""
 
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -569,3 +572,178 @@ def test_the_suite_covers_every_command():
     assert commands == {"run", "synth", "data prepare", "data synth-graph", "check", "score", "package",
                         "report", "suite", "data download"}  # fmt: skip
     assert len(CASES) >= 40
+
+
+# --- issue 22: checks before trust ---
+# Damaged or mismatched inputs that used to give a traceback or be accepted: each is one `ttt: error:` line,
+# exit 2, nothing final written, the inputs unchanged (the harness of `test_bad_input` above, with the
+# workspace below added). A full disk is simulated as in tests/test_faults.py, in process: here every
+# file `fileio` opens for writing (Staged and atomic_write, so every writer of ttt's outputs) fails with
+# ENOSPC once a byte budget is spent.
+
+
+def _trust_workspace(w: Path) -> None:
+    """What the issue-22 cases point at, beside `_workspace`'s files."""
+    from safetensors.torch import save_file
+
+    for name in ("st_truncated", "st_garbled"):
+        (w / name).mkdir()
+        save_file({"w": torch.ones(64)}, w / name / "model.safetensors")
+    f = w / "st_truncated" / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 16)  # a download cut short
+    f = w / "st_garbled" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[12:20] = b"\xff" * 8  # inside the JSON header
+    f.write_bytes(bytes(raw))
+
+
+TRUST_CASES = [
+    C(
+        "damaged-safetensors-truncated",
+        run_("--init-checkpoint {w}/st_truncated", data="{w}/empty"),
+        "{w}/st_truncated/model.safetensors",
+        "truncated",
+    ),
+    C(
+        "damaged-safetensors-garbled-header",
+        run_("--init-checkpoint {w}/st_garbled", data="{w}/empty"),
+        "{w}/st_garbled/model.safetensors",
+        "unreadable header",
+    ),
+    C("synth-graph-seed-negative", "data synth-graph --scale tiny --seed -1 --out {w}/g", "--seed -1"),
+    C(
+        "synth-graph-out-under-a-file",
+        "data synth-graph --scale tiny --out {w}/afile/g",
+        "--out {w}/afile/g",
+        "nothing was written",
+    ),
+    C(
+        "report-html-into-a-missing-folder",
+        "report {w}/logs_ok --html {w}/nope/r.html",
+        "--html {w}/nope/r.html",
+        "No such file",
+    ),
+    C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
+    C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
+    C("plan-gpus-a-billion", "plan llama31_8b --gpus 1000000000 --gpu-mem 80", "--gpus 1000000000", "split"),
+    C("plan-gpus-zero", "plan llama31_8b --gpus 0 --gpu-mem 80", "--gpus 0", "at least 1"),
+    C(
+        "plan-tp-not-dividing",
+        "plan llama31_405b --gpus 3 --gpu-mem 80 --parallel tp=3",
+        "tp=3",
+        "divide by 3",
+    ),
+    C(
+        "plan-parallel-not-the-gpus",
+        "plan llama31_8b --gpus 8 --gpu-mem 80 --parallel dp=4",
+        "dp=4",
+        "--gpus",
+    ),
+    C("plan-parallel-garbage", "plan llama31_8b --gpus 8 --gpu-mem 80 --parallel tp=two", "'tp=two'", "dp=8"),
+    C(
+        "plan-batch-does-not-split",
+        "plan llama31_8b --gpus 3 --gpu-mem 80 --parallel fsdp=3",
+        "global_batch_size",
+        "not divisible by 3 data-parallel ranks",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TRUST_CASES)
+def test_checks_before_trust(case: Case, request, tmp_path, capsys, monkeypatch):
+    """`test_bad_input` itself, on a workspace with the damaged inputs of these cases."""
+    this = sys.modules[__name__]
+    base = this._workspace
+    monkeypatch.setattr(this, "_workspace", lambda w: (base(w), _trust_workspace(w)))
+    test_bad_input(case, request, tmp_path, capsys)
+
+
+def test_plan_and_run_read_parallel_through_one_parser(monkeypatch, tmp_path):
+    """`ttt plan --parallel` is `ttt run --parallel`: the same `parallel.parse`, so fsdp=4,tp=2 keeps tp=2."""
+    from timetotrain.suite import get
+    from timetotrain.train import memory, parallel, prepare
+
+    seen = []
+    real = parallel.parse
+
+    def spy(spec, world, *a, **k):
+        seen.append((spec, world))
+        return real(spec, world, *a, **k)
+
+    monkeypatch.setattr(parallel, "parse", spy)
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    _, rows, _ = memory.plan(bench, tier, 8, 80, "fsdp=4,tp=2")
+    assert seen == [("fsdp=4,tp=2", 8)]
+    assert rows and {r.parallel for r in rows} == {"tp=2,fsdp=4"}
+    monkeypatch.setenv("WORLD_SIZE", "8")  # what torchrun sets for `ttt run`
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    prep = prepare.preflight(bench, tier, tmp_path, "fsdp=4,tp=2", "bf16", True, False, device="cpu")
+    assert seen[-1] == ("fsdp=4,tp=2", 8) and (prep.plan.tp, prep.plan.fsdp) == (2, 4)
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC: the disk filled up before it."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def full_disk_from(monkeypatch, nth: int) -> None:
+    """The disk is full from the `nth` file `fileio` opens for writing on (1-based): the ones before are
+    written whole, so "nothing final written" is tested against outputs that did get written."""
+    from timetotrain import fileio
+
+    opened = [0]
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = open(file, mode, *args, **kwargs)
+        if "w" not in mode:
+            return f
+        opened[0] += 1
+        return f if opened[0] < nth else _FullDisk(f)
+
+    monkeypatch.setattr(fileio, "open", opener, raising=False)  # the name `fileio` resolves `open` by
+
+
+@pytest.mark.parametrize(
+    "argv,flag,nth",
+    [
+        # after the first feature files: the graph's files appear together or not at all
+        ("data synth-graph --scale tiny --out {w}/g", "--out {w}/g", 3),
+        ("report {w}/logs_ok --out {w}/rep", "--out {w}/rep", 2),  # summary.md, after the plot
+        ("report {w}/logs_ok --html {w}/r.html", "--html {w}/r.html", 1),
+    ],
+    ids=["synth-graph", "report", "report-html"],
+)
+def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, capsys, monkeypatch):
+    w = tmp_path / "w"
+    _workspace(w)
+    before = _snapshot(w)
+    full_disk_from(monkeypatch, nth)
+    code = main(argv.format(w=w).split())
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ttt: error: {flag.format(w=w)}: No space left on device"
+    ), err
+    assert "nothing was written" in lines[0]
+    after = _snapshot(w)
+    made = {
+        p for p in after.keys() - before.keys() if after[p] == ("dir",)
+    }  # the --out folder and its subfolders
+    assert {p: v for p, v in after.items() if p not in made} == before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from timetotrain.errors import UserError
+from timetotrain.errors import UserError, writing
 
 _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
@@ -304,7 +304,9 @@ def add_commands(sub) -> None:
 
 def _cmd_synth_graph(args) -> int:
     from timetotrain.data import graph_synth
+    from timetotrain.train.seeds import check_seed
 
+    check_seed(args.seed)  # numpy's generators refuse a negative seed with a traceback
     sc = graph_synth.scale(args.scale)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -313,7 +315,9 @@ def _cmd_synth_graph(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a graph is never written over another)"
         )
-    info = graph_synth.generate(out, sc, args.seed)
+    with writing("--out", out):  # a full disk or an unusable folder: every file of the graph, or none
+        out.mkdir(parents=True, exist_ok=True)  # before minutes of generating, not after
+        info = graph_synth.generate(out, sc, args.seed)
     print(
         f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
         f"{sum(info['edges'].values()):,} stored edges, {info['labeled']:,} labeled papers, {info['dim']}-d "
