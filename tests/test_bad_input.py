@@ -595,6 +595,12 @@ def _trust_workspace(w: Path) -> None:
     raw = bytearray(f.read_bytes())
     raw[12:20] = b"\xff" * 8  # inside the JSON header
     f.write_bytes(bytes(raw))
+    (w / "suite_bad").mkdir()  # a suite state whose seeds are a list, not benchmark -> seeds
+    (w / "suite_bad" / "suite.json").write_text('{"tier": "tiny", "seeds": [1, 2], "seconds": {}}\n')
+    (w / "synth_bad").mkdir()  # names a benchmark and an MFU, but the MFU is a word
+    (w / "synth_bad" / "summary_0.json").write_text(
+        '{"benchmark": "llama31_8b", "tier": "tiny", "mfu": "high"}'
+    )
 
 
 TRUST_CASES = [
@@ -622,6 +628,18 @@ TRUST_CASES = [
         "report {w}/logs_ok --html {w}/nope/r.html",
         "--html {w}/nope/r.html",
         "No such file",
+    ),
+    C(
+        "suite-state-wrong-types",
+        "suite --tier tiny --out {w}/suite_bad",
+        "{w}/suite_bad/suite.json",
+        "`seeds`",
+    ),
+    C(
+        "report-synth-summary-wrong-types",
+        "report {w}/synth_bad --html {w}/r.html",
+        "{w}/synth_bad/summary_0.json",
+        "`mfu` is 'high'",
     ),
     C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
     C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
