@@ -582,9 +582,48 @@ def test_the_suite_covers_every_command():
 # ENOSPC once a byte budget is spent.
 
 
-def _trust_workspace(w: Path) -> None:
-    """What the issue-22 cases point at, beside `_workspace`'s files."""
+def flip_byte(path: Path, at: int = -1) -> None:
+    """One byte changed in place, the size kept: only a checksum can tell."""
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def trust_graph(tmp_path_factory) -> Path:
+    """The rgat tiny tier's generated graph (`ttt data synth-graph --scale tiny`), its CSC cache built."""
+    from timetotrain.data import graph_synth, igbh
+
+    out = tmp_path_factory.mktemp("graph") / "g"
+    graph_synth.generate(out, graph_synth.SCALES["tiny"], seed=0, log=lambda s: None)
+    igbh.build_csc(igbh.check_layout(out), log=lambda s: None)
+    return out
+
+
+def _trust_workspace(w: Path, case: Case, request) -> None:
+    """What the issue-22 cases point at, beside `_workspace`'s files (a graph only for the cases naming one)."""
     from safetensors.torch import save_file
+    from test_flux_task import CFG, write_dataset
+
+    from timetotrain.data import igbh
+
+    if any("{w}/graph_" in a for a in case.argv):
+        src = request.getfixturevalue("trust_graph")
+        for name in ("graph_csc_cut", "graph_flipped"):
+            shutil.copytree(src, w / name)
+        cache = w / "graph_csc_cut" / igbh.CACHE
+        victim = sorted(cache.glob("*.indices.npy"))[0]
+        os.truncate(victim, victim.stat().st_size // 2)  # a copy of the data folder cut short
+        flip_byte(w / "graph_flipped" / "paper" / igbh.FEAT_FILE)
+    write_dataset(w / "flux_flipped", CFG, n_train=4, n_val=2)
+    flip_byte(w / "flux_flipped" / "train" / "clip.npy")
+    for name, text in (
+        ("flux_not_json", "{samples: 3"),
+        ("flux_samples_a_word", '{"samples": "many", "fields": {}}'),
+        ("flux_dtype_unknown", '{"samples": 1, "fields": {"t5": {"dtype": "int4"}}}'),
+    ):
+        (w / name / "train").mkdir(parents=True)
+        (w / name / "train" / "manifest.json").write_text(text)
 
     for name in ("st_truncated", "st_garbled"):
         (w / name).mkdir()
@@ -641,6 +680,40 @@ TRUST_CASES = [
         "{w}/synth_bad/summary_0.json",
         "`mfu` is 'high'",
     ),
+    C(
+        "rgat-csc-cache-truncated",
+        "run rgat --tier tiny --data {w}/graph_csc_cut --logdir {w}/logs",
+        "{w}/graph_csc_cut/ttt_csc/",
+        "graph cache is damaged",
+    ),
+    C(
+        "rgat-graph-checksum",
+        "run rgat --tier tiny --data {w}/graph_flipped --logdir {w}/logs",
+        "{w}/graph_flipped/paper/node_feat.npy checksum mismatch",
+    ),
+    C(
+        "flux1-encodings-checksum",
+        "run flux1 --tier tiny --data {w}/flux_flipped --logdir {w}/logs",
+        "{w}/flux_flipped/train/clip.npy checksum mismatch",
+    ),
+    C(
+        "flux1-manifest-not-json",
+        "run flux1 --tier tiny --data {w}/flux_not_json --logdir {w}/logs",
+        "{w}/flux_not_json/train/manifest.json",
+        "unreadable",
+    ),
+    C(
+        "flux1-manifest-samples-a-word",
+        "run flux1 --tier tiny --data {w}/flux_samples_a_word --logdir {w}/logs",
+        "{w}/flux_samples_a_word/train/manifest.json",
+        "`samples` is 'many'",
+    ),
+    C(
+        "flux1-manifest-dtype-unknown",
+        "run flux1 --tier tiny --data {w}/flux_dtype_unknown --logdir {w}/logs",
+        "{w}/flux_dtype_unknown/train/manifest.json",
+        "`fields.t5.dtype`",
+    ),
     C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
     C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
     C("plan-gpus-a-billion", "plan llama31_8b --gpus 1000000000 --gpu-mem 80", "--gpus 1000000000", "split"),
@@ -672,7 +745,7 @@ def test_checks_before_trust(case: Case, request, tmp_path, capsys, monkeypatch)
     """`test_bad_input` itself, on a workspace with the damaged inputs of these cases."""
     this = sys.modules[__name__]
     base = this._workspace
-    monkeypatch.setattr(this, "_workspace", lambda w: (base(w), _trust_workspace(w)))
+    monkeypatch.setattr(this, "_workspace", lambda w: (base(w), _trust_workspace(w, case, request)))
     test_bad_input(case, request, tmp_path, capsys)
 
 

@@ -236,6 +236,8 @@ class NodeClassification(Task):
                 f"{files.root / 'paper' / igbh.FEAT_FILE} has {files.dim}-d features; the {tier.name} model "
                 f"reads {tier.model.in_dim}: {spec.how_to_make}"
             )
+        if verify:  # a generated graph's manifest: sizes and sha256s, the same one-line errors as C4's
+            igbh.verify(files)
         seconds = igbh.build_csc(files, log=lambda s: print(s, flush=True))
         if seconds:
             print(f"graph cache built in {seconds:.1f} s (off the clock: the rules allow graph caching)")

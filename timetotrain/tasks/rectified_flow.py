@@ -251,8 +251,8 @@ class RectifiedFlow(Task):
         if not root.is_dir():
             raise UserError(f"--data {root} is not a folder: prepare it with `ttt data prepare flux`")
         shapes = shapes_of(tier.model)
-        train = enc.EncodedSplit(root, tier.data.train_split, shapes)
-        val = enc.EncodedSplit(root, tier.data.val_split, shapes)
+        train = enc.EncodedSplit(root, tier.data.train_split, shapes, verify=verify)
+        val = enc.EncodedSplit(root, tier.data.val_split, shapes, verify=verify)
         need = -(-tier.eval_samples // tier.data.eval_repeats)
         if val.n < need:
             raise UserError(
@@ -265,7 +265,7 @@ class RectifiedFlow(Task):
                 f"from MLCommons), but tier {tier.name} evaluates each sample at {tier.data.eval_repeats}: use "
                 "data prepared from tars for this tier"
             )
-        return Resolved(root, train, val, enc.read_empty(root, shapes))
+        return Resolved(root, train, val, enc.read_empty(root, shapes, verify=verify))
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         return _FlowData(tier, resolved, seed, rank, world, device)
