@@ -19,6 +19,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch  # noqa: F401  (imported before the clock starts: the 5 s budget excludes it)
 from conftest import require_file, shared_data_dir, ttt_command
@@ -600,6 +601,23 @@ def trust_graph(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def gov_of_mixtral(tmp_path_factory) -> Path:
+    """GovReport blocks whose manifests say the Mixtral tokenizer made them (as one made with
+    `--tokenizer-model` of Mixtral's tokenizer.model would)."""
+    from timetotrain.data import govreport
+
+    src = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    spm = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    out = tmp_path_factory.mktemp("gov") / "gov"
+    govreport.prepare_tiny(src, spm, out)
+    for m in out.glob("*.manifest.json"):
+        doc = json.loads(m.read_text())
+        doc["tokenizer"]["name"] = "mixtral"
+        m.write_text(json.dumps(doc))
+    return out
+
+
 def _trust_workspace(w: Path, case: Case, request) -> None:
     """What the issue-22 cases point at, beside `_workspace`'s files (a graph only for the cases naming one)."""
     from safetensors.torch import save_file
@@ -615,6 +633,8 @@ def _trust_workspace(w: Path, case: Case, request) -> None:
         victim = sorted(cache.glob("*.indices.npy"))[0]
         os.truncate(victim, victim.stat().st_size // 2)  # a copy of the data folder cut short
         flip_byte(w / "graph_flipped" / "paper" / igbh.FEAT_FILE)
+    if any("{w}/gov_mixtral" in a for a in case.argv):
+        shutil.copytree(request.getfixturevalue("gov_of_mixtral"), w / "gov_mixtral")
     write_dataset(w / "flux_flipped", CFG, n_train=4, n_val=2)
     flip_byte(w / "flux_flipped" / "train" / "clip.npy")
     for name, text in (
@@ -713,6 +733,13 @@ TRUST_CASES = [
         "run flux1 --tier tiny --data {w}/flux_dtype_unknown --logdir {w}/logs",
         "{w}/flux_dtype_unknown/train/manifest.json",
         "`fields.t5.dtype`",
+    ),
+    C(
+        "llama2_70b_lora-govreport-of-another-tokenizer",
+        "run llama2_70b_lora --tier reference --data {w}/gov_mixtral --logdir {w}/logs",
+        "{w}/gov_mixtral/govreport-train.manifest.json",
+        "'mixtral'",
+        "needs 'llama2'",
     ),
     C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
     C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
@@ -838,3 +865,32 @@ def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, cap
         p for p in after.keys() - before.keys() if after[p] == ("dir",)
     }  # the --out folder and its subfolders
     assert {p: v for p, v in after.items() if p not in made} == before
+
+
+@pytest.mark.parametrize("how", ["from-another-prepare", "counts-too-few-ids"])
+def test_a_token_count_file_no_manifest_vouches_for_is_not_trusted(how, c4_prepared, tmp_path, capsys):
+    """Without the manifests, a leftover `*_token_counts.npy` neither narrows the vocabulary nor stands in for
+    the tokens in the id check: one that does not count this split's tokens is refused; one that does (but
+    counts too few ids) no longer hides the ids the tokens really hold. The missing manifests warn."""
+    data = tmp_path / "c4"
+    shutil.copytree(c4_prepared, data)
+    for m in data.glob("*.manifest.json"):
+        m.unlink()
+    counts = data / "c4-train_token_counts.npy"
+    n_tokens = int(np.load(counts).sum())
+    stale = np.zeros(1000, np.int64)  # a vocabulary far smaller than the one the tokens come from
+    stale[0] = n_tokens if how == "counts-too-few-ids" else 7
+    np.save(counts, stale)
+    before = _snapshot(data)
+    argv = ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(tmp_path / "logs")]
+    with pytest.warns(UserWarning, match="manifest.json not found") as warned:
+        code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    line = err[0]
+    # (in a terminal: two `ttt: warning:` lines first)
+    assert len([w for w in warned if "manifest.json not found" in str(w.message)]) == 2
+    assert line.startswith(f"ttt: error: {data}/c4-train_text_document.bin" if how != "from-another-prepare"
+                           else f"ttt: error: {counts}")  # fmt: skip
+    assert ("outside the 1,000 ids" in line) if how == "counts-too-few-ids" else ("another prepare" in line)
+    assert not list((tmp_path / "logs").rglob("result_*")) and _snapshot(data) == before
