@@ -601,6 +601,31 @@ def trust_graph(tmp_path_factory) -> Path:
     return out
 
 
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares width x height RGB pixels and holds none: what a decompression bomb shows PIL
+    before it decodes anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+def tar_of(path: Path, members: dict[str, bytes]) -> None:
+    import io
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
 @pytest.fixture(scope="module")
 def gov_of_mixtral(tmp_path_factory) -> Path:
     """GovReport blocks whose manifests say the Mixtral tokenizer made them (as one made with
@@ -635,6 +660,9 @@ def _trust_workspace(w: Path, case: Case, request) -> None:
         flip_byte(w / "graph_flipped" / "paper" / igbh.FEAT_FILE)
     if any("{w}/gov_mixtral" in a for a in case.argv):
         shutil.copytree(request.getfixturevalue("gov_of_mixtral"), w / "gov_mixtral")
+    # Over PIL's hard limit (2 x MAX_IMAGE_PIXELS), and in the band where PIL only warns and decodes.
+    for name, side in (("bomb", 30_000), ("bomb_warned", 10_000)):
+        tar_of(w / f"{name}.tar", {"s0.png": png_header_only(side, side), "s0.txt": b"a caption"})
     write_dataset(w / "flux_flipped", CFG, n_train=4, n_val=2)
     flip_byte(w / "flux_flipped" / "train" / "clip.npy")
     for name, text in (
@@ -740,6 +768,19 @@ TRUST_CASES = [
         "{w}/gov_mixtral/govreport-train.manifest.json",
         "'mixtral'",
         "needs 'llama2'",
+    ),
+    C(
+        "prepare-flux-decompression-bomb",
+        "data prepare flux --src {w}/bomb.tar --split train --encoders standin --tokenizer-model {spm} --out {w}/out",
+        "{w}/bomb.tar: member s0.png",
+        "decompression bomb",
+    ),
+    C(
+        "prepare-flux-decompression-bomb-pil-only-warns",
+        "data prepare flux --src {w}/bomb_warned.tar --split train --encoders standin --tokenizer-model {spm} "
+        "--out {w}/out",
+        "{w}/bomb_warned.tar: member s0.png",
+        "decompression bomb",
     ),
     C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
     C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
