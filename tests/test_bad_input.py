@@ -643,51 +643,169 @@ def gov_of_mixtral(tmp_path_factory) -> Path:
     return out
 
 
-def _trust_workspace(w: Path, case: Case, request) -> None:
-    """What the issue-22 cases point at, beside `_workspace`'s files (a graph only for the cases naming one)."""
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory) -> Path:
+    """llama31_8b tiny's freshly initialised weights as a Hugging Face folder (model.safetensors, config.json)."""
     from safetensors.torch import save_file
-    from test_flux_task import CFG, write_dataset
 
+    from timetotrain.suite import get
+
+    bench = get("llama31_8b")
+    cfg = bench.tier("tiny").model
+    model = bench.family.build(cfg)
+    state, config = bench.family.hf_export(model.state_dict(), cfg)
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    out.mkdir()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _hf_variant(
+    src: Path, dst: Path, tensor=None, config=None, name: str = "model.layers.0.mlp.down_proj.weight"
+) -> None:
+    """A copy of `src` with one tensor changed (`tensor(name, t)` returns the new one) or its config.json
+    text replaced."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensor is not None:
+        state = load_file(src / "model.safetensors")
+        state[name] = tensor(state[name])
+        save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        (dst / "config.json").write_text(config(json.loads((src / "config.json").read_text())))
+
+
+def _nan_at(t, where):
+    t = t.clone()
+    t.view(-1)[where] = float("nan")
+    return t
+
+
+def _graph(request, w: Path, name: str, change) -> None:
     from timetotrain.data import igbh
 
-    if any("{w}/graph_" in a for a in case.argv):
-        src = request.getfixturevalue("trust_graph")
-        for name in ("graph_csc_cut", "graph_flipped"):
-            shutil.copytree(src, w / name)
-        cache = w / "graph_csc_cut" / igbh.CACHE
-        victim = sorted(cache.glob("*.indices.npy"))[0]
-        os.truncate(victim, victim.stat().st_size // 2)  # a copy of the data folder cut short
-        flip_byte(w / "graph_flipped" / "paper" / igbh.FEAT_FILE)
-    if any("{w}/gov_mixtral" in a for a in case.argv):
-        shutil.copytree(request.getfixturevalue("gov_of_mixtral"), w / "gov_mixtral")
-    # Over PIL's hard limit (2 x MAX_IMAGE_PIXELS), and in the band where PIL only warns and decodes.
-    for name, side in (("bomb", 30_000), ("bomb_warned", 10_000)):
-        tar_of(w / f"{name}.tar", {"s0.png": png_header_only(side, side), "s0.txt": b"a caption"})
+    shutil.copytree(request.getfixturevalue("trust_graph"), w / name)
+    change(w / name, igbh)
+
+
+def _cut_csc(d: Path, igbh) -> None:
+    victim = sorted((d / igbh.CACHE).glob("*.indices.npy"))[0]
+    os.truncate(victim, victim.stat().st_size // 2)  # a copy of the data folder cut short
+
+
+def _float_labels(d: Path, igbh) -> None:
+    labels = d / "paper" / igbh.LABEL_FILE
+    np.save(labels, np.load(labels).astype(np.float32))
+
+
+def _inf_feature(d: Path, igbh) -> None:
+    feats = d / "author" / igbh.FEAT_FILE
+    f = np.load(feats)
+    f[17, 3] = np.inf
+    np.save(feats, f)
+
+
+def _flux_nan(w: Path) -> None:
+    """One train split of flux1 tiny's shapes (the scan comes after the shape check), its T5 states NaN."""
+    from timetotrain.data import flux_encodings as enc
+    from timetotrain.suite import get
+    from timetotrain.tasks.rectified_flow import shapes_of
+
+    shapes = shapes_of(get("flux1").tier("tiny").model)
+    arrays = {f: enc.to_numpy(torch.zeros(3, *shapes.of(f)), "bfloat16") for f in enc.FIELDS}
+    arrays["t5"] = enc.to_numpy(torch.full((3, *shapes.t5), float("nan")), "bfloat16")
+    meta = {"dtypes": dict.fromkeys(enc.FIELDS, "bfloat16")}
+    enc.write_split(w / "flux_nan", "train", ["a", "b", "c"], arrays, meta)
+
+
+def _gov_float_labels(w: Path, request) -> None:
+    """GovReport blocks whose labels are floats, with a manifest that vouches for them."""
+    from timetotrain.data import govreport
+    from timetotrain.data.manifest import sha256_file
+
+    d = w / "gov_float_labels"
+    shutil.copytree(request.getfixturevalue("gov_of_mixtral"), d)
+    labels = d / govreport.array_names("train")[1]
+    np.save(labels, np.load(labels).astype(np.float32))
+    man = d / f"{govreport.dataset_name('train')}.manifest.json"
+    doc = json.loads(man.read_text())
+    doc["files"][labels.name] = {"bytes": labels.stat().st_size, "sha256": sha256_file(labels)}
+    man.write_text(json.dumps(doc))
+
+
+def _flux_flipped(w: Path) -> None:
+    from test_flux_task import CFG, write_dataset
+
     write_dataset(w / "flux_flipped", CFG, n_train=4, n_val=2)
     flip_byte(w / "flux_flipped" / "train" / "clip.npy")
-    for name, text in (
-        ("flux_not_json", "{samples: 3"),
-        ("flux_samples_a_word", '{"samples": "many", "fields": {}}'),
-        ("flux_dtype_unknown", '{"samples": 1, "fields": {"t5": {"dtype": "int4"}}}'),
-    ):
-        (w / name / "train").mkdir(parents=True)
-        (w / name / "train" / "manifest.json").write_text(text)
 
-    for name in ("st_truncated", "st_garbled"):
-        (w / name).mkdir()
-        save_file({"w": torch.ones(64)}, w / name / "model.safetensors")
-    f = w / "st_truncated" / "model.safetensors"
-    os.truncate(f, f.stat().st_size - 16)  # a download cut short
-    f = w / "st_garbled" / "model.safetensors"
-    raw = bytearray(f.read_bytes())
-    raw[12:20] = b"\xff" * 8  # inside the JSON header
-    f.write_bytes(bytes(raw))
-    (w / "suite_bad").mkdir()  # a suite state whose seeds are a list, not benchmark -> seeds
-    (w / "suite_bad" / "suite.json").write_text('{"tier": "tiny", "seeds": [1, 2], "seconds": {}}\n')
-    (w / "synth_bad").mkdir()  # names a benchmark and an MFU, but the MFU is a word
-    (w / "synth_bad" / "summary_0.json").write_text(
-        '{"benchmark": "llama31_8b", "tier": "tiny", "mfu": "high"}'
-    )
+
+def _safetensors(w: Path, name: str) -> None:
+    from safetensors.torch import save_file
+
+    (w / name).mkdir()
+    f = w / name / "model.safetensors"
+    save_file({"w": torch.ones(64)}, f)
+    if name == "st_truncated":
+        os.truncate(f, f.stat().st_size - 16)  # a download cut short
+    else:
+        raw = bytearray(f.read_bytes())
+        raw[12:20] = b"\xff" * 8  # inside the JSON header
+        f.write_bytes(bytes(raw))
+
+
+def _flux_manifest(w: Path, name: str, text: str) -> None:
+    (w / name / "train").mkdir(parents=True)
+    (w / name / "train" / "manifest.json").write_text(text)
+
+
+def _bomb(w: Path, name: str, side: int) -> None:
+    tar_of(w / f"{name}.tar", {"s0.png": png_header_only(side, side), "s0.txt": b"a caption"})
+
+
+# What each issue-22 input is made by, by its name under {w}: a case gets only the ones its argv names.
+_TRUST_INPUTS = {
+    "st_truncated": lambda w, r: _safetensors(w, "st_truncated"),
+    "st_garbled": lambda w, r: _safetensors(w, "st_garbled"),
+    "suite_bad": lambda w, r: (
+        (w / "suite_bad").mkdir(),  # a suite state whose seeds are a list, not benchmark -> seeds
+        (w / "suite_bad" / "suite.json").write_text('{"tier": "tiny", "seeds": [1, 2], "seconds": {}}\n'),
+    ),
+    "synth_bad": lambda w, r: (
+        (w / "synth_bad").mkdir(),  # names a benchmark and an MFU, but the MFU is a word
+        (w / "synth_bad" / "summary_0.json").write_text('{"benchmark": "llama31_8b", "tier": "tiny", "mfu": "high"}'),
+    ),
+    "graph_csc_cut": lambda w, r: _graph(r, w, "graph_csc_cut", _cut_csc),
+    "graph_flipped": lambda w, r: _graph(r, w, "graph_flipped", lambda d, igbh: flip_byte(d / "paper" / igbh.FEAT_FILE)),
+    "graph_float_labels": lambda w, r: _graph(r, w, "graph_float_labels", _float_labels),
+    "graph_nan_features": lambda w, r: _graph(r, w, "graph_nan_features", _inf_feature),
+    "hf_int32": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_int32", tensor=lambda t: (t * 100).to(torch.int32)),
+    # found by the bounded scan (test_a_nan_past_the_bounded_scan_is_refused_at_load: one past it)
+    "hf_nan_first": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_nan_first", tensor=lambda t: _nan_at(t, 0)),
+    "hf_config_not_json": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_config_not_json", config=lambda c: "{hidden_size: 128"),
+    "hf_config_heads": lambda w, r: _hf_variant(
+        r.getfixturevalue("hf_tiny"), w / "hf_config_heads", config=lambda c: json.dumps({**c, "num_attention_heads": 1})
+    ),
+    "flux_nan": lambda w, r: _flux_nan(w),
+    "flux_flipped": lambda w, r: _flux_flipped(w),
+    "flux_not_json": lambda w, r: _flux_manifest(w, "flux_not_json", "{samples: 3"),
+    "flux_samples_a_word": lambda w, r: _flux_manifest(w, "flux_samples_a_word", '{"samples": "many", "fields": {}}'),
+    "flux_dtype_unknown": lambda w, r: _flux_manifest(w, "flux_dtype_unknown", '{"samples": 1, "fields": {"t5": {"dtype": "int4"}}}'),
+    "gov_mixtral": lambda w, r: shutil.copytree(r.getfixturevalue("gov_of_mixtral"), w / "gov_mixtral"),
+    "gov_float_labels": _gov_float_labels,
+    # Over PIL's hard limit (2 x MAX_IMAGE_PIXELS), and in the band where PIL only warns and decodes.
+    "bomb.tar": lambda w, r: _bomb(w, "bomb", 30_000),
+    "bomb_warned.tar": lambda w, r: _bomb(w, "bomb_warned", 10_000),
+}  # fmt: skip
+
+
+def _trust_workspace(w: Path, case: Case, request) -> None:
+    """What the issue-22 cases point at, beside `_workspace`'s files: only what this case names."""
+    named = {a.split("/")[1] for a in case.argv if a.startswith("{w}/")}
+    for name in named & _TRUST_INPUTS.keys():
+        _TRUST_INPUTS[name](w, request)
 
 
 TRUST_CASES = [
@@ -781,6 +899,52 @@ TRUST_CASES = [
         "--out {w}/out",
         "{w}/bomb_warned.tar: member s0.png",
         "decompression bomb",
+    ),
+    C(
+        "init-checkpoint-int32-weights",
+        run_("--init-checkpoint {w}/hf_int32", data="{w}/empty"),
+        "{w}/hf_int32/model.safetensors: tensor model.layers.0.mlp.down_proj.weight is I32",
+        "not floating point",
+    ),
+    C(
+        "init-checkpoint-nan-weights",
+        run_("--init-checkpoint {w}/hf_nan_first", data="{w}/empty"),
+        "{w}/hf_nan_first/model.safetensors: tensor model.layers.0.mlp.down_proj.weight holds NaN",
+        "bounded scan",
+    ),
+    C(
+        "init-checkpoint-config-not-json",
+        run_("--init-checkpoint {w}/hf_config_not_json", data="{w}/empty"),
+        "{w}/hf_config_not_json/config.json is not valid JSON",
+    ),
+    C(
+        "init-checkpoint-config-of-another-head-split",
+        run_("--init-checkpoint {w}/hf_config_heads", data="{w}/empty"),
+        "{w}/hf_config_heads/config.json: num_attention_heads is 1",
+        "n_heads=",
+    ),
+    C(
+        "rgat-float-labels",
+        "run rgat --tier tiny --data {w}/graph_float_labels --logdir {w}/logs",
+        "{w}/graph_float_labels/paper/node_label_2K.npy holds float32 labels",
+    ),
+    C(
+        "rgat-inf-features",
+        "run rgat --tier tiny --data {w}/graph_nan_features --logdir {w}/logs",
+        "{w}/graph_nan_features/author/node_feat.npy: row 17 holds NaN or inf",
+        "full scan",
+    ),
+    C(
+        "flux1-nan-encodings",
+        "run flux1 --tier tiny --data {w}/flux_nan --logdir {w}/logs",
+        "{w}/flux_nan/train/t5.npy: row 0 holds NaN or inf",
+        "full scan",
+    ),
+    C(
+        "llama2_70b_lora-float-labels",
+        "run llama2_70b_lora --tier reference --data {w}/gov_float_labels --logdir {w}/logs",
+        "{w}/gov_float_labels/",
+        "holds float32 values, not token ids",
     ),
     C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
     C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
@@ -935,3 +1099,20 @@ def test_a_token_count_file_no_manifest_vouches_for_is_not_trusted(how, c4_prepa
                            else f"ttt: error: {counts}")  # fmt: skip
     assert ("outside the 1,000 ids" in line) if how == "counts-too-few-ids" else ("another prepare" in line)
     assert not list((tmp_path / "logs").rglob("result_*")) and _snapshot(data) == before
+
+
+def test_a_nan_past_the_bounded_scan_is_refused_at_load(hf_tiny, tmp_path):
+    """The preflight scan reads the first values of each tensor; the load checks every value it copies."""
+    from timetotrain.errors import UserError
+    from timetotrain.suite import get
+    from timetotrain.train.checkpoint import check_init_source, init_from
+
+    bench = get("llama31_8b")
+    cfg = bench.tier("tiny").model
+    embed = "model.embed_tokens.weight"  # more values than the bounded scan reads: its last one is past it
+    _hf_variant(hf_tiny, tmp_path / "hf", tensor=lambda t: _nan_at(t, -1), name=embed)
+    assert check_init_source(tmp_path / "hf", bench.family, cfg) == "hf"  # the bounded scan misses it
+    with pytest.raises(
+        UserError, match=r"model\.embed_tokens\.weight \(for embed\.weight\) holds NaN or inf"
+    ):
+        init_from(tmp_path / "hf", bench.family.build(cfg), bench.family, cfg)

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.finite import check_finite
 from timetotrain.data.manifest import manifest_problem, sha256_file, verify_manifest
 from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
@@ -334,6 +335,7 @@ class EncodedSplit:
                     f"{path}: encodings of shape {list(a.shape)} ({a.dtype}), this tier needs {list(want)} "
                     f"({dtype}) (first sample {first!r}): prepare the data for this tier's encoders"
                 )
+            check_finite(path, a, _REPREPARE, lambda c, dt=dtype: to_tensor(c, dt).float().numpy())
             self.arrays[f], self.dtypes[f] = a, dtype
         if len(self.keys) != self.n:
             raise UserError(f"{d / 'keys.txt'}: {len(self.keys)} keys for {self.n} samples: re-run prepare")
@@ -409,7 +411,10 @@ def read_empty(root: Path, shapes: Shapes, verify: bool = False) -> tuple[torch.
     if verify and (d / "manifest.json").is_file():  # (folders written before checksums have none)
         verify_manifest(d, _manifest_of(d, empty=True))
     t5, clip, dtype = read_empty_arrays(d, shapes)
-    return to_tensor(t5, dtype).float(), to_tensor(clip, dtype).float()
+    out = to_tensor(t5, dtype).float(), to_tensor(clip, dtype).float()
+    for name, t in zip(("t5_empty.npy", "clip_empty.npy"), out, strict=True):
+        check_finite(d / name, t.numpy()[None], _REPREPARE)
+    return out
 
 
 def sample_latent(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.finite import check_finite
 from timetotrain.data.manifest import read_manifest, verify_manifest
 from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
@@ -104,14 +105,21 @@ def check_layout(data_dir: Path) -> GraphFiles:
     counts, dims = {}, {}
     for t in NODE_TYPES:
         f = _header(root / t / FEAT_FILE)
-        if f.ndim != 2:
-            raise UserError(f"{root / t / FEAT_FILE} has shape {f.shape}: expected [num_{t}, dim]")
+        if f.ndim != 2 or f.dtype.kind != "f":
+            raise UserError(
+                f"{root / t / FEAT_FILE} has shape {f.shape} {f.dtype}: expected [num_{t}, dim] floats"
+            )
+        check_finite(root / t / FEAT_FILE, f, _REMEDY)
         counts[t], dims[t] = f.shape
     if len(set(dims.values())) != 1:
         raise UserError(
             f"{root}/*/{FEAT_FILE}: feature widths differ ({dims}): every node type needs the same width"
         )
     labels = _header(root / "paper" / LABEL_FILE)
+    if labels.dtype.kind not in "iu":  # float labels would be cast to classes silently
+        raise UserError(
+            f"{root / 'paper' / LABEL_FILE} holds {labels.dtype} labels: expected integer class ids"
+        )
     if labels.ndim != 1 or not 0 < len(labels) <= counts["paper"]:
         raise UserError(
             f"{root / 'paper' / LABEL_FILE} has shape {labels.shape}: expected [n] with 0 < n <= "

@@ -118,7 +118,7 @@ def run(opts: RunOptions) -> RunResult:
     if opts.init_checkpoint is not None:
         from timetotrain.train.checkpoint import check_init_source
 
-        check_init_source(opts.init_checkpoint, bench.family)
+        check_init_source(opts.init_checkpoint, bench.family, tier.model)
         prep.init_checkpoint = Path(opts.init_checkpoint)
     res = task.resolve(
         tier, opts.data, verify=opts.verify_data and d.main, init_checkpoint=prep.init_checkpoint
