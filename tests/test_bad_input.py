@@ -1116,3 +1116,27 @@ def test_a_nan_past_the_bounded_scan_is_refused_at_load(hf_tiny, tmp_path):
         UserError, match=r"model\.embed_tokens\.weight \(for embed\.weight\) holds NaN or inf"
     ):
         init_from(tmp_path / "hf", bench.family.build(cfg), bench.family, cfg)
+
+
+def test_set_global_batch_size_at_405b_tiny_keeps_the_tiers_own_schedule():
+    """llama31_405b's rule (LR and schedule as functions of the GBS) describes its reference tier only: at
+    tiny it gave an LR 1,800 times smaller and a 288,000-step warmup. The tiny tier keeps its own values,
+    which its rule file accepts; the reference still takes the rule's."""
+    from timetotrain.mlperf.keys import check_rules
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+
+    bench = get("llama31_405b")
+    tiny = bench.tier("tiny")
+    t = apply_overrides(bench, tiny, ["global_batch_size=32"])
+    assert t.global_batch_size == 32
+    assert (t.lr, t.end_lr, t.warmup_steps, t.max_steps) == (
+        tiny.lr,
+        tiny.end_lr,
+        tiny.warmup_steps,
+        tiny.max_steps,
+    )
+    check_rules(bench, t)
+    ref = bench.tier("reference")
+    r = apply_overrides(bench, ref, [f"global_batch_size={2 * ref.global_batch_size}"])
+    assert r.lr == 2 * ref.lr and r.warmup_steps == ref.warmup_steps // 2
