@@ -7,15 +7,19 @@ Most cases run `timetotrain.cli.main` in this process; the last test runs a few 
 show the same single line reaches a terminal."""
 
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch  # noqa: F401  (imported before the clock starts: the 5 s budget excludes it)
 from conftest import require_file, shared_data_dir, ttt_command
@@ -569,3 +573,570 @@ def test_the_suite_covers_every_command():
     assert commands == {"run", "synth", "data prepare", "data synth-graph", "check", "score", "package",
                         "report", "suite", "data download"}  # fmt: skip
     assert len(CASES) >= 40
+
+
+# --- issue 22: checks before trust ---
+# Damaged or mismatched inputs that used to give a traceback or be accepted: each is one `ttt: error:` line,
+# exit 2, nothing final written, the inputs unchanged (the harness of `test_bad_input` above, with the
+# workspace below added). A full disk is simulated as in tests/test_faults.py, in process: here every
+# file `fileio` opens for writing (Staged and atomic_write, so every writer of ttt's outputs) fails with
+# ENOSPC once a byte budget is spent.
+
+
+def flip_byte(path: Path, at: int = -1) -> None:
+    """One byte changed in place, the size kept: only a checksum can tell."""
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def trust_graph(tmp_path_factory) -> Path:
+    """The rgat tiny tier's generated graph (`ttt data synth-graph --scale tiny`), its CSC cache built."""
+    from timetotrain.data import graph_synth, igbh
+
+    out = tmp_path_factory.mktemp("graph") / "g"
+    graph_synth.generate(out, graph_synth.SCALES["tiny"], seed=0, log=lambda s: None)
+    igbh.build_csc(igbh.check_layout(out), log=lambda s: None)
+    return out
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares width x height RGB pixels and holds none: what a decompression bomb shows PIL
+    before it decodes anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+def tar_of(path: Path, members: dict[str, bytes]) -> None:
+    import io
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def gov_of_mixtral(tmp_path_factory) -> Path:
+    """GovReport blocks whose manifests say the Mixtral tokenizer made them (as one made with
+    `--tokenizer-model` of Mixtral's tokenizer.model would)."""
+    from timetotrain.data import govreport
+
+    src = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    spm = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    out = tmp_path_factory.mktemp("gov") / "gov"
+    govreport.prepare_tiny(src, spm, out)
+    for m in out.glob("*.manifest.json"):
+        doc = json.loads(m.read_text())
+        doc["tokenizer"]["name"] = "mixtral"
+        m.write_text(json.dumps(doc))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory) -> Path:
+    """llama31_8b tiny's freshly initialised weights as a Hugging Face folder (model.safetensors, config.json)."""
+    from safetensors.torch import save_file
+
+    from timetotrain.suite import get
+
+    bench = get("llama31_8b")
+    cfg = bench.tier("tiny").model
+    model = bench.family.build(cfg)
+    state, config = bench.family.hf_export(model.state_dict(), cfg)
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    out.mkdir()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _hf_variant(
+    src: Path, dst: Path, tensor=None, config=None, name: str = "model.layers.0.mlp.down_proj.weight"
+) -> None:
+    """A copy of `src` with one tensor changed (`tensor(name, t)` returns the new one) or its config.json
+    text replaced."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if tensor is not None:
+        state = load_file(src / "model.safetensors")
+        state[name] = tensor(state[name])
+        save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    if config is not None:
+        (dst / "config.json").write_text(config(json.loads((src / "config.json").read_text())))
+
+
+def _nan_at(t, where):
+    t = t.clone()
+    t.view(-1)[where] = float("nan")
+    return t
+
+
+def _graph(request, w: Path, name: str, change) -> None:
+    from timetotrain.data import igbh
+
+    shutil.copytree(request.getfixturevalue("trust_graph"), w / name)
+    change(w / name, igbh)
+
+
+def _cut_csc(d: Path, igbh) -> None:
+    victim = sorted((d / igbh.CACHE).glob("*.indices.npy"))[0]
+    os.truncate(victim, victim.stat().st_size // 2)  # a copy of the data folder cut short
+
+
+def _float_labels(d: Path, igbh) -> None:
+    labels = d / "paper" / igbh.LABEL_FILE
+    np.save(labels, np.load(labels).astype(np.float32))
+
+
+def _inf_feature(d: Path, igbh) -> None:
+    feats = d / "author" / igbh.FEAT_FILE
+    f = np.load(feats)
+    f[17, 3] = np.inf
+    np.save(feats, f)
+
+
+def _flux_nan(w: Path) -> None:
+    """One train split of flux1 tiny's shapes (the scan comes after the shape check), its T5 states NaN."""
+    from timetotrain.data import flux_encodings as enc
+    from timetotrain.suite import get
+    from timetotrain.tasks.rectified_flow import shapes_of
+
+    shapes = shapes_of(get("flux1").tier("tiny").model)
+    arrays = {f: enc.to_numpy(torch.zeros(3, *shapes.of(f)), "bfloat16") for f in enc.FIELDS}
+    arrays["t5"] = enc.to_numpy(torch.full((3, *shapes.t5), float("nan")), "bfloat16")
+    meta = {"dtypes": dict.fromkeys(enc.FIELDS, "bfloat16")}
+    enc.write_split(w / "flux_nan", "train", ["a", "b", "c"], arrays, meta)
+
+
+def _gov_float_labels(w: Path, request) -> None:
+    """GovReport blocks whose labels are floats, with a manifest that vouches for them."""
+    from timetotrain.data import govreport
+    from timetotrain.data.manifest import sha256_file
+
+    d = w / "gov_float_labels"
+    shutil.copytree(request.getfixturevalue("gov_of_mixtral"), d)
+    labels = d / govreport.array_names("train")[1]
+    np.save(labels, np.load(labels).astype(np.float32))
+    man = d / f"{govreport.dataset_name('train')}.manifest.json"
+    doc = json.loads(man.read_text())
+    doc["files"][labels.name] = {"bytes": labels.stat().st_size, "sha256": sha256_file(labels)}
+    man.write_text(json.dumps(doc))
+
+
+def _flux_flipped(w: Path) -> None:
+    from test_flux_task import CFG, write_dataset
+
+    write_dataset(w / "flux_flipped", CFG, n_train=4, n_val=2)
+    flip_byte(w / "flux_flipped" / "train" / "clip.npy")
+
+
+def _safetensors(w: Path, name: str) -> None:
+    from safetensors.torch import save_file
+
+    (w / name).mkdir()
+    f = w / name / "model.safetensors"
+    save_file({"w": torch.ones(64)}, f)
+    if name == "st_truncated":
+        os.truncate(f, f.stat().st_size - 16)  # a download cut short
+    else:
+        raw = bytearray(f.read_bytes())
+        raw[12:20] = b"\xff" * 8  # inside the JSON header
+        f.write_bytes(bytes(raw))
+
+
+def _flux_manifest(w: Path, name: str, text: str) -> None:
+    (w / name / "train").mkdir(parents=True)
+    (w / name / "train" / "manifest.json").write_text(text)
+
+
+def _bomb(w: Path, name: str, side: int) -> None:
+    tar_of(w / f"{name}.tar", {"s0.png": png_header_only(side, side), "s0.txt": b"a caption"})
+
+
+# What each issue-22 input is made by, by its name under {w}: a case gets only the ones its argv names.
+_TRUST_INPUTS = {
+    "st_truncated": lambda w, r: _safetensors(w, "st_truncated"),
+    "st_garbled": lambda w, r: _safetensors(w, "st_garbled"),
+    "suite_bad": lambda w, r: (
+        (w / "suite_bad").mkdir(),  # a suite state whose seeds are a list, not benchmark -> seeds
+        (w / "suite_bad" / "suite.json").write_text('{"tier": "tiny", "seeds": [1, 2], "seconds": {}}\n'),
+    ),
+    "synth_bad": lambda w, r: (
+        (w / "synth_bad").mkdir(),  # names a benchmark and an MFU, but the MFU is a word
+        (w / "synth_bad" / "summary_0.json").write_text('{"benchmark": "llama31_8b", "tier": "tiny", "mfu": "high"}'),
+    ),
+    "graph_csc_cut": lambda w, r: _graph(r, w, "graph_csc_cut", _cut_csc),
+    "graph_flipped": lambda w, r: _graph(r, w, "graph_flipped", lambda d, igbh: flip_byte(d / "paper" / igbh.FEAT_FILE)),
+    "graph_float_labels": lambda w, r: _graph(r, w, "graph_float_labels", _float_labels),
+    "graph_nan_features": lambda w, r: _graph(r, w, "graph_nan_features", _inf_feature),
+    "hf_int32": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_int32", tensor=lambda t: (t * 100).to(torch.int32)),
+    # found by the bounded scan (test_a_nan_past_the_bounded_scan_is_refused_at_load: one past it)
+    "hf_nan_first": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_nan_first", tensor=lambda t: _nan_at(t, 0)),
+    "hf_config_not_json": lambda w, r: _hf_variant(r.getfixturevalue("hf_tiny"), w / "hf_config_not_json", config=lambda c: "{hidden_size: 128"),
+    "hf_config_heads": lambda w, r: _hf_variant(
+        r.getfixturevalue("hf_tiny"), w / "hf_config_heads", config=lambda c: json.dumps({**c, "num_attention_heads": 1})
+    ),
+    "flux_nan": lambda w, r: _flux_nan(w),
+    "flux_flipped": lambda w, r: _flux_flipped(w),
+    "flux_not_json": lambda w, r: _flux_manifest(w, "flux_not_json", "{samples: 3"),
+    "flux_samples_a_word": lambda w, r: _flux_manifest(w, "flux_samples_a_word", '{"samples": "many", "fields": {}}'),
+    "flux_dtype_unknown": lambda w, r: _flux_manifest(w, "flux_dtype_unknown", '{"samples": 1, "fields": {"t5": {"dtype": "int4"}}}'),
+    "gov_mixtral": lambda w, r: shutil.copytree(r.getfixturevalue("gov_of_mixtral"), w / "gov_mixtral"),
+    "gov_float_labels": _gov_float_labels,
+    # Over PIL's hard limit (2 x MAX_IMAGE_PIXELS), and in the band where PIL only warns and decodes.
+    "bomb.tar": lambda w, r: _bomb(w, "bomb", 30_000),
+    "bomb_warned.tar": lambda w, r: _bomb(w, "bomb_warned", 10_000),
+}  # fmt: skip
+
+
+def _trust_workspace(w: Path, case: Case, request) -> None:
+    """What the issue-22 cases point at, beside `_workspace`'s files: only what this case names."""
+    named = {a.split("/")[1] for a in case.argv if a.startswith("{w}/")}
+    for name in named & _TRUST_INPUTS.keys():
+        _TRUST_INPUTS[name](w, request)
+
+
+TRUST_CASES = [
+    C(
+        "damaged-safetensors-truncated",
+        run_("--init-checkpoint {w}/st_truncated", data="{w}/empty"),
+        "{w}/st_truncated/model.safetensors",
+        "truncated",
+    ),
+    C(
+        "damaged-safetensors-garbled-header",
+        run_("--init-checkpoint {w}/st_garbled", data="{w}/empty"),
+        "{w}/st_garbled/model.safetensors",
+        "unreadable header",
+    ),
+    C("synth-graph-seed-negative", "data synth-graph --scale tiny --seed -1 --out {w}/g", "--seed -1"),
+    C(
+        "synth-graph-out-under-a-file",
+        "data synth-graph --scale tiny --out {w}/afile/g",
+        "--out {w}/afile/g",
+        "nothing was written",
+    ),
+    C(
+        "report-html-into-a-missing-folder",
+        "report {w}/logs_ok --html {w}/nope/r.html",
+        "--html {w}/nope/r.html",
+        "No such file",
+    ),
+    C(
+        "suite-state-wrong-types",
+        "suite --tier tiny --out {w}/suite_bad",
+        "{w}/suite_bad/suite.json",
+        "`seeds`",
+    ),
+    C(
+        "report-synth-summary-wrong-types",
+        "report {w}/synth_bad --html {w}/r.html",
+        "{w}/synth_bad/summary_0.json",
+        "`mfu` is 'high'",
+    ),
+    C(
+        "rgat-csc-cache-truncated",
+        "run rgat --tier tiny --data {w}/graph_csc_cut --logdir {w}/logs",
+        "{w}/graph_csc_cut/ttt_csc/",
+        "graph cache is damaged",
+    ),
+    C(
+        "rgat-graph-checksum",
+        "run rgat --tier tiny --data {w}/graph_flipped --logdir {w}/logs",
+        "{w}/graph_flipped/paper/node_feat.npy checksum mismatch",
+    ),
+    C(
+        "flux1-encodings-checksum",
+        "run flux1 --tier tiny --data {w}/flux_flipped --logdir {w}/logs",
+        "{w}/flux_flipped/train/clip.npy checksum mismatch",
+    ),
+    C(
+        "flux1-manifest-not-json",
+        "run flux1 --tier tiny --data {w}/flux_not_json --logdir {w}/logs",
+        "{w}/flux_not_json/train/manifest.json",
+        "unreadable",
+    ),
+    C(
+        "flux1-manifest-samples-a-word",
+        "run flux1 --tier tiny --data {w}/flux_samples_a_word --logdir {w}/logs",
+        "{w}/flux_samples_a_word/train/manifest.json",
+        "`samples` is 'many'",
+    ),
+    C(
+        "flux1-manifest-dtype-unknown",
+        "run flux1 --tier tiny --data {w}/flux_dtype_unknown --logdir {w}/logs",
+        "{w}/flux_dtype_unknown/train/manifest.json",
+        "`fields.t5.dtype`",
+    ),
+    C(
+        "llama2_70b_lora-govreport-of-another-tokenizer",
+        "run llama2_70b_lora --tier reference --data {w}/gov_mixtral --logdir {w}/logs",
+        "{w}/gov_mixtral/govreport-train.manifest.json",
+        "'mixtral'",
+        "needs 'llama2'",
+    ),
+    C(
+        "prepare-flux-decompression-bomb",
+        "data prepare flux --src {w}/bomb.tar --split train --encoders standin --tokenizer-model {spm} --out {w}/out",
+        "{w}/bomb.tar: member s0.png",
+        "decompression bomb",
+    ),
+    C(
+        "prepare-flux-decompression-bomb-pil-only-warns",
+        "data prepare flux --src {w}/bomb_warned.tar --split train --encoders standin --tokenizer-model {spm} "
+        "--out {w}/out",
+        "{w}/bomb_warned.tar: member s0.png",
+        "decompression bomb",
+    ),
+    C(
+        "init-checkpoint-int32-weights",
+        run_("--init-checkpoint {w}/hf_int32", data="{w}/empty"),
+        "{w}/hf_int32/model.safetensors: tensor model.layers.0.mlp.down_proj.weight is I32",
+        "not floating point",
+    ),
+    C(
+        "init-checkpoint-nan-weights",
+        run_("--init-checkpoint {w}/hf_nan_first", data="{w}/empty"),
+        "{w}/hf_nan_first/model.safetensors: tensor model.layers.0.mlp.down_proj.weight holds NaN",
+        "bounded scan",
+    ),
+    C(
+        "init-checkpoint-config-not-json",
+        run_("--init-checkpoint {w}/hf_config_not_json", data="{w}/empty"),
+        "{w}/hf_config_not_json/config.json is not valid JSON",
+    ),
+    C(
+        "init-checkpoint-config-of-another-head-split",
+        run_("--init-checkpoint {w}/hf_config_heads", data="{w}/empty"),
+        "{w}/hf_config_heads/config.json: num_attention_heads is 1",
+        "n_heads=",
+    ),
+    C(
+        "rgat-float-labels",
+        "run rgat --tier tiny --data {w}/graph_float_labels --logdir {w}/logs",
+        "{w}/graph_float_labels/paper/node_label_2K.npy holds float32 labels",
+    ),
+    C(
+        "rgat-inf-features",
+        "run rgat --tier tiny --data {w}/graph_nan_features --logdir {w}/logs",
+        "{w}/graph_nan_features/author/node_feat.npy: row 17 holds NaN or inf",
+        "full scan",
+    ),
+    C(
+        "flux1-nan-encodings",
+        "run flux1 --tier tiny --data {w}/flux_nan --logdir {w}/logs",
+        "{w}/flux_nan/train/t5.npy: row 0 holds NaN or inf",
+        "full scan",
+    ),
+    C(
+        "llama2_70b_lora-float-labels",
+        "run llama2_70b_lora --tier reference --data {w}/gov_float_labels --logdir {w}/logs",
+        "{w}/gov_float_labels/",
+        "holds float32 values, not token ids",
+    ),
+    C("plan-gpu-mem-nan", "plan llama31_8b --gpus 8 --gpu-mem nan", "--gpu-mem nan", "finite"),
+    C("plan-gpu-mem-inf", "plan llama31_8b --gpus 8 --gpu-mem inf", "--gpu-mem inf", "finite"),
+    C("plan-gpus-a-billion", "plan llama31_8b --gpus 1000000000 --gpu-mem 80", "--gpus 1000000000", "split"),
+    C("plan-gpus-zero", "plan llama31_8b --gpus 0 --gpu-mem 80", "--gpus 0", "at least 1"),
+    C(
+        "plan-tp-not-dividing",
+        "plan llama31_405b --gpus 3 --gpu-mem 80 --parallel tp=3",
+        "tp=3",
+        "divide by 3",
+    ),
+    C(
+        "plan-parallel-not-the-gpus",
+        "plan llama31_8b --gpus 8 --gpu-mem 80 --parallel dp=4",
+        "dp=4",
+        "--gpus",
+    ),
+    C("plan-parallel-garbage", "plan llama31_8b --gpus 8 --gpu-mem 80 --parallel tp=two", "'tp=two'", "dp=8"),
+    C(
+        "plan-batch-does-not-split",
+        "plan llama31_8b --gpus 3 --gpu-mem 80 --parallel fsdp=3",
+        "global_batch_size",
+        "not divisible by 3 data-parallel ranks",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TRUST_CASES)
+def test_checks_before_trust(case: Case, request, tmp_path, capsys, monkeypatch):
+    """`test_bad_input` itself, on a workspace with the damaged inputs of these cases."""
+    this = sys.modules[__name__]
+    base = this._workspace
+    monkeypatch.setattr(this, "_workspace", lambda w: (base(w), _trust_workspace(w, case, request)))
+    test_bad_input(case, request, tmp_path, capsys)
+
+
+def test_plan_and_run_read_parallel_through_one_parser(monkeypatch, tmp_path):
+    """`ttt plan --parallel` is `ttt run --parallel`: the same `parallel.parse`, so fsdp=4,tp=2 keeps tp=2."""
+    from timetotrain.suite import get
+    from timetotrain.train import memory, parallel, prepare
+
+    seen = []
+    real = parallel.parse
+
+    def spy(spec, world, *a, **k):
+        seen.append((spec, world))
+        return real(spec, world, *a, **k)
+
+    monkeypatch.setattr(parallel, "parse", spy)
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    _, rows, _ = memory.plan(bench, tier, 8, 80, "fsdp=4,tp=2")
+    assert seen == [("fsdp=4,tp=2", 8)]
+    assert rows and {r.parallel for r in rows} == {"tp=2,fsdp=4"}
+    monkeypatch.setenv("WORLD_SIZE", "8")  # what torchrun sets for `ttt run`
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    prep = prepare.preflight(bench, tier, tmp_path, "fsdp=4,tp=2", "bf16", True, False, device="cpu")
+    assert seen[-1] == ("fsdp=4,tp=2", 8) and (prep.plan.tp, prep.plan.fsdp) == (2, 4)
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC: the disk filled up before it."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def full_disk_from(monkeypatch, nth: int) -> None:
+    """The disk is full from the `nth` file `fileio` opens for writing on (1-based): the ones before are
+    written whole, so "nothing final written" is tested against outputs that did get written."""
+    from timetotrain import fileio
+
+    opened = [0]
+
+    def opener(file, mode="r", *args, **kwargs):
+        f = open(file, mode, *args, **kwargs)
+        if "w" not in mode:
+            return f
+        opened[0] += 1
+        return f if opened[0] < nth else _FullDisk(f)
+
+    monkeypatch.setattr(fileio, "open", opener, raising=False)  # the name `fileio` resolves `open` by
+
+
+@pytest.mark.parametrize(
+    "argv,flag,nth",
+    [
+        # after the first feature files: the graph's files appear together or not at all
+        ("data synth-graph --scale tiny --out {w}/g", "--out {w}/g", 3),
+        ("report {w}/logs_ok --out {w}/rep", "--out {w}/rep", 2),  # summary.md, after the plot
+        ("report {w}/logs_ok --html {w}/r.html", "--html {w}/r.html", 1),
+    ],
+    ids=["synth-graph", "report", "report-html"],
+)
+def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, capsys, monkeypatch):
+    w = tmp_path / "w"
+    _workspace(w)
+    before = _snapshot(w)
+    full_disk_from(monkeypatch, nth)
+    code = main(argv.format(w=w).split())
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ttt: error: {flag.format(w=w)}: No space left on device"
+    ), err
+    assert "nothing was written" in lines[0]
+    after = _snapshot(w)
+    made = {
+        p for p in after.keys() - before.keys() if after[p] == ("dir",)
+    }  # the --out folder and its subfolders
+    assert {p: v for p, v in after.items() if p not in made} == before
+
+
+@pytest.mark.parametrize("how", ["from-another-prepare", "counts-too-few-ids"])
+def test_a_token_count_file_no_manifest_vouches_for_is_not_trusted(how, c4_prepared, tmp_path, capsys):
+    """Without the manifests, a leftover `*_token_counts.npy` neither narrows the vocabulary nor stands in for
+    the tokens in the id check: one that does not count this split's tokens is refused; one that does (but
+    counts too few ids) no longer hides the ids the tokens really hold. The missing manifests warn."""
+    data = tmp_path / "c4"
+    shutil.copytree(c4_prepared, data)
+    for m in data.glob("*.manifest.json"):
+        m.unlink()
+    counts = data / "c4-train_token_counts.npy"
+    n_tokens = int(np.load(counts).sum())
+    stale = np.zeros(1000, np.int64)  # a vocabulary far smaller than the one the tokens come from
+    stale[0] = n_tokens if how == "counts-too-few-ids" else 7
+    np.save(counts, stale)
+    before = _snapshot(data)
+    argv = ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(tmp_path / "logs")]
+    with pytest.warns(UserWarning, match="manifest.json not found") as warned:
+        code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    line = err[0]
+    # (in a terminal: two `ttt: warning:` lines first)
+    assert len([w for w in warned if "manifest.json not found" in str(w.message)]) == 2
+    assert line.startswith(f"ttt: error: {data}/c4-train_text_document.bin" if how != "from-another-prepare"
+                           else f"ttt: error: {counts}")  # fmt: skip
+    assert ("outside the 1,000 ids" in line) if how == "counts-too-few-ids" else ("another prepare" in line)
+    assert not list((tmp_path / "logs").rglob("result_*")) and _snapshot(data) == before
+
+
+def test_a_nan_past_the_bounded_scan_is_refused_at_load(hf_tiny, tmp_path):
+    """The preflight scan reads the first values of each tensor; the load checks every value it copies."""
+    from timetotrain.errors import UserError
+    from timetotrain.suite import get
+    from timetotrain.train.checkpoint import check_init_source, init_from
+
+    bench = get("llama31_8b")
+    cfg = bench.tier("tiny").model
+    embed = "model.embed_tokens.weight"  # more values than the bounded scan reads: its last one is past it
+    _hf_variant(hf_tiny, tmp_path / "hf", tensor=lambda t: _nan_at(t, -1), name=embed)
+    assert check_init_source(tmp_path / "hf", bench.family, cfg) == "hf"  # the bounded scan misses it
+    with pytest.raises(
+        UserError, match=r"model\.embed_tokens\.weight \(for embed\.weight\) holds NaN or inf"
+    ):
+        init_from(tmp_path / "hf", bench.family.build(cfg), bench.family, cfg)
+
+
+def test_set_global_batch_size_at_405b_tiny_keeps_the_tiers_own_schedule():
+    """llama31_405b's rule (LR and schedule as functions of the GBS) describes its reference tier only: at
+    tiny it gave an LR 1,800 times smaller and a 288,000-step warmup. The tiny tier keeps its own values,
+    which its rule file accepts; the reference still takes the rule's."""
+    from timetotrain.mlperf.keys import check_rules
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+
+    bench = get("llama31_405b")
+    tiny = bench.tier("tiny")
+    t = apply_overrides(bench, tiny, ["global_batch_size=32"])
+    assert t.global_batch_size == 32
+    assert (t.lr, t.end_lr, t.warmup_steps, t.max_steps) == (
+        tiny.lr,
+        tiny.end_lr,
+        tiny.warmup_steps,
+        tiny.max_steps,
+    )
+    check_rules(bench, t)
+    ref = bench.tier("reference")
+    r = apply_overrides(bench, ref, [f"global_batch_size={2 * ref.global_batch_size}"])
+    assert r.lr == 2 * ref.lr and r.warmup_steps == ref.warmup_steps // 2

@@ -1,5 +1,7 @@
 """The exceptions the CLI turns into a single line: UserError (exit 2) and Interrupted (exit 128 + signum)."""
 
+import contextlib
+
 
 class UserError(Exception):
     """Bad input or environment: the message names the file or flag and the fix, on one line."""
@@ -17,3 +19,17 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.outcome = outcome
+
+
+@contextlib.contextmanager
+def writing(flag: str, path):
+    """Around a command's writes whose outputs appear together or not at all (fileio.Staged, atomic_write):
+    an OSError there (a full disk, a quota, a read-only or missing folder) becomes one UserError line naming
+    the flag and the file, instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        where = f" writing {e.filename}" if e.filename and str(e.filename) != str(path) else ""
+        raise UserError(
+            f"{flag} {path}: {e.strerror or e}{where}; nothing was written: free space or pass a writable folder"
+        ) from None

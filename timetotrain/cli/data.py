@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from timetotrain import lifeline
-from timetotrain.errors import UserError
+from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
 
 _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
@@ -300,7 +300,9 @@ def add_commands(sub) -> None:
 
 def _cmd_synth_graph(args) -> int:
     from timetotrain.data import graph_synth
+    from timetotrain.train.seeds import check_seed
 
+    check_seed(args.seed)  # numpy's generators refuse a negative seed with a traceback
     sc = graph_synth.scale(args.scale)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -311,7 +313,10 @@ def _cmd_synth_graph(args) -> int:
         )
     created = not out.exists()
     try:
-        with raise_on_signals():  # a stopped generation removes its staged files, as `data prepare`
+        # a full disk or an unusable folder: every file of the graph, or none; a stopped generation
+        # removes its staged files, as `data prepare`
+        with writing("--out", out), raise_on_signals():
+            out.mkdir(parents=True, exist_ok=True)  # before minutes of generating, not after
             info = graph_synth.generate(out, sc, args.seed)
     except BaseException:
         _remove_empty_folders(out, created)  # else the next call would find --out "not empty"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from timetotrain.errors import UserError
+from timetotrain.errors import UserError, writing
 from timetotrain.mlperf.compliance import RULESET, check_ruleset
 
 _RULESET_HELP = (
@@ -100,7 +100,8 @@ def _cmd_report(args) -> int:
     if args.out is None:
         raise UserError("--out is required (a folder for the PNGs and summary.md), or pass --html")
     _warn_problems(Path(args.dir))
-    rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
+    with writing("--out", args.out):
+        rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
     for p in rep.plots:
         print(f"plot: {p}")
     print(f"summary: {rep.summary}")
@@ -117,7 +118,8 @@ def _report_html(args) -> int:
         path = (Path(args.out) if args.out else Path(args.dir)) / "report.html"
     if path.is_dir():
         raise UserError(f"--html {path} is a folder: pass a file name such as {path / 'report.html'}")
-    out = write_html(Path(args.dir), path, args.ruleset)
+    with writing("--html", path):
+        out = write_html(Path(args.dir), path, args.ruleset)
     print(f"html: {out} ({out.stat().st_size / 1e6:.2f} MB, self-contained)")
     return 0
 

@@ -399,7 +399,10 @@ def add_commands(sub) -> None:
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
     s.add_argument(
-        "--parallel", default=None, help="only consider this kind: dp=N, fsdp=N, ep=N, ep=N,fsdp=N or tp=T"
+        "--parallel",
+        default=None,
+        help="only this layout, as `ttt run --parallel` takes it on --gpus processes: dp=N, fsdp=N, ep=N, "
+        "ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp, then tp x fsdp if neither fits",
     )
     s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")

@@ -33,7 +33,10 @@ eps, then normalised (z - shift) * scale (FLUX.1 VAE: shift 0.1159, scale 0.3611
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,8 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.finite import check_finite
+from timetotrain.data.manifest import manifest_problem, sha256_file, verify_manifest
 from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
 
@@ -48,6 +53,7 @@ FIELDS = ("t5", "clip", "vae_mean", "vae_logvar")
 EMPTY_DIR = "empty_encodings"
 TIMESTEP_FILE = "timestep.npy"
 TIMESTEP_DIVISOR = 8  # stored eval timesteps are 0..7, t = stored / 8 (spec §11.4's 8 balanced values)
+_REPREPARE = "re-run `ttt data prepare flux` into a new --out"
 DTYPES = {
     "bfloat16": (np.uint16, torch.bfloat16),
     "float16": (np.float16, None),
@@ -92,10 +98,85 @@ def check_sample(key: str, arrays: dict[str, torch.Tensor], shapes: Shapes) -> N
             )
 
 
-def _write_manifest(staged: fileio.Staged, d: Path, n: int, fields: dict, meta: dict) -> None:
-    manifest = {"samples": n, "fields": fields, **{k: v for k, v in meta.items() if k != "dtypes"}}
+def _write_manifest(
+    staged: fileio.Staged, d: Path, n: int, fields: dict, meta: dict, files: dict | None = None
+) -> None:
+    """`files`: name -> {bytes, sha256} of the split's other files (hashed here from their staged
+    temporaries when not given), which a run's preflight checks as C4's manifest is checked."""
+    if files is None:
+        files = {}
+        for name in (*(f"{f}.npy" for f in FIELDS), "keys.txt", TIMESTEP_FILE):
+            tmp = staged.current(d / name)
+            if tmp.is_file() and tmp != d / name:  # written in this set (an old timestep.npy is not ours)
+                files[name] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+    manifest = {
+        "samples": n,
+        "fields": fields,
+        **{k: v for k, v in meta.items() if k != "dtypes"},
+        "files": files,
+    }
     with staged.open(d / "manifest.json", "w") as out:
         out.write(json.dumps(manifest, indent=1) + "\n")
+
+
+class _Hashing:
+    """A write-only file that hashes what it writes: a multi-terabyte import is hashed in the one pass
+    that writes it."""
+
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.h.update(data)
+        self.n += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def entry(self) -> dict:
+        return {"bytes": self.n, "sha256": self.h.hexdigest()}
+
+
+def _manifest_of(d: Path, empty: bool = False):
+    """The split's manifest (`empty`: the empty encodings' checksums alone), checked for what the reader
+    indexes; a one-line UserError otherwise."""
+    path = d / "manifest.json"
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:100]}): {_REPREPARE}") from None
+
+    def problem() -> str:
+        if not isinstance(doc, dict):
+            return f"a JSON {type(doc).__name__}, not an object"
+        if empty:
+            return manifest_problem(doc, tokenized=False)
+        n = doc.get("samples")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return f"`samples` is {n!r}, not a sample count"
+        fields = doc.get("fields")
+        if not isinstance(fields, dict):
+            return "no `fields` object"
+        for f in FIELDS:
+            if not isinstance(fields.get(f), dict) or fields[f].get("dtype") not in DTYPES:
+                return f"`fields.{f}.dtype` is not one of {', '.join(DTYPES)}"
+        ts = doc.get("timesteps")
+        if ts:
+            div = ts.get("divisor") if isinstance(ts, dict) else None
+            file = ts.get("file") if isinstance(ts, dict) else None
+            if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                return "`timesteps.file` is not a file name in the split's folder"
+            if not isinstance(div, int) or isinstance(div, bool) or div < 1:
+                return f"`timesteps.divisor` is {div!r}, not a positive integer"
+        if "files" in doc:
+            return manifest_problem(doc, tokenized=False)
+        return ""
+
+    why = problem()
+    if why:
+        raise UserError(f"{path} is not a valid manifest: {why}; {_REPREPARE}")
+    return doc
 
 
 def write_split(root: Path, split: str, keys: list[str], arrays: dict[str, np.ndarray], meta: dict) -> Path:
@@ -143,10 +224,12 @@ class SplitStream:
         descr = np.lib.format.dtype_to_descr(np.dtype(DTYPES[self.dtype][0]))
         try:
             for f in FIELDS:
-                fh = self._out[f] = self._staged.open(self.dir / f"{f}.npy", "wb")
+                fh = self._out[f] = _Hashing(self._staged.open(self.dir / f"{f}.npy", "wb"))
                 header = {"descr": descr, "fortran_order": False, "shape": (self.n, *self.shapes.of(f))}
-                np.lib.format.write_array_header_1_0(fh, header)
-            self._out["keys"] = self._staged.open(self.dir / "keys.txt", "w")
+                buf = io.BytesIO()
+                np.lib.format.write_array_header_1_0(buf, header)
+                fh.write(buf.getvalue())
+            self._out["keys"] = _Hashing(self._staged.open(self.dir / "keys.txt", "wb"))
         except BaseException:
             self._close()
             self._staged.discard()
@@ -157,7 +240,7 @@ class SplitStream:
         """One sample, its arrays already checked by the caller (shape, stored dtype, C-contiguous)."""
         for f in FIELDS:
             self._out[f].write(arrays[f].data)
-        self._out["keys"].write(key + "\n")
+        self._out["keys"].write((key + "\n").encode())
         self.count += 1
 
     def finish(self, meta: dict, timesteps: np.ndarray | None = None) -> None:
@@ -167,10 +250,13 @@ class SplitStream:
             )
         fields = {f: {"shape": list(self.shapes.of(f)), "dtype": self.dtype} for f in FIELDS}
         meta = dict(meta)
+        files = {(f"{k}.npy" if k != "keys" else "keys.txt"): fh.entry() for k, fh in self._out.items()}
         if timesteps is not None:
             ts = np.ascontiguousarray(timesteps, dtype=np.int32)
             with self._staged.open(self.dir / TIMESTEP_FILE, "wb") as f:
                 np.save(f, ts)
+            tmp = self._staged.current(self.dir / TIMESTEP_FILE)
+            files[TIMESTEP_FILE] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
             meta["timesteps"] = {
                 "file": TIMESTEP_FILE,
                 "divisor": TIMESTEP_DIVISOR,
@@ -179,7 +265,7 @@ class SplitStream:
                 "equal_to_index_mod_divisor": bool(np.array_equal(ts, np.arange(len(ts)) % TIMESTEP_DIVISOR)),
             }
         self._close()
-        _write_manifest(self._staged, self.dir, self.n, fields, meta)
+        _write_manifest(self._staged, self.dir, self.n, fields, meta, files)
         self._done = True
 
     def _close(self) -> None:
@@ -204,21 +290,34 @@ def write_empty(root: Path, t5: np.ndarray, clip: np.ndarray, dtype: str) -> Non
                 np.save(f, a)
         with staged.open(d / "dtype.txt", "w") as out:
             out.write(dtype + "\n")
+        files = {}
+        for name in ("t5_empty.npy", "clip_empty.npy", "dtype.txt"):
+            tmp = staged.current(d / name)
+            files[name] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+        staged.write_text(d / "manifest.json", json.dumps({"files": files}, indent=1) + "\n")
 
 
 class EncodedSplit:
     """One split, memory-mapped. `rows(idx)` -> dict of fp32 tensors; `timesteps` the source's fixed eval
     timesteps (int array, t = timesteps / `timestep_divisor`) or None."""
 
-    def __init__(self, root: Path, split: str, shapes: Shapes):
+    def __init__(self, root: Path, split: str, shapes: Shapes, verify: bool = False):
         d = Path(root) / split
         man = d / "manifest.json"
         if not man.is_file():
             raise UserError(
                 f"--data {root}: no {split}/manifest.json: write it with `ttt data prepare flux --split {split}`"
             )
-        self.dir, self.manifest = d, json.loads(man.read_text())
-        self.n = int(self.manifest["samples"])
+        self.dir, self.manifest = d, _manifest_of(d)
+        if "files" not in self.manifest:
+            warnings.warn(
+                f"{man} lists no checksums (prepared by an older version): {split} not verified", stacklevel=2
+            )
+        elif verify:  # sizes, then sha256s, before anything is mapped: the same one-line errors as C4's
+            verify_manifest(d, self.manifest)
+        self.n = self.manifest["samples"]
+        if not (d / "keys.txt").is_file():
+            raise UserError(f"--data {root}: {split}/keys.txt is missing: {_REPREPARE}")
         self.keys = (d / "keys.txt").read_text().split()
         self.arrays: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, str] = {}
@@ -236,6 +335,7 @@ class EncodedSplit:
                     f"{path}: encodings of shape {list(a.shape)} ({a.dtype}), this tier needs {list(want)} "
                     f"({dtype}) (first sample {first!r}): prepare the data for this tier's encoders"
                 )
+            check_finite(path, a, _REPREPARE, lambda c, dt=dtype: to_tensor(c, dt).float().numpy())
             self.arrays[f], self.dtypes[f] = a, dtype
         if len(self.keys) != self.n:
             raise UserError(f"{d / 'keys.txt'}: {len(self.keys)} keys for {self.n} samples: re-run prepare")
@@ -251,7 +351,7 @@ class EncodedSplit:
             if a is None or a.shape != (self.n,) or a.dtype.kind not in "iu":
                 got = "missing" if a is None else f"{list(a.shape)} {a.dtype}"
                 raise UserError(f"{path}: {got}, the manifest promises [{self.n}] int32: re-run prepare")
-            self.timesteps, self.timestep_divisor = a, int(ts["divisor"])
+            self.timesteps, self.timestep_divisor = a, ts["divisor"]
 
     def files(self) -> list[Path]:
         extra = [self.dir / self.manifest["timesteps"]["file"]] if self.timesteps is not None else []
@@ -310,12 +410,17 @@ def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, 
     return t5, clip, dtype
 
 
-def read_empty(root: Path, shapes: Shapes) -> tuple[torch.Tensor, torch.Tensor]:
+def read_empty(root: Path, shapes: Shapes, verify: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     d = Path(root) / EMPTY_DIR
     if not d.is_dir():
         raise UserError(f"--data {root}: no {EMPTY_DIR}/: re-run `ttt data prepare flux`")
+    if verify and (d / "manifest.json").is_file():  # (folders written before checksums have none)
+        verify_manifest(d, _manifest_of(d, empty=True))
     t5, clip, dtype = read_empty_arrays(d, shapes)
-    return to_tensor(t5, dtype).float(), to_tensor(clip, dtype).float()
+    out = to_tensor(t5, dtype).float(), to_tensor(clip, dtype).float()
+    for name, t in zip(("t5_empty.npy", "clip_empty.npy"), out, strict=True):
+        check_finite(d / name, t.numpy()[None], _REPREPARE)
+    return out
 
 
 def sample_latent(

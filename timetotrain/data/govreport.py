@@ -66,6 +66,7 @@ import numpy as np
 from timetotrain import fileio
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.data.manifest import (
+    REPREPARE,
     ensure_writable,
     read_manifest,
     sha256_file,
@@ -647,4 +648,8 @@ def load_prepared(
         verify_manifest(data_dir, doc)
     ids_name, lab_name = array_names(split)
     load = mapped.load if mapped is not None else (lambda p: np.load(p, mmap_mode="r", allow_pickle=False))
-    return load(data_dir / ids_name), load(data_dir / lab_name), doc
+    ids, labels = load(data_dir / ids_name), load(data_dir / lab_name)
+    for name, a in ((ids_name, ids), (lab_name, labels)):
+        if a.dtype.kind not in "iu":  # float token ids or labels would be cast silently
+            raise UserError(f"{data_dir / name} holds {a.dtype} values, not token ids: {REPREPARE}")
+    return ids, labels, doc

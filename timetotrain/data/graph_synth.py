@@ -26,6 +26,7 @@ from timetotrain import fileio
 from timetotrain.data.igbh import (
     FEAT_FILE,
     LABEL_FILE,
+    MANIFEST,
     NODE_TYPES,
     RELATIONS,
     Graph,
@@ -33,6 +34,7 @@ from timetotrain.data.igbh import (
     directed,
     rel_dir,
 )
+from timetotrain.data.manifest import write_manifest
 from timetotrain.errors import UserError
 
 
@@ -149,11 +151,13 @@ def generate(out: Path, sc: Scale, seed: int, log=print) -> dict:
                "dim": sc.dim, "classes": sc.classes}  # fmt: skip
     # Every file appears at once, or none (an interrupted generation leaves no half graph).
     with fileio.Staged() as staged:
+        written: list[Path] = []
 
         def save(path: Path, arr: np.ndarray) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with staged.open(path) as f:  # a file object: np.save adds no second .npy
                 np.save(f, arr)
+            written.append(path)
 
         for t, f in feats.items():
             save(out / t / FEAT_FILE, f)
@@ -162,6 +166,9 @@ def generate(out: Path, sc: Scale, seed: int, log=print) -> dict:
             save(out / rel_dir(rel) / "edge_index.npy", e)
             summary["edges"][rel[1]] = len(e)
             log(f"{rel_dir(rel)}: {len(e):,} edges")
+        # Sizes and sha256s of every file, checked by a run's preflight (`NodeClassification.resolve`).
+        info = {"generator": {"scale": dataclasses.asdict(sc), "seed": seed}, **summary}
+        write_manifest(out, MANIFEST, written, info, staged)
     return summary
 
 

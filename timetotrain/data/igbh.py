@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data.finite import check_finite
+from timetotrain.data.manifest import read_manifest, verify_manifest
 from timetotrain.data.mapped import MappedFiles
 from timetotrain.errors import UserError
 
@@ -46,6 +48,7 @@ FEAT_FILE = "node_feat.npy"
 CACHE = "ttt_csc"
 # Bumped whenever what the cache holds changes (2: cites self-loops and duplicate edges kept).
 CACHE_FORMAT = 2
+MANIFEST = "graph"  # graph.manifest.json: what `ttt data synth-graph` wrote, with sizes and sha256s
 # The reference split (split_seeds.py): a torch seed-42 permutation of the labeled papers.
 SPLIT_SEED = 42
 
@@ -106,14 +109,21 @@ def check_layout(data_dir: Path) -> GraphFiles:
     counts, dims = {}, {}
     for t in NODE_TYPES:
         f = _header(root / t / FEAT_FILE)
-        if f.ndim != 2:
-            raise UserError(f"{root / t / FEAT_FILE} has shape {f.shape}: expected [num_{t}, dim]")
+        if f.ndim != 2 or f.dtype.kind != "f":
+            raise UserError(
+                f"{root / t / FEAT_FILE} has shape {f.shape} {f.dtype}: expected [num_{t}, dim] floats"
+            )
+        check_finite(root / t / FEAT_FILE, f, _REMEDY)
         counts[t], dims[t] = f.shape
     if len(set(dims.values())) != 1:
         raise UserError(
             f"{root}/*/{FEAT_FILE}: feature widths differ ({dims}): every node type needs the same width"
         )
     labels = _header(root / "paper" / LABEL_FILE)
+    if labels.dtype.kind not in "iu":  # float labels would be cast to classes silently
+        raise UserError(
+            f"{root / 'paper' / LABEL_FILE} holds {labels.dtype} labels: expected integer class ids"
+        )
     if labels.ndim != 1 or not 0 < len(labels) <= counts["paper"]:
         raise UserError(
             f"{root / 'paper' / LABEL_FILE} has shape {labels.shape}: expected [n] with 0 < n <= "
@@ -171,19 +181,51 @@ def directed(rel, src: np.ndarray, dst: np.ndarray) -> list:
     return [(rel, src, dst), ((d, f"rev_{name}", s), dst, src)]
 
 
+def verify(g: GraphFiles) -> bool:
+    """Sizes, then sha256s, of the files the graph's manifest lists (`ttt data synth-graph` writes one; an
+    IGBH download has none: its files were md5-checked by `ttt data download`). False when there is none."""
+    doc = read_manifest(g.root, MANIFEST, tokenized=False, nested=True)
+    if doc is None:
+        return False
+    verify_manifest(g.root, doc)
+    return True
+
+
+def _cached(cache: Path, stamp: dict) -> bool:
+    """Whether the cache was built from these files and is whole: every array it lists at its size. A cache
+    made from other files (or by an older version) is rebuilt; a damaged one is refused, since something
+    other than ttt changed the folder."""
+    try:
+        meta = json.loads((cache / "stamp.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(meta, dict) or meta.get("sources") != stamp or not isinstance(meta.get("arrays"), dict):
+        return False
+    for name, size in meta["arrays"].items():
+        path = cache / str(name)
+        if Path(str(name)).name != name or not path.is_file() or path.stat().st_size != size:
+            got = f"{path.stat().st_size:,} bytes" if path.is_file() else "missing"
+            raise UserError(
+                f"{path}: the graph cache is damaged ({got}, stamp.json says {size!r} bytes): delete {cache} "
+                "and run again (it is rebuilt off the clock)"
+            )
+    return True
+
+
 def build_csc(g: GraphFiles, log=print) -> float:
     """Build (or reuse) the CSC cache of the eleven relations; returns the seconds it took (0 if cached).
     An edge index outside its node type's range is a UserError naming the file."""
     cache = g.root / CACHE
     stamp = _stamp(g.root)
     meta = cache / "stamp.json"
-    if meta.is_file() and json.loads(meta.read_text()) == stamp:
+    if _cached(cache, stamp):
         return 0.0
     t0 = time.monotonic()
     try:
         cache.mkdir(exist_ok=True)
     except OSError as e:
         raise UserError(f"{cache}: cannot write the graph cache ({e}): make the data folder writable") from e
+    arrays: dict[str, int] = {}  # cache file -> bytes, so a truncated array is found at preflight
     with fileio.Staged() as staged:  # the arrays and their stamp appear together, the stamp last
         for s, rel, d in ON_DISK:
             path = g.root / rel_dir((s, rel, d)) / "edge_index.npy"
@@ -199,11 +241,13 @@ def build_csc(g: GraphFiles, log=print) -> float:
             for r, a, b in directed((s, rel, d), src, dst):
                 indptr, indices = coo_to_csc(a, b, g.num_nodes[r[0]], g.num_nodes[r[2]])
                 for kind, arr in (("indptr", indptr), ("indices", indices)):
-                    with staged.open(cache / f"{rel_key(r)}.{kind}.npy") as f:
+                    name = f"{rel_key(r)}.{kind}.npy"
+                    with staged.open(cache / name) as f:
                         np.save(f, arr)
+                    arrays[name] = staged.current(cache / name).stat().st_size
             log(f"graph cache: {rel} ({len(src):,} edges) done")
         with staged.open(meta, "w") as f:
-            json.dump(stamp, f)
+            json.dump({"sources": stamp, "arrays": arrays}, f)
     return time.monotonic() - t0
 
 

@@ -65,9 +65,12 @@ def resolve(
     val = _find(data_dir, data.val_prefixes, "validation")
     counts = None
     opened = {}
+    vouched = set()  # prefixes whose token-count file the manifest lists (its size and sha256 checked)
     for prefix in (*(p for p, _ in blend[1:]), train, val):
         name = prefix.name.removesuffix(_SUFFIX)
         manifest = read_manifest(data_dir, name)
+        if manifest is not None and _counts_file(prefix).name in manifest["files"]:
+            vouched.add(prefix)
         if manifest is None:
             warnings.warn(
                 f"{data_dir}/{name}.manifest.json not found: checksums of {prefix.name} not verified",
@@ -100,9 +103,21 @@ def resolve(
         # Narrowed: raw ids index the old->new table, whose size is the counts file's, not the model's.
         limit = _load_counts(counts).size
         what = f"the {limit:,} ids {counts.name} counts (this tier maps them to {data.vocab_keep + 1:,})"
+    if counts is not None and train not in vouched:
+        # No manifest vouches for the table's source: a counts file left from another prepare would map
+        # ids it never counted. It must at least count this split's tokens.
+        total = int(_load_counts(counts).sum())
+        if total != opened[train].num_tokens:
+            raise UserError(
+                f"{counts} counts {total:,} tokens, {Path(opened[train].bin_path).name} holds "
+                f"{opened[train].num_tokens:,}, and no manifest vouches for it: it is from another prepare; "
+                f"{REPREPARE}"
+            )
     if limit is not None:
         for prefix, ds in opened.items():
-            _check_ids(ds, _counts_file(prefix), limit, what)
+            # A counts file only a verified manifest vouches for is exact; any other is not trusted over
+            # the tokens themselves (a bounded scan, see `max_token_id`).
+            _check_ids(ds, _counts_file(prefix) if prefix in vouched else None, limit, what)
     return ResolvedData(train, val, counts, blend)
 
 
@@ -170,7 +185,7 @@ def max_token_id(ds: IndexedDataset, counts_file: Path | None = None) -> tuple[i
     return lo, hi, ("all its tokens" if scanned == n else f"a scan of {scanned:,} of its {n:,} tokens")
 
 
-def _check_ids(ds: IndexedDataset, counts_file: Path, limit: int, what: str) -> None:
+def _check_ids(ds: IndexedDataset, counts_file: Path | None, limit: int, what: str) -> None:
     info = np.iinfo(ds.dtype)
     if info.min >= 0 and info.max < limit:
         return  # the file's dtype cannot hold an id that large

@@ -51,7 +51,9 @@ def write_manifest(
     entries = {}
     for p in files:
         src = where(p)
-        entries[p.name] = {"bytes": src.stat().st_size, "sha256": sha256_file(src)}
+        # A plain name, or a path into a subfolder of `out_dir` (a `nested` manifest).
+        key = Path(p).relative_to(out_dir).as_posix() if Path(p).is_relative_to(out_dir) else Path(p).name
+        entries[key] = {"bytes": src.stat().st_size, "sha256": sha256_file(src)}
     doc = {"name": name, "files": entries, **info}
     path = manifest_path(out_dir, name)
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
@@ -70,14 +72,16 @@ REPREPARE = "re-run `ttt data prepare` (it writes new files and renames them int
 RECOPY = f"copy the prepared folder again into a new folder and pass that as --data, or {REPREPARE}"
 
 
-def read_manifest(out_dir: Path, name: str) -> dict | None:
-    """The manifest `name` in `out_dir`, checked for the fields a run relies on; None when there is none."""
+def read_manifest(out_dir: Path, name: str, tokenized: bool = True, nested: bool = False) -> dict | None:
+    """The manifest `name` in `out_dir`, checked for the fields a run relies on; None when there is none.
+    `tokenized`: the data was made by a tokenizer, which the manifest must name. `nested`: file names may be
+    relative paths into subfolders (a graph's `paper/node_feat.npy`), never out of `out_dir`."""
     path = manifest_path(out_dir, name)
     if not path.exists():
         return None
     try:
         doc = json.loads(path.read_bytes().decode("utf-8"))
-        problem = _manifest_problem(doc)
+        problem = manifest_problem(doc, tokenized, nested)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problem = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
     if problem:
@@ -85,7 +89,12 @@ def read_manifest(out_dir: Path, name: str) -> dict | None:
     return doc
 
 
-def _manifest_problem(doc) -> str:
+def _plain_name(fname: str, nested: bool) -> bool:
+    parts = fname.split("/") if nested else [fname]
+    return bool(fname) and all(p and Path(p).name == p and p not in (".", "..") for p in parts)
+
+
+def manifest_problem(doc, tokenized: bool = True, nested: bool = False) -> str:
     """Why `doc` is not a manifest as `write_manifest` writes it ('' when it is)."""
     if not isinstance(doc, dict):
         return f"a JSON {type(doc).__name__}, not an object"
@@ -94,7 +103,7 @@ def _manifest_problem(doc) -> str:
         return "no `files` object"
     for fname, entry in files.items():
         # A listed name outside the folder would let a manifest make us hash (and trust) any file.
-        if not fname or Path(fname).name != fname or fname in (".", ".."):
+        if not _plain_name(fname, nested):
             return f"file name {fname!r} is not a plain name in the folder"
         if not isinstance(entry, dict):
             return f"`files.{fname}` is not an object"
@@ -104,7 +113,7 @@ def _manifest_problem(doc) -> str:
         if not isinstance(digest, str) or len(digest) != 64:
             return f"`files.{fname}.sha256` is missing or not a sha256"
     tok = doc.get("tokenizer")
-    if not isinstance(tok, dict) or not isinstance(tok.get("name"), str):
+    if tokenized and (not isinstance(tok, dict) or not isinstance(tok.get("name"), str)):
         return "no `tokenizer.name`"
     return ""
 

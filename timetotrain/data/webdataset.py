@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +113,17 @@ def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
             if "txt" not in parts:
                 raise UserError(f"{tar_path}: sample {key!r} has no caption (.txt): fix or remove the shard")
             try:
-                with Image.open(io.BytesIO(parts[img_ext])) as im:
-                    image = im.convert("RGB")  # decodes fully: a truncated file fails here
+                # PIL only warns between MAX_IMAGE_PIXELS and twice that, then decodes: both are refused,
+                # before any pixel is decoded (the size is in the header), as hostile input.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    with Image.open(io.BytesIO(parts[img_ext])) as im:
+                        image = im.convert("RGB")  # decodes fully: a truncated file fails here
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+                raise UserError(
+                    f"{tar_path}: member {key}.{img_ext} is a decompression bomb ({str(e).split('.')[0]}): "
+                    "remove it from the shard"
+                ) from None
             except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
                 skips.undecodable.append(key)
                 continue

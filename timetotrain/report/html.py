@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 
 from timetotrain import fileio, trees
@@ -188,9 +189,36 @@ def synth_summaries(root: Path) -> list[dict]:
         except (OSError, ValueError):
             continue
         if isinstance(doc, dict) and "mfu" in doc and "benchmark" in doc:
+            problem = _summary_problem(doc)
+            if problem:
+                raise UserError(
+                    f"{p}: not a `ttt synth` summary ({problem}): remove it or run `ttt synth` again"
+                )
             doc["_path"] = str(p)
             found.append(doc)
     return found
+
+
+_SUMMARY_NUMBERS = ("mfu", "samples_per_s", "model_tflops_per_s", "peak_memory_bytes")
+
+
+def _summary_problem(doc: dict) -> str:
+    """Why a file that names a benchmark and an MFU is not what `ttt synth` writes ('' when it is): the
+    page formats these fields as numbers and strings."""
+    for key in ("benchmark", "tier", "item", "device", "precision"):
+        if (key in doc or key == "tier") and not isinstance(doc.get(key), str):
+            return f"`{key}` is {doc.get(key)!r}, not a string"
+    item = doc.get("item", "tokens")
+    for key in (*_SUMMARY_NUMBERS, f"{item}_per_s"):
+        v = doc.get(key)
+        required = key == "mfu"
+        if (v is None and required) or (
+            v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v))
+        ):
+            return f"`{key}` is {v!r}, not a finite number"
+    if "layers" in doc and (not isinstance(doc["layers"], int) or isinstance(doc["layers"], bool)):
+        return f"`layers` is {doc['layers']!r}, not an integer"
+    return ""
 
 
 def _synth_section(summaries: list[dict]) -> tuple[str, dict | None]:

@@ -47,8 +47,9 @@ def point_label(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
-def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
-    """Left: whole runs. Right: the same, zoomed on where runs cross the target and the RCP marks sit."""
+def plot_group(group: ResultGroup, score: Score, path: Path, staged: fileio.Staged | None = None) -> Path:
+    """Left: whole runs. Right: the same, zoomed on where runs cross the target and the RCP marks sit.
+    Written atomically, or into `staged` (renamed with the report's other files, or removed with them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,9 +121,11 @@ def plot_group(group: ResultGroup, score: Score, path: Path) -> Path:
     fig.tight_layout(rect=(0, 0.02 + 0.045 * rows, 1, 1))
     for ax in (full, zoom):
         _thin_x_ticks(fig, ax)
-    with fileio.atomic_write(path, "wb") as f:
-        fig.savefig(f, format=path.suffix.lstrip(".") or "png")
-    plt.close(fig)
+    try:
+        with fileio.atomic_write(path, "wb") if staged is None else staged.open(path) as f:
+            fig.savefig(f, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 

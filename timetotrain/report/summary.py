@@ -96,20 +96,21 @@ def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
     # A benchmark x tier that more than one group holds names every one of its plots by submitter and
     # system, so a plot's name does not depend on which folder happened to sort first.
     shared = Counter((g.benchmark, g.tier) for g in groups)
-    for g in groups:
-        s = score_group(g, ruleset)
-        if shared[g.benchmark, g.tier] == 1:
-            name = _slug(g.benchmark, g.tier)
-        else:
-            name = _slug(g.benchmark, g.tier, g.submitter, g.system)
-        k = 2  # the same submitter and system in two folders: numbered in folder order
-        while name in used:
-            name, k = f"{name}-{k}", k + 1
-        used.add(name)
-        plots.append(plot_group(g, s, out / f"{name}.png"))
-        scores.append(s)
-    summary = out / "summary.md"
-    fileio.write_text(summary, summary_markdown(scores, plots))
-    scores_json = out / "scores.json"
-    fileio.write_text(scores_json, to_json(scores) + "\n")
+    summary, scores_json = out / "summary.md", out / "scores.json"
+    # Every output appears at once or none does: a full disk halfway leaves the previous report as it was.
+    with fileio.Staged() as staged:
+        for g in groups:
+            s = score_group(g, ruleset)
+            if shared[g.benchmark, g.tier] == 1:
+                name = _slug(g.benchmark, g.tier)
+            else:
+                name = _slug(g.benchmark, g.tier, g.submitter, g.system)
+            k = 2  # the same submitter and system in two folders: numbered in folder order
+            while name in used:
+                name, k = f"{name}-{k}", k + 1
+            used.add(name)
+            plots.append(plot_group(g, s, out / f"{name}.png", staged))
+            scores.append(s)
+        staged.write_text(summary, summary_markdown(scores, plots))
+        staged.write_text(scores_json, to_json(scores) + "\n")
     return Report(summary, scores_json, plots, scores)

@@ -164,11 +164,35 @@ def _load_state(path: Path, tier: str) -> dict:
         state = json.loads(path.read_text())
     except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e}): remove it to start the suite afresh") from e
+    problem = _state_problem(state)
+    if problem:
+        raise UserError(f"{path} is not a suite state ({problem}): remove it to start the suite afresh")
     if state.get("tier") != tier:
         raise UserError(
             f"--out {path.parent} holds a suite of tier {state.get('tier')!r}: pass another --out"
         )
     return state
+
+
+def _state_problem(state) -> str:
+    """Why `state` is not what `save` writes ('' when it is): the suite indexes it without further checks."""
+    if not isinstance(state, dict):
+        return f"a JSON {type(state).__name__}, not an object"
+    if not isinstance(state.get("tier"), str):
+        return "`tier` is not a string"
+    for key, kind, ok in (
+        ("seeds", "integer seeds", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+        ("seconds", "numbers of seconds", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    ):
+        per = state.get(key, {})
+        if not isinstance(per, dict):
+            return f"`{key}` is a {type(per).__name__}, not an object of benchmark -> list"
+        for bench, values in per.items():
+            if not isinstance(values, list) or not all(ok(v) for v in values):
+                return f"`{key}.{bench}` is not a list of {kind}"
+    state.setdefault("seeds", {})
+    state.setdefault("seconds", {})
+    return ""
 
 
 def finished_seeds(folder: Path) -> dict[int, Path]:
@@ -291,10 +315,14 @@ class Suite:
         return f"ETA {_fmt_s(left * sum(secs) / len(secs))} for {bench}{where}"
 
     def _history(self) -> dict:
+        """Earlier suites' run times, for the ETA only: anything unreadable or of the wrong types is no history."""
         try:
-            return json.loads((self.cache / "run_seconds.json").read_text())
+            hist = json.loads((self.cache / "run_seconds.json").read_text())
         except (OSError, ValueError):
             return {}
+        if _state_problem({"tier": "", "seconds": hist}):
+            return {}
+        return hist
 
     def _remember(self, bench: str, seconds: float) -> None:
         hist = self._history()

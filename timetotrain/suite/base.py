@@ -243,7 +243,7 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if data_changes:
         changes["data"] = dataclasses.replace(tier.data, **data_changes)
     gbs = changes.get("global_batch_size")
-    if gbs is not None and bench.gbs_hparams is not None:
+    if gbs is not None and follows_gbs_rule(bench, tier):
         for key, value in bench.gbs_hparams(gbs).items():
             changes.setdefault(key, value)
     rcp = bench.rcp_hparams.get(gbs) if gbs is not None else None
@@ -262,6 +262,16 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     new = dataclasses.replace(tier, **changes, user_set=tier.user_set | given)
     validate(bench, new)
     return new
+
+
+def follows_gbs_rule(bench: Benchmark, tier: Tier) -> bool:
+    """Whether `tier` holds the hyperparameters `bench.gbs_hparams` gives at its own GBS (llama31_405b's
+    reference does; its tiny tier, with its own LR and schedule, does not), so that a new GBS takes the
+    rule's values. Applied to a tier it does not describe, the rule would give, e.g., the tiny tier a
+    288,000-step warmup and an LR 1,800 times smaller."""
+    if bench.gbs_hparams is None:
+        return False
+    return all(getattr(tier, k) == v for k, v in bench.gbs_hparams(tier.global_batch_size).items())
 
 
 def _parse(key: str, raw: str, kind: type):

@@ -56,7 +56,9 @@ TINY_MODEL = FluxConfig(
 TINY = Tier(
     name="tiny",
     model=TINY_MODEL,
-    data=FluxData(train_samples=82, shift=0.0, scale=1.9, eval_repeats=8),
+    data=FluxData(
+        train_samples=82, shift=0.0, scale=1.9, eval_repeats=8, encoders="standin", tokenizer="llama2"
+    ),
     global_batch_size=16,
     micro_batch_size=16,
     lr=1e-3,

@@ -51,6 +51,9 @@ class LoRAData:
     # Tiny tiers: the model keeps only the base's K most frequent ids plus one "other" id; the raw -> model id
     # table comes with the base (`ttt base` writes it, train/base_model.py) and is applied to ids and labels.
     vocab_keep: int | None = None
+    # The tokenizer the blocks must have been made with, by the name their manifest records
+    # (data/sentencepiece_tok.py knows the files by sha256): GovReport tokenized otherwise is refused.
+    tokenizer: str = "llama2"
 
 
 def lm_block_loss(
@@ -151,7 +154,15 @@ class LoRAFineTune(Task):
             table = load_vocab_table(init_checkpoint, tier.data.vocab_keep)
         vocab = len(table) if table is not None else tier.model.vocab_size
         for split in ("train", "validation"):
-            ids, _, _ = govreport.load_prepared(data_dir, split, verify=verify)
+            ids, _, doc = govreport.load_prepared(data_dir, split, verify=verify)
+            made_by = doc["tokenizer"]["name"]
+            if made_by != tier.data.tokenizer:
+                raise UserError(
+                    f"{data_dir}/{govreport.dataset_name(split)}.manifest.json: {split} was tokenized with "
+                    f"{made_by!r}, this tier needs {tier.data.tokenizer!r}: prepare it again with the "
+                    f"{tier.data.tokenizer} tokenizer.model (`ttt data prepare govreport --tokenizer-model FILE`) "
+                    "into a new --out"
+                )
             if len(ids) == 0:
                 raise UserError(
                     f"{data_dir}: the {split} split holds no blocks: prepare it from more rows into a new "

@@ -270,6 +270,8 @@ class NodeClassification(Task):
                 f"{files.root / 'paper' / igbh.FEAT_FILE} has {files.dim}-d features; the {tier.name} model "
                 f"reads {tier.model.in_dim}: {spec.how_to_make}"
             )
+        if verify:  # a generated graph's manifest: sizes and sha256s, the same one-line errors as C4's
+            igbh.verify(files)
         # Before the clock: a label outside the model's classes is bad data, not a run that aborts (it
         # would leave a result file). One pass over the labels, as reading them at open() did.
         label_file = files.root / "paper" / igbh.LABEL_FILE

@@ -49,6 +49,10 @@ class FluxData:
     eval_batch: int = 64
     train_split: str = "train"
     val_split: str = "validation"
+    # The encoders (and their tokenizer) the encodings must come from, by the names the split's manifest
+    # records (`encoders`, `tokenizer.name`); None: any (the reference's real encoders or MLCommons' files).
+    encoders: str | None = None
+    tokenizer: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------ objective
@@ -213,6 +217,19 @@ class _RandomFlow(RunData):
 # ------------------------------------------------------------------------------------------------ task
 
 
+def _check_encoders(tier, split: enc.EncodedSplit) -> None:
+    want_enc, want_tok = tier.data.encoders, tier.data.tokenizer
+    got_enc = split.manifest.get("encoders")
+    tok = split.manifest.get("tokenizer")
+    got_tok = tok.get("name") if isinstance(tok, dict) else None
+    for what, want, got in (("encoders", want_enc, got_enc), ("tokenizer", want_tok, got_tok)):
+        if want is not None and got != want:
+            raise UserError(
+                f"{split.dir / 'manifest.json'}: encoded with {what} {got!r}, tier {tier.name} needs {want!r}: "
+                f"prepare it again (`ttt data prepare flux --encoders {want_enc or 'FOLDER'} ...`) into a new --out"
+            )
+
+
 class RectifiedFlow(Task):
     metric = Metric("validation MSE of the predicted velocity (mean over samples)", higher_is_better=False)
 
@@ -251,8 +268,10 @@ class RectifiedFlow(Task):
         if not root.is_dir():
             raise UserError(f"--data {root} is not a folder: prepare it with `ttt data prepare flux`")
         shapes = shapes_of(tier.model)
-        train = enc.EncodedSplit(root, tier.data.train_split, shapes)
-        val = enc.EncodedSplit(root, tier.data.val_split, shapes)
+        train = enc.EncodedSplit(root, tier.data.train_split, shapes, verify=verify)
+        val = enc.EncodedSplit(root, tier.data.val_split, shapes, verify=verify)
+        for split in (train, val):
+            _check_encoders(tier, split)
         need = -(-tier.eval_samples // tier.data.eval_repeats)
         if val.n < need:
             raise UserError(
@@ -265,7 +284,7 @@ class RectifiedFlow(Task):
                 f"from MLCommons), but tier {tier.name} evaluates each sample at {tier.data.eval_repeats}: use "
                 "data prepared from tars for this tier"
             )
-        return Resolved(root, train, val, enc.read_empty(root, shapes))
+        return Resolved(root, train, val, enc.read_empty(root, shapes, verify=verify))
 
     def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
         return _FlowData(tier, resolved, seed, rank, world, device)

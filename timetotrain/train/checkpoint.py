@@ -90,6 +90,7 @@ def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
     single = path / HF_SINGLE
     if single.is_file():
         trees.check_inside(single, path, _COPY_IN)
+        check_safetensors_layout(single)
         with safe_open(single, framework="pt") as f:  # reads the header only
             return dict.fromkeys(f.keys(), HF_SINGLE), single
     raise UserError(
@@ -166,6 +167,7 @@ def load_hf_checkpoint(
         if live is not None:
             live.update(f"loading {path.name}: shard {k + 1}/{len(shards)} ({shard})", force=k == 0)
         wanted = {hf for hf in consumers if weight_map[hf] == shard}
+        check_safetensors_layout(path / shard)
         with safe_open(path / shard, framework="pt", device="cpu") as f:
             absent = sorted(wanted - set(f.keys()))
             if absent:
@@ -208,13 +210,47 @@ def _progress_line(n_shards: int):
 
 def check_hf_files(path: Path) -> None:
     """Preflight of a Hugging Face checkpoint (before `init_start`): every shard its index lists is
-    present, so a missing one is a one-line error naming it rather than a failure minutes into loading."""
+    present and whole (`check_safetensors_layout`), so a missing or truncated one is a one-line error naming
+    it rather than a failure minutes into loading."""
     weight_map, listing = _weight_map(path)
     for shard in sorted(set(weight_map.values())):
         if not (path / shard).is_file():
             raise UserError(
                 f"{path / shard}: shard listed in {listing.name} is missing; re-download the checkpoint"
             )
+        check_safetensors_layout(path / shard)
+
+
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
+
+
+def check_safetensors_layout(file: Path) -> None:
+    """Before the safetensors library parses `file` (its errors are tracebacks, not one line): the 8-byte
+    header length, the JSON header, and every tensor's byte range must fit the file, and the data must end
+    where the file does. Reads the header only (no sha256 is known for a downloaded checkpoint; a `ttt base`
+    folder's weights are hashed against its base.json first, in `base_model.check_init_base`)."""
+    size = file.stat().st_size
+
+    def bad(why: str) -> UserError:
+        return UserError(
+            f"{file}: not a whole safetensors file ({why}); re-download or re-save the checkpoint"
+        )
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(_MAX_HEADER, size - 8):
+            raise bad(f"{size:,} bytes, header length {n:,}")
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+            starts = [int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise bad(f"unreadable header: {exc}") from None
+    if any(a < 0 or b < a for a, b in zip(starts, ends, strict=True)) or 8 + n + max(ends, default=0) != size:
+        raise bad(
+            f"{size:,} bytes, the header describes {8 + n + max(ends, default=0):,}: truncated or garbled"
+        )
 
 
 def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
@@ -262,6 +298,13 @@ def _layout(listing: Path, ours: str, src: Source, weight_map: Mapping[str, str]
 
 
 def _assign(path: Path, ours: str, param: torch.Tensor, src: Source, inputs: list, rows: int | None) -> None:
+    for name, t in zip(src.hf_names, inputs, strict=True):
+        # Every value, once, at load (preflight scanned a bounded part): the copy below would cast an
+        # integer tensor and carry a NaN into every step.
+        if param.is_floating_point() and not t.is_floating_point():
+            raise UserError(f"{path}: tensor {name} is {t.dtype}, not floating point: {ours} cannot load it")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise UserError(f"{path}: tensor {name} (for {ours}) holds NaN or inf: the checkpoint is broken")
     try:
         value = src.combine(inputs)
     except RuntimeError as exc:  # e.g. a view that does not fit: the checkpoint is for another config
@@ -335,9 +378,69 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_init_source(path: str | os.PathLike, family) -> str:
+SCAN_VALUES = 1 << 16  # per tensor, in preflight: the full scan is `_assign`'s, at load
+
+
+def scan_hf_weights(path: Path, wanted: set[str]) -> None:
+    """Preflight of the tensors a load will read (`wanted`: HF names): a floating-point dtype (an integer
+    tensor would be cast into the weights silently) and no NaN or inf in a bounded scan, the first
+    `SCAN_VALUES` values of each (a checkpoint saved after training diverged is non-finite throughout;
+    a single bad value is found at load, where every value is checked)."""
+    from safetensors import safe_open
+
+    weight_map, _ = _weight_map(path)
+    for shard in sorted({weight_map[n] for n in wanted if n in weight_map}):
+        with safe_open(path / shard, framework="pt") as f:
+            for name in sorted(wanted & set(f.keys())):
+                sl = f.get_slice(name)
+                shape, dtype = sl.get_shape(), sl.get_dtype()
+                if not dtype.startswith(("F", "BF")):
+                    raise UserError(
+                        f"{path / shard}: tensor {name} is {dtype}, not floating point: not a checkpoint of "
+                        "weights this model can load"
+                    )
+                per_row = max(1, int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+                head = sl[: max(1, SCAN_VALUES // per_row)] if shape else sl[:]
+                if not bool(torch.isfinite(head).all()):
+                    raise UserError(
+                        f"{path / shard}: tensor {name} holds NaN or inf (found by a bounded scan of its first "
+                        f"{head.numel():,} values): the checkpoint is broken; save or download it again"
+                    )
+
+
+# HF config.json keys that fix tensor layouts a load cannot see from shapes alone (how the rows of one QKV
+# matrix split into heads), against our configs' names for them.
+_HF_SHAPE_KEYS = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                  "num_key_value_heads": "n_kv_heads"}  # fmt: skip
+
+
+def check_hf_config(path: Path, cfg=None) -> None:
+    """The folder's `config.json`, when it has one: a JSON object, and where it states one of
+    `_HF_SHAPE_KEYS` that the model's `cfg` has too, the same number (the weights are read into `cfg`'s
+    shapes: a checkpoint of another head split would load with every shape matching)."""
+    file = path / "config.json"
+    if not file.is_file():
+        return
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{file} is not valid JSON ({e}): restore the checkpoint's config.json") from None
+    if not isinstance(doc, dict):
+        raise UserError(
+            f"{file} is a JSON {type(doc).__name__}, not an object: restore the checkpoint's config.json"
+        )
+    for key, ours in _HF_SHAPE_KEYS.items():
+        if key in doc and cfg is not None and hasattr(cfg, ours) and doc[key] != getattr(cfg, ours):
+            raise UserError(
+                f"{file}: {key} is {doc[key]!r}, this model has {ours}={getattr(cfg, ours)}: the checkpoint is of "
+                "another model configuration"
+            )
+
+
+def check_init_source(path: str | os.PathLike, family, cfg=None) -> str:
     """Preflight of `--init-checkpoint`: "ours" (a `save_checkpoint` folder) or "hf" (safetensors), or a
-    one-line UserError naming the folder and the fix."""
+    one-line UserError naming the folder and the fix. With the model's `cfg`, the HF tensors it will read
+    are scanned too (`scan_hf_weights`)."""
     p = Path(path)
     if not p.is_dir():
         raise UserError(
@@ -352,6 +455,12 @@ def check_init_source(path: str | os.PathLike, family) -> str:
                 f"--init-checkpoint {p}: the {family.name} family has no Hugging Face name mapping"
             )
         check_hf_files(p)
+        check_hf_config(p, cfg)
+        if cfg is not None:
+            wanted = {
+                n for src in family.hf_mapping(cfg).values() for lay in src.layouts() for n in lay.hf_names
+            }
+            scan_hf_weights(p, wanted)
         return "hf"
     raise UserError(
         f"--init-checkpoint {p} holds neither {HF_INDEX} / {HF_SINGLE} (Hugging Face) nor {META} (ttt)"
@@ -362,7 +471,7 @@ def init_from(path: str | os.PathLike, model: nn.Module, family, cfg, truncate_r
     """Replace the initialised weights of the bare `model` with a checkpoint's: before parallelism, or into
     FSDP2 shards (each rank reads what it holds). `names`: as `load_hf_checkpoint`'s, for a model that has
     more parameters than the checkpoint (LoRA adapters added before sharding)."""
-    if check_init_source(path, family) == "hf":
+    if check_init_source(path, family, cfg) == "hf":
         load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows, names=names)
     else:
         load_checkpoint(path, model, None, names=names)

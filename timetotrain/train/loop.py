@@ -120,12 +120,13 @@ def run(opts: RunOptions) -> RunResult:
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
     check_rules(bench, tier)
+    # A `ttt base` folder's weights are hashed against its base.json before anything parses them.
+    base_sha = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
     if opts.init_checkpoint is not None:
         from timetotrain.train.checkpoint import check_init_source
 
-        check_init_source(opts.init_checkpoint, bench.family)
+        check_init_source(opts.init_checkpoint, bench.family, tier.model)
         prep.init_checkpoint = Path(opts.init_checkpoint)
-    base_sha = check_init_base(bench, tier, prep.init_checkpoint)
     if opts.save_checkpoint is not None:
         _check_save_target(Path(opts.save_checkpoint))
     res = task.resolve(

@@ -26,8 +26,10 @@ Where the numbers come from (an estimate, not a measurement):
   checks the count against the bytes autograd really saves on CPU. The frozen encoders of flux are not
   counted because training never runs them (it reads their precomputed outputs).
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
+- Only layouts `ttt run` accepts: `--parallel` goes through `parallel.parse` with --gpus as the world size,
+  and the global batch must split over the data-parallel ranks (`parallel.check_batch_split`).
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
-  alone fits (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
+  alone fits or splits the batch (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
   and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
   unsharded blocks are 1/T of a block each; a block's kept activations are 1/T of the count above (heads
   split over the TP ranks, the norms and the residual stream cut along the sequence, Megatron's sequence
@@ -44,12 +46,15 @@ Where the numbers come from (an estimate, not a measurement):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from timetotrain.errors import UserError
 from timetotrain.models.head_loss import chunk_rows
+from timetotrain.train import parallel
+from timetotrain.train.tensor_parallel import check_shape
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -158,47 +163,71 @@ def _tp_degrees(cfg, gpus: int) -> list[int]:
     return [t for t in (2, 4, 8) if ok and gpus % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
-def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel: str | None, bf16: bool = True):
-    """All candidate configurations with their estimates, and the suggested one (or None if none fits)."""
-    if gpus < 1 or gpu_mem_gib <= 0:
-        raise UserError("--gpus and --gpu-mem must be positive")
+def _kind(p: parallel.Plan) -> str:
+    if p.tp > 1:
+        return "tp"
+    if p.ep > 1:
+        return "ep,fsdp" if p.fsdp > 1 else "ep"
+    return "fsdp" if p.fsdp > 1 else "dp"
+
+
+def _check_tensor_parallel(tier, spec: str, tp: int) -> None:
+    """What `ttt run` would refuse when it applies the plan (train/tensor_parallel.py), said before."""
+    cfg = tier.model
+    if not (hasattr(cfg, "n_kv_heads") and hasattr(cfg, "ffn_dim")) or hasattr(cfg, "n_experts"):
+        raise UserError(
+            f"--parallel {spec!r}: only dense (SwiGLU) decoder blocks have a tensor-parallel plan, "
+            f"not {type(cfg).__name__}"
+        )
+    check_shape(cfg, tp)
+
+
+def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True):
+    """All candidate configurations with their estimates, and the suggested one (or None if none fits).
+    `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
+    world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
+    ranks, TP divides the heads and the FFN width)."""
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus} must be at least 1")
+    if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
+        raise UserError(f"--gpu-mem {gpu_mem_gib:g} must be a positive, finite number of GiB")
     decoder = all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers"))
     if bench.family.activation_bytes is None and not decoder:
         raise UserError(f"ttt plan has no memory model for {type(tier.model).__name__} yet")
     n = bench.family.param_count(tier.model)
-    kinds = [parallel.split("=")[0]] if parallel else ["dp", "fsdp"]
-    named = [item.split("=")[0].strip() for item in (parallel or "").split(",")]
-    if "ep" in named:
-        kinds = ["ep,fsdp"] if "fsdp" in named else ["ep"]
-        if not hasattr(tier.model, "n_experts"):
-            raise UserError(f"--parallel {parallel!r}: expert parallelism needs a mixture-of-experts model")
-    for k in kinds:
-        if k not in ("dp", "fsdp", "tp", "ep", "ep,fsdp"):
-            raise UserError(f"--parallel {parallel!r}: ttt plan knows dp=N, fsdp=N, ep=N[,fsdp=N] and tp=T")
-    local = max(1, tier.global_batch_size // gpus)
-    micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
-    rows = [
-        estimate(bench, tier, n, gpus, gpu_mem_gib, k, ac, m, bf16)
-        for k in kinds
-        if k != "tp"
-        for ac in (False, True)
-        for m in micros
-    ]
+    gbs = tier.global_batch_size
+
+    def rows_of(kind: str, local: int, tp: int = 1) -> list[Estimate]:
+        micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
+        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp)
+                for ac in (False, True) for m in micros]  # fmt: skip
+
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
     cap = HEADROOM * gpu_mem_gib * GiB
+    if parallel_spec:
+        given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
+        local = parallel.check_batch_split(gbs, given)
+        kind = _kind(given)
+        if kind.startswith("ep") and not hasattr(tier.model, "n_experts"):
+            raise UserError(
+                f"--parallel {parallel_spec!r}: expert parallelism needs a mixture-of-experts model"
+            )
+        if kind == "tp":
+            _check_tensor_parallel(tier, parallel_spec, given.tp)
+        rows = rows_of(kind, local, given.tp)
+    else:
+        rows = [] if gbs % gpus else [r for k in ("dp", "fsdp") for r in rows_of(k, gbs // gpus)]
+        if not any(r.total <= cap for r in rows):
+            # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
+            for t in _tp_degrees(tier.model, gpus):
+                if not hasattr(tier.model, "n_experts") and gbs % (gpus // t) == 0:  # TP ranks share samples
+                    rows += rows_of("tp", gbs // (gpus // t), t)
+        if not rows:
+            raise UserError(
+                f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks (nor "
+                "over the fsdp ranks of a tensor-parallel layout): change --gpus or --set global_batch_size"
+            )
     fitting = [r for r in rows if r.total <= cap]
-    if not fitting and (parallel is None or kinds == ["tp"]):
-        # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-        degrees = _tp_degrees(tier.model, gpus)
-        if parallel:
-            want = int(parallel.split(",")[0].split("=")[1])
-            degrees = [t for t in degrees if t == want]
-        for t in degrees:
-            per_rank = max(1, tier.global_batch_size // (gpus // t))  # TP ranks share their samples
-            for ac in (False, True):
-                for m in (m for m in (1, 2, 4, 8, 16) if m <= per_rank and per_rank % m == 0):
-                    rows.append(estimate(bench, tier, n, gpus, gpu_mem_gib, "tp", ac, m, bf16, tp=t))
-        fitting = [r for r in rows if r.total <= cap]
     # Prefer no tensor parallelism, then the smallest TP degree (its collectives sit on every block), then
     # no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
     best = max(
@@ -272,7 +301,7 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool
         out.append(note)
     if any(_tp_of(r) > 1 for r in rows):
         out.append(
-            "tp x fsdp rows (tried because nothing fits with dp or fsdp alone): block weights split over tp x "
+            "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "
             "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
             "(one node). Method only: not validated on GPUs."
         )

@@ -66,8 +66,9 @@ class Plan:
         )
 
 
-def parse(spec: str | None, world: int, **switches) -> Plan:
-    """`None` means plain data parallel over all ranks."""
+def parse(spec: str | None, world: int, world_from: str = "torchrun started", **switches) -> Plan:
+    """`None` means plain data parallel over all ranks. `world_from` says where `world` came from in the
+    error line (`ttt run`: torchrun; `ttt plan`: its --gpus), so both commands read `--parallel` here."""
     degrees = {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1}
     if not spec:
         degrees["dp"] = world
@@ -98,12 +99,23 @@ def parse(spec: str | None, world: int, **switches) -> Plan:
     plan = Plan(**degrees, **switches)
     if plan.world != world:
         raise UserError(
-            f"--parallel {spec or 'dp'} needs {plan.world} processes but torchrun started {world}: "
-            f"match --nproc_per_node x --nnodes"
+            f"--parallel {spec or 'dp'} needs {plan.world} processes but {world_from} {world}: "
+            + ("match --nproc_per_node x --nnodes" if world_from == "torchrun started" else "make them equal")
         )
     if plan.precision not in ("fp32", "bf16"):
         raise UserError(f"--precision {plan.precision!r}: choose fp32 or bf16")
     return plan
+
+
+def check_batch_split(global_batch_size: int, plan: Plan) -> int:
+    """Samples per data-parallel rank, or one line saying the batch does not split (`ttt run` and `ttt plan`
+    both ask here)."""
+    if global_batch_size % plan.data_parallel:
+        raise UserError(
+            f"global_batch_size {global_batch_size} is not divisible by {plan.data_parallel} "
+            "data-parallel ranks: change --set global_batch_size or the process count"
+        )
+    return global_batch_size // plan.data_parallel
 
 
 def apply(model: nn.Module, plan: Plan, device: torch.device):

@@ -54,12 +54,7 @@ def preflight(
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile
     )
-    if tier.global_batch_size % plan.data_parallel:
-        raise UserError(
-            f"global_batch_size {tier.global_batch_size} is not divisible by {plan.data_parallel} "
-            "data-parallel ranks: change --set global_batch_size or the process count"
-        )
-    local = tier.global_batch_size // plan.data_parallel
+    local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
     # an error, not "the default".
     micro = micro_batch if micro_batch is not None else min(tier.micro_batch_size, local)
