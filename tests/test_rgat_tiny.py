@@ -6,7 +6,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import mllog, ttt_command
+from conftest import mllog, official_errors, ttt_command
 
 from timetotrain.suite.rgat import TINY
 
@@ -41,6 +41,7 @@ def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
     assert 0.4 < epochs[-1] < 1.0  # the RCP's 10 seeds converged at 0.68-0.74 epochs
     check = ttt("check", str(log), "--ruleset", "5.1.0")
     assert check.returncode == 0, check.stdout + check.stderr
+    assert official_errors(log, "5.1.0", "tiny") == []  # the official common.yaml + open_common.yaml
 
 
 def test_synth_reports_sampler_figures(tmp_path):

@@ -41,8 +41,10 @@ def test_each_shipped_rule_file_holds_every_official_common_check(bench, tier):
     the same checks (enqueue_config aside) and at least the same REQ, so `ttt check` passes no log that
     those official layers fail."""
     ours = records(shipped_path(bench, tier).read_text())
-    for layer in rule_files.layers(bench, tier)[:2]:
-        assert layer.official
+    official = [layer for layer in rule_files.layers(bench, tier) if layer.official]
+    # <division>_common.yaml lists the round's benchmarks: the test-only toy is judged without it.
+    assert len(official) == (1 if bench.name == "toy_classify" else 2)
+    for layer in official:
         for name, rec in records(layer.path.read_text()).items():
             assert set(checks(rec)) <= set(checks(ours[name])), (layer.label, name)
             if "REQ" in rec:

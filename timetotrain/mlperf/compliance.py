@@ -155,15 +155,9 @@ def tier_ruleset(bench, requested: str) -> str:
     """The ruleset a tier of ours is judged under: the requested one where its benchmark belongs to it
     (llama31_8b tiny under 6.1.0 then meets 6.1's common rules), else the benchmark's own (rgat tiny under
     the default 6.0.0 keeps the 5.1.0 rules its file was assembled on)."""
-    from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+    from timetotrain.suite.rule_files import official_benchmark
 
-    if requested == bench.ruleset:
-        return requested
-    try:
-        ours = bench.name in get_allowed_benchmarks("training", requested)
-    except (KeyError, ValueError):  # a ruleset the summarizer's table does not list
-        ours = False
-    return requested if ours else bench.ruleset
+    return requested if official_benchmark(bench.name, requested) else bench.ruleset
 
 
 def check_log(path: Path, ruleset: str = RULESET) -> Verdict:

@@ -24,7 +24,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlperf_logging.compliance_checker as official_checker
 import yaml
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain.errors import UserError
 from timetotrain.suite.base import Benchmark
@@ -38,9 +40,7 @@ _FIELDS = ("NAME", "REQ", "PRE", "CHECK", "POST", *_EXPR_FIELDS)
 
 
 def official_dir() -> Path:
-    import mlperf_logging.compliance_checker as cc
-
-    return Path(cc.__file__).parent
+    return Path(official_checker.__file__).parent
 
 
 @dataclass
@@ -62,16 +62,17 @@ class Layer:
 
 
 def layers(bench: Benchmark, tier: str, ruleset: str | None = None) -> list[Layer]:
+    """The layers of `bench`'s `tier`, in order. `<division>_common.yaml` lists the round's benchmarks (and
+    enqueues their files): a benchmark the round does not list (a test-only or in-development one) is judged
+    without it, as no official file names it."""
     ruleset = ruleset or bench.ruleset
     division = bench.tier(tier).division
-    official = official_dir()
-    out = [
-        Layer(f"training_{ruleset}/common.yaml", official / f"training_{ruleset}" / "common.yaml", True),
-        Layer(
-            f"training_{ruleset}/{division}_common.yaml",
-            official / f"training_{ruleset}" / f"{division}_common.yaml",
-            True,
-        ),
+    official = official_dir() / f"training_{ruleset}"
+    out = [Layer(f"training_{ruleset}/common.yaml", official / "common.yaml", True)]
+    if official_benchmark(bench.name, ruleset):
+        name = f"{division}_common.yaml"
+        out.append(Layer(f"training_{ruleset}/{name}", official / name, True))
+    out += [
         Layer(f"timetotrain/suite/rules/src/common_{tier}.yaml", SRC / f"common_{tier}.yaml"),
         Layer(f"src/{bench.name}_{tier}.yaml", source_path(bench, tier)),
     ]
@@ -82,6 +83,14 @@ def layers(bench: Benchmark, tier: str, ruleset: str | None = None) -> list[Laye
                 "(docs/adding-a-benchmark.md) or install an mlperf-logging that has the ruleset"
             )
     return out
+
+
+def official_benchmark(name: str, ruleset: str) -> bool:
+    """Whether the round `ruleset` has a benchmark `name` (the result summarizer's table)."""
+    try:
+        return name in get_allowed_benchmarks("training", ruleset)
+    except (KeyError, ValueError):  # a ruleset the table does not list
+        return False
 
 
 def source_path(bench: Benchmark, tier: str) -> Path:
