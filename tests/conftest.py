@@ -131,8 +131,11 @@ def official_errors(log: Path, ruleset: str, tier: str) -> list[str]:
     """The official compliance engine's messages on `log` under `ruleset` (none: it passes). A reference
     log is judged as a submission is, from `common.yaml` down the chain it enqueues (the division's
     common file, then `<division>_<bench>.yaml`). Another tier's log is judged by `common.yaml` and
-    `<division>_common.yaml` only: the division's benchmark file states the reference tier's values."""
+    `<division>_common.yaml` only: the division's benchmark file states the reference tier's values (and a
+    benchmark the round does not list, the test-only toy, by `common.yaml` alone)."""
     from mlperf_logging.compliance_checker import mlp_compliance, mlp_parser
+
+    from timetotrain.suite.rule_files import official_benchmark
 
     checker = mlp_compliance.make_checker("training", ruleset, quiet=True, werror=False)
     lines, errors = mlp_parser.parse_file(str(log), ruleset=ruleset)
@@ -143,8 +146,11 @@ def official_errors(log: Path, ruleset: str, tier: str) -> list[str]:
     if tier == "reference":
         checker.check_loglines(lines, f"training_{ruleset}/common.yaml")
     else:
-        division = next(ln.value["value"] for ln in lines if ln.key == "submission_division")
-        for name in ("common.yaml", f"{division}_common.yaml"):
+        first = {ln.key: ln.value["value"] for ln in reversed(lines)}
+        names = ["common.yaml"]
+        if official_benchmark(first["submission_benchmark"], ruleset):  # it only names the round's benchmarks
+            names.append(f"{first['submission_division']}_common.yaml")
+        for name in names:
             path = Path(mlp_compliance.__file__).parent / f"training_{ruleset}" / name
             checker.configured_checks(lines, str(path))
             queue.clear()  # what those files enqueue (the division's benchmark file) is not checked

@@ -65,7 +65,7 @@ def test_toy_log_passes_the_official_engine_with_its_rule_file(toy_runs):
     proc = ttt("check", str(log))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "toy_rules/toy_classify_tiny.yaml" in proc.stdout
-    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml (no round lists the toy)
 
 
 def test_toy_runs_are_scored(toy_runs):
