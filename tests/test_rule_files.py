@@ -3,6 +3,8 @@ official common rules, our common tiny part, the tier's own checks. Each shipped
 for byte, holds every check of the official common layers, and its target check is the tier's target with
 the metric's direction."""
 
+import dataclasses
+
 import pytest
 import toy_benchmark
 import yaml
@@ -107,3 +109,19 @@ def test_rules_build_check_finds_the_tree_up_to_date(capsys):
     assert main(["rules", "build", "--check"]) == 0
     out = capsys.readouterr().out
     assert out.count("up to date") == len([t for t in TIERS if t[0].name != "toy_classify"])
+
+
+def test_rules_build_writes_a_source_tree_never_an_installed_package(tmp_path):
+    src = toy_benchmark.BENCHMARK.rules_dir / "src" / "toy_classify_tiny.yaml"
+    for root in (tmp_path / "checkout", tmp_path / "lib" / "site-packages" / "timetotrain"):
+        (root / "src").mkdir(parents=True)
+        (root / "src" / src.name).write_text(src.read_text())
+    bench = dataclasses.replace(toy_benchmark.BENCHMARK, rules_dir=tmp_path / "checkout")
+    assert [b.changed for b in rule_files.build([bench])] == [True]
+    assert (tmp_path / "checkout" / "toy_classify_tiny.yaml").read_text() == assemble(bench, "tiny")
+    assert [b.changed for b in rule_files.build([bench])] == [False]  # reproducible: nothing to rewrite
+    installed = dataclasses.replace(bench, rules_dir=tmp_path / "lib" / "site-packages" / "timetotrain")
+    assert [b.changed for b in rule_files.build([installed], check_only=True)] == [True]
+    with pytest.raises(UserError, match="inside an installed package"):
+        rule_files.build([installed])
+    assert not (installed.rules_dir / "toy_classify_tiny.yaml").exists()

@@ -28,6 +28,7 @@ import mlperf_logging.compliance_checker as official_checker
 import yaml
 from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.suite.base import Benchmark
 
@@ -312,14 +313,26 @@ class Built:
 
 
 def build(benches: list[Benchmark], check_only: bool = False) -> list[Built]:
-    """Assemble every rule file of `benches`; write those that differ unless `check_only`."""
+    """Assemble every rule file of `benches`; write those that differ unless `check_only`. Nothing is
+    written before every file has been assembled, and never into an installed (non-editable) package."""
     out = []
     for bench in benches:
         for tier in tiers_with_rules(bench):
             text = assemble(bench, tier)
             path = shipped_path(bench, tier)
-            changed = not path.is_file() or path.read_text() != text
-            if changed and not check_only:
-                path.write_text(text)
-            out.append(Built(path, changed))
-    return out
+            out.append((Built(path, not path.is_file() or path.read_text() != text), text))
+    for built, text in out:
+        if built.changed and not check_only:
+            _check_source_tree(built.path)
+            fileio.write_text(built.path, text)
+    return [b for b, _ in out]
+
+
+def _check_source_tree(path: Path) -> None:
+    """The shipped files belong to a source checkout: rewriting an installed copy would change what one
+    environment checks against, silently, until the next install replaces it."""
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        raise UserError(
+            f"{path} is inside an installed package: run `ttt rules build` in a source checkout (pip install "
+            "-e .), or pass --check to compare without writing"
+        )
