@@ -125,3 +125,10 @@ def test_rules_build_writes_a_source_tree_never_an_installed_package(tmp_path):
     with pytest.raises(UserError, match="inside an installed package"):
         rule_files.build([installed])
     assert not (installed.rules_dir / "toy_classify_tiny.yaml").exists()
+
+
+def test_a_layer_with_broken_code_is_one_error_naming_it(tmp_path):
+    broken = "- KEY:\n    NAME:  eval_samples\n    REQ:   EXACTLY_ONE\n    CHECK: \" v['value'] == = 64 \"\n"
+    with pytest.raises(UserError, match=r"src.yaml: the item at '- KEY:' is not valid \(SyntaxError") as e:
+        parse_layer(_layer(tmp_path, "src.yaml", broken))
+    assert "\n" not in str(e.value)

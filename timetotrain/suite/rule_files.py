@@ -138,37 +138,47 @@ def parse_layer(layer: Layer) -> tuple[list[str], list[Record]]:
     records: list[Record] = []
     seen: set[str] = set()
     for comments, body in items:
-        parsed = yaml.load(body, Loader=yaml.BaseLoader)
-        if not (isinstance(parsed, list) and len(parsed) == 1 and isinstance(parsed[0], dict)):
-            raise UserError(f"{layer.label}: an item is not one BEGIN or KEY record:\n{body}")
-        ((kind, content),) = parsed[0].items()
-        if kind == "BEGIN":
-            records.append(Record(None, {"CODE": _code(content["CODE"])}, comments, [layer.label]))
-            continue
-        if kind != "KEY" or "NAME" not in content:
-            raise UserError(f"{layer.label}: {kind!r} is not a BEGIN or KEY record with a NAME")
-        unknown = set(content) - set(_FIELDS)
-        if unknown:
-            raise UserError(f"{layer.label}: KEY {content['NAME']} has unknown fields {sorted(unknown)}")
-        name = content["NAME"]
-        if name in seen:
-            # The engine keeps the last record of a name: an earlier one would be dead text.
-            raise UserError(f"{layer.label}: KEY {name} is stated twice; state each key once")
-        seen.add(name)
-        fields: dict[str, object] = {}
-        if "REQ" in content:
-            fields["REQ"] = content["REQ"]
-        for f in _CODE_FIELDS:
-            if f in content and _code(content[f]):
-                fields[f] = _code(content[f])
-        if "CHECK" in content:
-            checks = content["CHECK"]
-            fields["CHECK"] = [c.strip() for c in (checks if isinstance(checks, list) else [checks])]
-        for f in _EXPR_FIELDS:
-            if f in content:
-                fields[f] = content[f].strip()
-        records.append(Record(name, fields, comments, [layer.label]))
+        try:
+            records.append(_record(yaml.load(body, Loader=yaml.BaseLoader), comments, layer, seen))
+        except (yaml.YAMLError, SyntaxError) as e:
+            first = body.splitlines()[0] if body else ""
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            raise UserError(f"{layer.label}: the item at {first!r} is not valid ({why}): fix it") from e
     return lead, records
+
+
+def _record(parsed, comments: list[str], layer: Layer, seen: set[str]) -> Record:
+    """One parsed item as a Record; `seen` holds the key names the layer stated before."""
+    if not (isinstance(parsed, list) and len(parsed) == 1 and isinstance(parsed[0], dict)):
+        raise UserError(f"{layer.label}: an item is not one BEGIN or KEY record: {parsed!r}")
+    ((kind, content),) = parsed[0].items()
+    if kind == "BEGIN":
+        return Record(None, {"CODE": _code(content["CODE"])}, comments, [layer.label])
+    if kind != "KEY" or "NAME" not in content:
+        raise UserError(f"{layer.label}: {kind!r} is not a BEGIN or KEY record with a NAME")
+    unknown = set(content) - set(_FIELDS)
+    if unknown:
+        raise UserError(f"{layer.label}: KEY {content['NAME']} has unknown fields {sorted(unknown)}")
+    name = content["NAME"]
+    if name in seen:
+        # The engine keeps the last record of a name: an earlier one would be dead text.
+        raise UserError(f"{layer.label}: KEY {name} is stated twice; state each key once")
+    seen.add(name)
+    fields: dict[str, object] = {}
+    if "REQ" in content:
+        fields["REQ"] = content["REQ"]
+    for f in _CODE_FIELDS:
+        if f in content and _code(content[f]):
+            fields[f] = _code(content[f])
+    if "CHECK" in content:
+        checks = content["CHECK"]
+        fields["CHECK"] = [c.strip() for c in (checks if isinstance(checks, list) else [checks])]
+    for f in _EXPR_FIELDS:
+        if f in content:
+            fields[f] = content[f].strip()
+    for expr in [*fields.get("CHECK", []), *(fields[f] for f in _EXPR_FIELDS if f in fields)]:
+        compile(expr, layer.label, "eval")  # the engine evaluates them: a typo is found here, not in a run
+    return Record(name, fields, comments, [layer.label])
 
 
 def _code(code: str) -> str:
