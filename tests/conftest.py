@@ -125,3 +125,33 @@ def small_deepseek_v3():
         first_dense=1, vocab_size=128, max_seq_len=32, bias_rate=1e-2, init_std=0.05,
         rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
     )  # fmt: skip
+
+
+def official_errors(log: Path, ruleset: str, tier: str) -> list[str]:
+    """The official compliance engine's messages on `log` under `ruleset` (none: it passes). A reference
+    log is judged as a submission is, from `common.yaml` down the chain it enqueues (the division's
+    common file, then `<division>_<bench>.yaml`). Another tier's log is judged by `common.yaml` and
+    `<division>_common.yaml` only: the division's benchmark file states the reference tier's values (and a
+    benchmark the round does not list, the test-only toy, by `common.yaml` alone)."""
+    from mlperf_logging.compliance_checker import mlp_compliance, mlp_parser
+
+    from timetotrain.suite.rule_files import official_benchmark
+
+    checker = mlp_compliance.make_checker("training", ruleset, quiet=True, werror=False)
+    lines, errors = mlp_parser.parse_file(str(log), ruleset=ruleset)
+    if errors:
+        return [f"parse error: {e}" for _, e in errors]
+    queue = mlp_compliance.enqueued_configs  # the engine's module-level queue of files to check
+    queue.clear()
+    if tier == "reference":
+        checker.check_loglines(lines, f"training_{ruleset}/common.yaml")
+    else:
+        first = {ln.key: ln.value["value"] for ln in reversed(lines)}
+        names = ["common.yaml"]
+        if official_benchmark(first["submission_benchmark"], ruleset):  # it only names the round's benchmarks
+            names.append(f"{first['submission_division']}_common.yaml")
+        for name in names:
+            path = Path(mlp_compliance.__file__).parent / f"training_{ruleset}" / name
+            checker.configured_checks(lines, str(path))
+            queue.clear()  # what those files enqueue (the division's benchmark file) is not checked
+    return [*checker.overwritable.values(), *checker.not_overwritable]

@@ -214,6 +214,7 @@ CASES = [
         "not JSON",
     ),
     # -- ttt check --
+    C("rules-build-benchmark-unknown", "rules build resnet --check", "'resnet'", "ttt list"),
     C("check-missing", "check {w}/nope.txt", "{w}/nope.txt", "not a file"),
     C("check-a-folder", "check {w}/empty", "{w}/empty", "not a file"),
     C("check-not-mlperf", "check {w}/notes.txt", "{w}/notes.txt", "no :::MLLOG lines"),
@@ -571,7 +572,7 @@ def test_the_suite_covers_every_command():
         for c in CASES
     }
     assert commands == {"run", "synth", "data prepare", "data synth-graph", "check", "score", "package",
-                        "report", "suite", "data download"}  # fmt: skip
+                        "report", "suite", "data download", "rules"}  # fmt: skip
     assert len(CASES) >= 40
 
 

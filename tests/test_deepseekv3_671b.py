@@ -119,7 +119,7 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     import dataclasses
     import subprocess
 
-    from conftest import mllog, ttt_command
+    from conftest import mllog, official_errors, ttt_command
 
     from timetotrain.mlperf.compliance import rule_file
     from timetotrain.train import base_model
@@ -144,7 +144,8 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     args += ["--logdir", str(tmp_path / "logs"), "--max-steps", "2", "--quiet", "--seed", "1"]
     proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1) and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
-    recs = mllog(next((tmp_path / "logs" / "deepseekv3_671b" / "tiny").glob("result_*.txt")))
+    log = next((tmp_path / "logs" / "deepseekv3_671b" / "tiny").glob("result_*.txt"))
+    recs = mllog(log)
     first = {}
     for r in recs:
         first.setdefault(r["key"], r["value"])
@@ -153,3 +154,4 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     assert [r["metadata"]["samples_count"] for r in evals] == [16, 32]  # after every step
     hp = [(k, first[k]) for k, _ in logged(BENCH.tier("tiny"))]  # as the run logged them
     assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], hp) == []
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import mllog, ttt_command
+from conftest import mllog, official_errors, ttt_command
 from test_golden import assert_matches_golden, golden, golden_env
 
 from timetotrain.mlperf.compliance import check_log
@@ -54,6 +54,7 @@ def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_pa
     assert next(r["value"] for r in recs if r["key"] == "seed") == 1234
     verdict = check_log(log)
     assert verdict.ok, verdict.output
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml
     print(
         f"tiny seed 1234: {len(steps)} steps, eval {evals[-1]['value']:.4f}; {proc.stderr.strip().splitlines()[-1]}"
     )

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import mllog, require_file, shared_data_dir, ttt_command
+from conftest import mllog, official_errors, require_file, shared_data_dir, ttt_command
 
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.rcp import rcp_path
@@ -43,6 +43,7 @@ def test_tiny_tier_to_target_and_scored(tmp_path):
     assert evals[0]["value"] > 1.3  # from about 2 (the zero-initialised output) down to the target
     verdict = check_log(log)
     assert verdict.ok, verdict.output
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml
     assert rcp_path("flux1", "tiny").is_file()
     # One run is not a score (flux1 needs 10), but it is judged against the shipped RCP.
     scored = ttt("score", str(tmp_path / "logs"), "--json")

@@ -6,7 +6,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import mllog, ttt_command
+from conftest import mllog, official_errors, ttt_command
 from fakelogs import logged_keys
 from test_golden import assert_matches_golden, golden
 
@@ -110,3 +110,4 @@ def test_tiny_reaches_target_with_expert_telemetry(c4_prepared, tmp_path):
         )  # every token routed top_k times
     verdict = check_log(log)
     assert verdict.ok, verdict.output
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml

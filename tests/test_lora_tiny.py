@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import mllog, require, require_file, shared_data_dir, ttt_command
+from conftest import mllog, official_errors, require, require_file, shared_data_dir, ttt_command
 
 from timetotrain.data import c4, govreport
 from timetotrain.errors import UserError
@@ -168,3 +168,4 @@ def test_tiny_tier_from_ttt_base_to_target(c4_llama2, gov_tiny, tmp_path):
     assert evals[-1]["value"] <= TINY.target < min(e["value"] for e in evals[:-1] or [base_loss])
     verdict = check_log(log)
     assert verdict.ok, verdict.output
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 from conftest import mllog, ttt_command
-from test_rgat_logs import official_errors
+from test_rgat_logs import official_chain_errors
 
 from timetotrain.suite.rgat import TINY
 
@@ -49,7 +49,7 @@ def test_tiny_log_passes_the_official_checker(run):
     """common.yaml, then open_common.yaml and open_rgat.yaml, which it enqueues for an open rgat log."""
     root, p = run
     assert p.returncode == 0, p.stderr[-2000:]
-    assert official_errors(root / "logs" / "rgat" / "tiny" / "result_0.txt") == {}
+    assert official_chain_errors(root / "logs" / "rgat" / "tiny" / "result_0.txt") == {}
 
 
 def test_synth_reports_sampler_figures(tmp_path):

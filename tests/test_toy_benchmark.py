@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import mllog, ttt_command
+from conftest import mllog, official_errors, ttt_command
 from toy_benchmark import make_data
 
 HERE = Path(__file__).parent
@@ -65,6 +65,7 @@ def test_toy_log_passes_the_official_engine_with_its_rule_file(toy_runs):
     proc = ttt("check", str(log))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "toy_rules/toy_classify_tiny.yaml" in proc.stdout
+    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml (no round lists the toy)
 
 
 def test_toy_runs_are_scored(toy_runs):

@@ -93,6 +93,7 @@ FAMILY = ModelFamily(
 @dataclass(frozen=True)
 class ClusterData:
     file: str = FILE
+    train_points: int = 2048  # what make_data writes by default (logged as train_samples)
 
 
 class _Points(RunData):
@@ -195,6 +196,9 @@ class Classify(Task):
             ("opt_base_learning_rate", tier.lr),
             ("opt_learning_rate_warmup_steps", tier.warmup_steps),
             *bench.optimizer.log_keys(),
+            # The dataset sizes, which the official common rules require exactly once.
+            ("train_samples", tier.data.train_points),
+            ("eval_samples", tier.eval_samples),
         ]
 
 

@@ -1,8 +1,8 @@
 """`ttt`: the command line. Each subcommand parses its flags and calls one function.
 
 The subcommands live in one module per group: `run` (list, run, synth, plan, rcp build), `data`
-(data prepare) and `results` (score, package, report, check). Each registers its parsers on the
-subparsers built here; all of them import their heavy dependencies inside the commands.
+(data prepare), `results` (score, package, report, check) and `rules` (rules build). Each registers its
+parsers on the subparsers built here; all of them import their heavy dependencies inside the commands.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import warnings
 
 from timetotrain import fileio
-from timetotrain.cli import data, results, run, suite
+from timetotrain.cli import data, results, rules, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_commands(sub)
     results.add_commands(sub)
     suite.add_commands(sub)
+    rules.add_commands(sub)
     return p
 
 

@@ -1,8 +1,9 @@
 """Compliance: the official engine on whole logs, and the official hyperparameter rules before a run.
 
 Rule files are data: the official `training_6.0.0/*.yaml` for reference tiers, ours (in each benchmark's
-`rules_dir`, `suite/rules/` for the packaged ones) for tiers that are not closed configurations. Both are
-evaluated by mlperf_logging's own engine.
+`rules_dir`, `suite/rules/` for the packaged ones, assembled on the official common rules by
+suite/rule_files.py) for tiers that are not closed configurations. Both are evaluated by mlperf_logging's
+own engine.
 """
 
 from __future__ import annotations
@@ -150,14 +151,37 @@ class Verdict:
     output: str
 
 
+def tier_ruleset(bench, requested: str) -> str:
+    """The ruleset a tier of ours is judged under: the requested one where its benchmark belongs to it
+    (llama31_8b tiny under 6.1.0 then meets 6.1's common rules), else the benchmark's own (rgat tiny under
+    the default 6.0.0 keeps the 5.1.0 rules its file was assembled on)."""
+    from timetotrain.suite.rule_files import official_benchmark
+
+    return requested if official_benchmark(bench.name, requested) else bench.ruleset
+
+
 def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
-    """Run `python -m mlperf_logging.compliance_checker` (the official engine) with the right rule file."""
+    """Run `python -m mlperf_logging.compliance_checker` (the official engine) with the right rule file: the
+    official chain for a reference log; for a tier of ours its shipped rule file, or, under another
+    ruleset its benchmark belongs to, the same layers assembled on that ruleset's common rules."""
     check_ruleset(ruleset)
     keys = read_log_keys(path)
     rules = log_rules(path, keys, ruleset)
     with tempfile.TemporaryDirectory() as tmp:
+        engine_ruleset, config = ruleset, f"training_{ruleset}/common.yaml"
+        if rules is not None:
+            from timetotrain import suite
+            from timetotrain.suite.rule_files import assemble
+
+            bench, tier = suite.get(str(keys["submission_benchmark"])), str(keys["ttt_tier"])
+            engine_ruleset = tier_ruleset(bench, ruleset)
+            config = str(rules)
+            if engine_ruleset != bench.ruleset:
+                rules = Path(tmp, rules.name)
+                rules.write_text(assemble(bench, tier, engine_ruleset))
+                config = f"{config} assembled on training_{engine_ruleset}"
         cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training"]
-        cmd += ["--ruleset", ruleset, "--log_output", str(Path(tmp, "compliance.log"))]
+        cmd += ["--ruleset", engine_ruleset, "--log_output", str(Path(tmp, "compliance.log"))]
         if rules is not None:
             cmd += ["--config", str(rules)]
         cmd.append(str(Path(path).resolve()))  # the engine runs in tmp: a relative path would miss
@@ -167,7 +191,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
     mismatch = model_mismatch(keys) if rules is None else None  # our rule files check ttt_model
     if mismatch:
         ok, out = False, f"{out}\n{mismatch}"
-    return Verdict(ok, str(rules) if rules else f"training_{ruleset}/common.yaml", out)
+    return Verdict(ok, config, out)
 
 
 class _Line:

@@ -40,12 +40,35 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
 
 
 def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
-    """The optional parallelism and precision keys of the 6.0 rules (integers / approved precision names)."""
+    """The parallelism and precision keys: optional in the 6.0 rules, each required exactly once from 6.1
+    on (integers >= 1, approved precision names)."""
     return [
         ("tensor_parallelism", getattr(plan, "tp", 1)),
         ("pipeline_parallelism", 1),
         ("context_parallelism", 1),
         ("expert_parallelism", getattr(plan, "ep", 1)),
         ("micro_batch_size", micro_batch),
-        ("lowest_numerical_precision_in_linear", "bfloat16" if plan.precision == "bf16" else "fp32"),
+        ("lowest_numerical_precision_in_linear", _precision(plan)),
+        # bf16 autocast runs the attention kernels (SDPA) in bf16 too.
+        ("lowest_numerical_precision_in_attn", _precision(plan)),
+        ("lowest_numerical_precision_in_comm", _comm_precision(plan)),
     ]
+
+
+def _precision(plan) -> str:
+    return "bfloat16" if plan.precision == "bf16" else "fp32"
+
+
+def _comm_precision(plan) -> str:
+    """The narrowest dtype a collective of the plan carries: under bf16, FSDP2 gathers bf16 parameters
+    (train/parallel.py) and TP / EP exchange bf16 activations; DDP and a single process reduce fp32
+    gradients (FSDP2 reduces in fp32 too)."""
+    sharded = any(getattr(plan, k, 1) > 1 for k in ("fsdp", "tp", "ep"))
+    return "bfloat16" if plan.precision == "bf16" and sharded else "fp32"
+
+
+def config_keys(bench: Benchmark, tier: Tier) -> list[tuple[str, object]]:
+    """`config_filename`, required from 6.1 on: the configuration a run was launched with. Ours is the tier
+    declaration (`<benchmark>_<tier>`, the name of its rule file and RCP), whose --set changes the logged
+    hyperparameters record."""
+    return [("config_filename", f"{bench.name}_{tier.name}")]

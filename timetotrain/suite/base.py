@@ -159,6 +159,9 @@ class Benchmark:
     optimizer: Optimizer
     schedule: str  # the reference framework's schedule, see train/schedule.py (nemo, megatron, ...)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
+    # The MLPerf Training ruleset the benchmark's closed rules come from (the folder of `closed_rules`); the
+    # rule files of our tiers are assembled on that ruleset's common rules (suite/rule_files.py).
+    ruleset: str = "6.0.0"
     # GBS -> the hyperparameters of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, RcpHparams] = field(default_factory=dict)
     # Where the rules fix the hyperparameters as a function of the GBS (llama31_405b: no borrowing, LR and
@@ -169,8 +172,9 @@ class Benchmark:
     # tier -> the layer count `ttt synth` uses when --layers is not given: a model too big for one device
     # runs at its exact width with fewer layers (llama31_405b reference), and the output says so.
     synth_layers: dict[str, int] = field(default_factory=dict)
-    # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`; the official engine
-    # checks the logs of those tiers against them.
+    # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`, assembled by
+    # `ttt rules build` from `src/<name>_<tier>.yaml` there (suite/rule_files.py); the official engine checks
+    # the logs of those tiers against them.
     rules_dir: Path = Path(__file__).parent / "rules"
 
     @property

@@ -108,5 +108,6 @@ BENCHMARK = Benchmark(
     ),
     schedule="warmup_constant",
     closed_rules=("training_5.1.0/closed_common.yaml", "training_5.1.0/closed_rgat.yaml"),
+    ruleset="5.1.0",
     rcp_hparams=RCP_HPARAMS,
 )

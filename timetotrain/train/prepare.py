@@ -11,7 +11,7 @@ import torch
 
 from timetotrain import suite
 from timetotrain.errors import UserError
-from timetotrain.mlperf.keys import parallel_keys, submission_keys
+from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
 from timetotrain.train import distributed, parallel
@@ -80,7 +80,7 @@ def start_device(
 
 def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None, extra: dict) -> None:
     """Everything between init_start and the model build: submission keys, seed, hyperparameters, the
-    parallelism keys, then our own `ttt_*` keys."""
+    parallelism and precision keys, config_filename, then our own `ttt_*` keys."""
     tier = prep.tier
     plat = platform or platform_name(prep.device, prep.dist.world)
     for k, v in submission_keys(prep.bench, tier, org, plat):
@@ -88,7 +88,7 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
     log.event("seed", prep.seed)
     for k, v in prep.bench.hyperparameters(tier, prep.accum):
         log.event(k, v)
-    for k, v in parallel_keys(prep.plan, tier.micro_batch_size):
+    for k, v in parallel_keys(prep.plan, tier.micro_batch_size) + config_keys(prep.bench, tier):
         log.event(k, v)
     for k, v in extra.items():
         log.event(k, v)
