@@ -25,7 +25,11 @@ from timetotrain.tasks.causal_lm import CausalLM, LMData
 
 
 class MoECausalLM(CausalLM):
-    """Causal LM pretraining whose log also carries the MoE aux-loss coefficient (closed rule)."""
+    """Causal LM pretraining whose log also carries the MoE aux-loss coefficient (closed rule). Continued
+    from a checkpoint: `init_checkpoint_step` 0, as pretrain_deepseek_v3_671b.py line 103 logs it."""
+
+    def __init__(self):
+        super().__init__(init_checkpoint_step=0)
 
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
         return super().hyperparameters(bench, tier, accum) + [
