@@ -138,8 +138,9 @@ TINY = Tier(
     max_steps=300,
     eval_every_samples=16,  # every step (from step 43), as the reference
     # 32 fixed windows (the first in document order), not the reference's fresh draw per evaluation: drawn
-    # afresh, 32 windows' mean moves by ~0.05 between evaluations, 25 steps of this tier's progress near the
-    # target (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
+    # afresh, the base's loss on 32 windows has a standard deviation of 0.047 over 20 draws, some 18 steps
+    # of this tier's progress near the target (0.0026 a step), where the reference's 1,024 x 4,096 tokens
+    # vary by less than one of its steps (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
     eval_samples=32,
     target=5.2,
     runs=10,
