@@ -8,8 +8,9 @@ built) at every RCP batch size and at one batch size without an RCP, and compare
 
 Read from mlcommons/training at aa344c7f (2026-07; llm_moe_pretraining after 5bf5f996 "Deepseek: skip
 first N evals"), Megatron-Bridge v0.3.0 (its container), the mlperf-logging 4.1.68 rule and RCP files.
-flux1 and rgat have no rows yet (their references, a torchtitan fork and the retired GNN folder, were
-not read for this table).
+flux1's rows come from the torchtitan fork the reference's submodule points at (pytorch/torchtitan 9603aa83)
+and its RCP file. rgat has no rows yet (its reference, the retired GNN folder, was not read for this table;
+its eval cadence is being changed under the same issue).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def l405_lr(gbs):
 L8_RCP = {16: (4e-4, 256), 32: (8e-4, 4096), 64: (8e-4, 6144), 96: (1e-3, 16384), 128: (2e-3, 32768)}
 OSS_RCP = {16: (4e-4, 2048), 32: (8e-4, 4096), 64: (1e-3, 12288)}
 LORA_LR = {8: 4e-4, 16: 4e-4, 32: 4e-4, 128: 1e-3}
+FLUX_RCP = {512: (2e-4, 1600), 1024: (2.5e-4, 800), 2048: (2.5e-4, 0), 4096: (4e-4, 100), 256: (1e-4, 0)}
+# The flux1 reference is the torchtitan fork text_to_image/torchtitan points at (9603aa83).
+FLUX = "pytorch/torchtitan@9603aa83 torchtitan/experiments/flux/"
 
 TABLE: dict[str, list[Row]] = {
     "deepseekv3_671b": [
@@ -195,6 +199,21 @@ TABLE: dict[str, list[Row]] = {
         Row("eval_windows", lambda g: 1024 // g * g, OSS + "config_MI355X_1x8x1.sh:64-65"),
         Row("eval_samples", const(1024), OSS + "config_MI355X_1x8x1.sh:64"),
     ],
+    "flux1": [
+        Row("opt_base_learning_rate", lambda g: FLUX_RCP[g][0], RCPS + "rcps_flux1.json"),
+        Row("opt_learning_rate_warmup_steps", lambda g: FLUX_RCP[g][1], RCPS + "rcps_flux1.json"),
+        Row("opt_adamw_beta_1", const(0.9), RCPS + "rcps_flux1.json"),
+        Row("opt_adamw_beta_2", const(0.95), RCPS + "rcps_flux1.json"),
+        Row("opt_adamw_epsilon", const(1e-8), FLUX + "train_configs/flux_schnell_mlperf.toml:28"),
+        Row("opt_adamw_weight_decay", const(0.1), RCPS + "rcps_flux1.json"),
+        Row("opt_gradient_clip_norm", const(1.0), FLUX + "train_configs/flux_schnell_mlperf.toml:37"),
+        Row("evaluation_frequency", const(262_144), FLUX + "train_configs/flux_schnell_mlperf.toml:58"),
+        Row("eval_samples", const(29_696), "text_to_image/README.md:332"),
+        Row("step_cap", const(30_000), FLUX + "train_configs/flux_schnell_mlperf.toml:38"),
+        # GBS dividing 262,144 only: how the reference rounds otherwise (#829) was not read for this table.
+        Row("eval_every_steps", lambda g: 262_144 // g, FLUX + "train_configs/flux_schnell_mlperf.toml:58"),
+        Row("first_eval_step", lambda g: 262_144 // g, FLUX + "train_configs/flux_schnell_mlperf.toml:58"),
+    ],
 }
 
 # Per benchmark: the RCP batch sizes, and one without an RCP (with the --set its closed run needs).
@@ -204,6 +223,7 @@ SIZES: dict[str, tuple[tuple[int, ...], tuple[int, list[str]]]] = {
     "llama2_70b_lora": ((8, 16, 32, 128), (64, ["lr=4e-4", "warmup_steps=0"])),
     "llama31_8b": ((16, 32, 64, 96, 128), (48, [])),
     "gpt_oss_20b": ((16, 32, 64), (128, [])),
+    "flux1": ((512, 1024, 2048, 4096), (256, ["lr=1e-4", "warmup_steps=0"])),
 }
 # Non-RCP sizes whose LR and warmup are the submitter's: the value the rows compare is the one set.
 L8_RCP[48] = (8e-4, 4096)
