@@ -1,5 +1,5 @@
 """deepseekv3_671b: the reference tier against the official closed rules (GBS floor, LR formula at the three
-RCP batch sizes, eval after every step), and the tiny tier's declaration."""
+RCP batch sizes, eval after every step from step 43), and the tiny tier's declaration."""
 
 import dataclasses
 
@@ -28,7 +28,9 @@ def test_rcp_batch_sizes_pass_the_closed_rules(gbs, lr):
     tier = apply_overrides(BENCH, BENCH.tier("reference"), [f"global_batch_size={gbs}"])
     assert tier.lr == pytest.approx(lr, abs=1e-9)
     assert tier.warmup_steps == 4 and tier.decay_steps == 11_996 and tier.end_lr == 1e-8
-    assert tier.eval_every_steps == 1 and BENCH.task.first_eval_step(tier) == 1  # eval after every step
+    # Eval after every step from step 42 + 24576 // GBS (43 at every RCP size), the run capped at 100 steps.
+    assert tier.eval_every_steps == 1 and BENCH.task.first_eval_step(tier) == 43
+    assert tier.max_steps == 100
     assert hparam_violations(closed_files(), logged(tier)) == []
     check_rules(BENCH, tier)  # what `ttt run` does before its first log line
     keys = dict(logged(tier))
@@ -114,8 +116,8 @@ def test_tiny_block_passes_our_rule_file():
 @pytest.mark.slow
 def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     """The tiny tier's plumbing end to end: a base cut to 3 short steps (`make_base`: HF export with the MTP
-    layer and routing biases), then `ttt run` from it for 2 steps, evaluating after each; the log names the
-    base's sha256 and its hyperparameters pass the tier's rule file."""
+    layer and routing biases), then `ttt run` from it for 2 steps, before its first evaluation; the log
+    names the base's sha256 and its hyperparameters pass the tier's rule file."""
     import dataclasses
     import subprocess
 
@@ -151,7 +153,8 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
         first.setdefault(r["key"], r["value"])
     assert first["ttt_init_checkpoint_sha256"] == doc["weights_sha256"]
     evals = [r for r in recs if r["key"] == "eval_accuracy"]
-    assert [r["metadata"]["samples_count"] for r in evals] == [16, 32]  # after every step
+    assert evals == []  # no evaluation before step 42 + 24 // 16 = 43, the reference's skip scaled
+    assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["samples_count"] == 32
     hp = [(k, first[k]) for k, _ in logged(BENCH.tier("tiny"))]  # as the run logged them
     assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], hp) == []
     assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml

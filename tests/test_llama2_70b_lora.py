@@ -189,11 +189,13 @@ def _gov_rows(tok, out, rows=None, block=64):
 
 
 @pytest.mark.parametrize("target", [0.0, 1e6])
-def test_a_run_that_misses_the_target_ends_aborted(tmp_path, monkeypatch, target):
+def test_a_run_that_misses_the_target_ends_fail(tmp_path, monkeypatch, target):
     """The reference's 1,024 steps are no multiple of its 48-step eval interval, so its last step is no
-    eval point: a run that has not met the target at an eval ends `aborted` (exit 1) without evaluating
-    there. Here evals every 2 steps, 5 steps: with a target no eval meets (0.0), evals at steps 2 and 4 and
-    the end at 5; with one any eval meets (1e6) but the first eval delayed past the end, no eval at all."""
+    eval point: a run that has not met the target at an eval ends with the reference's status `fail` (exit 1)
+    without evaluating there. Here evals every 2 steps, 5 steps. With a target no eval meets (0.0): the eval
+    at eval_delay (step 2) runs unreported, as the reference's (`global_step > eval_delay`), the one at step 4
+    is logged, the run ends at 5. With one any eval meets (1e6) but the first eval delayed past the end: no
+    eval at all."""
     from timetotrain.train import loop
 
     tok = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
@@ -206,18 +208,41 @@ def test_a_run_that_misses_the_target_ends_aborted(tmp_path, monkeypatch, target
     )  # fmt: skip
     monkeypatch.setitem(BENCH.tiers, "reference", tier)
     res = loop.run(loop.RunOptions(BENCH.name, "reference", data_dir, tmp_path / "logs", seed=1, echo=False))
-    assert (res.status, res.exit_code, res.steps) == ("aborted", 1, 5)
+    assert (res.status, res.exit_code, res.steps) == ("fail", 1, 5)
     assert "reached 5 steps without meeting the target" in res.reason
     recs = mllog(res.log_path)
     logged = {r["key"]: r["value"] for r in recs}
     assert [logged[k] for k in ("lora_rank", "lora_alpha", "train_samples", "eval_samples")] == [16, 32, 8, 2]
+    assert logged["opt_learning_rate_warmup_factor"] == 0.0  # the reference's name for HF's warmup_ratio
     evals = [r["metadata"]["samples_count"] for r in recs if r["key"] == "eval_accuracy"]
-    assert evals == ([4, 8] if target == 0.0 else [])
+    assert evals == ([8] if target == 0.0 else [])
     stop = recs[-1]
     assert stop["key"] == "run_stop" and (stop["metadata"]["status"], stop["metadata"]["samples_count"]) == (
-        "aborted",
+        "fail",
         10,
     )
+
+
+def test_the_unreported_eval_at_eval_delay_still_ends_the_run(tmp_path, monkeypatch):
+    """The reference stops on the loss of the eval at eval_delay too (its stop check reads every eval loss),
+    though it does not report it; a run that meets the target there logs that eval, so its log keeps an
+    eval_accuracy at the target (the official checker requires one)."""
+    from timetotrain.train import loop
+
+    tok = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    data_dir = _gov_rows(tok, tmp_path)
+    tier = dataclasses.replace(
+        REF, model=SMALL, data=LoRAData(block=64, train_samples=8, dropout=0.0, skip_evals=1),
+        global_batch_size=2, micro_batch_size=2, eval_samples=2, max_steps=5, eval_every_samples=4,
+        division="open", target=1e6,
+    )  # fmt: skip
+    monkeypatch.setitem(BENCH.tiers, "reference", tier)
+    res = loop.run(loop.RunOptions(BENCH.name, "reference", data_dir, tmp_path / "logs", seed=1, echo=False))
+    assert (res.status, res.steps) == ("success", 2)
+    recs = mllog(res.log_path)
+    keys = [r["key"] for r in recs if r["key"] in ("block_stop", "eval_start", "eval_accuracy", "eval_stop")]
+    assert keys == ["block_stop", "eval_start", "eval_accuracy", "eval_stop"]
+    assert [r["metadata"]["samples_count"] for r in recs if r["key"] == "eval_accuracy"] == [4]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # transformers / accelerate

@@ -139,7 +139,10 @@ def _mlcommons_folder(root, tokenizer: dict[str, str]):
 def test_data_prepared_with_another_tokenizer_is_a_preflight_error(tmp_path):
     from timetotrain.errors import UserError
 
-    tier = apply_overrides(BENCH, BENCH.tier("reference"), ["seq_len=64", "eval_samples=8", "division=open"])
+    # An evaluation reads whole global batches: at GBS 8, ceil(8 / 8) = one batch of 8 windows (at 1,152 it
+    # would be 1,152). The LR is given: scaled to GBS 8 it would fall below the fixed end LR.
+    sets = ["seq_len=64", "eval_samples=8", "global_batch_size=8", "lr=1e-5", "division=open"]
+    tier = apply_overrides(BENCH, BENCH.tier("reference"), sets)
     good = BENCH.task.resolve(tier, _mlcommons_folder(tmp_path / "ok", {"name": "mixtral"}))
     assert [p.name for p in good.train_prefixes] == [
         "c4-train.en_6_text_document",

@@ -163,8 +163,9 @@ def test_tiny_tier_from_ttt_base_to_target(c4_llama2, gov_tiny, tmp_path):
     assert value["ttt_init_checkpoint_sha256"] == doc["weights_sha256"]
     assert value["lora_rank"] == 16 and value["max_sequence_length"] == 1024 and value["eval_samples"] == 2
     evals = [r for r in recs if r["key"] == "eval_accuracy"]
-    # The eval delay: int(0.125 * 8 + 2) = 3 intervals of 2 steps, so the first eval comes at step 6.
-    assert evals[0]["metadata"]["samples_count"] == 3 * 2 * TINY.global_batch_size
+    # The eval delay: int(0.125 * 8 + 2) = 3 intervals of 2 steps; the eval at step 6 runs unreported (as the
+    # reference's at `global_step == eval_delay`), so the first logged one comes at step 8.
+    assert evals[0]["metadata"]["samples_count"] == 4 * 2 * TINY.global_batch_size
     assert evals[-1]["value"] <= TINY.target < min(e["value"] for e in evals[:-1] or [base_loss])
     verdict = check_log(log)
     assert verdict.ok, verdict.output

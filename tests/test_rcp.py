@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from conftest import require_file, shared_data_dir
@@ -265,3 +266,39 @@ def test_shipped_tiny_rcp_is_official_format_and_judges_like_the_official_checke
     (o,) = official.rcp_data.values()
     ours = RcpTable.load(path, bench, 10)
     assert (ours.records[0].mean, ours.records[0].min_mean) == (o["RCP Mean"], o["Min Epochs"])
+
+
+def test_rcp_build_writes_to_the_working_folder_never_into_the_package(tmp_path, monkeypatch, capsys):
+    """`ttt rcp build` without --out writes ./<bench>_<tier>_rcp.json (the runs here are fabricated logs put
+    in place of the real ones), leaves the package's shipped RCP untouched, and refuses before any run to
+    overwrite that file on a second call."""
+    from fakelogs import tier_log
+
+    from timetotrain import cli
+    from timetotrain.cli import run as run_cli
+    from timetotrain.mlperf.rcp import rcp_path
+
+    shipped = rcp_path("llama31_8b", "tiny")
+    before = shipped.read_bytes()
+    made = []
+
+    def fake_run_set(args, seeds, **fixed):
+        made.append(seeds)
+        out = []
+        for i, seed in enumerate(seeds):
+            log = tier_log(tmp_path / "logs" / f"result_{i}.txt", seed, 3200 + 320 * (i % 3), 1.0)
+            out.append((seed, SimpleNamespace(status="success", log_path=log, exit_code=0)))
+        return out
+
+    monkeypatch.setattr(run_cli, "run_set", fake_run_set)
+    monkeypatch.chdir(tmp_path)
+    argv = ["rcp", "build", "llama31_8b", "--runs", "3", "--seed", "1", "--data", "d", "--logdir", "logs"]
+    assert cli.main(argv) == 0
+    written = tmp_path / "llama31_8b_tiny_rcp.json"
+    doc = json.loads(written.read_text())
+    assert [rec["BS"] for rec in doc.values()] == [16] and str(written) in capsys.readouterr().out
+    assert shipped.read_bytes() == before
+    assert cli.main(argv) == 2 and len(made) == 1  # refused before running anything
+    assert "exists: pass --out FILE" in capsys.readouterr().err
+    other = tmp_path / "elsewhere" / "x.json"
+    assert cli.main([*argv, "--out", str(other)]) == 0 and other.is_file()

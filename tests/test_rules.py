@@ -145,12 +145,6 @@ def _refusal(bench, sets) -> str:
         (get("rgat"), ["target=0.7"], "quality target is fixed in the closed division (0.72)"),
         (get("rgat"), ["global_batch_size=8192"], "(RCPs at 4096, 16384, 32768, 65536, 262144)"),
         (get("deepseekv3_671b"), ["target=3.5"], "quality target is fixed in the closed division (3.6)"),
-        # (its yaml checks the LR formula; an LR that passes it still needs the warmup chosen)
-        (
-            get("deepseekv3_671b"),
-            ["global_batch_size=17408", "lr=2.4739e-05"],
-            "(RCPs at 15360, 16384, 18432)",
-        ),
         (get("llama31_405b"), ["target=5.0"], "quality target is fixed in the closed division"),
         (get("llama31_405b"), ["end_lr=1e-6"], "end LR is 0.01 x the base LR or 8e-07"),
     ],
@@ -168,6 +162,8 @@ def test_closed_division_refuses_what_no_yaml_checks(bench, sets, needle):
         (GPT_OSS, ["global_batch_size=48", "lr=9e-4", "warmup_steps=160"]),
         (GPT_OSS, ["global_batch_size=64", "lr=2e-3"]),
         (BENCH, ["micro_batch_size=2", "target=3.3", "eval_every_samples=12288"]),  # the declared values
+        # The rules fix deepseekv3_671b's LR (formula) and warmup (4) at any GBS: nothing is left to choose.
+        (get("deepseekv3_671b"), ["global_batch_size=17408"]),
     ],
 )
 def test_closed_division_accepts_what_the_rules_leave_free(bench, sets):

@@ -175,9 +175,9 @@ def _cmd_synth(args) -> int:
 
 def _cmd_rcp_build(args) -> int:
     """Run the tier N times (distinct seeds), then write the official-format RCP JSON of its converged runs."""
-    from timetotrain.mlperf.rcp import build_rcp_json, rcp_path
+    from timetotrain.mlperf.rcp import build_rcp_json
 
-    out = Path(args.out) if args.out else rcp_path(args.benchmark, args.tier)
+    out = rcp_out(args.benchmark, args.tier, args.out)
     if args.tier == "reference":
         raise UserError("--tier reference uses the official MLCommons RCPs; ttt rcp build is for our tiers")
     if args.runs < 3:
@@ -200,6 +200,20 @@ def _cmd_rcp_build(args) -> int:
         )
     print(f"wrote {out}")
     return 0
+
+
+def rcp_out(benchmark: str, tier: str, given: str | None) -> Path:
+    """Where `ttt rcp build` writes: --out, else ./<bench>_<tier>_rcp.json in the working folder. Never the
+    package's own RCP by default: under an editable install that is a tracked source file, and a set of runs
+    made elsewhere (another machine, other seeds) would silently replace the RCP that `ttt score` checks
+    every later run against. Shipping a new one is a deliberate copy into timetotrain/suite/rcps/. Checked
+    before any run: an existing default file is not overwritten."""
+    if given:
+        return Path(given)
+    out = Path.cwd() / f"{benchmark}_{tier}_rcp.json"
+    if out.exists():
+        raise UserError(f"{out} exists: pass --out FILE to choose where the RCP goes, or move that file away")
+    return out
 
 
 def _points_key(rec: dict) -> str:
@@ -441,8 +455,9 @@ def add_commands(sub) -> None:
         "build",
         help="run a tier N times and write its RCP file in the official format",
         description="Runs BENCH at TIER --runs times with distinct seeds (logs kept in --logdir), then writes "
-        "the official-format RCP JSON of the converged runs. By default it goes where the package looks for "
-        "it (timetotrain/suite/rcps/<bench>_<tier>.json), so `ttt score` checks later tiny runs against it.",
+        "the official-format RCP JSON of the converged runs, to --out or ./<bench>_<tier>_rcp.json (never into "
+        "the installed package: to ship it, copy it to timetotrain/suite/rcps/<bench>_<tier>.json, where "
+        "`ttt score` looks).",
     )
     s.add_argument("benchmark")
     s.add_argument("--tier", default="tiny")
@@ -451,7 +466,7 @@ def add_commands(sub) -> None:
     s.add_argument("--logdir", required=True, help="where the runs' result files go")
     s.add_argument("--seed", type=int, default=None, help="first seed (default: fresh random seeds)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting")
-    s.add_argument("--out", default=None, help="RCP file to write (default: the package's)")
+    s.add_argument("--out", default=None, help="RCP file to write (default: ./<bench>_<tier>_rcp.json)")
     s.add_argument(
         "--init-checkpoint",
         default=None,

@@ -119,7 +119,8 @@ class GPTWindows:
 
     ``shuffle=True`` reproduces megatron-core's ``GPTDataset`` order for ``seed`` (see the module
     docstring); ``shuffle=False`` gives the first ``num_samples`` windows in document order.
-    ``num_samples=None`` means one epoch's worth of windows.
+    ``num_samples=None`` means one epoch's worth of windows. ``megatron_len=True``: ``len`` is megatron's
+    (all ``total_samples`` the epochs complete) rather than the requested count.
     """
 
     def __init__(
@@ -129,6 +130,7 @@ class GPTWindows:
         num_samples: int | None,
         seed: int | None = None,
         shuffle: bool = True,
+        megatron_len: bool = False,
     ) -> None:
         if seq_length < 2:
             raise ValueError(f"seq_length must be at least 2, got {seq_length}")
@@ -149,6 +151,10 @@ class GPTWindows:
             self._build_shuffled(num_samples)
         else:
             self._build_in_order(num_samples)
+        if megatron_len:
+            # Megatron's own `len`: every sample the epochs complete, which is what a sampler over the whole
+            # dataset draws from (Megatron-Bridge's cyclic validation sampler, data/cyclic_sampler.py).
+            self.num_samples = self.total_samples
         self._itemsize = dataset.dtype.itemsize
 
     def _build_shuffled(self, num_samples: int | None) -> None:

@@ -310,6 +310,14 @@ def open_train(res: ResolvedData, seq_len: int, train_samples: int, seed: int):
     return BlendedWindows(parts, weights, sum(blend_sizes(weights, train_samples, surplus=0.0)))
 
 
+def open_val_shuffled(res: ResolvedData, seq_len: int, num_samples: int, seed: int) -> GPTWindows:
+    """The validation file as megatron-core's GPTDataset builds it for the validation split: shuffled with the
+    run's seed, `num_samples` asked for, megatron's `len` (data/cyclic_sampler.py reads all of it)."""
+    return GPTWindows(
+        IndexedDataset(res.val_prefix), seq_len, num_samples, seed, shuffle=True, megatron_len=True
+    )
+
+
 def open_val(res: ResolvedData, seq_len: int, num_samples: int) -> GPTWindows:
     try:
         return GPTWindows(IndexedDataset(res.val_prefix), seq_len, num_samples, seed=None, shuffle=False)

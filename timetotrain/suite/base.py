@@ -41,6 +41,10 @@ class Tier:
     # as the benchmark's framework does) is max_steps - warmup_steps, the value every C4 closed rule file
     # requires. False: max_steps, for a tier of ours that says why (gpt_oss_20b tiny).
     decay_steps_exclude_warmup: bool = True
+    # The steps the LR schedule is laid out over, where the run stops long before it ends: the decay argument
+    # is then schedule_steps (- warmup) while `max_steps` only caps the run (deepseekv3_671b: the reference's
+    # 12,000-step cosine, `MAX_STEPS=100`). None: max_steps.
+    schedule_steps: int | None = None
     # The names given with --set (apply_overrides). A closed run may use a GBS without an RCP only with a
     # base LR and warmup its submitter chose (closed_violation), not ones the harness kept from the tier.
     user_set: frozenset[str] = frozenset()
@@ -56,7 +60,8 @@ class Tier:
 
     @property
     def decay_steps(self) -> int:
-        return self.max_steps - (self.warmup_steps if self.decay_steps_exclude_warmup else 0)
+        total = self.max_steps if self.schedule_steps is None else self.schedule_steps
+        return total - (self.warmup_steps if self.decay_steps_exclude_warmup else 0)
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,9 @@ def closed_violation(bench: Benchmark, tier: Tier) -> str | None:
             f"(base LR {tier.lr:g}); change --set end_lr or {fix}"
         )
     gbs = tier.global_batch_size
-    if bench.rcp_hparams and gbs not in bench.rcp_hparams and not {"lr", "warmup_steps"} <= tier.user_set:
+    # Where the rules fix the hyperparameters as a function of the GBS (gbs_hparams), any legal GBS has them.
+    free = bench.gbs_hparams is None and bench.rcp_hparams and gbs not in bench.rcp_hparams
+    if free and not {"lr", "warmup_steps"} <= tier.user_set:
         rcps = ", ".join(str(b) for b in sorted(bench.rcp_hparams))
         return (
             f"{rule} global_batch_size={gbs} has no reference convergence point (RCPs at {rcps}), so its "

@@ -4,7 +4,8 @@
 The run starts from Meta's checkpoint (`ttt run --init-checkpoint`, Hugging Face safetensors layout) with the
 embedding and LM head cut to the first 32,768 rows; the optimizer starts fresh (`init_checkpoint_step` 0).
 Training draws from `c4-train.en_6` and `c4-train.en_7` blended 50/50 as megatron-core's BlendedDataset does;
-evaluation is the first 5,760 validation windows in document order, every 18,432 samples, after skipping
+evaluation is the first ceil(5,760 / GBS) global batches of validation windows in document order (5,760 at
+GBS 1,152, 6,912 at 2,304, 9,216 at 4,608; `eval_samples` logs 5,760), every 18,432 samples, after skipping
 the first floor(0.0026 GBS + 12) evaluations.
 
 The rules fix every hyperparameter as a function of the GBS (no borrowing): base LR 8e-5 * GBS / 1152 (the
@@ -29,7 +30,7 @@ END_LR = 8e-7
 WARMUP_STEPS = 8000  # warmup steps at REFERENCE_GBS
 SCHEDULE_STEPS = 1_200_000  # schedule steps at REFERENCE_GBS
 EVAL_EVERY = 18_432
-EVAL_SAMPLES = 5760
+EVAL_SAMPLES = 5760  # logged; evaluated as ceil(5760 / GBS) global batches (pretrain_llama31.py line 359)
 SKIP_EVALS = (0.0026, 12.0)  # skip floor(0.0026 * GBS + 12) evaluations
 
 # MLCommons' preprocessed Mixtral C4 (mixtral-8x22b-preprocessed-c4-dataset) names; ours
@@ -76,7 +77,7 @@ REFERENCE = Tier(
     name="reference",
     model=LLAMA31_405B,
     data=LMData(8192, TRAIN_BLEND[0][0], VAL_PREFIXES, tokenizer="mixtral", train_blend=TRAIN_BLEND,
-                skip_evals=SKIP_EVALS),
+                skip_evals=SKIP_EVALS, eval_whole_batches=True),
     global_batch_size=REFERENCE_GBS,
     micro_batch_size=1,
     **gbs_hparams(REFERENCE_GBS),
@@ -113,7 +114,15 @@ TINY_BASE = base_recipe(
 TINY = Tier(
     name="tiny",
     model=LlamaConfig(**{**TINY_BASE_MODEL.__dict__, "vocab_size": 2048}),
-    data=LMData(256, OUR_TRAIN, OUR_VAL, tokenizer="mixtral", vocab_keep=2047, skip_evals=SKIP_EVALS),
+    data=LMData(
+        256,
+        OUR_TRAIN,
+        OUR_VAL,
+        tokenizer="mixtral",
+        vocab_keep=2047,
+        skip_evals=SKIP_EVALS,
+        eval_whole_batches=True,
+    ),
     global_batch_size=16,
     micro_batch_size=16,
     lr=2e-3,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from timetotrain.models.llama import FAMILY, LLAMA31_8B, LlamaConfig
 from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
@@ -18,8 +20,11 @@ RCP_HPARAMS = {
     128: RcpHparams(2e-3, 256),
 }
 
-# NeMo min_lr = 0.1 x max_lr.
-REFERENCE = reference_tier(LLAMA31_8B, micro_batch_size=1, lr=4e-4, end_lr=4e-5, warmup_steps=16, target=3.3)
+# NeMo min_lr = 0.1 x max_lr. An evaluation reads ceil(1024 / GBS) whole global batches
+# (small_llm_pretraining/nemo/pretrain_llama31.py lines 369 and 181, limit_val_batches): 1,056 windows at GBS
+# 96, 1,024 at the other RCP sizes; eval_samples logs 1,024.
+_REF = reference_tier(LLAMA31_8B, micro_batch_size=1, lr=4e-4, end_lr=4e-5, warmup_steps=16, target=3.3)
+REFERENCE = dataclasses.replace(_REF, data=dataclasses.replace(_REF.data, eval_whole_batches=True))
 
 # Tiny: the same family (GQA, RoPE 500k with 3.1 scaling, SwiGLU, RMSNorm, untied, Megatron init, AdamW with
 # the closed betas/eps/wd/clip, NeMo warmup+cosine) at d=128, 2 layers.

@@ -87,6 +87,9 @@ class Task(ABC):
     # True for a task whose batch cannot be cut into micro-batches (a sampled subgraph): its micro-batch
     # is the whole per-rank batch, so `--set global_batch_size` takes micro_batch_size along.
     whole_batches: bool = False
+    # The `run_stop` status of a run that reaches max_steps without meeting the target (signals and errors
+    # are always "aborted"): the word the task's reference logs.
+    exhausted_status: str = "aborted"
 
     def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""
@@ -150,6 +153,12 @@ class Task(ABC):
         `first_eval_step` by default; a task whose reference counts eval points within each epoch says so
         here."""
         return step >= self.first_eval_step(tier) and step % tier.eval_every_steps == 0
+
+    def first_logged_eval_step(self, tier) -> int:
+        """The first evaluation whose result the log reports. Evaluations before it still run on the cadence
+        (and take their time) and can still end the run: the one that meets the target is logged, so the
+        log stays valid. Default: every evaluation is logged."""
+        return self.first_eval_step(tier)
 
     def param_counts(self, family, tier) -> tuple[int, int]:
         """(trainable, frozen) parameters of the model as the task trains it, for `ttt plan`: all of the

@@ -2,8 +2,10 @@
 
 Data: Megatron indexed files (`ttt data prepare c4`, or MLCommons' preprocessed C4), windows of
 `seq_len + 1` tokens drawn as megatron-core's GPTDataset draws them (`data/gpt_dataset.py`); the eval set
-is the first `eval_samples` windows of the validation file in document order. A tier may narrow the
-vocabulary to the K most frequent training ids plus one "other" id (`LMData.vocab_keep`).
+is the first `eval_samples` windows of the validation file in document order (or whole global batches
+of them, `LMData.eval_whole_batches`), or, for a tier whose reference draws them afresh at each evaluation,
+the next windows of Megatron-Bridge's cyclic sampler (`LMData.val_draw`, `data/cyclic_sampler.py`). A tier
+may narrow the vocabulary to the K most frequent training ids plus one "other" id (`LMData.vocab_keep`).
 
 Loss: mean next-token cross-entropy, optionally ignoring the positions whose input is end-of-document
 (Megatron's `eod_mask_loss`). Metric: the token-weighted mean cross-entropy over the eval windows
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from timetotrain.data import loader
+from timetotrain.data.cyclic_sampler import CyclicDraw, reference_val_samples
 from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
 from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
@@ -41,6 +44,16 @@ class LMData:
     # Evaluations skipped before the first one, floor(a * GBS + b) for (a, b) (llama31_405b: 0.0026, 12);
     # None: evaluate from the first eval point.
     skip_evals: tuple[float, float] | None = None
+    # (a, b): no evaluation before step a + b // GBS (deepseekv3_671b: Megatron-Bridge's start_eval_at_iter,
+    # 42 + 24576 // GBS); None: none.
+    start_eval: tuple[int, int] | None = None
+    # Whether an evaluation reads whole global batches, ceil(eval_samples / GBS) of them (llama31_405b: NeMo's
+    # limit_val_batches counts global batches); eval_samples is still what the log reports.
+    eval_whole_batches: bool = False
+    # Which windows an evaluation reads: "first", the first eval windows of the validation file in document
+    # order, the same at every evaluation; "megatron_cyclic", the next ones of Megatron-Bridge's persistent
+    # cyclic sampler over the seed-shuffled validation set (data/cyclic_sampler.py; deepseekv3_671b).
+    val_draw: str = "first"
 
 
 def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
@@ -58,30 +71,49 @@ def lm_loss(model, tokens: torch.Tensor, eod_id: int | None, reduction: str = "m
 
 
 class Evaluator:
-    """Mean next-token cross-entropy over the fixed validation windows (token-weighted), each rank
-    computing a contiguous share and the sums reduced across ranks."""
+    """Mean next-token cross-entropy over the validation windows (token-weighted), each rank computing its
+    share and the sums reduced across ranks. `draw(k)` gives this rank's windows of the k-th evaluation; a
+    fixed set (`draw=None`) is read once and kept on the device."""
 
-    def __init__(
-        self, windows, n: int, table, device, micro_batch: int, rank: int = 0, world: int = 1, eod_id=None
-    ):
+    def __init__(self, windows, table, device, micro_batch: int, world: int = 1, eod_id=None, draw=None):
+        self.windows, self.table, self.draw = windows, table, draw
+        self.micro_batch, self.world, self.device, self.eod_id = micro_batch, world, device, eod_id
+        self.count = 0  # evaluations done
+        self.tokens = self._load(range(len(windows))) if draw is None else None
+
+    @classmethod
+    def fixed(cls, windows, n: int, table, device, micro_batch: int, rank=0, world=1, eod_id=None):
+        """The first `n` windows, this rank's contiguous share of them."""
         lo, hi = n * rank // world, n * (rank + 1) // world
-        tokens = windows.batch(list(range(lo, hi)))
-        if table is not None:
-            tokens = table[tokens]
-        self.tokens = tokens.to(device)
-        self.micro_batch = micro_batch
-        self.world = world
-        self.device = device
-        self.eod_id = eod_id
+        return cls(_Slice(windows, lo, hi), table, device, micro_batch, world, eod_id)
+
+    def _load(self, indices) -> torch.Tensor:
+        tokens = self.windows.batch(list(indices))
+        if self.table is not None:
+            tokens = self.table[tokens]
+        return tokens.to(self.device)
 
     def __call__(self, model, autocast=None) -> float:
         def sums(model, chunk):  # loss sum, token count: the token-weighted mean
             labels = targets(chunk, self.eod_id)
             return model(chunk[:, :-1], labels=labels, reduction="sum"), (labels != -100).sum()
 
-        return evaluate_ratio(
-            model, self.tokens.split(self.micro_batch), sums, self.device, self.world, autocast
-        )
+        tokens = self.tokens if self.draw is None else self._load(self.draw(self.count))
+        self.count += 1
+        return evaluate_ratio(model, tokens.split(self.micro_batch), sums, self.device, self.world, autocast)
+
+
+class _Slice:
+    """Windows [lo, hi) of a window set, as a window set."""
+
+    def __init__(self, windows, lo: int, hi: int):
+        self.windows, self.lo, self.hi = windows, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def batch(self, indices) -> torch.Tensor:
+        return self.windows.batch([self.lo + i for i in indices])
 
 
 class _TokenData(RunData):
@@ -141,16 +173,22 @@ class CausalLM(Task):
         first validation is at eval_every_samples * k / GBS steps, then every `eval_every_steps`. Where
         that is not a whole step on the cadence (a GBS that does not divide the interval), the first
         evaluation is the first cadence step at or after it (decision: the loop evaluates on the cadence
-        only)."""
-        every = tier.eval_every_steps
-        if tier.data.skip_evals is None:
-            return every
-        a, b = tier.data.skip_evals
-        skip = math.floor(a * tier.global_batch_size + b)
-        start = max(-(-tier.eval_every_samples * skip // tier.global_batch_size), every)
+        only). With `start_eval` (a, b), no evaluation before step a + b // GBS (Megatron-Bridge's
+        `step >= start_eval_at_iter and step % eval_interval == 0`)."""
+        every, gbs = tier.eval_every_steps, tier.global_batch_size
+        start = every
+        if tier.data.skip_evals is not None:
+            a, b = tier.data.skip_evals
+            skip = math.floor(a * gbs + b)
+            start = max(-(-tier.eval_every_samples * skip // gbs), every)
+        if tier.data.start_eval is not None:  # Megatron-Bridge: step >= start_eval_at_iter, on the cadence
+            a, b = tier.data.start_eval
+            start = max(start, a + b // gbs)
         return -(-start // every) * every
 
     def validate(self, tier) -> None:
+        if tier.data.val_draw not in ("first", "megatron_cyclic"):
+            raise ValueError(f"unknown val_draw {tier.data.val_draw!r}")
         if tier.data.seq_len <= 0:
             raise UserError(f"--set seq_len={tier.data.seq_len}: must be positive")
         if tier.data.seq_len > tier.model.max_seq_len:
@@ -159,12 +197,14 @@ class CausalLM(Task):
             )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
+        # A fixed eval set must fit in one pass over the validation file; a drawn one cycles through epochs.
+        fixed = tier.data.val_draw == "first"
         res = loader.resolve(
             tier.data,
             data_dir,
             verify=verify,
             vocab_size=tier.model.vocab_size,
-            eval_samples=tier.eval_samples,
+            eval_samples=self.eval_windows(tier) if fixed else None,
         )
         if tier.data.vocab_keep:  # before the clock: an EOD id narrowed away is bad data, not a run
             self._eod_id(tier, loader.vocab_table(res.counts_file, tier.data.vocab_keep))
@@ -175,12 +215,33 @@ class CausalLM(Task):
         table = loader.vocab_table(resolved.counts_file, data.vocab_keep) if data.vocab_keep else None
         eod_id = self._eod_id(tier, table)
         train = loader.open_train(resolved, data.seq_len, tier.max_steps * tier.global_batch_size, seed)
-        evaluator = Evaluator(
-            loader.open_val(resolved, data.seq_len, tier.eval_samples), tier.eval_samples, table, device,
-            tier.micro_batch_size, rank, world, eod_id,
-        )  # fmt: skip
         source = loader.TokenSource(train, tier.global_batch_size, table, rank, world)
-        return _TokenData(source, evaluator, eod_id)
+        return _TokenData(
+            source, self._evaluator(tier, resolved, seed, rank, world, device, table, eod_id), eod_id
+        )
+
+    def _evaluator(self, tier, resolved, seed, rank, world, device, table, eod_id) -> Evaluator:
+        n, seq, micro = self.eval_windows(tier), tier.data.seq_len, tier.micro_batch_size
+        if tier.data.val_draw == "first":
+            windows = loader.open_val(resolved, seq, n)
+            return Evaluator.fixed(windows, n, table, device, micro, rank, world, eod_id)
+        # Megatron-Bridge's cyclic validation sampler: rank r reads its share of each evaluation from its own
+        # bucket, at the positions its stream has reached (data/cyclic_sampler.py).
+        gbs = tier.global_batch_size
+        want = reference_val_samples(tier.max_steps, tier.eval_every_steps, gbs)
+        windows = loader.open_val_shuffled(resolved, seq, want, seed)
+        sampler = CyclicDraw(len(windows), micro, rank, world)
+        share = n * (rank + 1) // world - n * rank // world
+
+        def draw(k: int):
+            return sampler.indices(k * share, share)
+
+        return Evaluator(windows, table, device, micro, world, eod_id, draw)
+
+    def eval_windows(self, tier) -> int:
+        """The windows one evaluation reads: `eval_samples`, or whole global batches covering them."""
+        n, gbs = tier.eval_samples, tier.global_batch_size
+        return -(-n // gbs) * gbs if tier.data.eval_whole_batches else n
 
     def _eod_id(self, tier, table) -> int | None:
         """The end-of-document id as the model sees it, when the loss is masked after EOD."""

@@ -210,6 +210,7 @@ def run(opts: RunOptions) -> RunResult:
             data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
             fetch = loader.Prefetcher(data, 0, device)
             gbs, accum = tier.global_batch_size, prep.accum
+            log_from = task.first_logged_eval_step(tier)
             items_per_step = gbs * items_per_sample
             pending = None  # (step, [loss, stop votes]): read one step late so the host never waits
             # Blocks count samples for every task, epoch-counted ones too: the common rules want
@@ -237,20 +238,31 @@ def run(opts: RunOptions) -> RunResult:
                         pending = None
                         if not on_cadence:  # only an eval point can end a run with success
                             reason = f"reached {step} steps without meeting the target {tier.target}"
+                            status = task.exhausted_status
                             break
                         point = _point(step * gbs, data, metric)
-                        stats = _telemetry(bench, tr.bare, log, point)
-                        log.end("block_stop", metadata={"samples_count": step * gbs})
-                        log.start("eval_start", metadata=point)
+                        logged = step >= log_from
+                        stats = _telemetry(bench, tr.bare, log, point) if logged else ""
+                        if logged:
+                            log.end("block_stop", metadata={"samples_count": step * gbs})
+                            log.start("eval_start", metadata=point)
                         last_eval = data.evaluate(tr.model, tr.autocast)
-                        log.event("eval_accuracy", last_eval, metadata=point)
-                        log.end("eval_stop", metadata=point)
-                        if live:
-                            where = ", ".join(f"{k} {v:,}" for k, v in point.items())
-                            live.print(
-                                f"eval at {where} (step {step}): {last_eval:.4f}  target "
-                                f"{metric.comparison} {tier.target}  [{time.monotonic() - t_run0:.1f} s]{stats}"
-                            )
+                        if not logged and metric.met(last_eval, tier.target):
+                            # An evaluation the reference runs but does not report (llama2_70b_lora's at
+                            # eval_delay) costs its time and may end the run; it is logged only then, so
+                            # the log keeps the eval_accuracy the rules require.
+                            logged = True
+                            log.end("block_stop", metadata={"samples_count": step * gbs})
+                            log.start("eval_start", metadata=point)
+                        if logged:
+                            log.event("eval_accuracy", last_eval, metadata=point)
+                            log.end("eval_stop", metadata=point)
+                            if live:
+                                where = ", ".join(f"{k} {v:,}" for k, v in point.items())
+                                live.print(
+                                    f"eval at {where} (step {step}): {last_eval:.4f}  target "
+                                    f"{metric.comparison} {tier.target}  [{time.monotonic() - t_run0:.1f} s]{stats}"
+                                )
                         if metric.met(last_eval, tier.target):
                             status = "success"
                             reason = f"eval {last_eval:.4f} {metric.comparison} target {tier.target}"
@@ -260,8 +272,10 @@ def run(opts: RunOptions) -> RunResult:
                             break
                         if step >= stop_after:
                             reason = f"reached {step} steps without meeting the target {tier.target}"
+                            status = task.exhausted_status
                             break
-                        log.start("block_start", metadata={"samples_count": step * gbs})
+                        if logged:  # else the block that an unreported evaluation interrupted goes on
+                            log.start("block_start", metadata={"samples_count": step * gbs})
             finally:
                 fetch.close()
             sig = aborter.caught if status != "success" else None
