@@ -15,7 +15,6 @@ its eval cadence is being changed under the same issue).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -244,11 +243,11 @@ def logged_init_block(bench, tier, tmp_path) -> dict:
     prep = prepare.preflight(bench, tier, tmp_path, None, "fp32", False, False, device="cpu", seed=1)
     log = ResultLog(tmp_path)
     prep.seed = 1
+    logged = {}  # what the file receives, record by record (a log closed before run_start is removed)
+    log.listeners.append(lambda key, value, metadata: logged.__setitem__(key, value))
     prepare.log_init_keys(log, prep, "org", "platform", {})
     log.close()
-    # No run_stop: the file keeps its live name, as a run's does until it ends.
-    recs = [json.loads(line.split(" ", 1)[1]) for line in log.live_path.read_text().splitlines()]
-    return {r["key"]: r["value"] for r in recs}
+    return logged
 
 
 def harness(bench, tier, what: str):
