@@ -121,7 +121,7 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     import dataclasses
     import subprocess
 
-    from conftest import mllog, official_errors, ttt_command
+    from conftest import mllog, ttt_command
 
     from timetotrain.mlperf.compliance import rule_file
     from timetotrain.train import base_model
@@ -157,4 +157,5 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["samples_count"] == 32
     hp = [(k, first[k]) for k, _ in logged(BENCH.tier("tiny"))]  # as the run logged them
     assert hparam_violations([rule_file("deepseekv3_671b", "tiny")], hp) == []
-    assert official_errors(log, "6.0.0", "tiny") == []  # the official common.yaml + open_common.yaml
+    # Two steps end before the first eval (43), so this log has no eval_accuracy the common rules require:
+    # the tier's log through the official common rules is tests/test_official_common.py's.

@@ -157,8 +157,8 @@ class Task(ABC):
     def first_logged_eval_step(self, tier) -> int:
         """The first evaluation whose result the log reports. Evaluations before it still run on the cadence
         (and take their time) and can still end the run: the one that meets the target is logged, so the
-        log stays valid. Default: every evaluation is logged."""
-        return self.first_eval_step(tier)
+        log stays valid. Default: every evaluation is logged (whatever `eval_due` decides)."""
+        return 0
 
     def param_counts(self, family, tier) -> tuple[int, int]:
         """(trainable, frozen) parameters of the model as the task trains it, for `ttt plan`: all of the
