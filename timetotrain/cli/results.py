@@ -22,13 +22,14 @@ def _existing_dir(path: str, flag: str) -> Path:
     return p
 
 
-def _note_unfinished(root: Path) -> None:
-    """On stderr, so `ttt score --json` stays valid JSON on stdout."""
-    from timetotrain.mlperf.results import unfinished_note
+def _note_skipped(root: Path) -> None:
+    """The result files every reader of a tree skips (unfinished runs, `ttt synth` logs), one line each
+    kind, on stderr, so `ttt score --json` stays valid JSON on stdout."""
+    from timetotrain.mlperf.results import synthetic_note, unfinished_note
 
-    note = unfinished_note(root)
-    if note:
-        print(note, file=sys.stderr)
+    for note in (unfinished_note(root), synthetic_note(root)):
+        if note:
+            print(note, file=sys.stderr)
 
 
 def _warn_problems(root: Path) -> None:
@@ -44,7 +45,7 @@ def _cmd_score(args) -> int:
     from timetotrain.mlperf.score import format_text, score_tree, to_json
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _note_skipped(_existing_dir(args.dir, "DIR"))
     _warn_problems(Path(args.dir))
     scores = score_tree(_existing_dir(args.dir, "DIR"), args.ruleset)
     print(to_json(scores) if args.json else format_text(scores), end="" if not args.json else "\n")
@@ -55,7 +56,7 @@ def _cmd_package(args) -> int:
     from timetotrain.mlperf.package import build_package, check_package
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.results, "--results"))
+    _note_skipped(_existing_dir(args.results, "--results"))
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
@@ -94,7 +95,7 @@ def _cmd_report(args) -> int:
     from timetotrain.report import make_report
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _note_skipped(_existing_dir(args.dir, "DIR"))
     if args.html is not None:
         return _report_html(args)
     if args.out is None:

@@ -363,7 +363,7 @@ def add_commands(sub) -> None:
         description="Run the benchmark's real model (its own init rule, random weights) on random tokens drawn "
         "on the device, with real forward/backward/optimizer steps, and report tokens/s, step times, model "
         "TFLOP/s, MFU and peak memory. Writes an MLPerf-format log and summary.json to "
-        "<logdir>/synth/<benchmark>/<tier>/. Works under torchrun (one log, figures summed over ranks).",
+        "<logdir>/synth/<benchmark>/<tier>/ (default ./synth/<benchmark>/<tier>/). Works under torchrun (one log, figures summed over ranks).",
     )
     s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
     s.add_argument("--tier", default="tiny", help="tiny (default) or reference (the full closed model)")
@@ -378,7 +378,12 @@ def add_commands(sub) -> None:
         "device (e.g. --tier reference --layers 4); flux1: N blocks split double:single as the reference's "
         "19:38 (a third double, rounded: 3 -> 1 + 2, 57 -> 19 + 38); FLOPs and MFU are of the reduced model",
     )
-    s.add_argument("--logdir", default="logs", help="where the log and summary go (default: ./logs)")
+    s.add_argument(
+        "--logdir",
+        default=".",
+        help="the log and summary go to LOGDIR/synth/<benchmark>/<tier>/ (default: the current folder, so "
+        "./synth/..., apart from the ./logs of `ttt run`; readers of results skip synth logs anyway)",
+    )
     s.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"
     )

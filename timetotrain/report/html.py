@@ -16,7 +16,7 @@ from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.markup import plotly
 from timetotrain.mlperf.compliance import RULESET
-from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance
+from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance, synthetic_logs
 from timetotrain.mlperf.score import Score, rcp_line, score_group
 from timetotrain.report.plots import (
     RCP_MEAN_COLOR,
@@ -46,10 +46,6 @@ def _e(v) -> str:
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
-
-
-def _synthetic(group: ResultGroup) -> bool:
-    return all(lg.keys.get("ttt_mode") == "synthetic" for lg in group.logs)
 
 
 def _round(v: float) -> float:
@@ -242,7 +238,7 @@ def render(root: Path, ruleset: str = RULESET) -> str:
         raise UserError(
             f"no result_*.txt or `ttt synth` summary_*.json under {root}: pass the --logdir of `ttt run`"
         )
-    groups = [g for g in find_groups(Path(root)) if not _synthetic(g)] if _has_results(root) else []
+    groups = find_groups(Path(root)) if _has_results(root) else []
     figures: dict[str, dict] = {}
     body, rows, used = [], [], set()
     for g in groups:
@@ -295,7 +291,10 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def _has_results(root: Path) -> bool:
-    return any(p.is_file() for p in Path(root).rglob("result_*.txt"))
+    """Result files other than `ttt synth` logs (find_groups sets those aside, and refuses a tree of
+    nothing else; the page still shows their summaries)."""
+    files = [p for p in Path(root).rglob("result_*.txt") if p.is_file()]
+    return len(files) > len(synthetic_logs(root))
 
 
 def write_html(root: Path, path: Path, ruleset: str = RULESET) -> Path:

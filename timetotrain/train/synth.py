@@ -35,7 +35,9 @@ class SynthOptions:
     steps: int | None = None
     warmup_steps: int | None = None
     micro_batch: int | None = None
-    logdir: Path = Path("logs")
+    # Results go to <logdir>/synth/<benchmark>/<tier>/: by default ./synth, apart from the ./logs the
+    # timed runs write (a synth log is not a result; readers of results skip it, see mlperf/results.py).
+    logdir: Path = Path(".")
     sets: list[str] = field(default_factory=list)
     device: str | None = None
     precision: str | None = None  # fp32 | bf16; default bf16 on GPUs, fp32 on CPUs
