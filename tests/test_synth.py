@@ -102,15 +102,19 @@ def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, mon
     from timetotrain.cli import main
 
     monkeypatch.chdir(tmp_path)
-    argv = ["synth", "llama31_8b", "--steps", "2", "--warmup-steps", "0", "--seed", "4"]
+    argv = ["synth", "llama31_8b", "--steps", "2", "--warmup-steps", "0", "--seed", "4", "--json"]
     assert main(argv) == 0
+    # --json: the summary, strict JSON (json.loads would let a NaN through), the whole of stdout.
+    printed = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     made = Path("synth") / "llama31_8b" / "tiny"
+    assert printed == json.loads((made / "summary.json").read_text()) | {
+        "summary_path": printed["summary_path"]
+    }
     assert [p.name for p in made.glob("result_*.txt")] == ["result_0.txt"]
     assert not Path("logs").exists()
     # A tree of results with a synth log inside it, as `--logdir logs` leaves it.
     tiny_runs(tmp_path / "logs" / "llama31_8b" / "tiny", n=10)
     shutil.copytree("synth", tmp_path / "logs" / "synth")
-    capsys.readouterr()
     assert ttt_main(["score", "logs", "--json"]) == 0
     out, err = capsys.readouterr()
     (only,) = json.loads(out)["results"]

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET, check_ruleset
 
@@ -130,6 +131,18 @@ def _cmd_check(args) -> int:
     if not path.is_file():
         raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
     verdict = check_log(path, args.ruleset)
+    if args.json:
+        doc = {
+            "log": str(path),
+            "verdict": "PASS" if verdict.ok else "FAIL",
+            "ok": verdict.ok,
+            "ruleset": args.ruleset,
+            "rules": verdict.config,
+            "engine": "mlperf_logging compliance_checker",
+            "output": verdict.output,
+        }
+        print(strictjson.dumps(doc, indent=2))
+        return 0 if verdict.ok else 1
     if args.verbose or not verdict.ok:
         print(verdict.output)
     print(
@@ -227,4 +240,9 @@ def add_commands(sub) -> None:
     s.add_argument("log", help="a result_<k>.txt")
     s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
     s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "output"} as JSON',
+    )
     s.set_defaults(func=_cmd_check)

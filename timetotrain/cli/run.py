@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 
 
@@ -36,7 +37,7 @@ def _cmd_list(args) -> int:
                 }
             )
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(strictjson.dumps(rows, indent=2))
         return 0
     head = f"{'benchmark':<17}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
     print(head)
@@ -90,7 +91,30 @@ def _cmd_run(args) -> int:
         )
     _check_seconds(args)
     results = run_set(args, _run_seeds(args.seed, args.runs))
+    if args.json and results and results[0][1].log_path is not None:  # rank 0 only
+        print(strictjson.dumps(run_summary(args, results), indent=2))
     return max(r.exit_code for _, r in results)
+
+
+def run_summary(args, results: list) -> dict:
+    """`ttt run --json`: one object after the runs, with one entry per run (the lines stderr showed)."""
+    runs = [
+        {
+            "seed": seed,
+            "status": r.status,
+            "reason": r.reason,
+            "steps": r.steps,
+            "samples": r.samples,
+            "last_eval": r.last_eval,
+            "seconds": r.seconds,
+            f"{r.item_name}_per_s": r.items_per_s,
+            "log": str(r.log_path),
+            "exit_code": r.exit_code,
+        }
+        for seed, r in results
+    ]
+    met = sum(r.status == "success" for _, r in results)
+    return {"benchmark": args.benchmark, "tier": args.tier, "runs": runs, "met_target": met, "of": len(runs)}
 
 
 def run_set(args, seeds: list[int], **fixed) -> list:
@@ -117,9 +141,11 @@ def run_set(args, seeds: list[int], **fixed) -> list:
         for i, seed in enumerate(seeds):
             if len(seeds) > 1:
                 print(f"run {i + 1}/{len(seeds)} (seed {seed})", file=sys.stderr)
+            # --json keeps stdout for the summary: no MLLOG echo.
+            echo = not (getattr(args, "quiet", True) or getattr(args, "json", False))
             opts = RunOptions(
                 benchmark=args.benchmark, tier=args.tier, data=Path(args.data), logdir=Path(args.logdir),
-                seed=seed, sets=args.set or [], echo=not getattr(args, "quiet", True), aborter=aborter,
+                seed=seed, sets=args.set or [], echo=echo, aborter=aborter,
                 **{**flags, **fixed},
             )  # fmt: skip
             res = run(opts)
@@ -167,7 +193,9 @@ def _cmd_synth(args) -> int:
             wandb=args.wandb,
         )
     )
-    if "log" in summary:  # rank 0 only
+    if "log" in summary and args.json:  # rank 0 only
+        print(strictjson.dumps(summary, indent=2))
+    elif "log" in summary:
         print(format_table(summary))
         print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")
     return 0
@@ -241,12 +269,14 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import format_plan, plan
+    from timetotrain.train.memory import format_plan, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=args.precision == "bf16")
-    print(format_plan(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16"))
+    show = plan_doc if args.json else format_plan
+    out = show(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16")
+    print(strictjson.dumps(out, indent=2) if args.json else out)
     return 0 if best is not None else 1
 
 
@@ -328,6 +358,11 @@ def add_commands(sub) -> None:
     s.add_argument("--org", default="timetotrain", help="submission_org to log")
     s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
     s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="no MLLOG echo; after the runs, print a summary of each (status, samples, seconds, log) as JSON",
+    )
     _add_scale_flags(s, precision_default="fp32")
     s.add_argument(
         "--dist-timeout",
@@ -391,6 +426,7 @@ def add_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
     _add_scale_flags(s, precision_default=None)
     _add_tracker_flags(s)
+    s.add_argument("--json", action="store_true", help="print the summary (summary.json's content) as JSON")
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser(
@@ -408,6 +444,7 @@ def add_commands(sub) -> None:
     )
     s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
+    s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
@@ -244,4 +245,5 @@ def rcp_line(r: RcpResult) -> str:
 
 
 def to_json(scores: list[Score]) -> str:
-    return json.dumps({"results": [s.to_dict() for s in scores]}, indent=2, default=str)
+    """Strict JSON (no NaN: a figure that has none is null, with its reason beside it)."""
+    return strictjson.dumps({"results": [s.to_dict() for s in scores]}, indent=2, default=str)
