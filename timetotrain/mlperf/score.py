@@ -231,14 +231,11 @@ def format_text(scores: list[Score]) -> str:
 
 
 def rcp_line(r: RcpResult) -> str:
-    verdict = r.verdict + (" (interpolated)" if r.interpolated and r.verdict == "Pass" else "")
-    text = f"RCP: {verdict} - {r.message}"
+    text = f"RCP: {r.text()} - {r.message}"
     if r.rcp_mean is not None:
         fmt = ",.4f" if r.unit == official.EPOCHS else ",.1f"  # 0.9250 epochs, not 0.9
-        text += (
-            f"; BS {r.bs}: runs {_num(r.submission_mean, fmt)} vs RCP mean {r.rcp_mean:{fmt}}, "
-            f"min {r.rcp_min:{fmt}} {r.unit}"
-        )
+        runs = "" if r.submission_mean is None else f"runs {r.submission_mean:{fmt}} vs "
+        text += f"; BS {r.bs}: {runs}RCP mean {r.rcp_mean:{fmt}}, min {r.rcp_min:{fmt}} {r.unit}"
         if r.norm_factor != 1.0:
             text += f"; normalization factor {r.norm_factor:.6f}"
     return text

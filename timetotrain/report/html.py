@@ -35,6 +35,7 @@ table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; }
 td.pass { color: #006400; font-weight: 600; } td.fail { color: #b00020; font-weight: 600; }
+td.pending { color: #8a6d00; font-weight: 600; }
 pre { white-space: pre-wrap; margin: 0; font-size: 0.85em; }
 .chart { width: 100%; height: 520px; }
 """
@@ -120,7 +121,7 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
     unit = official.eval_unit(group.benchmark)
     scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
     layout = {
-        "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: {scored}, RCP {r.verdict}")},
+        "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: {scored}, RCP {r.text()}")},
         "xaxis": {"title": {"text": f"training {unit}"}},
         # The metric label is long (key, what it measures, direction): a smaller font keeps it on the axis.
         "yaxis": {"title": {"text": metric_label(group.benchmark), "font": {"size": 11}}},
@@ -140,8 +141,7 @@ def _score_table(rows: list[tuple[Score, str]]) -> str:
     for s, anchor in rows:
         conv = sum(r.converged for r in s.runs)
         ok = sum(r.compliant for r in s.runs)
-        rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
-        cls = "pass" if s.rcp.verdict == "Pass" else "fail"
+        rcp, cls = s.rcp.text(short=True), s.rcp.kind  # the colour follows the wording: pending is neither
         out.append(
             f"<tr><td>{_e(s.submitter)}</td><td>{_e(s.system)}</td>"
             f"<td><a href='#{anchor}'>{_e(s.benchmark)}</a></td><td>{_e(s.tier)}</td>"
