@@ -125,3 +125,14 @@ def small_deepseek_v3():
         first_dense=1, vocab_size=128, max_seq_len=32, bias_rate=1e-2, init_std=0.05,
         rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
     )  # fmt: skip
+
+
+def strict_loads(text: str):
+    """json.loads that fails where strict parsers (python -m json.tool, jq, JSON.parse) fail: Python's own
+    accepts NaN and Infinity."""
+    import json
+
+    def reject(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=reject)

@@ -5,19 +5,11 @@ JSON.parse accept (no NaN, no Infinity). A figure that has no value is null, wit
 import json
 import math
 
+from conftest import strict_loads
 from fakelogs import tier_log, tiny_runs, ttt_main
 
 from timetotrain import strictjson
 from timetotrain.cli import main
-
-
-def strict_loads(text: str):
-    """json.loads that fails where strict parsers fail: Python's own accepts NaN and Infinity."""
-
-    def reject(name):
-        raise ValueError(f"{name} is not JSON")
-
-    return json.loads(text, parse_constant=reject)
 
 
 def test_non_finite_figures_become_null_with_a_reason():

@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import mllog, ttt_command
+from conftest import mllog, strict_loads, ttt_command
 from fakelogs import tiny_runs, ttt_main
 
 from timetotrain.train.synth import SynthOptions, _percentile, synth
@@ -105,7 +105,7 @@ def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, mon
     argv = ["synth", "llama31_8b", "--steps", "2", "--warmup-steps", "0", "--seed", "4", "--json"]
     assert main(argv) == 0
     # --json: the summary, strict JSON (json.loads would let a NaN through), the whole of stdout.
-    printed = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    printed = strict_loads(capsys.readouterr().out)
     made = Path("synth") / "llama31_8b" / "tiny"
     assert printed == json.loads((made / "summary.json").read_text()) | {
         "summary_path": printed["summary_path"]
