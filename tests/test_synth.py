@@ -100,6 +100,8 @@ def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, mon
     import shutil
 
     from timetotrain.cli import main
+    from timetotrain.mlperf.compliance import RULESET
+    from timetotrain.mlperf.results import parse_log
 
     monkeypatch.chdir(tmp_path)
     argv = ["synth", "llama31_8b", "--steps", "2", "--warmup-steps", "0", "--seed", "4", "--json"]
@@ -112,6 +114,8 @@ def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, mon
     }
     assert [p.name for p in made.glob("result_*.txt")] == ["result_0.txt"]
     assert not Path("logs").exists()
+    # The log says which ruleset it was written for (`ttt check` against another says so).
+    assert parse_log(made / "result_0.txt").keys["ttt_ruleset"] == RULESET
     # A tree of results with a synth log inside it, as `--logdir logs` leaves it.
     tiny_runs(tmp_path / "logs" / "llama31_8b" / "tiny", n=10)
     shutil.copytree("synth", tmp_path / "logs" / "synth")

@@ -73,7 +73,7 @@ def _cmd_package(args) -> int:
         print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
     for bench, n in res.benchmarks.items():
-        print(f"  results/{args.system}/{bench}: {n} result files")
+        print(f"  results/{args.system}/{bench}: {n} result file{'' if n == 1 else 's'}")
     print(
         f"  systems/{args.system}.json"
         + (" (from --system-json)" if system_json else " (filled from this host)")
@@ -126,11 +126,15 @@ def _report_html(args) -> int:
 
 def _cmd_check(args) -> int:
     from timetotrain.mlperf.compliance import check_log
+    from timetotrain.mlperf.results import ruleset_note
 
     path = Path(args.log)
     if not path.is_file():
         raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
     verdict = check_log(path, args.ruleset)
+    note = ruleset_note(path, args.ruleset)
+    if note:
+        print(f"note: {note}", file=sys.stderr)  # stderr: --json keeps stdout for the document
     if args.json:
         doc = {
             "log": str(path),
@@ -140,6 +144,7 @@ def _cmd_check(args) -> int:
             "rules": verdict.config,
             "engine": "mlperf_logging compliance_checker",
             "output": verdict.output,
+            "ruleset_note": note,
         }
         print(strictjson.dumps(doc, indent=2))
         return 0 if verdict.ok else 1
@@ -236,7 +241,16 @@ def add_commands(sub) -> None:
     s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
     s.set_defaults(func=_cmd_report)
 
-    s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
+    s = sub.add_parser(
+        "check",
+        help="run the official MLPerf compliance checker on a result log",
+        description="Run the official mlperf_logging compliance checker on one result_<k>.txt with the rule "
+        "file of the tier the log claims (ttt_tier): a tier of ours is checked against its own rules under "
+        "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Prints PASS "
+        "or FAIL with the rule file used (and the checker's report on FAIL, or with -v); exit 0 on PASS, 1 on "
+        "FAIL. A log that says it was written for another ruleset, or lies under a folder naming another "
+        "MLPerf round (e.g. mlperf_results_v5.1), gets a note.",
+    )
     s.add_argument("log", help="a result_<k>.txt")
     s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
     s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")

@@ -317,7 +317,12 @@ def _add_tracker_flags(s) -> None:
 
 def add_list(sub) -> None:
     """Register `list` (first in `ttt --help`, before `data`)."""
-    s = sub.add_parser("list", help="benchmarks x tiers: target, eval cadence, runs required")
+    s = sub.add_parser(
+        "list",
+        help="benchmarks x tiers: target, eval cadence, runs required",
+        description="Every benchmark x tier: the quality target and its metric, the eval cadence and eval set "
+        "(in samples), the global batch size, what one sample is, and how many runs a submission needs.",
+    )
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_list)
 
@@ -436,13 +441,21 @@ def add_commands(sub) -> None:
         "activation checkpointing) for a tier on N GPUs, and suggest --parallel/--ac/micro-batch settings.",
     )
     s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument("--tier", default="reference")
+    s.add_argument(
+        "--tier", default="reference", help="the tier to plan (default: reference, the closed configuration)"
+    )
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
     s.add_argument(
         "--parallel", default=None, help="only consider this kind: dp=N, fsdp=N, ep=N, ep=N,fsdp=N or tp=T"
     )
-    s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    s.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the compute precision the estimate assumes: bf16 (default: 2-byte activations and bf16 copies "
+        "of the weights beside the fp32 master weights) or fp32 (4-byte activations)",
+    )
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")
     s.set_defaults(func=_cmd_plan)
@@ -473,9 +486,12 @@ def add_commands(sub) -> None:
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=_cmd_base)
 
-    r = sub.add_parser("rcp", help="reference convergence points of our tiers").add_subparsers(
-        dest="rcp_command", required=True
-    )
+    r = sub.add_parser(
+        "rcp",
+        help="reference convergence points of our tiers",
+        description="Reference convergence points (RCPs): how many samples a tier's runs take to converge, "
+        "against which `ttt score` judges later runs. `build` makes a tier's RCP file.",
+    ).add_subparsers(dest="rcp_command", required=True)
     s = r.add_parser(
         "build",
         help="run a tier N times and write its RCP file in the official format",
@@ -483,8 +499,10 @@ def add_commands(sub) -> None:
         "the official-format RCP JSON of the converged runs. By default it goes where the package looks for "
         "it (timetotrain/suite/rcps/<bench>_<tier>.json), so `ttt score` checks later tiny runs against it.",
     )
-    s.add_argument("benchmark")
-    s.add_argument("--tier", default="tiny")
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument(
+        "--tier", default="tiny", help="a tier of ours (default: tiny; reference has official RCPs)"
+    )
     s.add_argument("--runs", type=int, default=10, help="runs to make (default 10)")
     s.add_argument("--data", required=True, help="prepared dataset folder")
     s.add_argument("--logdir", required=True, help="where the runs' result files go")

@@ -221,7 +221,9 @@ class RcpResult:
         d = asdict(self)
         d["text"] = self.text()
         if self.verdict == NOT_ENOUGH_RUNS:
-            d["submission_mean_reason"] = f"{self.runs} run(s): an olympic mean needs at least {MIN_RUNS}"
+            d["submission_mean_reason"] = (
+                f"{self.runs} {'run' if self.runs == 1 else 'runs'}: an olympic mean needs at least {MIN_RUNS}"
+            )
         return d
 
 

@@ -347,6 +347,32 @@ def unfinished_note(root: Path) -> str | None:
     )
 
 
+# A folder naming an MLPerf Training round: mlperf_results_v5.1, training_results_v5.0, v6.0.
+_ROUND_RE = re.compile(r"(?:^|[_-])v(\d+)\.(\d+)$")
+
+
+def ruleset_note(path: Path, ruleset: str) -> str | None:
+    """One line where a log checked against `ruleset` says it belongs to another: the `ttt_ruleset` ttt
+    logs, or (official logs state none) a folder above it that names an MLPerf round."""
+    stated = parse_log(path).keys.get("ttt_ruleset")
+    if stated is not None:
+        if str(stated) == ruleset:
+            return None
+        return f"{path} was written for ruleset {stated} (its ttt_ruleset), checked against {ruleset}"
+    for folder in Path(path).resolve().parents:
+        m = _ROUND_RE.search(folder.name)
+        if m is None:
+            continue
+        round_ = f"{m.group(1)}.{m.group(2)}"
+        if ruleset.startswith(round_ + "."):
+            return None
+        return (
+            f"{path} lies under {folder.name}, a folder naming MLPerf Training v{round_}, and is checked "
+            f"against ruleset {ruleset}: pass --ruleset {round_}.0 for that round's rules"
+        )
+    return None
+
+
 def _group(folder: Path) -> ResultGroup:
     """The group of one folder. Files without any MLLOG line are set aside in `foreign`: a stray text
     file is not a failed run. The benchmark is the one most of the logs name, so that one misfiled log

@@ -97,6 +97,11 @@ def olympic_score(minutes: list[float], dropped: int, max_dropped: int = 1) -> f
     return sum(kept) * 1.0 / len(kept)
 
 
+def _runs(n: int, what: str = "run") -> str:
+    """ "1 run", "2 runs": a count as a person writes it."""
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _cv(values: list[float]) -> float | None:
     if len(values) < 2:
         return None
@@ -132,9 +137,9 @@ def score_group(group: ResultGroup, ruleset: str = RULESET) -> Score:
     if dropped > max_dropped:
         notes.append(f"{dropped} runs are not compliant; at most {max_dropped} may be dropped: no score")
     elif olympic is None:
-        notes.append(f"{len(runs)} runs are too few for an olympic mean")
+        notes.append(f"{_runs(len(runs))} {'is' if len(runs) == 1 else 'are'} too few for an olympic mean")
     elif dropped:
-        notes.append(f"{dropped} non-compliant run dropped as the slowest (olympic scoring)")
+        notes.append(f"{_runs(dropped, 'non-compliant run')} dropped as the slowest (olympic scoring)")
     need = required_runs(group.benchmark, group.tier)
     if need is not None and need != len(runs):
         notes.append(f"{group.benchmark} needs exactly {need} runs, found {len(runs)}")
