@@ -171,7 +171,9 @@ def add_commands(sub) -> None:
             "Per run: minutes run_start->run_stop, status, samples to converge, official compliance.\n"
             "Per benchmark: olympic mean of compliant runs (one non-compliant run counts as the slowest;\n"
             "the median for 3-run benchmarks) x scaling.json, CV of times and of samples to converge, and\n"
-            "the RCP verdict (Pass / Fail / Interp. Fail / Missing) with the RCP mean and minimum.\n"
+            "the RCP verdict (Pass / Fail / Interp. Fail / Missing / No RCP, or 'not enough runs (N of >= 3)'\n"
+            "where fewer than 3 runs have no olympic mean to compare) with the RCP mean and minimum.\n"
+            "`ttt synth` logs and unfinished result_<k>.txt.partial under DIR are skipped, with a note.\n"
             "Nothing under DIR is modified. Exit 1 when a benchmark has no valid score."
         ),
         epilog="examples:\n  ttt score logs\n  ttt score ../shared/data/mlperf_results_v5.1 --ruleset 5.1.0 --json",
@@ -190,7 +192,8 @@ def add_commands(sub) -> None:
             "renumbered from 0), write OUT/systems/SYSTEM.json (filled from this host; unknown fields are\n"
             "'TODO: fill in' and listed) and OUT/benchmarks/BENCH/implementations/timetotrain/ with a\n"
             "README.md and a run_and_time.sh that repeats the runs with their logged seeds.\n"
-            "OUT must not exist. One folder of results per benchmark (use --tier to choose)."
+            "OUT must not exist. One folder of results per benchmark (use --tier to choose); `ttt synth`\n"
+            "logs under --results are skipped, with a note."
         ),
         epilog=(
             "examples:\n"
@@ -257,6 +260,6 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--json",
         action="store_true",
-        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "output"} as JSON',
+        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "output", "ruleset_note"} as JSON',
     )
     s.set_defaults(func=_cmd_check)
