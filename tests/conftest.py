@@ -155,3 +155,14 @@ def official_errors(log: Path, ruleset: str, tier: str) -> list[str]:
             checker.configured_checks(lines, str(path))
             queue.clear()  # what those files enqueue (the division's benchmark file) is not checked
     return [*checker.overwritable.values(), *checker.not_overwritable]
+
+
+def strict_loads(text: str):
+    """json.loads that fails where strict parsers (python -m json.tool, jq, JSON.parse) fail: Python's own
+    accepts NaN and Infinity."""
+    import json
+
+    def reject(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=reject)

@@ -124,3 +124,15 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
     chromium("--virtual-time-budget=20000", "--window-size=1400,2400", f"--screenshot={shot}", url)
     assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     shutil.copy(page, artifacts_dir() / "report.html")
+
+
+def test_synth_chart_puts_throughput_and_mfu_on_their_own_axes(tmp_path):
+    """items/s and MFU % share no scale: one panel each, side by side, never two bars on one axis pair."""
+    two_benchmarks(tmp_path)
+    _, fig = report_html._synth_section(report_html.synth_summaries(tmp_path))
+    per_s, mfu = fig["data"]
+    assert (per_s["xaxis"], per_s["yaxis"], mfu["xaxis"], mfu["yaxis"]) == ("x", "y", "x2", "y2")
+    lay = fig["layout"]
+    assert lay["xaxis"]["domain"][1] < lay["xaxis2"]["domain"][0]  # side by side, not overlaid
+    assert "overlaying" not in lay["yaxis2"] and "tokens" in lay["yaxis"]["title"]["text"]
+    assert per_s["y"] == [12345.6] and mfu["y"] == [100 * 0.081]

@@ -6,7 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import mllog, ttt_command
+from conftest import mllog, strict_loads, ttt_command
+from fakelogs import tiny_runs, ttt_main
 
 from timetotrain.train.synth import SynthOptions, _percentile, synth
 
@@ -90,6 +91,52 @@ def test_synth_under_torchrun_two_processes_one_log(tmp_path):
     assert s["world_size"] == 2 and s["tokens_per_s_per_device"] == pytest.approx(s["tokens_per_s"] / 2)
     recs = mllog(d / "result_0.txt")
     assert [r["key"] for r in recs].count("run_start") == 1  # only rank 0 logged
+
+
+def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, monkeypatch, capsys):
+    """By default `ttt synth` writes ./synth/...; a synth log that sits in a tree of results anyway (the old
+    default put it in ./logs) is skipped with a note by score, report and package, which then read the
+    tree as if it were not there."""
+    import shutil
+
+    from timetotrain.cli import main
+    from timetotrain.mlperf.compliance import RULESET
+    from timetotrain.mlperf.results import parse_log
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["synth", "llama31_8b", "--steps", "2", "--warmup-steps", "0", "--seed", "4", "--json"]
+    assert main(argv) == 0
+    # --json: the summary, strict JSON (json.loads would let a NaN through), the whole of stdout.
+    printed = strict_loads(capsys.readouterr().out)
+    made = Path("synth") / "llama31_8b" / "tiny"
+    assert printed == json.loads((made / "summary.json").read_text()) | {
+        "summary_path": printed["summary_path"]
+    }
+    assert [p.name for p in made.glob("result_*.txt")] == ["result_0.txt"]
+    assert not Path("logs").exists()
+    # The log says which ruleset it was written for (`ttt check` against another says so).
+    assert parse_log(made / "result_0.txt").keys["ttt_ruleset"] == RULESET
+    # A tree of results with a synth log inside it, as `--logdir logs` leaves it.
+    tiny_runs(tmp_path / "logs" / "llama31_8b" / "tiny", n=10)
+    shutil.copytree("synth", tmp_path / "logs" / "synth")
+    assert ttt_main(["score", "logs", "--json"]) == 0
+    out, err = capsys.readouterr()
+    (only,) = json.loads(out)["results"]
+    assert (only["benchmark"], len(only["runs"])) == ("llama31_8b", 10)
+    note = [line for line in err.splitlines() if "ttt synth" in line]
+    assert len(note) == 1 and note[0].startswith("note: skipped 1 `ttt synth` log ")
+    assert "logs/synth/llama31_8b/tiny/result_0.txt" in note[0]
+    assert ttt_main(["report", "logs", "--out", "report"]) == 0
+    assert sorted(p.name for p in Path("report").glob("*.png")) == ["llama31_8b-tiny.png"]
+    assert "skipped 1 `ttt synth` log" in capsys.readouterr().err
+    assert ttt_main(["package", "--org", "o", "--system", "s", "--results", "logs", "--out", "pkg"]) == 0
+    assert sorted(p.name for p in Path("pkg/results/s").iterdir()) == ["llama31_8b"]
+    assert len(list(Path("pkg/results/s/llama31_8b").glob("result_*.txt"))) == 10
+    # A tree of synth logs alone is no tree of results: one line that says so.
+    capsys.readouterr()
+    assert ttt_main(["score", "synth"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("ttt: error: only `ttt synth` logs under synth (") and len(err) == 2
 
 
 def test_percentile():

@@ -1,8 +1,9 @@
 """`ttt`: the command line. Each subcommand parses its flags and calls one function.
 
 The subcommands live in one module per group: `run` (list, run, synth, plan, rcp build), `data`
-(data prepare), `results` (score, package, report, check) and `rules` (rules build). Each registers its
-parsers on the subparsers built here; all of them import their heavy dependencies inside the commands.
+(data prepare), `results` (score, package, report, check), `rules` (rules build), `suite` and `doctor`.
+Each registers its parsers on the subparsers built here; all of them import their heavy dependencies
+inside the commands.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import warnings
 
 from timetotrain import fileio
-from timetotrain.cli import data, results, rules, run, suite
+from timetotrain.cli import data, doctor, results, rules, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"ttt {doctor.version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Registration order is the order `ttt --help` lists the commands in.
     run.add_list(sub)
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_commands(sub)
     suite.add_commands(sub)
     rules.add_commands(sub)
+    doctor.add_commands(sub)
     return p
 
 

@@ -182,9 +182,12 @@ def _cmd_download(args) -> int:
 
 def add_commands(sub) -> None:
     """Register `data prepare` and `data download`."""
-    d = sub.add_parser("data", help="download and prepare datasets").add_subparsers(
-        dest="data_command", required=True
-    )
+    d = sub.add_parser(
+        "data",
+        help="download and prepare datasets",
+        description="Datasets: `download` fetches a benchmark's public data, `prepare` tokenizes or encodes it "
+        "into the files runs read, `synth-graph` writes rgat's synthetic graph.",
+    ).add_subparsers(dest="data_command", required=True)
     s = d.add_parser(
         "download",
         help="fetch C4 shards (hub or mirror) or an MLCommons dataset, resumable and verified",
@@ -227,7 +230,12 @@ def add_commands(sub) -> None:
         "or MLCommons' scrolls_gov_report_8k parquet (or its folder); flux: WebDataset tars or folders of them "
         "(comma-separated), or MLCommons' cc12m_preprocessed / coco_preprocessed folder (detected)",
     )
-    s.add_argument("--split", required=True, choices=["train", "validation"])
+    s.add_argument(
+        "--split",
+        required=True,
+        choices=["train", "validation"],
+        help="which split --src holds; a run reads both, so prepare train and validation into one --out",
+    )
     s.add_argument(
         "--tokenizer",
         default="llama3",

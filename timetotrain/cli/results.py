@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError, writing
 from timetotrain.mlperf.compliance import RULESET, check_ruleset
 
@@ -22,13 +23,14 @@ def _existing_dir(path: str, flag: str) -> Path:
     return p
 
 
-def _note_unfinished(root: Path) -> None:
-    """On stderr, so `ttt score --json` stays valid JSON on stdout."""
-    from timetotrain.mlperf.results import unfinished_note
+def _note_skipped(root: Path) -> None:
+    """The result files every reader of a tree skips (unfinished runs, `ttt synth` logs), one line each
+    kind, on stderr, so `ttt score --json` stays valid JSON on stdout."""
+    from timetotrain.mlperf.results import synthetic_note, unfinished_note
 
-    note = unfinished_note(root)
-    if note:
-        print(note, file=sys.stderr)
+    for note in (unfinished_note(root), synthetic_note(root)):
+        if note:
+            print(note, file=sys.stderr)
 
 
 def _warn_problems(root: Path) -> None:
@@ -44,7 +46,7 @@ def _cmd_score(args) -> int:
     from timetotrain.mlperf.score import format_text, score_tree, to_json
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _note_skipped(_existing_dir(args.dir, "DIR"))
     _warn_problems(Path(args.dir))
     scores = score_tree(_existing_dir(args.dir, "DIR"), args.ruleset)
     print(to_json(scores) if args.json else format_text(scores), end="" if not args.json else "\n")
@@ -55,7 +57,7 @@ def _cmd_package(args) -> int:
     from timetotrain.mlperf.package import build_package, check_package
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.results, "--results"))
+    _note_skipped(_existing_dir(args.results, "--results"))
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
@@ -71,7 +73,7 @@ def _cmd_package(args) -> int:
         print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
     for bench, n in res.benchmarks.items():
-        print(f"  results/{args.system}/{bench}: {n} result files")
+        print(f"  results/{args.system}/{bench}: {n} result file{'' if n == 1 else 's'}")
     print(
         f"  systems/{args.system}.json"
         + (" (from --system-json)" if system_json else " (filled from this host)")
@@ -94,7 +96,7 @@ def _cmd_report(args) -> int:
     from timetotrain.report import make_report
 
     check_ruleset(args.ruleset)
-    _note_unfinished(_existing_dir(args.dir, "DIR"))
+    _note_skipped(_existing_dir(args.dir, "DIR"))
     if args.html is not None:
         return _report_html(args)
     if args.out is None:
@@ -126,11 +128,28 @@ def _report_html(args) -> int:
 
 def _cmd_check(args) -> int:
     from timetotrain.mlperf.compliance import check_log
+    from timetotrain.mlperf.results import ruleset_note
 
     path = Path(args.log)
     if not path.is_file():
         raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
     verdict = check_log(path, args.ruleset)
+    note = ruleset_note(path, args.ruleset)
+    if note:
+        print(f"note: {note}", file=sys.stderr)  # stderr: --json keeps stdout for the document
+    if args.json:
+        doc = {
+            "log": str(path),
+            "verdict": "PASS" if verdict.ok else "FAIL",
+            "ok": verdict.ok,
+            "ruleset": args.ruleset,
+            "rules": verdict.config,
+            "engine": "mlperf_logging compliance_checker",
+            "output": verdict.output,
+            "ruleset_note": note,
+        }
+        print(strictjson.dumps(doc, indent=2))
+        return 0 if verdict.ok else 1
     if args.verbose or not verdict.ok:
         print(verdict.output)
     print(
@@ -154,7 +173,9 @@ def add_commands(sub) -> None:
             "Per run: minutes run_start->run_stop, status, samples to converge, official compliance.\n"
             "Per benchmark: olympic mean of compliant runs (one non-compliant run counts as the slowest;\n"
             "the median for 3-run benchmarks) x scaling.json, CV of times and of samples to converge, and\n"
-            "the RCP verdict (Pass / Fail / Interp. Fail / Missing) with the RCP mean and minimum.\n"
+            "the RCP verdict (Pass / Fail / Interp. Fail / Missing / No RCP, or 'not enough runs (N of >= 3)'\n"
+            "where fewer than 3 runs have no olympic mean to compare) with the RCP mean and minimum.\n"
+            "`ttt synth` logs and unfinished result_<k>.txt.partial under DIR are skipped, with a note.\n"
             "Nothing under DIR is modified. Exit 1 when a benchmark has no valid score."
         ),
         epilog="examples:\n  ttt score logs\n  ttt score ../shared/data/mlperf_results_v5.1 --ruleset 5.1.0 --json",
@@ -173,7 +194,8 @@ def add_commands(sub) -> None:
             "renumbered from 0), write OUT/systems/SYSTEM.json (filled from this host; unknown fields are\n"
             "'TODO: fill in' and listed) and OUT/benchmarks/BENCH/implementations/timetotrain/ with a\n"
             "README.md and a run_and_time.sh that repeats the runs with their logged seeds.\n"
-            "OUT must not exist. One folder of results per benchmark (use --tier to choose)."
+            "OUT must not exist. One folder of results per benchmark (use --tier to choose); `ttt synth`\n"
+            "logs under --results are skipped, with a note."
         ),
         epilog=(
             "examples:\n"
@@ -224,8 +246,22 @@ def add_commands(sub) -> None:
     s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
     s.set_defaults(func=_cmd_report)
 
-    s = sub.add_parser("check", help="run the official MLPerf compliance checker on a result log")
+    s = sub.add_parser(
+        "check",
+        help="run the official MLPerf compliance checker on a result log",
+        description="Run the official mlperf_logging compliance checker on one result_<k>.txt with the rule "
+        "file of the tier the log claims (ttt_tier): a tier of ours is checked against its own rules under "
+        "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Prints PASS "
+        "or FAIL with the rule file used (and the checker's report on FAIL, or with -v); exit 0 on PASS, 1 on "
+        "FAIL. A log that says it was written for another ruleset, or lies under a folder naming another "
+        "MLPerf round (e.g. mlperf_results_v5.1), gets a note.",
+    )
     s.add_argument("log", help="a result_<k>.txt")
     s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
     s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "output", "ruleset_note"} as JSON',
+    )
     s.set_defaults(func=_cmd_check)

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 
 
@@ -36,7 +37,7 @@ def _cmd_list(args) -> int:
                 }
             )
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(strictjson.dumps(rows, indent=2))
         return 0
     head = f"{'benchmark':<17}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
     print(head)
@@ -90,7 +91,30 @@ def _cmd_run(args) -> int:
         )
     _check_seconds(args)
     results = run_set(args, _run_seeds(args.seed, args.runs))
+    if args.json and results and results[0][1].log_path is not None:  # rank 0 only
+        print(strictjson.dumps(run_summary(args, results), indent=2))
     return max(r.exit_code for _, r in results)
+
+
+def run_summary(args, results: list) -> dict:
+    """`ttt run --json`: one object after the runs, with one entry per run (the lines stderr showed)."""
+    runs = [
+        {
+            "seed": seed,
+            "status": r.status,
+            "reason": r.reason,
+            "steps": r.steps,
+            "samples": r.samples,
+            "last_eval": r.last_eval,
+            "seconds": r.seconds,
+            f"{r.item_name}_per_s": r.items_per_s,
+            "log": str(r.log_path),
+            "exit_code": r.exit_code,
+        }
+        for seed, r in results
+    ]
+    met = sum(r.status == "success" for _, r in results)
+    return {"benchmark": args.benchmark, "tier": args.tier, "runs": runs, "met_target": met, "of": len(runs)}
 
 
 def run_set(args, seeds: list[int], **fixed) -> list:
@@ -117,9 +141,11 @@ def run_set(args, seeds: list[int], **fixed) -> list:
         for i, seed in enumerate(seeds):
             if len(seeds) > 1:
                 print(f"run {i + 1}/{len(seeds)} (seed {seed})", file=sys.stderr)
+            # --json keeps stdout for the summary: no MLLOG echo.
+            echo = not (getattr(args, "quiet", True) or getattr(args, "json", False))
             opts = RunOptions(
                 benchmark=args.benchmark, tier=args.tier, data=Path(args.data), logdir=Path(args.logdir),
-                seed=seed, sets=args.set or [], echo=not getattr(args, "quiet", True), aborter=aborter,
+                seed=seed, sets=args.set or [], echo=echo, aborter=aborter,
                 **{**flags, **fixed},
             )  # fmt: skip
             res = run(opts)
@@ -167,7 +193,9 @@ def _cmd_synth(args) -> int:
             wandb=args.wandb,
         )
     )
-    if "log" in summary:  # rank 0 only
+    if "log" in summary and args.json:  # rank 0 only
+        print(strictjson.dumps(summary, indent=2))
+    elif "log" in summary:
         print(format_table(summary))
         print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")
     return 0
@@ -255,12 +283,14 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import format_plan, plan
+    from timetotrain.train.memory import format_plan, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=args.precision == "bf16")
-    print(format_plan(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16"))
+    show = plan_doc if args.json else format_plan
+    out = show(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16")
+    print(strictjson.dumps(out, indent=2) if args.json else out)
     return 0 if best is not None else 1
 
 
@@ -301,7 +331,12 @@ def _add_tracker_flags(s) -> None:
 
 def add_list(sub) -> None:
     """Register `list` (first in `ttt --help`, before `data`)."""
-    s = sub.add_parser("list", help="benchmarks x tiers: target, eval cadence, runs required")
+    s = sub.add_parser(
+        "list",
+        help="benchmarks x tiers: target, eval cadence, runs required",
+        description="Every benchmark x tier: the quality target and its metric, the eval cadence and eval set "
+        "(in samples), the global batch size, what one sample is, and how many runs a submission needs.",
+    )
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_list)
 
@@ -342,6 +377,11 @@ def add_commands(sub) -> None:
     s.add_argument("--org", default="timetotrain", help="submission_org to log")
     s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
     s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="no MLLOG echo; after the runs, print a summary of each (status, samples, seconds, log) as JSON",
+    )
     _add_scale_flags(s, precision_default="fp32")
     s.add_argument(
         "--dist-timeout",
@@ -377,7 +417,7 @@ def add_commands(sub) -> None:
         description="Run the benchmark's real model (its own init rule, random weights) on random tokens drawn "
         "on the device, with real forward/backward/optimizer steps, and report tokens/s, step times, model "
         "TFLOP/s, MFU and peak memory. Writes an MLPerf-format log and summary.json to "
-        "<logdir>/synth/<benchmark>/<tier>/. Works under torchrun (one log, figures summed over ranks).",
+        "<logdir>/synth/<benchmark>/<tier>/ (default ./synth/<benchmark>/<tier>/). Works under torchrun (one log, figures summed over ranks).",
     )
     s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
     s.add_argument("--tier", default="tiny", help="tiny (default) or reference (the full closed model)")
@@ -392,7 +432,12 @@ def add_commands(sub) -> None:
         "device (e.g. --tier reference --layers 4); flux1: N blocks split double:single as the reference's "
         "19:38 (a third double, rounded: 3 -> 1 + 2, 57 -> 19 + 38); FLOPs and MFU are of the reduced model",
     )
-    s.add_argument("--logdir", default="logs", help="where the log and summary go (default: ./logs)")
+    s.add_argument(
+        "--logdir",
+        default=".",
+        help="the log and summary go to LOGDIR/synth/<benchmark>/<tier>/ (default: the current folder, so "
+        "./synth/..., apart from the ./logs of `ttt run`; readers of results skip synth logs anyway)",
+    )
     s.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"
     )
@@ -400,6 +445,7 @@ def add_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
     _add_scale_flags(s, precision_default=None)
     _add_tracker_flags(s)
+    s.add_argument("--json", action="store_true", help="print the summary (summary.json's content) as JSON")
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser(
@@ -409,7 +455,9 @@ def add_commands(sub) -> None:
         "activation checkpointing) for a tier on N GPUs, and suggest --parallel/--ac/micro-batch settings.",
     )
     s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument("--tier", default="reference")
+    s.add_argument(
+        "--tier", default="reference", help="the tier to plan (default: reference, the closed configuration)"
+    )
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
     s.add_argument(
@@ -418,8 +466,15 @@ def add_commands(sub) -> None:
         help="only this layout, as `ttt run --parallel` takes it on --gpus processes: dp=N, fsdp=N, ep=N, "
         "ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp, then tp x fsdp if neither fits",
     )
-    s.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    s.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the compute precision the estimate assumes: bf16 (default: 2-byte activations and bf16 copies "
+        "of the weights beside the fp32 master weights) or fp32 (4-byte activations)",
+    )
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
+    s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(
@@ -448,9 +503,12 @@ def add_commands(sub) -> None:
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=_cmd_base)
 
-    r = sub.add_parser("rcp", help="reference convergence points of our tiers").add_subparsers(
-        dest="rcp_command", required=True
-    )
+    r = sub.add_parser(
+        "rcp",
+        help="reference convergence points of our tiers",
+        description="Reference convergence points (RCPs): how many samples a tier's runs take to converge, "
+        "against which `ttt score` judges later runs. `build` makes a tier's RCP file.",
+    ).add_subparsers(dest="rcp_command", required=True)
     s = r.add_parser(
         "build",
         help="run a tier N times and write its RCP file in the official format",
@@ -459,8 +517,10 @@ def add_commands(sub) -> None:
         "the installed package: to ship it, copy it to timetotrain/suite/rcps/<bench>_<tier>.json, where "
         "`ttt score` looks).",
     )
-    s.add_argument("benchmark")
-    s.add_argument("--tier", default="tiny")
+    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
+    s.add_argument(
+        "--tier", default="tiny", help="a tier of ours (default: tiny; reference has official RCPs)"
+    )
     s.add_argument("--runs", type=int, default=10, help="runs to make (default 10)")
     s.add_argument("--data", required=True, help="prepared dataset folder")
     s.add_argument("--logdir", required=True, help="where the runs' result files go")

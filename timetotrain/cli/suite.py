@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 
 
@@ -49,7 +48,7 @@ def _cmd_suite(args) -> int:
     table = format_rows(rows)
     print(table)
     doc = {"tier": args.tier, "benchmarks": [dataclasses.asdict(r) for r in rows]}
-    fileio.write_text(Path(args.out) / "scorecard.json", json.dumps(doc, indent=2) + "\n")
+    fileio.write_text(Path(args.out) / "scorecard.json", strictjson.dumps(doc, indent=2) + "\n")
     print(f"results: {args.out} (scorecard.json; `ttt report {args.out} --html` draws them)", file=sys.stderr)
     ok = all(r.runs and r.converged == r.runs and r.compliant == r.runs for r in rows)
     return 0 if ok else 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -171,10 +172,18 @@ class RcpTable:
         return "none", None
 
 
+# The olympic mean of the runs' convergence points drops the fastest and the slowest: it needs 3 runs. With
+# fewer, the official rcp_checker's mean is NaN and its verdict Fail; ours says what is true instead.
+MIN_RUNS = 3
+NOT_ENOUGH_RUNS = "Not enough runs"
+
+
 @dataclass
 class RcpResult:
     """The RCP verdict for one set of runs. verdict uses the result_summarizer's words: Pass, Fail,
-    Interp. Fail, Missing, No RCP; or Fail when the runs themselves cannot be compared."""
+    Interp. Fail, Missing, No RCP; or Fail when the runs themselves cannot be compared; or NOT_ENOUGH_RUNS
+    where an RCP exists but fewer than MIN_RUNS runs have no mean to compare with it (`runs` says how many).
+    `text()` and `kind` are the one wording and the one colour class every table, plot and page uses."""
 
     verdict: str
     message: str
@@ -187,13 +196,35 @@ class RcpResult:
     norm_factor: float = 1.0
     source: str = ""
     unit: str = official.SAMPLES  # of the means: samples, or epochs (rgat and other epoch-counted benchmarks)
+    runs: int | None = None  # the runs compared (their convergence points), where they could be read
 
     @property
     def passed(self) -> bool:
         return self.verdict == "Pass"
 
+    def text(self, short: bool = False) -> str:
+        """The verdict as every output words it: "not enough runs (1 of >= 3)", never a Fail of a NaN."""
+        if self.verdict == NOT_ENOUGH_RUNS:
+            return f"not enough runs ({self.runs} of >= {MIN_RUNS})"
+        if self.interpolated and self.verdict == "Pass":
+            return "Pass (interp.)" if short else "Pass (interpolated)"
+        return self.verdict
+
+    @property
+    def kind(self) -> str:
+        """pass, fail, or pending (not enough runs yet: neither), for the colour of the verdict."""
+        if self.verdict == NOT_ENOUGH_RUNS:
+            return "pending"
+        return "pass" if self.passed else "fail"
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["text"] = self.text()
+        if self.verdict == NOT_ENOUGH_RUNS:
+            d["submission_mean_reason"] = (
+                f"{self.runs} {'run' if self.runs == 1 else 'runs'}: an olympic mean needs at least {MIN_RUNS}"
+            )
+        return d
 
 
 def submission_points(logs: list[RunLog]) -> tuple[int | None, list[float] | None, str]:
@@ -218,6 +249,12 @@ def _judge(table: RcpTable, bs: int, points: list[float], allowance: float = 0.0
     if rec is None:
         msg = "Cannot find any RCPs" if how == "none" else f"Missing RCP, please submit RCP with BS = {bs}"
         return RcpResult("No RCP" if how == "none" else "Missing", msg, bs=bs, source=table.source)
+    if len(points) < MIN_RUNS:
+        threshold = rec.mean / (rec.mean / (rec.min_mean - allowance))
+        return RcpResult(
+            NOT_ENOUGH_RUNS, _not_enough(len(points)), how == "interpolated", bs, rec.mean, threshold,
+            rec.stdev, None, 1.0, table.source, official.eval_unit(table.benchmark), len(points),
+        )  # fmt: skip
     mean = olympic_mean(points)
     # Compared as RCP mean / max speedup, the official expression, so a run on the boundary gets the
     # official verdict to the last bit.
@@ -244,7 +281,13 @@ def _judge(table: RcpTable, bs: int, points: list[float], allowance: float = 0.0
         norm,
         table.source,
         official.eval_unit(table.benchmark),
+        len(points),
     )
+
+
+def _not_enough(n: int) -> str:
+    # Not "Fail", which the official rcp_checker says of the NaN mean: more runs may well pass.
+    return f"an RCP verdict compares the olympic mean of at least {MIN_RUNS} runs; {n} cannot have one"
 
 
 def check_tier(
@@ -275,7 +318,9 @@ def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult
         return RcpResult(
             "No RCP", f"the official ruleset {ruleset} has no RCPs for {benchmark!r}", source=source
         )
-    with captured_logging():
+    # Its mean of fewer than 3 runs is NaN, with numpy's RuntimeWarning: ttt says not enough runs instead.
+    with captured_logging(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         try:
             passed, msg, norm = rcp_checker.check_directory(
                 str(folder), "training", ruleset, False, False, rcp_pass="pruned_rcps", set_scaling=False
@@ -300,7 +345,11 @@ def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult
     res.bs = bs
     if points is None:
         return res
-    res.submission_mean = olympic_mean(points)
+    res.runs = len(points)
+    if len(points) < MIN_RUNS and verdict in ("Fail", "Interp. Fail"):  # its olympic mean was NaN
+        res.verdict, res.message, res.norm_factor = NOT_ENOUGH_RUNS, _not_enough(len(points)), 1.0
+    else:
+        res.submission_mean = olympic_mean(points)
     rec = _official_record(benchmark, ruleset, bs, msg)
     if rec is not None:
         res.rcp_mean, res.rcp_stdev = float(rec["RCP Mean"]), float(rec["RCP Stdev"])

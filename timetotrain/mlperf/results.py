@@ -26,6 +26,7 @@ from timetotrain.suite import official
 TOKEN = ":::MLLOG "
 _RESULT_RE = re.compile(r"^result_(.*)\.txt$")
 NOT_CONVERGED = 1e9  # the official RCP checker's stand-in for a run that did not converge
+SYNTHETIC = "synthetic"  # the ttt_mode `ttt synth` logs
 
 
 @dataclass
@@ -77,6 +78,11 @@ class RunLog:
         if self.run_start_ms is None or self.run_stop_ms is None:
             return None
         return (self.run_stop_ms - self.run_start_ms) / 60 / 1000
+
+    @property
+    def synthetic(self) -> bool:
+        """A `ttt synth` log: a throughput run on random data, never a result (no eval, no target)."""
+        return self.keys.get("ttt_mode") == SYNTHETIC
 
     @property
     def converged(self) -> bool:
@@ -187,6 +193,7 @@ class ResultGroup:
     division: str
     system_json: Path | None  # set for the submission layout
     foreign: list[Path] = field(default_factory=list)  # result_*.txt without MLLOG lines: not in `logs`
+    synthetic: list[Path] = field(default_factory=list)  # `ttt synth` logs: not in `logs` either
 
     @property
     def layout(self) -> str:
@@ -262,6 +269,14 @@ def find_groups(root: Path, with_foreign: bool = False) -> list[ResultGroup]:
     folders = sorted({p.parent for p in files})
     found = [_group(f) for f in folders]
     groups = [g for g in found if g.logs]
+    synthetic = [p for g in found for p in g.synthetic]
+    if not groups and synthetic:
+        raise UserError(
+            f"only `ttt synth` logs under {root} ({synthetic[0]}"
+            + (f" and {len(synthetic) - 1} more" if len(synthetic) > 1 else "")
+            + "): throughput runs, not results; pass the --logdir of `ttt run` "
+            "(`ttt report DIR --html` shows synth summaries)"
+        )
     if not groups and found:
         foreign = [p for g in found for p in g.foreign]
         raise UserError(
@@ -286,18 +301,76 @@ def unfinished_logs(root: Path) -> list[Path]:
     return sorted(p for p in Path(root).rglob("result_*.txt.partial") if p.is_file())
 
 
+def synthetic_logs(root: Path) -> list[Path]:
+    """The `ttt synth` logs among the result files under root, which every reader of results skips: a
+    synth run logs no eval and meets no target, so scored it would only read as a failed run. Only files
+    that name `ttt_mode` are parsed, so a large tree of other logs costs one read per file."""
+    out = []
+    for p in sorted(Path(root).rglob("result_*.txt")):
+        trees.check_inside(p, root, "copy the log into the tree if it belongs there")
+        try:
+            named = p.is_file() and b'"ttt_mode"' in p.read_bytes()
+        except OSError:
+            continue  # find_groups reports an unreadable file itself
+        if named and parse_log(p).synthetic:
+            out.append(p)
+    return out
+
+
+def synthetic_note(root: Path) -> str | None:
+    """One line for the commands that read a tree of results, naming the `ttt synth` logs they skipped."""
+    found = synthetic_logs(root)
+    if not found:
+        return None
+    return (
+        f"note: skipped {_count(len(found), '`ttt synth` log')} (throughput on random data, not results; "
+        f"`ttt report DIR --html` shows their summaries): {_shown(found)}"
+    )
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _shown(paths: list[Path]) -> str:
+    return ", ".join(str(p) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
 def unfinished_note(root: Path) -> str | None:
     """One line for the commands that read a tree of results, naming the `.partial` logs they skipped."""
     partial = unfinished_logs(root)
     if not partial:
         return None
-    shown = ", ".join(str(p) for p in partial[:3]) + (
-        f" and {len(partial) - 3} more" if len(partial) > 3 else ""
-    )
     return (
         f"note: skipped {len(partial)} unfinished run log(s), not results (no run_stop: the run was killed "
-        f"or is still running): {shown}"
+        f"or is still running): {_shown(partial)}"
     )
+
+
+# A folder naming an MLPerf Training round: mlperf_results_v5.1, training_results_v5.0, v6.0.
+_ROUND_RE = re.compile(r"(?:^|[_-])v(\d+)\.(\d+)$")
+
+
+def ruleset_note(path: Path, ruleset: str) -> str | None:
+    """One line where a log checked against `ruleset` says it belongs to another: the `ttt_ruleset` ttt
+    logs, or (official logs state none) a folder above it that names an MLPerf round."""
+    stated = parse_log(path).keys.get("ttt_ruleset")
+    if stated is not None:
+        if str(stated) == ruleset:
+            return None
+        return f"{path} was written for ruleset {stated} (its ttt_ruleset), checked against {ruleset}"
+    for folder in Path(path).resolve().parents:
+        m = _ROUND_RE.search(folder.name)
+        if m is None:
+            continue
+        round_ = f"{m.group(1)}.{m.group(2)}"
+        if ruleset.startswith(round_ + "."):
+            return None
+        return (
+            f"{path} lies under {folder.name}, a folder naming MLPerf Training v{round_}, and is checked "
+            f"against ruleset {ruleset}: pass --ruleset {round_}.0 for that round's rules"
+        )
+    return None
 
 
 def _group(folder: Path) -> ResultGroup:
@@ -305,10 +378,11 @@ def _group(folder: Path) -> ResultGroup:
     file is not a failed run. The benchmark is the one most of the logs name, so that one misfiled log
     is the one reported (log_problems), not its neighbours."""
     parsed = [parse_log(f) for f in result_files(folder)]
-    logs = [lg for lg in parsed if lg.records]
+    logs = [lg for lg in parsed if lg.records and not lg.synthetic]
     foreign = [lg.path for lg in parsed if not lg.records]
+    synthetic = [lg.path for lg in parsed if lg.synthetic]
     if not logs:
-        return ResultGroup(folder, [], [], "", "", "", "", "", None, foreign)
+        return ResultGroup(folder, [], [], "", "", "", "", "", None, foreign, synthetic)
     named = Counter(lg.benchmark for lg in logs if lg.benchmark).most_common(1)
     first = next((lg for lg in logs if named and lg.benchmark == named[0][0]), logs[0])
     tiers = sorted({lg.tier for lg in logs})
@@ -328,7 +402,17 @@ def _group(folder: Path) -> ResultGroup:
         benchmark = first.benchmark or folder.name
     files = [lg.path for lg in logs]
     return ResultGroup(
-        folder, files, logs, submitter, system, benchmark, "+".join(tiers), division, sysjson, foreign
+        folder,
+        files,
+        logs,
+        submitter,
+        system,
+        benchmark,
+        "+".join(tiers),
+        division,
+        sysjson,
+        foreign,
+        synthetic,
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
@@ -96,6 +97,11 @@ def olympic_score(minutes: list[float], dropped: int, max_dropped: int = 1) -> f
     return sum(kept) * 1.0 / len(kept)
 
 
+def _runs(n: int, what: str = "run") -> str:
+    """ "1 run", "2 runs": a count as a person writes it."""
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _cv(values: list[float]) -> float | None:
     if len(values) < 2:
         return None
@@ -131,9 +137,9 @@ def score_group(group: ResultGroup, ruleset: str = RULESET) -> Score:
     if dropped > max_dropped:
         notes.append(f"{dropped} runs are not compliant; at most {max_dropped} may be dropped: no score")
     elif olympic is None:
-        notes.append(f"{len(runs)} runs are too few for an olympic mean")
+        notes.append(f"{_runs(len(runs))} {'is' if len(runs) == 1 else 'are'} too few for an olympic mean")
     elif dropped:
-        notes.append(f"{dropped} non-compliant run dropped as the slowest (olympic scoring)")
+        notes.append(f"{_runs(dropped, 'non-compliant run')} dropped as the slowest (olympic scoring)")
     need = required_runs(group.benchmark, group.tier)
     if need is not None and need != len(runs):
         notes.append(f"{group.benchmark} needs exactly {need} runs, found {len(runs)}")
@@ -230,18 +236,16 @@ def format_text(scores: list[Score]) -> str:
 
 
 def rcp_line(r: RcpResult) -> str:
-    verdict = r.verdict + (" (interpolated)" if r.interpolated and r.verdict == "Pass" else "")
-    text = f"RCP: {verdict} - {r.message}"
+    text = f"RCP: {r.text()} - {r.message}"
     if r.rcp_mean is not None:
         fmt = ",.4f" if r.unit == official.EPOCHS else ",.1f"  # 0.9250 epochs, not 0.9
-        text += (
-            f"; BS {r.bs}: runs {_num(r.submission_mean, fmt)} vs RCP mean {r.rcp_mean:{fmt}}, "
-            f"min {r.rcp_min:{fmt}} {r.unit}"
-        )
+        runs = "" if r.submission_mean is None else f"runs {r.submission_mean:{fmt}} vs "
+        text += f"; BS {r.bs}: {runs}RCP mean {r.rcp_mean:{fmt}}, min {r.rcp_min:{fmt}} {r.unit}"
         if r.norm_factor != 1.0:
             text += f"; normalization factor {r.norm_factor:.6f}"
     return text
 
 
 def to_json(scores: list[Score]) -> str:
-    return json.dumps({"results": [s.to_dict() for s in scores]}, indent=2, default=str)
+    """Strict JSON (no NaN: a figure that has none is null, with its reason beside it)."""
+    return strictjson.dumps({"results": [s.to_dict() for s in scores]}, indent=2, default=str)

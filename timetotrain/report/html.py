@@ -17,7 +17,7 @@ from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.markup import plotly
 from timetotrain.mlperf.compliance import RULESET
-from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance
+from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance, synthetic_logs
 from timetotrain.mlperf.score import Score, rcp_line, score_group
 from timetotrain.report.plots import (
     RCP_MEAN_COLOR,
@@ -36,6 +36,7 @@ table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f2f2f2; }
 td.pass { color: #006400; font-weight: 600; } td.fail { color: #b00020; font-weight: 600; }
+td.pending { color: #8a6d00; font-weight: 600; }
 pre { white-space: pre-wrap; margin: 0; font-size: 0.85em; }
 .chart { width: 100%; height: 520px; }
 """
@@ -47,10 +48,6 @@ def _e(v) -> str:
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
-
-
-def _synthetic(group: ResultGroup) -> bool:
-    return all(lg.keys.get("ttt_mode") == "synthetic" for lg in group.logs)
 
 
 def _round(v: float) -> float:
@@ -125,7 +122,7 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
     unit = official.eval_unit(group.benchmark)
     scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
     layout = {
-        "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: {scored}, RCP {r.verdict}")},
+        "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: {scored}, RCP {r.text()}")},
         "xaxis": {"title": {"text": f"training {unit}"}},
         # The metric label is long (key, what it measures, direction): a smaller font keeps it on the axis.
         "yaxis": {"title": {"text": metric_label(group.benchmark), "font": {"size": 11}}},
@@ -145,8 +142,7 @@ def _score_table(rows: list[tuple[Score, str]]) -> str:
     for s, anchor in rows:
         conv = sum(r.converged for r in s.runs)
         ok = sum(r.compliant for r in s.runs)
-        rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
-        cls = "pass" if s.rcp.verdict == "Pass" else "fail"
+        rcp, cls = s.rcp.text(short=True), s.rcp.kind  # the colour follows the wording: pending is neither
         out.append(
             f"<tr><td>{_e(s.submitter)}</td><td>{_e(s.system)}</td>"
             f"<td><a href='#{anchor}'>{_e(s.benchmark)}</a></td><td>{_e(s.tier)}</td>"
@@ -246,19 +242,24 @@ def _synth_section(summaries: list[dict]) -> tuple[str, dict | None]:
             f"<td>{_fmt(s.get('peak_memory_bytes', 0) / 2**30, ',.2f')}</td><td>{_e(s['_path'])}</td></tr>"
         )
     rows.append("</table><div id='chart-synth' class='chart'></div>")
+    # Two panels, each with its own axes: items/s and MFU % share no scale, so bars of both on one axis
+    # pair read as one quantity. The items differ per benchmark (tokens, images, ...): the hover says which.
+    item_names = [plotly(str(s.get("item", "tokens"))) for s in summaries]  # from the files: text only
     fig = {
         "data": [
-            {"type": "bar", "name": "items/s", "x": labels, "y": items, "yaxis": "y",
-             "offsetgroup": "a", "hovertemplate": "%{x}<br>%{y:,.0f} items/s<extra></extra>"},
-            {"type": "bar", "name": "MFU %", "x": labels, "y": mfus, "yaxis": "y2",
-             "offsetgroup": "b", "hovertemplate": "%{x}<br>MFU %{y:.2f}%<extra></extra>"},
+            {"type": "bar", "name": "throughput", "x": labels, "y": items, "xaxis": "x", "yaxis": "y",
+             "customdata": item_names, "hovertemplate": "%{x}<br>%{y:,.0f} %{customdata}/s<extra></extra>"},
+            {"type": "bar", "name": "MFU", "x": labels, "y": mfus, "xaxis": "x2", "yaxis": "y2",
+             "hovertemplate": "%{x}<br>MFU %{y:.2f}%<extra></extra>"},
         ],
         "layout": {
-            "title": {"text": "synthetic throughput and MFU"},
-            "yaxis": {"title": {"text": "items/s (tokens, samples, ...)"}},
-            "yaxis2": {"title": {"text": "MFU %"}, "overlaying": "y", "side": "right"},
-            "barmode": "group",
-            "legend": {"orientation": "h", "y": -0.3},
+            "title": {"text": "ttt synth: throughput (left) and model FLOPs utilization (right), per run"},
+            "xaxis": {"domain": [0, 0.46], "anchor": "y"},
+            "yaxis": {"title": {"text": "items/s (" + ", ".join(sorted(set(item_names))) + ")"}, "anchor": "x"},
+            "xaxis2": {"domain": [0.54, 1], "anchor": "y2"},
+            "yaxis2": {"title": {"text": "MFU (% of the device's peak)"}, "anchor": "x2", "rangemode": "tozero"},
+            "showlegend": False,
+            "margin": {"b": 160},
         },
     }  # fmt: skip
     return "\n".join(rows), fig
@@ -270,7 +271,7 @@ def render(root: Path, ruleset: str = RULESET) -> str:
         raise UserError(
             f"no result_*.txt or `ttt synth` summary_*.json under {root}: pass the --logdir of `ttt run`"
         )
-    groups = [g for g in find_groups(Path(root)) if not _synthetic(g)] if _has_results(root) else []
+    groups = find_groups(Path(root)) if _has_results(root) else []
     figures: dict[str, dict] = {}
     body, rows, used = [], [], set()
     for g in groups:
@@ -323,7 +324,10 @@ def _rel(path: Path, root: Path) -> str:
 
 
 def _has_results(root: Path) -> bool:
-    return any(p.is_file() for p in Path(root).rglob("result_*.txt"))
+    """Result files other than `ttt synth` logs (find_groups sets those aside, and refuses a tree of
+    nothing else; the page still shows their summaries)."""
+    files = [p for p in Path(root).rglob("result_*.txt") if p.is_file()]
+    return len(files) > len(synthetic_logs(root))
 
 
 def write_html(root: Path, path: Path, ruleset: str = RULESET) -> Path:

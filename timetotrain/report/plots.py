@@ -109,8 +109,7 @@ def plot_group(group: ResultGroup, score: Score, path: Path, staged: fileio.Stag
     scored = "no score" if score.score_minutes is None else f"score {score.score_minutes:.4g} min"
     fig.suptitle(
         mpl(f"{group.benchmark} tier {group.tier}: {group.submitter} / {group.system}: {scored}, ")
-        + f"RCP {r.verdict}"
-        + (" (interpolated)" if r.interpolated else ""),
+        + f"RCP {r.text()}",
         fontsize=11,
     )
     # Below the panels: with 10 runs and 4 marks a legend inside would cover the curves.

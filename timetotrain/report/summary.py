@@ -54,7 +54,7 @@ def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
     ]
     for s, p in zip(scores, plots, strict=True):
         ok = sum(r.compliant for r in s.runs)
-        rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
+        rcp = s.rcp.text(short=True)
         lines.append(
             f"| {md(s.submitter)} | {md(s.system)} | {md(s.benchmark)} | {md(s.tier)} | {ok}/{len(s.runs)} | "
             f"{_fmt(s.score_minutes, '.4f')} | {_pct(s.cv_minutes)} | "

@@ -428,11 +428,7 @@ def score_row(bench, folder: Path) -> Row:
     failed = [r for r in s.runs if not r.compliant]
     if failed:
         note = (note + "; " if note else "") + f"{failed[0].file}: {failed[0].problem}"
-    rcp = s.rcp.verdict + (" (interp.)" if s.rcp.interpolated else "")
-    if s.samples_to_converge is None and s.rcp.verdict == "Fail":
-        # The checker's olympic mean of fewer than 3 converged runs is NaN, which it reports as a Fail.
-        note = f"RCP checker: {s.rcp.verdict} (no mean of fewer than 3 runs); " + note
-        rcp = "- (< 3 runs)"
+    rcp = s.rcp.text(short=True)  # the wording of ttt score and ttt report
     minutes = [r.minutes for r in s.runs if r.compliant and r.minutes is not None]
     mean = sum(minutes) / len(minutes) if minutes else None
     return Row(bench.name, len(s.runs), sum(r.converged for r in s.runs), sum(r.compliant for r in s.runs),
@@ -440,9 +436,10 @@ def score_row(bench, folder: Path) -> Row:
 
 
 def format_rows(rows: list[Row]) -> str:
+    w = max([16] + [len(r.rcp) + 2 for r in rows])  # "not enough runs (1 of >= 3)"
     head = (
         f"{'benchmark':<18}{'runs converged':>16}{'ttt check':>12}{'score (min)':>13}{'mean run (min)':>16}  "
-        f"{'RCP':<16}note"
+        f"{'RCP':<{w}}note"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -450,6 +447,6 @@ def format_rows(rows: list[Row]) -> str:
         mean = "-" if r.mean_minutes is None else f"{r.mean_minutes:.3f}"
         lines.append(
             f"{r.benchmark:<18}{f'{r.converged}/{r.runs}':>16}{f'{r.compliant}/{r.runs} pass':>12}{score:>13}"
-            f"{mean:>16}  {r.rcp:<16}{r.note}"
+            f"{mean:>16}  {r.rcp:<{w}}{r.note}"
         )
     return "\n".join(lines)

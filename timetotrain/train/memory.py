@@ -242,17 +242,79 @@ def _tp_of(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
 
+def suggested_flags(best: Estimate, bf16: bool = True) -> str:
+    """The `ttt run` flags of a suggested configuration, in the precision it was estimated for."""
+    precision = "bf16" if bf16 else "fp32"
+    flags = f"--parallel {best.parallel} --precision {precision} --set micro_batch_size={best.micro_batch}"
+    return flags + (" --ac" if best.ac else "")
+
+
+def _fits(r: Estimate, gpu_mem_gib: float) -> str:
+    cap = gpu_mem_gib * GiB
+    return "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
+
+
+def plan_doc(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True) -> dict:
+    """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB)."""
+    trainable, frozen = bench.task.param_counts(bench.family, tier)
+    doc = {
+        "benchmark": bench.name,
+        "tier": tier.name,
+        "parameters": n_params,
+        "active_parameters": bench.family.active_param_count(tier.model),
+        "trainable_parameters": trainable,
+        "frozen_parameters": frozen,
+        "global_batch_size": tier.global_batch_size,
+        "gpus": gpus,
+        "gpu_mem_gib": gpu_mem_gib,
+        "precision": "bf16" if bf16 else "fp32",
+        "headroom": HEADROOM,
+        "rows": [
+            {
+                "parallel": r.parallel,
+                "ac": r.ac,
+                "micro_batch": r.micro_batch,
+                "states_gib": r.states / GiB,
+                "compute_copies_gib": r.compute_copies / GiB,
+                "activations_gib": r.activations / GiB,
+                "margin_gib": r.margin / GiB,
+                "total_gib": r.total / GiB,
+                "fits": _fits(r, gpu_mem_gib),
+            }
+            for r in rows
+        ],
+        "suggestion": None,
+    }
+    if best is None:
+        doc["suggestion_reason"] = "nothing fits within 90% of the device; use more GPUs or larger ones"
+    else:
+        doc["suggestion"] = {
+            "parallel": best.parallel,
+            "ac": best.ac,
+            "micro_batch": best.micro_batch,
+            "total_gib": best.total / GiB,
+            "run_flags": suggested_flags(best, bf16),
+        }
+    return doc
+
+
+def _count(n: float) -> str:
+    """A parameter count a person reads at once: 8.03 B, 3.41 M (a tiny tier is not "0.00 B")."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True) -> str:
     active = bench.family.active_param_count(tier.model)
-    params = f"{n_params / 1e9:.2f} B parameters"
+    params = f"{_count(n_params)} parameters"
     if active != n_params:
-        params += f" ({active / 1e9:.2f} B active per token)"
+        params += f" ({_count(active)} active per token)"
     item, per_sample = bench.task.sample_items(tier)
     per = f"{per_sample:,} {item} per sample, " if per_sample > 1 else ""  # not "1 images per sample"
     w = max([14] + [len(r.parallel) + 2 for r in rows])  # (ep=256,fsdp=256)
     out = [
         f"{bench.name} {tier.name}: {params}, {per}"
-        f"GBS {tier.global_batch_size}, {gpus} GPUs x {gpu_mem_gib:g} GiB, bf16 compute, fp32 master weights",
+        f"GBS {tier.global_batch_size}, {gpus} GPU{'' if gpus == 1 else 's'} x {gpu_mem_gib:g} GiB, {'bf16' if bf16 else 'fp32'} compute, "
+        "fp32 master weights",
     ]
     trainable, frozen = bench.task.param_counts(bench.family, tier)
     if frozen:  # say what the states column charges, since most of the model carries no optimizer state
@@ -267,8 +329,7 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool
         f"{'margin':>9}{'total':>9}  fits"
     )
     for r in rows:
-        cap = gpu_mem_gib * GiB
-        fits = "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
+        fits = _fits(r, gpu_mem_gib)
         out.append(
             f"{r.parallel:<{w}}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
@@ -277,8 +338,7 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool
     if best is None:
         out.append("suggestion: nothing fits; use more GPUs or larger ones")
     else:
-        flags = f"--parallel {best.parallel} --precision bf16 --set micro_batch_size={best.micro_batch}"
-        flags += " --ac" if best.ac else ""
+        flags = suggested_flags(best, bf16)
         out.append(
             f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
             f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):\n  torchrun --nproc_per_node {gpus} -m "

@@ -9,7 +9,6 @@ The first W steps are warm-up; the device is synchronised only at the start and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import fileio
+from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.train import distributed, prepare
@@ -35,7 +34,9 @@ class SynthOptions:
     steps: int | None = None
     warmup_steps: int | None = None
     micro_batch: int | None = None
-    logdir: Path = Path("logs")
+    # Results go to <logdir>/synth/<benchmark>/<tier>/: by default ./synth, apart from the ./logs the
+    # timed runs write (a synth log is not a result; readers of results skip it, see mlperf/results.py).
+    logdir: Path = Path(".")
     sets: list[str] = field(default_factory=list)
     device: str | None = None
     precision: str | None = None  # fp32 | bf16; default bf16 on GPUs, fp32 on CPUs
@@ -255,7 +256,7 @@ def synth(opts: SynthOptions) -> dict:
     if d.main:
         summary["log"] = str(log.path)
         k = log.path.stem.split("_")[-1]
-        text = json.dumps(summary, indent=2) + "\n"
+        text = strictjson.dumps(summary, indent=2) + "\n"
         # Each run keeps its own summary next to its result file; summary.json is the latest.
         fileio.write_text(prep.logdir / f"summary_{k}.json", text)
         fileio.write_text(prep.logdir / "summary.json", text)
