@@ -33,6 +33,11 @@ def add_commands(sub) -> None:
     b = rules.add_parser(
         "build",
         help="write every assembled rule file (or --check that they are up to date)",
+        description=(
+            "Assemble each tier rule file from its layers and write it where `ttt check` reads it (into a\n"
+            "source checkout, never an installed package). After editing rules/src/, run it and commit the\n"
+            "result; --check writes nothing and exits 1 if a shipped file differs from its layers."
+        ),
         epilog="examples:\n  ttt rules build\n  ttt rules build --check llama31_8b",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
