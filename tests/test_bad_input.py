@@ -376,12 +376,18 @@ CASES = [
         "ttt base deepseekv3_671b --tier tiny",
     ),
     C(
-        "deepseekv3-closed-gbs-without-rcp",
+        # any GBS from the floor takes the rules' LR (tests/test_reference_diff.py); one below it is refused
+        "deepseekv3-closed-gbs-below-the-floor",
+        "run deepseekv3_671b --tier reference --data {w}/empty --logdir {w}/logs --set global_batch_size=8192",
+        "global_batch_size=8192",
+        ">= 15360",
+    ),
+    C(
+        "deepseekv3-closed-lr-not-the-rules",
         "run deepseekv3_671b --tier reference --data {w}/empty --logdir {w}/logs --set global_batch_size=17408 "
-        "--set lr=2.4739e-05",  # the LR its yaml computes for this GBS: the warmup is still nobody's choice
-        "global_batch_size=17408",
-        "RCPs at 15360, 16384, 18432",
-        "--set warmup_steps=...",
+        "--set lr=3e-5",  # the rules fix LR = 2.4e-5 * sqrt(GBS / 16384) at every GBS
+        "opt_base_learning_rate=3e-05",
+        "2.4e-05 * (s['global_batch_size'] / 16384) ** 0.5",
     ),
     C(
         "deepseekv3-synth-expert-parallel-one-process",

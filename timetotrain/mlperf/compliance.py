@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 RULESET = "6.0.0"
@@ -178,7 +179,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
             config = str(rules)
             if engine_ruleset != bench.ruleset:
                 rules = Path(tmp, rules.name)
-                rules.write_text(assemble(bench, tier, engine_ruleset))
+                fileio.write_text(rules, assemble(bench, tier, engine_ruleset))
                 config = f"{config} assembled on training_{engine_ruleset}"
         cmd = [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training"]
         cmd += ["--ruleset", engine_ruleset, "--log_output", str(Path(tmp, "compliance.log"))]
