@@ -16,7 +16,7 @@ from conftest import free_port, random_hf_llama, require, small_llama
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
-from timetotrain.models.llama_hf import from_hf_state_dict, hf_mapping
+from timetotrain.models.llama.hf import from_hf_state_dict, hf_mapping
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint

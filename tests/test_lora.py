@@ -1,4 +1,4 @@
-"""LoRA (train/lora.py) and the Llama 2 checkpoint layouts (models/llama_hf.py) of `llama2_70b_lora`.
+"""LoRA (train/lora.py) and the Llama 2 checkpoint layouts (models/llama/hf.py) of `llama2_70b_lora`.
 
 - Parity with PEFT in both layouts: the benchmark's fused one (an HF Llama whose attention has one `qkv_proj`,
   rows q|k|v, as MLCommons' `Llama2-70b-fused-qkv-mlperf`; PEFT LoRA on `qkv_proj` and `o_proj`) and stock
@@ -21,7 +21,7 @@ from torch import nn
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import LLAMA2_70B, Llama, param_count
-from timetotrain.models.llama_hf import (
+from timetotrain.models.llama.hf import (
     from_hf_state_dict,
     hf_mapping,
     qkv_from_hf,

@@ -524,7 +524,7 @@ def hf_folder(tmp_path_factory) -> Path:
     """llama31_8b tiny weights as a sharded Hugging Face checkpoint."""
     from conftest import require
 
-    from timetotrain.models.llama_hf import hf_config_kwargs
+    from timetotrain.models.llama.hf import hf_config_kwargs
 
     transformers = require("transformers")
     torch.manual_seed(3)

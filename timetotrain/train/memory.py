@@ -15,13 +15,13 @@ Where the numbers come from (an estimate, not a measurement):
   `fused.swiglu`) and fc2 its input (f). That is 9.5h + 3f elements at h = dim, f = FFN width when
   kv/heads = 1/4, in the compute precision. MoE families count per routed copy instead.) Tokens per
   micro-batch come from the task (`sample_items`).
-  The head and loss (`models/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
+  The head and loss (`models/common/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
   hidden states (h) per token, plus, once per micro-batch, the fp32 head-weight gradient and one chunk of
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation.
   A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
-  flux (models/flux.py) counts what each double and single MMDiT block keeps per token of the joint
+  flux (models/flux/) counts what each double and single MMDiT block keeps per token of the joint
   sequence, with its fp32 parts, plus the embedders, final layer and loss per sample; tests/test_plan.py
   checks the count against the bytes autograd really saves on CPU. The frozen encoders of flux are not
   counted because training never runs them (it reads their precomputed outputs).
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from timetotrain.errors import UserError
-from timetotrain.models.head_loss import chunk_rows
+from timetotrain.models.common.head_loss import chunk_rows
 
 GiB = 2**30
 HEADROOM = 0.9

@@ -6,9 +6,9 @@ with PyTorch's DTensor `parallelize_module` plans (Megatron-style, as torchtitan
   the row-wise outputs and the next column-wise inputs is a DTensor cut along the sequence (`Shard(1)`):
   a reduce-scatter after each row-wise layer and an all-gather before each column-wise one;
 - the embedding stays whole on every TP rank and its output is cut along the sequence; the final norm
-  gathers the sequence back, so the head and its fused loss (models/head_loss.py) see plain tensors.
+  gathers the sequence back, so the head and its fused loss (models/common/head_loss.py) see plain tensors.
 
-Layouts. The fused QKV rows are grouped per KV head (models/layers.py), so a column-wise cut into T
+Layouts. The fused QKV rows are grouped per KV head (models/common/layers.py), so a column-wise cut into T
 contiguous parts gives each rank whole KV groups (n_kv_heads must divide by T) and the attention runs
 locally on n_heads / T query heads. `fc1` holds all gate rows, then all up rows; a contiguous cut would give
 one rank only gates. Its DTensor therefore stands for the rows reordered as [gate_0, up_0, gate_1, up_1, ...]
@@ -45,7 +45,7 @@ def check_shape(cfg, tp: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Parallelise `model` (a `models.decoder.Decoder` with dense FFNs) over the 1-D `tp_mesh`, in place;
+    """Parallelise `model` (a `models.common.decoder.Decoder` with dense FFNs) over the 1-D `tp_mesh`, in place;
     works on the meta device (before `to_empty`)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (

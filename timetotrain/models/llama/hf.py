@@ -16,14 +16,10 @@ trained on HF's `qkv_proj`, a gradient).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from timetotrain.models.family import Source
-
-if TYPE_CHECKING:
-    from timetotrain.models.llama import LlamaConfig
+from timetotrain.models.llama.config import LlamaConfig
 
 
 def hf_config_kwargs(cfg: LlamaConfig) -> dict:
