@@ -29,6 +29,7 @@ from timetotrain.models.common.layers import (
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.llama.config import LlamaConfig
 from timetotrain.models.llama.hf import hf_export, hf_mapping
+from timetotrain.models.llama.parallelize import tensor_parallel
 
 
 class Llama(Decoder):
@@ -90,4 +91,5 @@ FAMILY = ModelFamily(
     activation_elements=activation_elements,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
+    tensor_parallel=tensor_parallel,
 )
