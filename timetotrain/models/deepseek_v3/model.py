@@ -1,8 +1,8 @@
 """DeepSeek-V3 (the MLPerf `deepseekv3_671b` model, docs/benchmarks/deepseekv3_671b.md).
 
 Block: RMSNorm -> Multi-head Latent Attention -> residual, RMSNorm -> FFN -> residual; final RMSNorm and an
-untied head, the shared decoder stack (`decoder.py`). The first `first_dense` layers have a dense SwiGLU FFN,
-the others a mixture of experts (`moe/`): a group-limited sigmoid router with an auxiliary-loss-free
+untied head, the shared decoder stack (`common/decoder.py`). The first `first_dense` layers have a dense SwiGLU FFN,
+the others a mixture of experts (`common/moe/`): a group-limited sigmoid router with an auxiliary-loss-free
 balancing bias (`moe.GroupLimitedRouter`), `n_experts` routed SwiGLU experts of which `top_k` are used,
 plus `n_shared_experts` shared ones every token goes through (one SwiGLU of `n_shared * expert_ffn_dim`).
 
@@ -14,7 +14,7 @@ value heads `v`. RoPE is YaRN-scaled and the softmax scale is `(nope + rope) ** 
 YaRN mscale (`layers.YarnScaling`).
 
 Rotary layout: DeepSeek's checkpoints rotate interleaved pairs `(x0, x1), (x2, x3), ...` of the rope
-dimensions; ours, like every decoder here, rotates the two halves. The HF loader (`deepseek_v3_hf.py`)
+dimensions; ours, like every decoder here, rotates the two halves. The HF loader (`hf.py`)
 permutes the rope rows of `q_up` and `kv_down` (evens first, then odds) so the same pairs rotate together:
 the rotated vectors then equal HF's exactly (HF's interleaved RoPE also returns evens-then-odds).
 

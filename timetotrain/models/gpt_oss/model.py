@@ -27,8 +27,8 @@ Readings of the reference that its published configuration does not spell out:
 - Expert weighting. Like Megatron's experts, the router probability scales the SwiGLU activation before the
   down projection (`act(x) * p` in fp32, cast back); the combine is then a plain sum over the k slots.
 
-The layers are the shared ones (`layers.py`, `decoder.py`, `moe/`); this file holds the configuration,
-the assembly of the blocks, and the sizes and FLOPs.
+The layers are the shared ones (`common/layers.py`, `common/decoder.py`, `common/moe/`); this file holds the
+assembly of the blocks, and the sizes and FLOPs; `config.py` the configuration.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Architecture (docs/benchmarks/llama31_8b.md): pre-norm decoder blocks of RMSNorm -> grouped-query causal
 attention with RoPE -> residual, RMSNorm -> SwiGLU FFN -> residual; a final RMSNorm and an untied LM head.
-No biases, no dropout. The layers and the stack are the shared ones (`layers.py`, `decoder.py`, where the
+No biases, no dropout. The layers and the stack are the shared ones (`common/layers.py`, `common/decoder.py`, where the
 fused weight layouts are documented).
 
 Shape facts that set the FLOPs (per token, `L` layers, model width `d`, `H` query / `Hkv` KV heads of
