@@ -3,7 +3,7 @@
     python bench/vs_diffusers.py [--reps 5] [--steps 3] [--configs tiny]
 
 Same config (the flux1 tiny tier's model: 2 double + 4 single blocks, d 128, 64 image + 32 text tokens,
-batch 16), same weights (ours mapped into diffusers' names, `models/flux.diffusers_mapping`), same batch, the
+batch 16), same weights (ours mapped into diffusers' names, `models/flux/hf.py::diffusers_mapping`), same batch, the
 same rectified-flow loss (x_t = (1 - t) x0 + t eps, MSE against eps - x0 in fp32), AdamW (one group, decay on
 every parameter) and clipping. Ours runs `train_step` exactly as `ttt run` and `ttt synth` do; diffusers runs
 its model's forward with the position ids and the 1000-scaled timestep its pipeline passes. The step loops

@@ -4,8 +4,8 @@
 
 Same config, same weights, same batch and sequence, same optimizer (AdamW, Megatron decay mask), same loss
 (mean token cross-entropy) and clipping. Ours runs `train_step` exactly as `ttt run` and `ttt synth` do:
-the model applies the LM head and the loss together in chunks (`models/head_loss.py`) and splits QKV and
-SwiGLU with hand-written backward passes (`models/fused.py`). HF runs as its users run it: logits out of
+the model applies the LM head and the loss together in chunks (`models/common/head_loss.py`) and splits QKV and
+SwiGLU with hand-written backward passes (`models/common/fused.py`). HF runs as its users run it: logits out of
 the model, upcast to fp32, `F.cross_entropy` (what its causal-LM loss does). The step loops alternate
 within each repetition so drift in machine load hits both; medians and their ratio are printed, with our
 CPU MFU against a matmul peak measured in the same run. Ours is timed twice: eager, and with its blocks
@@ -24,7 +24,7 @@ import torch
 from side_by_side import add_common_args, figures, hf_causal_lm_step, peak_for, timed
 
 from timetotrain.models.llama import Llama, LlamaConfig, flops_per_token
-from timetotrain.models.llama_hf import hf_config_kwargs, to_hf_state_dict
+from timetotrain.models.llama.hf import hf_config_kwargs, to_hf_state_dict
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.suite.llama31_405b import TINY as TINY_405B
 from timetotrain.tasks.causal_lm import lm_loss
@@ -63,7 +63,7 @@ CONFIGS = {
 
 def make_step(model, hf: bool, autocast=None):
     """Ours: `train_step` exactly as `ttt run` / `ttt synth` call it (the model applies head and loss together,
-    `models/head_loss.py`). HF: the same step written the way HF computes its causal-LM loss (logits upcast to
+    `models/common/head_loss.py`). HF: the same step written the way HF computes its causal-LM loss (logits upcast to
     fp32, then `F.cross_entropy`), with the same optimizer, clipping and zeroing."""
     opt = build_adamw(model, 1e-4, (0.9, 0.95), 1e-5, 0.1)
     params = [p for p in model.parameters()]

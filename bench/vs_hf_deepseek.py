@@ -26,7 +26,7 @@ import torch
 from side_by_side import add_common_args, figures, hf_causal_lm_step, peak_for, timed
 
 from timetotrain.models.deepseek_v3 import DeepSeekV3, flops_per_token
-from timetotrain.models.deepseek_v3_hf import hf_config_kwargs, hf_mapping
+from timetotrain.models.deepseek_v3.hf import hf_config_kwargs, hf_mapping
 from timetotrain.suite.deepseekv3_671b import TINY
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.checkpoint import load_hf_checkpoint

@@ -75,11 +75,11 @@ import torch.nn.functional as F
 from side_by_side import add_common_args, figures, peak_for, timed
 from torch import nn
 
+from timetotrain.models.common.lora import apply_lora, lora_param_count, lora_parameters
 from timetotrain.models.llama import FAMILY, LLAMA2_70B, Llama, LlamaConfig
-from timetotrain.models.llama_hf import hf_config_kwargs, qkv_to_hf, to_hf_state_dict
+from timetotrain.models.llama.hf import hf_config_kwargs, qkv_to_hf, to_hf_state_dict
 from timetotrain.suite.llama2_70b_lora import ADAMW, BENCHMARK, REFERENCE
 from timetotrain.tasks.lora_sft import lm_block_loss
-from timetotrain.train.lora import apply_lora, lora_param_count, lora_parameters
 from timetotrain.train.optim import build_optimizer
 from timetotrain.train.step import train_step
 

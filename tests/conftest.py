@@ -92,7 +92,7 @@ def random_hf_llama(cfg):
     fp32 rounding of two different kernels stays within 1e-6), and non-unit norms catch a swapped norm."""
     import torch
 
-    from timetotrain.models.llama_hf import hf_config_kwargs
+    from timetotrain.models.llama.hf import hf_config_kwargs
 
     transformers = require("transformers")
     hf_cfg = transformers.LlamaConfig(**hf_config_kwargs(cfg))
@@ -116,8 +116,8 @@ def small_llama(**overrides):
 def small_deepseek_v3():
     """The small DeepSeek-V3 shape the expert-parallel tests share: MLA with q_lora, 16 experts top-4 in 4
     groups, one dense layer, YaRN (original context 8) at 32 tokens."""
+    from timetotrain.models.common.layers import YarnScaling
     from timetotrain.models.deepseek_v3 import DeepSeekV3Config
-    from timetotrain.models.layers import YarnScaling
 
     return DeepSeekV3Config(
         dim=32, n_layers=2, n_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,

@@ -16,7 +16,7 @@ from conftest import free_port, random_hf_llama, require, small_llama
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
-from timetotrain.models.llama_hf import from_hf_state_dict, hf_mapping
+from timetotrain.models.llama.hf import from_hf_state_dict, hf_mapping
 from timetotrain.suite.llama31_8b import TINY
 from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
@@ -173,7 +173,7 @@ def test_names_load_a_base_into_an_adapted_model(hf_dir, tmp_path):
     """LoRA applied before loading (as the sharded build must): `lora.base_names` reads `...qkv.base.weight`
     from the checkpoint's `...qkv.weight` and leaves the adapters alone, from HF and from a ttt checkpoint
     (which also casts into a bf16 base)."""
-    from timetotrain.train.lora import apply_lora, base_names, lora_state_dict
+    from timetotrain.models.common.lora import apply_lora, base_names, lora_state_dict
 
     plain = _meta_llama()
     load_hf_checkpoint(plain, hf_dir, hf_mapping(CFG))

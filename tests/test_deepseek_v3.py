@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from timetotrain.errors import UserError
 from timetotrain.models import deepseek_v3 as ds
-from timetotrain.models.deepseek_v3_hf import hf_config_kwargs, hf_export, hf_mapping
-from timetotrain.models.layers import YarnScaling
-from timetotrain.models.moe.router import GroupLimitedRouter, sequence_aux_loss
+from timetotrain.models.common.layers import YarnScaling
+from timetotrain.models.common.moe.router import GroupLimitedRouter, sequence_aux_loss
+from timetotrain.models.deepseek_v3.hf import hf_config_kwargs, hf_export, hf_mapping
 from timetotrain.train.checkpoint import load_hf_checkpoint
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from timetotrain.models.common.moe import MoE, TopKRouter
 from timetotrain.models.gpt_oss import GptOss, GptOssConfig
-from timetotrain.models.moe import MoE, TopKRouter
 from timetotrain.train.expert_parallel import (
     apply_expert_parallel,
     clip_grad_norm_ep,

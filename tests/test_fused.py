@@ -1,10 +1,10 @@
-"""`models/fused.py`: hand-written backward passes equal autograd's on the unfused graph."""
+"""`models/common/fused.py`: hand-written backward passes equal autograd's on the unfused graph."""
 
 import torch
 import torch.nn.functional as F
 
-from timetotrain.models.fused import qkv_rope, swiglu
-from timetotrain.models.layers import apply_rope
+from timetotrain.models.common.fused import qkv_rope, swiglu
+from timetotrain.models.common.layers import apply_rope
 
 
 def test_qkv_rope_matches_split_and_apply_rope():

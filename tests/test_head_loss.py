@@ -1,10 +1,10 @@
-"""`models/head_loss.py`: the chunked head + cross-entropy equals the materialised-logits path."""
+"""`models/common/head_loss.py`: the chunked head + cross-entropy equals the materialised-logits path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from timetotrain.models.head_loss import chunk_rows, linear_cross_entropy
+from timetotrain.models.common.head_loss import chunk_rows, linear_cross_entropy
 
 
 def _inputs(n=50, d=16, v=37, seed=0, dtype=torch.float64):

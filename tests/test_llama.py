@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from conftest import require
 
-from timetotrain.models import layers as L
-from timetotrain.models.layers import rope_inv_freq
+from timetotrain.models.common import layers as L
+from timetotrain.models.common.layers import rope_inv_freq
 from timetotrain.models.llama import (
     LLAMA31_8B,
     Llama,
@@ -16,7 +16,7 @@ from timetotrain.models.llama import (
     init_weights,
     param_count,
 )
-from timetotrain.models.llama_hf import from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
+from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
 
 # original_max_position 16 against a 64-token test sequence puts most RoPE wavelengths in the stretched or
 # blended bands, so a wrong scaling formula shows up in the logits.

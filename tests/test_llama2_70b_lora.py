@@ -15,10 +15,10 @@ from conftest import mllog, random_hf_llama, require, require_file, shared_data_
 
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import submission_keys
+from timetotrain.models.common.lora import lora_param_count
 from timetotrain.models.llama import LlamaConfig
 from timetotrain.suite import get
 from timetotrain.tasks.lora_sft import LoRAData
-from timetotrain.train.lora import lora_param_count
 from timetotrain.train.step import build_training
 
 BENCH = get("llama2_70b_lora")

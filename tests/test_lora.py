@@ -1,4 +1,4 @@
-"""LoRA (train/lora.py) and the Llama 2 checkpoint layouts (models/llama_hf.py) of `llama2_70b_lora`.
+"""LoRA (models/common/lora.py) and the Llama 2 checkpoint layouts (models/llama/hf.py) of `llama2_70b_lora`.
 
 - Parity with PEFT in both layouts: the benchmark's fused one (an HF Llama whose attention has one `qkv_proj`,
   rows q|k|v, as MLCommons' `Llama2-70b-fused-qkv-mlperf`; PEFT LoRA on `qkv_proj` and `o_proj`) and stock
@@ -20,18 +20,7 @@ from conftest import random_hf_llama, require, small_llama
 from torch import nn
 
 from timetotrain.errors import UserError
-from timetotrain.models.llama import LLAMA2_70B, Llama, param_count
-from timetotrain.models.llama_hf import (
-    from_hf_state_dict,
-    hf_mapping,
-    qkv_from_hf,
-    qkv_permutation,
-    qkv_to_hf,
-    to_hf_state_dict,
-)
-from timetotrain.suite.base import Optimizer
-from timetotrain.train.checkpoint import HF_SINGLE, load_hf_checkpoint
-from timetotrain.train.lora import (
+from timetotrain.models.common.lora import (
     LoRALinear,
     apply_lora,
     init_lora,
@@ -41,6 +30,17 @@ from timetotrain.train.lora import (
     lora_state_dict,
     merge_lora,
 )
+from timetotrain.models.llama import LLAMA2_70B, Llama, param_count
+from timetotrain.models.llama.hf import (
+    from_hf_state_dict,
+    hf_mapping,
+    qkv_from_hf,
+    qkv_permutation,
+    qkv_to_hf,
+    to_hf_state_dict,
+)
+from timetotrain.suite.base import Optimizer
+from timetotrain.train.checkpoint import HF_SINGLE, load_hf_checkpoint
 from timetotrain.train.optim import build_optimizer
 from timetotrain.train.step import train_step
 

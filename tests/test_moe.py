@@ -4,6 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from timetotrain.models.common.layers import sliding_window_mask
+from timetotrain.models.common.moe import MoE, grouped_mm_supported
+from timetotrain.models.common.moe import TopKRouter as Router
 from timetotrain.models.gpt_oss import (
     GPT_OSS_20B,
     GptOss,
@@ -13,9 +16,6 @@ from timetotrain.models.gpt_oss import (
     param_count,
 )
 from timetotrain.models.gpt_oss import GptOssConfig as MoEConfig
-from timetotrain.models.layers import sliding_window_mask
-from timetotrain.models.moe import MoE, grouped_mm_supported
-from timetotrain.models.moe import TopKRouter as Router
 
 # A window of 4 against 20-token sequences makes the band bite on every windowed layer.
 TINY = MoEConfig(
@@ -239,7 +239,7 @@ def test_attention_matches_naive(layer):
 def test_band_in_blocks_equals_the_masked_square():
     """From 4 windows on, windowed layers compute the band in blocks of W queries; same result as the full
     [T, T] mask (and the plain mask below 4 windows)."""
-    from timetotrain.models.layers import band_blocks_mask, sliding_window_mask
+    from timetotrain.models.common.layers import band_blocks_mask, sliding_window_mask
 
     model = _tiny_model()
     attn = model.layers[0].attn

@@ -86,7 +86,7 @@ def test_405b_on_256_gpus_suggests_tensor_parallel_with_checkpointing():
     assert "not validated on GPUs" in text
 
 
-# -- flux1: the MMDiT's own count (models/flux.py), checked against what autograd really saves --
+# -- flux1: the MMDiT's own count (models/flux/), checked against what autograd really saves --
 
 FLUX_CFG = FluxConfig(
     dim=32, n_heads=2, n_double=2, n_single=2, latent_channels=4, patch=2, latent_size=8, txt_dim=24,

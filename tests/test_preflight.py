@@ -369,7 +369,7 @@ def test_seed_check_imports_no_torch():
     # The CLI checks --seed/--runs before it blocks SIGTERM/SIGINT (run_set's Aborter); torch imported
     # earlier starts threads that would take SIGTERM with its default action (test_e2e_tiny's SIGTERM test).
     code = (
-        "import sys; from timetotrain.cli import run; run._run_seeds(7, 3); "
+        "import sys; from timetotrain.cli import run; run.run_seeds(7, 3); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -158,8 +158,8 @@ if __name__ == "__main__":
 
 def test_parallel_flag_for_tensor_parallelism():
     from timetotrain.errors import UserError
+    from timetotrain.models.llama.parallelize import check_shape
     from timetotrain.train import parallel
-    from timetotrain.train.tensor_parallel import check_shape
 
     plan = parallel.parse("tp=2,fsdp=2", 4)
     assert (plan.tp, plan.fsdp, plan.world, plan.data_parallel) == (2, 2, 4, 2)
@@ -174,3 +174,15 @@ def test_parallel_flag_for_tensor_parallelism():
             parallel.parse(spec, world)
     with pytest.raises(UserError, match="n_kv_heads 2 .* do not divide by 4"):
         check_shape(CFG, 4)
+
+
+def test_a_family_without_a_plan_refuses_tp():
+    # The plan is the family's (ModelFamily.tensor_parallel); the MoE families have none, and the harness
+    # says so in one line before it builds a mesh.
+    from timetotrain.errors import UserError
+    from timetotrain.models import gpt_oss
+    from timetotrain.train import parallel
+
+    assert gpt_oss.FAMILY.tensor_parallel is None
+    with pytest.raises(UserError, match="--parallel tp=2: the gpt_oss family has no tensor-parallel plan"):
+        parallel.apply(torch.nn.Linear(2, 2), parallel.Plan(tp=2), torch.device("cpu"), gpt_oss.FAMILY)

@@ -524,7 +524,7 @@ def hf_folder(tmp_path_factory) -> Path:
     """llama31_8b tiny weights as a sharded Hugging Face checkpoint."""
     from conftest import require
 
-    from timetotrain.models.llama_hf import hf_config_kwargs
+    from timetotrain.models.llama.hf import hf_config_kwargs
 
     transformers = require("transformers")
     torch.manual_seed(3)
@@ -615,13 +615,12 @@ def test_encoder_folders_refuse_links_out_and_pickled_weights(tmp_path, capsys):
 
 
 def _npy_readers():
-    from timetotrain.data import flux_encodings, igbh, loader, mapped
-    from timetotrain.train import base_model
+    from timetotrain.data import flux_encodings, igbh, loader, mapped, vocab_table
 
     shapes = flux_encodings.Shapes(t5=(2, 3), clip=(3,), latent=(4, 2, 2))
     return {
         "token-counts": ("c4-train_token_counts.npy", lambda p: loader._load_counts(p)),
-        "base-vocab-table": (base_model.VOCAB_TABLE, lambda p: base_model.load_vocab_table(p.parent, 3)),
+        "base-vocab-table": (vocab_table.VOCAB_TABLE, lambda p: vocab_table.load_vocab_table(p.parent, 3)),
         "flux-empty-encodings": (
             "t5_empty.npy",
             lambda p: flux_encodings.read_empty_arrays(p.parent, shapes),

@@ -26,7 +26,7 @@ def vs_peft():
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers, via PEFT
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_qkv", "separate_qkv"])
 def test_same_loss_and_adapters_on_the_tiny_config(vs_peft, fused):
-    from timetotrain.models.llama_hf import qkv_to_hf
+    from timetotrain.models.llama.hf import qkv_to_hf
 
     # The bench's dropout (0.1) draws different masks on the two sides; the first step's loss does not
     # depend on it (B starts at zero), its gradients do: off here.

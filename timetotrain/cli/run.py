@@ -12,6 +12,7 @@ from pathlib import Path
 
 from timetotrain import strictjson
 from timetotrain.errors import UserError
+from timetotrain.train.seeds import run_seeds
 
 
 def _cmd_list(args) -> int:
@@ -53,24 +54,6 @@ def _cmd_list(args) -> int:
     return 0
 
 
-def _run_seeds(seed: int | None, runs: int) -> list[int]:
-    """Distinct seeds for a set of runs: SEED, SEED+1, ... when given, else fresh random ones."""
-    import secrets
-
-    if seed is not None:
-        from timetotrain.train.seeds import check_seed  # not train.prepare: no torch before the Aborter
-
-        check_seed(seed)
-        check_seed(seed + runs - 1, f"--seed {seed} with --runs {runs}: the last seed")
-        return [seed + i for i in range(runs)]
-    seeds: list[int] = []
-    while len(seeds) < runs:
-        s = secrets.randbelow(2**31 - 1)
-        if s not in seeds:
-            seeds.append(s)
-    return seeds
-
-
 def _check_seconds(args) -> None:
     """A negative or non-finite timeout would only show when a collective or an abort waits on it,
     hours into a run."""
@@ -90,7 +73,7 @@ def _cmd_run(args) -> int:
             f"--save-checkpoint with --runs {args.runs}: each run would replace it; pass --runs 1"
         )
     _check_seconds(args)
-    results = run_set(args, _run_seeds(args.seed, args.runs))
+    results = run_set(args, run_seeds(args.seed, args.runs))
     if args.json and results and results[0][1].log_path is not None:  # rank 0 only
         print(strictjson.dumps(run_summary(args, results), indent=2))
     return max(r.exit_code for _, r in results)
@@ -210,7 +193,7 @@ def _cmd_rcp_build(args) -> int:
         raise UserError("--tier reference uses the official MLCommons RCPs; ttt rcp build is for our tiers")
     if args.runs < 3:
         raise UserError(f"--runs {args.runs}: an RCP needs at least 3 converged runs")
-    results = run_set(args, _run_seeds(args.seed, args.runs))
+    results = run_set(args, run_seeds(args.seed, args.runs))
     if any(r.exit_code > 128 for _, r in results):
         return max(r.exit_code for _, r in results)
     from timetotrain.mlperf.results import parse_log

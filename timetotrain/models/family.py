@@ -18,7 +18,13 @@ All of them take the family's config dataclass (a tier's `model`):
   `samples`, for a model that is not a decoder (blocks plus an LM head, which `ttt plan` counts from
   `activation_elements`); `ttt plan` uses it instead (flux);
 - `with_layers(cfg, n)`: optional, the config with `n` blocks at the same width, for `ttt synth --layers`
-  where replacing an `n_layers` field is not the meaning (flux: double and single blocks in proportion).
+  where replacing an `n_layers` field is not the meaning (flux: double and single blocks in proportion);
+- `tensor_parallel(model, tp_mesh)`: optional, the family's tensor-parallel plan: parallelise the model
+  (built on the meta device) over the 1-D `tp_mesh` in place, with torch.distributed APIs only, setting
+  `TP_STACKED_OVER` on modules whose weight stacks two sub-tensors (train/tensor_parallel.py); None means
+  `--parallel tp` is refused for the family;
+- `tensor_parallel_check(cfg, tp)`: optional, the plan's own shape check without a model (a UserError
+  naming what does not divide), which `ttt plan` asks before it estimates a TP layout.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Set by a `tensor_parallel` plan on a module to the TP degree: its `weight` DTensor stands for two stacked
+# sub-tensors with each rank's slices side by side (train/tensor_parallel.py reads it).
+TP_STACKED_OVER = "_ttt_tp_stacked_over"
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class ModelFamily:
     hf_export: Callable[[dict, Any], tuple[dict, dict]] | None = None
     activation_bytes: Callable[[Any, int, int, bool], float] | None = None
     with_layers: Callable[[Any, int], Any] | None = None
+    tensor_parallel: Callable[[Any, Any], None] | None = None
+    tensor_parallel_check: Callable[[Any, int], None] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -34,6 +34,7 @@ from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
 from timetotrain.runner import data as recipes
+from timetotrain.train.seeds import run_seeds
 
 STATE = "suite.json"
 LOCK = "suite.lock"
@@ -289,15 +290,13 @@ class Suite:
 
     # -- runs --
     def seeds(self, bench, n: int) -> list[int]:
-        from timetotrain.cli.run import _run_seeds
-
         have = self.state["seeds"].get(bench.name, [])
         if len(have) < n:
             need = n - len(have)
             if self.o.seed is not None:  # SEED, SEED+1, ... as `ttt run --runs`
                 more = [self.o.seed + i for i in range(n) if self.o.seed + i not in have]
             else:
-                more = [s for s in _run_seeds(None, n) if s not in have]
+                more = [s for s in run_seeds(None, n) if s not in have]
             have = have + more[:need]
             self.state["seeds"][bench.name] = have
             self.save()

@@ -1,9 +1,9 @@
 """deepseekv3_671b: continued pretraining of DeepSeek-V3 from its checkpoint on C4 (MLPerf Training 6.0,
 docs/benchmarks/deepseekv3_671b.md).
 
-The model is models/deepseek_v3.py (MLA, YaRN, group-limited sigmoid routing with an auxiliary-loss-free
+The model is models/deepseek_v3/ (MLA, YaRN, group-limited sigmoid routing with an auxiliary-loss-free
 bias, a shared expert, dense-first layers, one MTP module). The reference starts from MLCommons' BF16
-HF-format checkpoint: `ttt run --init-checkpoint DIR` (models/deepseek_v3_hf.py maps its names, MTP layer
+HF-format checkpoint: `ttt run --init-checkpoint DIR` (models/deepseek_v3/hf.py maps its names, MTP layer
 included; FP8 originals are refused). The training loss is LM + 0.1 x MTP + 0.01 x sequence aux loss; the
 metric is the LM loss alone, evaluated after every step from step 42 + 24576 // GBS on, each evaluation on
 the next 1,024 windows of the seed-shuffled validation set (Megatron-Bridge's cyclic validation sampler);
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from timetotrain.models.common.layers import YarnScaling
 from timetotrain.models.deepseek_v3 import DEEPSEEK_V3, FAMILY, DeepSeekV3Config
-from timetotrain.models.layers import YarnScaling
 from timetotrain.suite.base import Benchmark, RcpHparams, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData

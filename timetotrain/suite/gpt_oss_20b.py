@@ -1,7 +1,7 @@
 """gpt_oss_20b: a GPT-OSS-20B-shaped mixture-of-experts model pretrained from scratch on C4
 (docs/benchmarks/gpt_oss_20b.md).
 
-Not the Hugging Face GPT-OSS model: see models/gpt_oss.py for the architecture and every reading of an
+Not the Hugging Face GPT-OSS model: see models/gpt_oss/ for the architecture and every reading of an
 unconfirmed detail of the reference.
 """
 

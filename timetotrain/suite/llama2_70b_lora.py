@@ -1,8 +1,8 @@
 """llama2_70b_lora: LoRA fine-tuning of Llama 2 70B on SCROLLS GovReport (MLPerf Training 6.0).
 
 The frozen base is loaded with `ttt run --init-checkpoint` (MLCommons' fused-qkv layout or the stock
-Hugging Face one, models/llama_hf.py); rank-16 adapters on the fused QKV and the output projection of every
-layer train (train/lora.py); data from `ttt data prepare govreport` (data/govreport.py).
+Hugging Face one, models/llama/hf.py); rank-16 adapters on the fused QKV and the output projection of every
+layer train (models/common/lora.py); data from `ttt data prepare govreport` (data/govreport.py).
 
 The tiny tier fine-tunes a small Llama-2-vocabulary base that `ttt base llama2_70b_lora --tier tiny`
 pretrains off the clock on the shared C4 sample (`TINY_BASE`), on the shared GovReport rows

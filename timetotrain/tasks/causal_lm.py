@@ -66,7 +66,7 @@ def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
 
 
 def lm_loss(model, tokens: torch.Tensor, eod_id: int | None, reduction: str = "mean") -> torch.Tensor:
-    # The model applies its head and the loss together (models/head_loss.py): no [tokens, vocab] logits.
+    # The model applies its head and the loss together (models/common/head_loss.py): no [tokens, vocab] logits.
     return model(tokens[:, :-1], labels=targets(tokens, eod_id), reduction=reduction)
 
 

@@ -4,7 +4,7 @@ Data: blocks of `block` tokens written by `ttt data prepare govreport` (`data/go
 and `labels` per block, labels -100 where no loss is taken (validation masks the prompt and the final
 EOS). Training draws blocks in a seeded random order, a fresh permutation per epoch (the reference's HF
 Trainer random sampler; several epochs are needed). The model is the frozen base with LoRA adapters
-(`train/lora.py`), applied by `adapt_model` after the base weights are initialised or loaded.
+(`models/common/lora.py`), applied by `adapt_model` after the base weights are initialised or loaded.
 
 Loss: mean token cross-entropy of the next token over the labels that are not -100. Metric: the HF
 Trainer eval loss, the mean over eval batches of each batch's mean token cross-entropy with one block
@@ -22,7 +22,9 @@ import torch
 
 from timetotrain.data import govreport
 from timetotrain.data.mapped import MappedFiles
+from timetotrain.data.vocab_table import load_vocab_table
 from timetotrain.errors import UserError
+from timetotrain.models.common.lora import QKV_PARTS, apply_lora, base_names, init_lora, lora_param_count
 from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
 
 
@@ -148,8 +150,6 @@ class LoRAFineTune(Task):
             raise UserError(f"--data {data_dir} {what}: pass the folder `ttt data prepare govreport` wrote")
         table = None
         if tier.data.vocab_keep is not None:
-            from timetotrain.train.base_model import load_vocab_table
-
             if init_checkpoint is None:
                 raise UserError(
                     "this tier narrows the vocabulary as its base did: pass the base with --init-checkpoint"
@@ -210,20 +210,14 @@ class LoRAFineTune(Task):
         return _RandomBlocks(tier.model.vocab_size, local_batch, tier.data.block, generator, device)
 
     def adapt_model(self, model, tier, generator, precision: str = "fp32") -> None:
-        from timetotrain.train.lora import apply_lora
-
         d = tier.data
         base_dtype = torch.bfloat16 if precision == "bf16" and d.bf16_base else None
         apply_lora(model, d.targets, d.rank, d.alpha, d.dropout, generator=generator, base_dtype=base_dtype)
 
     def init_adapters(self, model, tier, generator) -> None:
-        from timetotrain.train.lora import init_lora
-
         init_lora(model, generator)
 
     def checkpoint_names(self, model) -> dict:
-        from timetotrain.train.lora import base_names
-
         return base_names(model)
 
     def frozen_bytes(self, tier, bf16: bool) -> int:
@@ -233,8 +227,6 @@ class LoRAFineTune(Task):
 
     def param_counts(self, family, tier) -> tuple[int, int]:
         """The adapters train; every base parameter is frozen."""
-        from timetotrain.train.lora import lora_param_count
-
         return lora_param_count(tier.model, tier.data.rank, tier.data.targets), family.param_count(tier.model)
 
     def first_eval_step(self, tier) -> int:
@@ -263,8 +255,6 @@ class LoRAFineTune(Task):
         each adapter there 4 (forward and weight gradient). `tests/test_llama2_70b_lora.py` counts the
         matmuls of a training step with torch's FLOP counter against this. (Assumes, as every tier here,
         an adapter in block 0's attention; without one its whole attention would need no backward.)"""
-        from timetotrain.train.lora import QKV_PARTS, lora_param_count
-
         seq, cfg, d = tier.data.block - 1, tier.model, tier.data
         matmul6 = family.flops_per_token(cfg, 0, causal=True)  # 6 x matmul weights, no attention term
         attention = family.flops_per_token(cfg, seq, causal=True) - matmul6

@@ -33,6 +33,7 @@ import torch
 from timetotrain import fileio, interrupt
 from timetotrain.data import loader
 from timetotrain.data.manifest import sha256_file
+from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 from timetotrain.suite.base import BaseRecipe
@@ -40,7 +41,6 @@ from timetotrain.train.step import build_training
 
 BASE_JSON = "base.json"
 WEIGHTS = "model.safetensors"
-VOCAB_TABLE = "vocab_table.npy"
 
 
 def default_cache() -> Path:
@@ -101,28 +101,6 @@ def verify_base(folder: Path) -> dict:
                 "`ttt base` again"
             )
     return doc
-
-
-def load_vocab_table(folder: Path, keep: int) -> torch.Tensor:
-    """The base's raw id -> model id table, checked to map into `keep` kept ids plus one "other" id."""
-    path = Path(folder) / VOCAB_TABLE
-    if not path.is_file():
-        raise UserError(
-            f"--init-checkpoint {folder} has no {VOCAB_TABLE}: this tier narrows the vocabulary as its base "
-            "did; pass the folder `ttt base` wrote"
-        )
-    try:
-        table = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:  # an object array (pickled) is refused, never unpickled
-        raise UserError(
-            f"{path} is not a numeric .npy table ({e}); pass the folder `ttt base` wrote"
-        ) from None
-    if table.ndim != 1 or table.min() < 0 or table.max() != keep:
-        raise UserError(
-            f"{path} maps ids into [0, {int(table.max())}], this tier keeps {keep} ids plus one other: "
-            "the base was made for another tier"
-        )
-    return torch.from_numpy(table.astype(np.int64))
 
 
 def make_base(

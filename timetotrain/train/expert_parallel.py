@@ -1,9 +1,9 @@
-"""Expert parallelism (EP) for the MoE layers of `timetotrain.models.moe`, applied from outside the model.
+"""Expert parallelism (EP) for the MoE layers of `timetotrain.models.common.moe`, applied from outside the model.
 
 `apply_expert_parallel(model, group)` leaves every rank of `group` (size `ep`) with a contiguous slice of
 `E / ep` experts per MoE layer (rank r owns experts `[r*L, (r+1)*L)`, `L = E / ep`) and installs an
 `ExpertParallelDispatch` as the layer's dispatch hook (`MoE.dispatcher`), which moves the token copies to
-the rank that owns their expert and back. Any MoE model built on `models.moe.MoE` gets it. Parameter names
+the rank that owns their expert and back. Any MoE model built on `models.common.moe.MoE` gets it. Parameter names
 stay as they were (`...ffn.experts.w1`), only the expert tensors shrink to `[L, ...]`.
 
 Token flow of one layer on rank r, for its `N` local tokens:
@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from timetotrain.models.moe import MoE
+from timetotrain.models.common.moe import MoE
 
 # Marks expert-sharded Parameters with (experts in the full stack, first expert held); an attribute on the
 # tensor survives DDP and optimizers holding it, not `to_empty` from the meta device (`mark_expert_slices`).

@@ -15,13 +15,13 @@ Where the numbers come from (an estimate, not a measurement):
   `fused.swiglu`) and fc2 its input (f). That is 9.5h + 3f elements at h = dim, f = FFN width when
   kv/heads = 1/4, in the compute precision. MoE families count per routed copy instead.) Tokens per
   micro-batch come from the task (`sample_items`).
-  The head and loss (`models/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
+  The head and loss (`models/common/head_loss.py`) keep the final norm's tensors (3h) and the gradient of the
   hidden states (h) per token, plus, once per micro-batch, the fp32 head-weight gradient and one chunk of
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation.
   A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
-  flux (models/flux.py) counts what each double and single MMDiT block keeps per token of the joint
+  flux (models/flux/) counts what each double and single MMDiT block keeps per token of the joint
   sequence, with its fp32 parts, plus the embedders, final layer and loss per sample; tests/test_plan.py
   checks the count against the bytes autograd really saves on CPU. The frozen encoders of flux are not
   counted because training never runs them (it reads their precomputed outputs).
@@ -52,9 +52,8 @@ from dataclasses import dataclass
 import torch
 
 from timetotrain.errors import UserError
-from timetotrain.models.head_loss import chunk_rows
+from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.train import parallel
-from timetotrain.train.tensor_parallel import check_shape
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -171,15 +170,12 @@ def _kind(p: parallel.Plan) -> str:
     return "fsdp" if p.fsdp > 1 else "dp"
 
 
-def _check_tensor_parallel(tier, spec: str, tp: int) -> None:
-    """What `ttt run` would refuse when it applies the plan (train/tensor_parallel.py), said before."""
-    cfg = tier.model
-    if not (hasattr(cfg, "n_kv_heads") and hasattr(cfg, "ffn_dim")) or hasattr(cfg, "n_experts"):
-        raise UserError(
-            f"--parallel {spec!r}: only dense (SwiGLU) decoder blocks have a tensor-parallel plan, "
-            f"not {type(cfg).__name__}"
-        )
-    check_shape(cfg, tp)
+def _check_tensor_parallel(family, tier, spec: str, tp: int) -> None:
+    """What `ttt run` would refuse when it applies the family's plan, said before building anything."""
+    if family.tensor_parallel is None:
+        raise UserError(f"--parallel {spec!r}: the {family.name} family has no tensor-parallel plan")
+    if family.tensor_parallel_check is not None:
+        family.tensor_parallel_check(tier.model, tp)
 
 
 def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True):
@@ -213,7 +209,7 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, 
                 f"--parallel {parallel_spec!r}: expert parallelism needs a mixture-of-experts model"
             )
         if kind == "tp":
-            _check_tensor_parallel(tier, parallel_spec, given.tp)
+            _check_tensor_parallel(bench.family, tier, parallel_spec, given.tp)
         rows = rows_of(kind, local, given.tp)
     else:
         rows = [] if gbs % gpus else [r for k in ("dp", "fsdp") for r in rows_of(k, gbs // gpus)]

@@ -118,20 +118,22 @@ def check_batch_split(global_batch_size: int, plan: Plan) -> int:
     return global_batch_size // plan.data_parallel
 
 
-def apply(model: nn.Module, plan: Plan, device: torch.device):
+def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     """Wrap `model` per plan. Returns (the module to call: the same object for FSDP2, a DDP wrapper else;
-    the expert-parallel process group or None). Expert sharding comes first: it slices the experts of
-    the initialised model (or of the meta model the sharded build fills later), before checkpoint wrappers,
-    compile, DDP or FSDP2 see the parameters."""
+    the expert-parallel process group or None). Tensor parallelism is the family's own plan
+    (`family.tensor_parallel`; a family without one refuses `tp`). Expert sharding comes first after it:
+    it slices the experts of the initialised model (or of the meta model the sharded build fills later),
+    before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
     ep_group = None
     fsdp_mesh = None
     if plan.tp > 1:
+        if family.tensor_parallel is None:
+            raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
         from torch.distributed.device_mesh import init_device_mesh
 
-        from timetotrain.train.tensor_parallel import apply_tensor_parallel
-
         mesh = init_device_mesh(device.type, (plan.fsdp, plan.tp), mesh_dim_names=("fsdp", "tp"))
-        apply_tensor_parallel(model, mesh["tp"])
+        family.tensor_parallel(model, mesh["tp"])
+        remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
         import torch.distributed as dist
@@ -170,10 +172,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
             fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
         # The root too: blocks outside `model.layers` (DeepSeek's MTP) hold experts.
         fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
-        if plan.tp > 1:
-            from timetotrain.train.tensor_parallel import mark_stacked
-
-            mark_stacked(model)
+        remark(model, plan)
         return model, ep_group
     if plan.dp > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -190,6 +189,21 @@ def apply(model: nn.Module, plan: Plan, device: torch.device):
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
         ), ep_group
     return model, ep_group
+
+
+def remark(model: nn.Module, plan: Plan) -> None:
+    """Put back the marks the harness keeps on parameters, tensor parallelism's stacked layouts and expert
+    parallelism's slices (with their gradient hooks), after anything that replaced the parameter objects:
+    FSDP2's sharding and its lazy initialisation at the first forward, `to_empty`. Idempotent, so it is
+    called after each such step."""
+    if plan.tp > 1:
+        from timetotrain.train.tensor_parallel import mark_stacked
+
+        mark_stacked(model)
+    if plan.ep > 1:
+        from timetotrain.train.expert_parallel import mark_expert_slices
+
+        mark_expert_slices(model)
 
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:

@@ -141,7 +141,7 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
         )
     bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.precision)
     model.train()
-    wrapped, ep_group = parallel.apply(model, plan, device)
+    wrapped, ep_group = parallel.apply(model, plan, device, family)
     return model, wrapped, ep_group
 
 
@@ -165,16 +165,9 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     with torch.device("meta"):
         model = family.build(tier.model)
     task.adapt_model(model, tier, None, plan.precision)
-    wrapped, ep_group = parallel.apply(model, plan, device)
+    wrapped, ep_group = parallel.apply(model, plan, device, family)
     model.to_empty(device=device)
-    if plan.tp > 1:
-        from timetotrain.train.tensor_parallel import mark_stacked
-
-        mark_stacked(model)  # after FSDP's and to_empty's parameter swaps
-    if plan.ep > 1:
-        from timetotrain.train.expert_parallel import mark_expert_slices
-
-        mark_expert_slices(model)  # to_empty made new expert Parameters: mark them, scale their gradients
+    parallel.remark(model, plan)  # to_empty made new Parameters: mark them (expert slices: scale their grads)
     with full_init():
         family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
@@ -183,10 +176,7 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     with full_init(skip_sharded=init_checkpoint is not None):
         family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
-        if plan.tp > 1:
-            from timetotrain.train.tensor_parallel import mark_stacked
-
-            mark_stacked(model)
+        parallel.remark(model, plan)  # idempotent; the warm-up ran FSDP2 since the last marks
         _timed_init_from(
             timer, init_checkpoint, model, family, tier.model, truncate_rows=task.checkpoint_rows(tier),
             names=task.checkpoint_names(model),

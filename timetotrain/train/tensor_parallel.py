@@ -1,22 +1,16 @@
-"""Tensor parallelism for the decoder families (`--parallel tp=T[,fsdp=F]`), applied from outside the model
-with PyTorch's DTensor `parallelize_module` plans (Megatron-style, as torchtitan applies them):
+"""Tensor parallelism's harness side (`--parallel tp=T[,fsdp=F]`). A family's own plan (`ModelFamily.
+tensor_parallel`, e.g. models/llama/parallelize.py) parallelises its modules with PyTorch's DTensor
+`parallelize_module`; `train/parallel.apply` builds the (fsdp, tp) mesh and calls it. What the harness needs
+whatever the plan, is here:
 
-- per block: the fused QKV and the fused SwiGLU input (`fc1`) column-wise, the attention output (`proj`) and
-  the FFN output (`fc2`) row-wise; the two block norms sequence-parallel, so the residual stream between
-  the row-wise outputs and the next column-wise inputs is a DTensor cut along the sequence (`Shard(1)`):
-  a reduce-scatter after each row-wise layer and an all-gather before each column-wise one;
-- the embedding stays whole on every TP rank and its output is cut along the sequence; the final norm
-  gathers the sequence back, so the head and its fused loss (models/head_loss.py) see plain tensors.
-
-Layouts. The fused QKV rows are grouped per KV head (models/layers.py), so a column-wise cut into T
-contiguous parts gives each rank whole KV groups (n_kv_heads must divide by T) and the attention runs
-locally on n_heads / T query heads. `fc1` holds all gate rows, then all up rows; a contiguous cut would give
-one rank only gates. Its DTensor therefore stands for the rows reordered as [gate_0, up_0, gate_1, up_1, ...]
-(rank r's gate and up slices side by side), so each rank's local rows are [gate_r; up_r] and the model's
-SwiGLU splits them in halves as it does unsharded. `STACKED` marks such a parameter; `logical(full, param)`
+Stacked layouts. A column-wise cut of a fused weight holding two sub-tensors along dim 0 (SwiGLU's `fc1`:
+all gate rows, then all up rows) would give one rank only gates. A plan therefore lets such a DTensor stand
+for the rows reordered as [gate_0, up_0, gate_1, up_1, ...] (rank r's slices side by side) and says so by
+setting `TP_STACKED_OVER` (models/family.py) on the module to the TP degree; `mark_stacked` turns that into
+`STACKED` on the parameter, again after anything that replaces the parameter objects. `logical(full, param)`
 reorders a full tensor of the model's layout into that order, so initialisation and checkpoint loading
-(train/shards.py) fill the right rows. A gathered `full_tensor()` of `fc1` is in the reordered layout
-(`unstack` reverses it).
+(train/shards.py) fill the right rows. A gathered `full_tensor()` is in the reordered layout (`unstack`
+reverses it).
 
 Gradient clipping needs the norm over distinct elements: `clip_grad_norm_tp` sums each rank's local
 squares weighted by how many ranks hold the same values, then one all-reduce.
@@ -28,80 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from timetotrain.errors import UserError
+from timetotrain.models.family import TP_STACKED_OVER
 
 STACKED = "_ttt_tp_stacked"  # parameter attribute: (sub-tensors stacked along dim 0, TP degree)
-
-
-def check_shape(cfg, tp: int) -> None:
-    """One line naming what does not divide: heads and FFN width must split evenly over the TP ranks."""
-    problems = []
-    if cfg.n_kv_heads % tp:
-        problems.append(f"n_kv_heads {cfg.n_kv_heads}")
-    if cfg.ffn_dim % tp:
-        problems.append(f"ffn_dim {cfg.ffn_dim}")
-    if problems:
-        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Parallelise `model` (a `models.decoder.Decoder` with dense FFNs) over the 1-D `tp_mesh`, in place;
-    works on the meta device (before `to_empty`)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    tp = tp_mesh.size()
-    check_shape(model.cfg, tp)
-    # The embedding's whole output, cut along the sequence for the first block.
-    parallelize_module(
-        model.embed,
-        tp_mesh,
-        PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-        ),
-    )
-    for block in model.layers:
-        if not hasattr(block.ffn, "fc1"):
-            raise UserError("--parallel tp: only dense (SwiGLU) blocks have a tensor-parallel plan, not MoE")
-        gathered = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,
-        )
-        plan = {
-            "attn_norm": SequenceParallel(),
-            "attn": gathered,
-            "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-            "ffn": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
-            "ffn.fc1": ColwiseParallel(),
-            "ffn.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        }
-        parallelize_module(block, tp_mesh, plan)
-        block.ffn.fc1._ttt_tp_stacked_over = tp  # on the module: FSDP2 and to_empty replace the parameter
-        # The attention computes on this rank's heads (whole KV groups, see the module docstring).
-        block.attn.n_heads //= tp
-        block.attn.n_kv_heads //= tp
-        if block.attn.q_norm is not None:
-            raise UserError("--parallel tp: attention with QK-norm has no tensor-parallel plan yet")
-    parallelize_module(
-        model.norm,
-        tp_mesh,
-        PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-    )
-    mark_stacked(model)
 
 
 def logical(full: torch.Tensor, param) -> torch.Tensor:
@@ -158,6 +81,6 @@ def mark_stacked(model: nn.Module) -> None:
     """Mark every block's `fc1` weight as stacked (gate, up) over the TP ranks; again after anything that
     replaces the parameter objects (FSDP2's sharding, `to_empty`)."""
     for module in model.modules():
-        tp = getattr(module, "_ttt_tp_stacked_over", None)
+        tp = getattr(module, TP_STACKED_OVER, None)
         if tp is not None:
             setattr(module.weight, STACKED, (2, tp))

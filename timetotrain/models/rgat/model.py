@@ -15,28 +15,16 @@ Parameter names and shapes are PyG's (`convs.<src>__<rel>__<dst>.lin.weight`, `a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from timetotrain.models.family import ModelFamily
+from timetotrain.models.rgat.config import RGATConfig
 
 NEGATIVE_SLOPE = 0.2  # GATConv's LeakyReLU on attention logits
 ACT_SLOPE = 0.01  # F.leaky_relu default, between layers in the reference
-
-
-@dataclass(frozen=True)
-class RGATConfig:
-    relations: tuple[tuple[str, str, str], ...]
-    in_dim: int = 1024
-    hidden: int = 512
-    heads: int = 4
-    n_layers: int = 3
-    classes: int = 2983
-    dropout: float = 0.2
-    target_type: str = "paper"
 
 
 def _key(rel) -> str:

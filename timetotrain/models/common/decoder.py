@@ -17,8 +17,14 @@ import math
 import torch
 from torch import nn
 
-from timetotrain.models.head_loss import logits_or_loss
-from timetotrain.models.layers import Attention, RMSNorm, band_blocks_mask, rope_tables, sliding_window_mask
+from timetotrain.models.common.head_loss import logits_or_loss
+from timetotrain.models.common.layers import (
+    Attention,
+    RMSNorm,
+    band_blocks_mask,
+    rope_tables,
+    sliding_window_mask,
+)
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timetotrain.models.fused import swiglu
+from timetotrain.models.common.fused import swiglu
 
 
 def permute(

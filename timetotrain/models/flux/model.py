@@ -26,71 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timetotrain.models.family import ModelFamily, Source
-from timetotrain.models.layers import RMSNorm
-
-
-@dataclass(frozen=True)
-class FluxConfig:
-    dim: int = 3072
-    n_heads: int = 24
-    n_double: int = 19
-    n_single: int = 38
-    mlp_ratio: float = 4.0
-    latent_channels: int = 16
-    patch: int = 2
-    latent_size: int = 32  # latent height = width (256^2 images, VAE downsampling 8)
-    txt_dim: int = 4096  # T5-XXL hidden size
-    txt_len: int = 256  # T5 tokens per sample
-    vec_dim: int = 768  # CLIP-L pooled output
-    axes_dim: tuple[int, int, int] = (16, 56, 56)
-    theta: float = 10000.0
-    time_dim: int = 256  # sinusoidal timestep features
-    eps: float = 1e-6  # LayerNorm and QK RMSNorm
-
-    def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
-        if sum(self.axes_dim) != self.head_dim or any(d % 2 for d in self.axes_dim):
-            raise ValueError(f"axes_dim {self.axes_dim} must be even and sum to head_dim {self.head_dim}")
-        if self.latent_size % self.patch:
-            raise ValueError(f"latent_size {self.latent_size} is not a multiple of patch {self.patch}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def in_channels(self) -> int:
-        return self.latent_channels * self.patch**2
-
-    @property
-    def grid(self) -> int:
-        return self.latent_size // self.patch
-
-    @property
-    def img_len(self) -> int:
-        return self.grid**2
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
-
-    @property
-    def seq_len(self) -> int:
-        return self.txt_len + self.img_len
-
-    @property
-    def n_layers(self) -> int:
-        """Blocks in `model.layers`: the double-stream ones, then the single-stream ones."""
-        return self.n_double + self.n_single
-
+from timetotrain.models.common.layers import RMSNorm
+from timetotrain.models.family import ModelFamily
+from timetotrain.models.flux.config import FluxConfig
+from timetotrain.models.flux.hf import diffusers_mapping
 
 # ------------------------------------------------------------------------------------------------ layers
 
@@ -481,66 +425,6 @@ def with_layers(cfg: FluxConfig, n: int) -> FluxConfig:
     (a third double-stream, rounded): 3 -> 1 + 2, 6 -> 2 + 4, 57 -> 19 + 38, 1 -> 0 + 1."""
     n_double = round(n * 19 / 57)
     return dataclasses.replace(cfg, n_double=n_double, n_single=n - n_double)
-
-
-# ------------------------------------------------------------------------------------------------ diffusers
-
-
-def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(ts, dim=0)
-
-
-def _swap_halves(ts: list[torch.Tensor]) -> torch.Tensor:
-    # diffusers' AdaLayerNormContinuous yields (scale, shift); ours (and torchtitan's) (shift, scale).
-    a, b = ts[0].chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
-def diffusers_mapping(cfg: FluxConfig) -> dict[str, Source]:
-    """Our parameter name -> the diffusers `FluxTransformer2DModel` tensors it is made of (checkpoints without
-    guidance embedding, patch_size 1 over our pre-patchified channels)."""
-    m: dict[str, Source] = {}
-
-    def lin(ours: str, theirs: str, combine=None, parts: tuple[str, ...] | None = None):
-        for p in ("weight", "bias"):
-            if parts is None:
-                names = (f"{theirs}.{p}",)
-                m[f"{ours}.{p}"] = Source(names, combine) if combine else Source(names)
-            else:
-                m[f"{ours}.{p}"] = Source(tuple(f"{theirs}.{x}.{p}" for x in parts), combine or _cat)
-
-    lin("img_in", "x_embedder")
-    lin("txt_in", "context_embedder")
-    lin("time_in.fc1", "time_text_embed.timestep_embedder.linear_1")
-    lin("time_in.fc2", "time_text_embed.timestep_embedder.linear_2")
-    lin("vector_in.fc1", "time_text_embed.text_embedder.linear_1")
-    lin("vector_in.fc2", "time_text_embed.text_embedder.linear_2")
-    for i in range(cfg.n_double):
-        o, t = f"layers.{i}", f"transformer_blocks.{i}"
-        for s, mod, pre, ff, norm in (
-            ("img", "norm1", "", "ff", ""),
-            ("txt", "norm1_context", "add_", "ff_context", "added_"),
-        ):
-            lin(f"{o}.{s}.mod", f"{t}.{mod}.linear")
-            qkv = (f"{pre}q_proj", f"{pre}k_proj", f"{pre}v_proj") if pre else ("to_q", "to_k", "to_v")
-            lin(f"{o}.{s}.qkv", f"{t}.attn", parts=qkv)
-            m[f"{o}.{s}.q_norm.weight"] = Source((f"{t}.attn.norm_{norm}q.weight",))
-            m[f"{o}.{s}.k_norm.weight"] = Source((f"{t}.attn.norm_{norm}k.weight",))
-            lin(f"{o}.{s}.proj", f"{t}.attn.to_add_out" if pre else f"{t}.attn.to_out.0")
-            lin(f"{o}.{s}.fc1", f"{t}.{ff}.net.0.proj")
-            lin(f"{o}.{s}.fc2", f"{t}.{ff}.net.2")
-    for j in range(cfg.n_single):
-        o, t = f"layers.{cfg.n_double + j}", f"single_transformer_blocks.{j}"
-        lin(f"{o}.mod", f"{t}.norm.linear")
-        for p in ("weight", "bias"):
-            names = tuple(f"{t}.attn.to_{x}.{p}" for x in "qkv") + (f"{t}.proj_mlp.{p}",)
-            m[f"{o}.linear1.{p}"] = Source(names, _cat)
-        m[f"{o}.q_norm.weight"] = Source((f"{t}.attn.norm_q.weight",))
-        m[f"{o}.k_norm.weight"] = Source((f"{t}.attn.norm_k.weight",))
-        lin(f"{o}.linear2", f"{t}.proj_out")
-    lin("final_mod", "norm_out.linear", combine=_swap_halves)
-    lin("final_out", "proj_out")
-    return m
 
 
 FAMILY = ModelFamily(

@@ -154,7 +154,7 @@ QKV_PARTS = {"attn.q": "q", "attn.k": "k", "attn.v": "v"}
 
 
 class QKVLoRALinear(_Adapted):
-    """A frozen fused qkv `nn.Linear` whose output rows are grouped per KV head (models/layers.py: KV group j
+    """A frozen fused qkv `nn.Linear` whose output rows are grouped per KV head (models/common/layers.py: KV group j
     holds its `group` query heads, then key head j, then value head j), with a separate adapter on each of
     `parts` ("q", "k", "v", or a subset): the adapters PEFT puts on HF's separate q_proj, k_proj and v_proj.
 
@@ -299,7 +299,7 @@ def apply_lora(
                 if None in heads:
                     raise ValueError(
                         f"LoRA targets attn.q/k/v need layers.{i}.attn to be our fused attention "
-                        "(models/layers.py: n_kv_heads, group, head_dim)"
+                        "(models/common/layers.py: n_kv_heads, group, head_dim)"
                     )
             else:
                 parent, attr = _site(block, i, target)
@@ -369,7 +369,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def _target_shape(cfg, target: str) -> tuple[int, int]:
-    """(in, out) features of a block's Linear at `target`, from a decoder config (models/decoder.py)."""
+    """(in, out) features of a block's Linear at `target`, from a decoder config (models/common/decoder.py)."""
     hd = cfg.head_dim
     if target == "attn.qkv":
         return cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd

@@ -9,21 +9,17 @@ Two checkpoint layouts of the attention input projection are read:
 - fused (MLCommons `Llama2-70b-fused-qkv-mlperf`, the base of the `llama2_70b_lora` benchmark):
   one `self_attn.qkv_proj.weight` holding all q rows, then all k rows, then all v rows.
 
-Both are HF's q|k|v row order; ours groups the rows per KV head (`layers.py`). `qkv_permutation` is that
+Both are HF's q|k|v row order; ours groups the rows per KV head (`common/layers.py`). `qkv_permutation` is that
 reordering, written once and used for weights and for anything else with one row per qkv output (a LoRA B
 trained on HF's `qkv_proj`, a gradient).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from timetotrain.models.family import Source
-
-if TYPE_CHECKING:
-    from timetotrain.models.llama import LlamaConfig
+from timetotrain.models.llama.config import LlamaConfig
 
 
 def hf_config_kwargs(cfg: LlamaConfig) -> dict:

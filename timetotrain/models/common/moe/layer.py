@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from timetotrain.models.moe.experts import GroupedExperts, permute, unpermute
+from timetotrain.models.common.moe.experts import GroupedExperts, permute, unpermute
 
 
 class MoE(nn.Module):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timetotrain.models.fused import qkv_rope, swiglu
+from timetotrain.models.common.fused import qkv_rope, swiglu
 
 # `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)

@@ -17,14 +17,10 @@ evens-then-odds on the way in (`rope_permutation`) and back on the way out.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from timetotrain.models.deepseek_v3.config import DeepSeekV3Config
 from timetotrain.models.family import Source
-
-if TYPE_CHECKING:
-    from timetotrain.models.deepseek_v3 import DeepSeekV3Config
 
 
 def hf_config_kwargs(cfg: DeepSeekV3Config) -> dict:

@@ -1,0 +1,98 @@
+"""The llama family's tensor-parallel plan (`--parallel tp=T[,fsdp=F]`, `ModelFamily.tensor_parallel`),
+Megatron-style as torchtitan applies it, with PyTorch's DTensor `parallelize_module`:
+
+- per block: the fused QKV and the fused SwiGLU input (`fc1`) column-wise, the attention output (`proj`) and
+  the FFN output (`fc2`) row-wise; the two block norms sequence-parallel, so the residual stream between
+  the row-wise outputs and the next column-wise inputs is a DTensor cut along the sequence (`Shard(1)`):
+  a reduce-scatter after each row-wise layer and an all-gather before each column-wise one;
+- the embedding stays whole on every TP rank and its output is cut along the sequence; the final norm
+  gathers the sequence back, so the head and its fused loss (models/common/head_loss.py) see plain tensors.
+
+Layouts. The fused QKV rows are grouped per KV head (models/common/layers.py), so a column-wise cut into T
+contiguous parts gives each rank whole KV groups (n_kv_heads must divide by T) and the attention runs
+locally on n_heads / T query heads. `fc1` holds all gate rows, then all up rows: its module is marked
+`TP_STACKED_OVER` so that the harness reads its DTensor as [gate_0, up_0, gate_1, up_1, ...], each rank's
+local rows [gate_r; up_r], which the model's SwiGLU splits in halves as it does unsharded
+(train/tensor_parallel.py fills and gathers that layout).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from timetotrain.errors import UserError
+from timetotrain.models.family import TP_STACKED_OVER
+
+
+def check_shape(cfg, tp: int) -> None:
+    """One line naming what does not divide: heads and FFN width must split evenly over the TP ranks."""
+    problems = []
+    if cfg.n_kv_heads % tp:
+        problems.append(f"n_kv_heads {cfg.n_kv_heads}")
+    if cfg.ffn_dim % tp:
+        problems.append(f"ffn_dim {cfg.ffn_dim}")
+    if problems:
+        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
+
+
+def tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Parallelise `model` (a `models.common.decoder.Decoder` with dense FFNs) over the 1-D `tp_mesh`, in place;
+    works on the meta device (before `to_empty`)."""
+    # Here, not at the top: torch.distributed.tensor.parallel costs 0.4 s to import, and every command that
+    # names a llama benchmark imports this family.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    check_shape(model.cfg, tp)
+    # The embedding's whole output, cut along the sequence for the first block.
+    parallelize_module(
+        model.embed,
+        tp_mesh,
+        PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        ),
+    )
+    for block in model.layers:
+        if not hasattr(block.ffn, "fc1"):
+            raise UserError("--parallel tp: only dense (SwiGLU) blocks have a tensor-parallel plan, not MoE")
+        gathered = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True,
+        )
+        plan = {
+            "attn_norm": SequenceParallel(),
+            "attn": gathered,
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "ffn_norm": SequenceParallel(),
+            "ffn": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            "ffn.fc1": ColwiseParallel(),
+            "ffn.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+        parallelize_module(block, tp_mesh, plan)
+        # Gate and up rows side by side per rank (module docstring); on the module: FSDP2 and to_empty
+        # replace the parameter.
+        setattr(block.ffn.fc1, TP_STACKED_OVER, tp)
+        # The attention computes on this rank's heads (whole KV groups, see the module docstring).
+        block.attn.n_heads //= tp
+        block.attn.n_kv_heads //= tp
+        if block.attn.q_norm is not None:
+            raise UserError("--parallel tp: attention with QK-norm has no tensor-parallel plan yet")
+    parallelize_module(
+        model.norm,
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    )
