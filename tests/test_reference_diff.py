@@ -9,8 +9,8 @@ built) at every RCP batch size and at one batch size without an RCP, and compare
 Read from mlcommons/training at aa344c7f (2026-07; llm_moe_pretraining after 5bf5f996 "Deepseek: skip
 first N evals"), Megatron-Bridge v0.3.0 (its container), the mlperf-logging 4.1.68 rule and RCP files.
 flux1's rows come from the torchtitan fork the reference's submodule points at (pytorch/torchtitan 9603aa83)
-and its RCP file. rgat has no rows yet (its reference, the retired GNN folder, was not read for this table;
-its eval cadence is being changed under the same issue).
+and its RCP file. rgat's come from the retired GNN reference (retired_benchmarks/rgat at aa344c7f) and the
+5.1.0 rule and RCP files, the ruleset it was retired with.
 """
 
 from __future__ import annotations
@@ -43,7 +43,17 @@ class Row:
     source: str  # file:line in the reference
 
 
-HARNESS = ("first_eval_step", "eval_every_steps", "eval_windows", "step_cap")
+HARNESS = (
+    "first_eval_step",
+    "first_logged_eval_step",
+    "eval_every_steps",
+    "eval_windows",
+    "step_cap",
+    "target",
+    "eval_steps",  # every step after which the run evaluates, up to the step cap
+    "eval_seeds_on_reference_gpus",  # rgat: validation seeds read on GBS / 1,024 ranks
+    "epoch_num_decimals",
+)
 
 
 def const(v):
@@ -70,7 +80,46 @@ FLUX_RCP = {512: (2e-4, 1600), 1024: (2.5e-4, 800), 2048: (2.5e-4, 0), 4096: (4e
 # The flux1 reference is the torchtitan fork text_to_image/torchtitan points at (9603aa83).
 FLUX = "pytorch/torchtitan@9603aa83 torchtitan/experiments/flux/"
 
+# rgat: the reference's loader holds 1,024 seeds per GPU (train_rgnn_multi_gpu.py:290), so GBS / 1,024 ranks.
+RGAT = "retired_benchmarks/rgat/"
+RGAT_MAIN = RGAT + "train_rgnn_multi_gpu.py"
+RGAT_TRAIN = int(157_675_969 * 0.6)  # split_seeds.py:26,31
+RGAT_VAL = int(157_675_969 * 0.005)  # split_seeds.py:32,53
+RGAT_LR = {4096: 1e-3, 16384: 2e-3, 32768: 2e-3, 65536: 3e-3, 262144: 5e-3}
+RULES51 = "mlperf_logging/compliance_checker/training_5.1.0/"
+RCPS51 = "mlperf_logging/rcp_checker/training_5.1.0/"
+
+
+def rgat_batch_num(gbs: int) -> int:
+    """`batch_num` of a rank: ceil(len(train_idx.split(n // world)[rank]) / 1024) (:83, :147)."""
+    return math.ceil(RGAT_TRAIN // (gbs // 1024) / 1024)
+
+
+def rgat_eval_steps(gbs: int) -> list[int]:
+    """The reference's loop, literally (:153-165, :199): `idx` restarts at 1 each of `--epochs` 2 epochs and
+    an eval follows batch idx when idx % int(batch_num * 0.05) == 0; the global step is epoch * batch_num +
+    idx."""
+    batch_num = rgat_batch_num(gbs)
+    freq = int(batch_num * 0.05)
+    return [e * batch_num + i for e in range(2) for i in range(1, batch_num + 1) if i % freq == 0]
+
+
 TABLE: dict[str, list[Row]] = {
+    "rgat": [
+        Row("global_batch_size", lambda g: g, RGAT_MAIN + ":326 (world x --train_batch_size)"),
+        Row("gradient_accumulation_steps", const(1), RGAT_MAIN + ":327"),
+        Row("opt_name", const("adam"), RGAT_MAIN + ":143,328; " + RULES51 + "closed_rgat.yaml:9"),
+        Row("opt_base_learning_rate", lambda g: RGAT_LR[g], RCPS51 + "rcps_rgat.json; " + RGAT_MAIN + ":329"),
+        Row("train_samples", const(RGAT_TRAIN), RGAT_MAIN + ":356; " + RGAT + "split_seeds.py:31"),
+        Row("eval_samples", const(RGAT_VAL), RGAT_MAIN + ":357; " + RGAT + "split_seeds.py:32,53"),
+        Row(
+            "eval_seeds_on_reference_gpus", lambda g: RGAT_VAL // (g // 1024) * (g // 1024), RGAT_MAIN + ":96"
+        ),
+        Row("step_cap", lambda g: 2 * rgat_batch_num(g), RGAT_MAIN + ":153,294 (--epochs 2)"),
+        Row("eval_steps", rgat_eval_steps, RGAT_MAIN + ":147-148,162-166,199 (--validation_frac 0.05 :307)"),
+        Row("target", const(0.72), RGAT_MAIN + ":309; " + RULES51 + "closed_rgat.yaml:22"),
+        Row("epoch_num_decimals", const(2), RGAT_MAIN + ":203 (round(epoch + idx / batch_num, 2))"),
+    ],
     "deepseekv3_671b": [
         Row("opt_base_learning_rate", ds_lr, DS + "config_GB300_64x4x256xtp1pp4cp1.sh:45; README.md:8"),
         Row("opt_learning_rate_warmup_steps", const(4), DS + "config_GB300_64x4x256xtp1pp4cp1.sh:49"),
@@ -217,6 +266,8 @@ TABLE: dict[str, list[Row]] = {
 
 # Per benchmark: the RCP batch sizes, and one without an RCP (with the --set its closed run needs).
 SIZES: dict[str, tuple[tuple[int, ...], tuple[int, list[str]]]] = {
+    # 8,192: the reference on one 8-GPU node, a GBS without an RCP.
+    "rgat": ((4096, 16384, 32768, 65536, 262144), (8192, ["lr=1.5e-3", "warmup_steps=0"])),
     "deepseekv3_671b": ((15_360, 16_384, 18_432), (20_480, [])),
     "llama31_405b": ((1152, 2304, 4608), (1536, [])),
     "llama2_70b_lora": ((8, 16, 32, 128), (64, ["lr=4e-4", "warmup_steps=0"])),
@@ -227,6 +278,7 @@ SIZES: dict[str, tuple[tuple[int, ...], tuple[int, list[str]]]] = {
 # Non-RCP sizes whose LR and warmup are the submitter's: the value the rows compare is the one set.
 L8_RCP[48] = (8e-4, 4096)
 OSS_RCP[128] = (1e-3, 12288)
+RGAT_LR[8192] = 1.5e-3
 SIZES["llama31_8b"] = ((16, 32, 64, 96, 128), (48, ["lr=8e-4", "warmup_steps=86"]))
 SIZES["gpt_oss_20b"] = ((16, 32, 64), (128, ["lr=1e-3", "warmup_steps=96", "end_lr=4e-5"]))
 
@@ -262,6 +314,14 @@ def harness(bench, tier, what: str):
         return task.eval_windows(tier) if hasattr(task, "eval_windows") else tier.eval_samples
     if what == "step_cap":
         return tier.max_steps
+    if what == "target":
+        return tier.target
+    if what == "eval_steps":
+        return [s for s in range(1, tier.max_steps + 1) if task.eval_due(tier, s)]
+    if what == "eval_seeds_on_reference_gpus":
+        return task.eval_windows(tier, tier.global_batch_size // 1024)
+    if what == "epoch_num_decimals":
+        return task.metric.epoch_decimals
     raise AssertionError(f"unknown harness quantity {what}")
 
 
@@ -278,7 +338,7 @@ def test_reference_tier_matches_its_reference(name, gbs, sets, tmp_path):
         want = row.expect(gbs)
         got = (
             logged.get(row.what, "<not logged>")
-            if row.what not in (*HARNESS, "first_logged_eval_step")
+            if row.what not in HARNESS
             else (harness(bench, tier, row.what))
         )
         same = got == want or (

@@ -143,6 +143,11 @@ class Task(ABC):
         continues from a checkpoint with a smaller vocabulary (`load_hf_checkpoint`'s `truncate_rows`)."""
         return None
 
+    def steps_at_gbs(self, tier, gbs: int) -> int | None:
+        """The step cap a `--set global_batch_size=gbs` gives `tier` where the task's reference caps the run
+        in epochs, not steps (rgat: 2 epochs at any GBS); None keeps `max_steps`."""
+        return None
+
     def first_eval_step(self, tier) -> int:
         """The first step with an evaluation (then every `eval_every_steps`): the first eval point by
         default; tasks whose reference delays evaluation say so here."""
