@@ -4,13 +4,16 @@ tiny block against ours; eval points in epochs, rounded as the reference logs th
 import dataclasses
 
 import pytest
+import torch
 from fakelogs import logged_keys, uncovered_rule_keys
 
+from timetotrain.data import graph_synth
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
+from timetotrain.tasks.node_classification import _Seeds
 from timetotrain.train.loop import _point
 
 BENCH = get("rgat")
@@ -97,3 +100,19 @@ def test_eval_cadence_is_the_references(tier_name, world, local):
 def test_a_set_eval_interval_counts_samples():
     tier = apply_overrides(BENCH, BENCH.tier("tiny"), ["eval_every_samples=1000"])
     assert [s for s in range(1, 20) if BENCH.task.eval_due(tier, s)] == [4, 8, 12, 16]  # ceil(1000 / 256)
+
+
+def test_each_rank_evaluates_an_equal_share_as_the_reference():
+    """The reference's `val_idx.split(len // world)[rank]` (train_rgnn_multi_gpu.py:96): every rank reads
+    len // world consecutive seeds and the last len % world are never evaluated."""
+    tier = BENCH.tier("tiny")
+    graph = graph_synth.in_memory(graph_synth.scaled(graph_synth.SCALES["tiny"], 0.01), seed=0)
+    val = torch.arange(1003)
+    shares = [
+        _Seeds(graph, torch.arange(64), val, tier.data, 8, rank, 4, 1, torch.device("cpu")).val
+        for rank in range(4)
+    ]
+    assert [len(s) for s in shares] == [250] * 4
+    assert torch.equal(torch.cat(shares), val[:1000])
+    assert tier.eval_samples == 1500  # the tiny split: all of it on 4 ranks, 1,498 on 7
+    assert (BENCH.task.eval_windows(tier, 4), BENCH.task.eval_windows(tier, 7)) == (1500, 1498)

@@ -232,8 +232,9 @@ def base_recipe(
 
 
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
-    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set, and
-    a new base LR takes its end LR along (the RCP's, or the tier's end/base ratio) unless end_lr is set."""
+    """`--set key=value` with type conversion; a new GBS takes the RCP's LR and warmup unless also set (and
+    the task's step cap at that GBS, where its reference caps epochs: `Task.steps_at_gbs`), and a new base
+    LR takes its end LR along (the RCP's, or the tier's end/base ratio) unless end_lr is set."""
     changes: dict[str, Any] = {}
     data_changes: dict[str, Any] = {}
     for item in sets:
@@ -259,6 +260,10 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if rcp is not None:
         changes.setdefault("lr", rcp.lr)
         changes.setdefault("warmup_steps", rcp.warmup_steps)
+    if gbs is not None and "max_steps" not in changes:
+        steps = bench.task.steps_at_gbs(tier, gbs)
+        if steps is not None:
+            changes["max_steps"] = steps
     if "lr" in changes and "end_lr" not in changes:
         if rcp is not None and rcp.end_lr is not None:
             changes["end_lr"] = rcp.end_lr

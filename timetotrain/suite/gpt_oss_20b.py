@@ -27,9 +27,11 @@ RCP_HPARAMS = {
 
 # Micro-batch 2 as in the RCP runs. The schedule's decay argument is the default max_steps - warmup:
 # Primus sets Megatron's lr_decay_iters to 1,200,000 - W, where the "megatron" rule ends the cosine.
-REFERENCE = reference_tier(
-    GPT_OSS_20B, micro_batch_size=2, lr=4e-4, end_lr=END_LR, warmup_steps=128, target=3.34
-)
+# Primus's config floors the eval interval and the eval batches (config_MI355X_1x8x1.sh:61, :65): at a GBS
+# that does not divide 12,288 or 1,024 the reference evaluates every floor(12,288 / GBS) steps on
+# floor(1,024 / GBS) global batches (LMData.floor_to_steps); eval_samples still logs 1,024.
+_REF = reference_tier(GPT_OSS_20B, micro_batch_size=2, lr=4e-4, end_lr=END_LR, warmup_steps=128, target=3.34)
+REFERENCE = dataclasses.replace(_REF, data=dataclasses.replace(_REF.data, floor_to_steps=True))
 
 # Tiny: the same family (all-MoE layers, top-k softmax-after-selection router, dropless SwiGLU experts,
 # QK-norm, alternating sliding-window/full attention with a 128-token window, plain RoPE 150k, Megatron init
@@ -55,7 +57,7 @@ TINY = dataclasses.replace(tiny_tier(TINY_MODEL, target=4.8), decay_steps_exclud
 BENCHMARK = Benchmark(
     name="gpt_oss_20b",
     area="Small LLM MoE pretraining",
-    task=CausalLM(eod_mask_loss=True),
+    task=CausalLM(eod_mask_loss=True, init_checkpoint_step=0),
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},
     optimizer=CLOSED_ADAMW,

@@ -22,9 +22,12 @@ RCP_HPARAMS = {
 
 # NeMo min_lr = 0.1 x max_lr. An evaluation reads ceil(1024 / GBS) whole global batches
 # (small_llm_pretraining/nemo/pretrain_llama31.py lines 369 and 181, limit_val_batches): 1,056 windows at GBS
-# 96, 1,024 at the other RCP sizes; eval_samples logs 1,024.
+# 96, 1,024 at the other RCP sizes; eval_samples logs 1,024. The first evaluation comes where the reference's
+# trainer first puts it, before its callback sets the cadence (CausalLM.early_eval_step: step 48 at GBS 16).
 _REF = reference_tier(LLAMA31_8B, micro_batch_size=1, lr=4e-4, end_lr=4e-5, warmup_steps=16, target=3.3)
-REFERENCE = dataclasses.replace(_REF, data=dataclasses.replace(_REF.data, eval_whole_batches=True))
+REFERENCE = dataclasses.replace(
+    _REF, data=dataclasses.replace(_REF.data, eval_whole_batches=True, nemo_first_val_check=True)
+)
 
 # Tiny: the same family (GQA, RoPE 500k with 3.1 scaling, SwiGLU, RMSNorm, untied, Megatron init, AdamW with
 # the closed betas/eps/wd/clip, NeMo warmup+cosine) at d=128, 2 layers.
@@ -45,7 +48,7 @@ TINY = tiny_tier(
 BENCHMARK = Benchmark(
     name="llama31_8b",
     area="Small LLM pretraining",
-    task=CausalLM(),
+    task=CausalLM(init_checkpoint_step=0),
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},
     optimizer=CLOSED_ADAMW,

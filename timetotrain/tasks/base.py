@@ -143,16 +143,26 @@ class Task(ABC):
         continues from a checkpoint with a smaller vocabulary (`load_hf_checkpoint`'s `truncate_rows`)."""
         return None
 
+    def steps_at_gbs(self, tier, gbs: int) -> int | None:
+        """The step cap a `--set global_batch_size=gbs` gives `tier` where the task's reference caps the run
+        in epochs, not steps (rgat: 2 epochs at any GBS); None keeps `max_steps`."""
+        return None
+
+    def eval_every_steps(self, tier) -> int:
+        """Steps between evaluations: the tier's eval interval in samples rounded up to whole steps by
+        default (`Tier.eval_every_steps`); a task whose reference rounds otherwise says so here."""
+        return tier.eval_every_steps
+
     def first_eval_step(self, tier) -> int:
         """The first step with an evaluation (then every `eval_every_steps`): the first eval point by
         default; tasks whose reference delays evaluation say so here."""
-        return tier.eval_every_steps
+        return self.eval_every_steps(tier)
 
     def eval_due(self, tier, step: int) -> bool:
         """Whether the loop evaluates after `step` (counted from 1): every `eval_every_steps` from
         `first_eval_step` by default; a task whose reference counts eval points within each epoch says so
         here."""
-        return step >= self.first_eval_step(tier) and step % tier.eval_every_steps == 0
+        return step >= self.first_eval_step(tier) and step % self.eval_every_steps(tier) == 0
 
     def first_logged_eval_step(self, tier) -> int:
         """The first evaluation whose result the log reports. Evaluations before it still run on the cadence

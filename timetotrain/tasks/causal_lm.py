@@ -54,6 +54,14 @@ class LMData:
     # order, the same at every evaluation; "megatron_cyclic", the next ones of Megatron-Bridge's persistent
     # cyclic sampler over the seed-shuffled validation set (data/cyclic_sampler.py; deepseekv3_671b).
     val_draw: str = "first"
+    # Whether the eval interval and the eval batches are floor(samples / GBS), not rounded up (gpt_oss_20b:
+    # Primus's config does the shell's integer division, `$((EVAL_SAMPLES_INTERVAL / GBS))` and
+    # `$((EVAL_SAMPLES / GBS))`, so 1,008 windows at GBS 48); at least one step and one batch.
+    floor_to_steps: bool = False
+    # Whether the first evaluation comes where the reference's NeMo trainer first puts it (llama31_8b):
+    # Lightning reads the initial `val_check_interval = ceil(eval_every / GBS) / GBS` before its callback
+    # resets the cadence (`CausalLM.early_eval_step`).
+    nemo_first_val_check: bool = False
 
 
 def targets(tokens: torch.Tensor, eod_id: int | None) -> torch.Tensor:
@@ -157,7 +165,9 @@ class CausalLM(Task):
         truncate_vocab: bool = False,
     ):
         self.eod_mask_loss = eod_mask_loss
-        # Continued pretraining from a checkpoint logs the step it starts from (closed_llama31_405b.yaml).
+        # The step the run starts from, where the reference logs it: continued pretraining
+        # (closed_llama31_405b.yaml), and 0 from scratch (llama31_8b: pretrain_llama31.py:522; gpt_oss_20b:
+        # primus_mllog mlperf_logger.py:83, `args.iteration`; deepseekv3_671b).
         self.init_checkpoint_step = init_checkpoint_step
         # The checkpoint's embedding and head keep only their first vocab_size rows (llama31_405b: the
         # Llama 3 checkpoint continued on Mixtral ids).
@@ -168,14 +178,43 @@ class CausalLM(Task):
             return None
         return {"embed.weight": tier.model.vocab_size, "head.weight": tier.model.vocab_size}
 
+    def eval_every_steps(self, tier) -> int:
+        if tier.data.floor_to_steps:
+            return max(tier.eval_every_samples // tier.global_batch_size, 1)
+        return tier.eval_every_steps
+
+    def early_eval_step(self, tier) -> int | None:
+        """The step of the evaluation the llama31_8b reference runs before its cadence, or None.
+        small_llm_pretraining/nemo/pretrain_llama31.py:180 sets `trainer.val_check_interval = eval_every /
+        GBS` with eval_every already ceil(12,288 / GBS) steps (:368, :383); Lightning's
+        `_determine_batch_limits` keeps a value in [0, 1] as a fraction of the epoch, turns a larger whole
+        number into that many batches and refuses anything else; the MLPerfCallback's `on_validation_start`
+        (callbacks.py:211-213) then sets val_check_interval and val_check_batch to eval_every, so later
+        evaluations fall on the multiples of eval_every. So at GBS 16, 32 and 64 the reference evaluates
+        after step 48, 12 and 3 (768, 384 and 192 samples) and then every 768, 384, 192 steps. Elsewhere
+        there is no early evaluation: a fraction (GBS 128: 0.75) puts it at 75% of a 1.2 M-step epoch and
+        a fractional number of batches (GBS 48, 96) stops the reference before it starts."""
+        if not tier.data.nemo_first_val_check:
+            return None
+        interval = self.eval_every_steps(tier) / tier.global_batch_size  # a float, as Python 3 divides
+        if interval > 1 and interval % 1.0 == 0:
+            return int(interval)
+        return None
+
+    def eval_due(self, tier, step: int) -> bool:
+        return step == self.early_eval_step(tier) or super().eval_due(tier, step)
+
     def first_eval_step(self, tier) -> int:
         """With `skip_evals` (a, b), the reference skips the first k = floor(a * GBS + b) evaluations: its
         first validation is at eval_every_samples * k / GBS steps, then every `eval_every_steps`. Where
         that is not a whole step on the cadence (a GBS that does not divide the interval), the first
         evaluation is the first cadence step at or after it (decision: the loop evaluates on the cadence
         only). With `start_eval` (a, b), no evaluation before step a + b // GBS (Megatron-Bridge's
-        `step >= start_eval_at_iter and step % eval_interval == 0`)."""
-        every, gbs = tier.eval_every_steps, tier.global_batch_size
+        `step >= start_eval_at_iter and step % eval_interval == 0`). An `early_eval_step` comes first."""
+        early = self.early_eval_step(tier)
+        if early is not None:
+            return early
+        every, gbs = self.eval_every_steps(tier), tier.global_batch_size
         start = every
         if tier.data.skip_evals is not None:
             a, b = tier.data.skip_evals
@@ -228,7 +267,7 @@ class CausalLM(Task):
         # Megatron-Bridge's cyclic validation sampler: rank r reads its share of each evaluation from its own
         # bucket, at the positions its stream has reached (data/cyclic_sampler.py).
         gbs = tier.global_batch_size
-        want = reference_val_samples(tier.max_steps, tier.eval_every_steps, gbs)
+        want = reference_val_samples(tier.max_steps, self.eval_every_steps(tier), gbs)
         windows = loader.open_val_shuffled(resolved, seq, want, seed)
         sampler = CyclicDraw(len(windows), micro, rank, world)
         share = n * (rank + 1) // world - n * rank // world
@@ -239,8 +278,11 @@ class CausalLM(Task):
         return Evaluator(windows, table, device, micro, world, eod_id, draw)
 
     def eval_windows(self, tier) -> int:
-        """The windows one evaluation reads: `eval_samples`, or whole global batches covering them."""
+        """The windows one evaluation reads: `eval_samples`, or whole global batches covering them (or, with
+        `floor_to_steps`, the whole global batches within them)."""
         n, gbs = tier.eval_samples, tier.global_batch_size
+        if tier.data.floor_to_steps:
+            return max(n // gbs, 1) * gbs
         return -(-n // gbs) * gbs if tier.data.eval_whole_batches else n
 
     def _eod_id(self, tier, table) -> int | None:

@@ -1,5 +1,6 @@
 """Node classification on a heterogeneous graph (MLPerf rgat): sampled subgraphs around shuffled training
-seeds, cross-entropy on the seeds' logits, accuracy on every validation seed, eval points in epochs.
+seeds, cross-entropy on the seeds' logits, accuracy on the validation seeds (an equal share per rank, as the
+reference reads them), eval points in epochs.
 
 A batch is one subgraph: `y` (the seeds' labels), `x.<type>` (features of every sampled node of a type,
 seeds first) and `e.<src>__<rel>__<dst>` (local edge index [2, E]). Only `y` has the sample dimension, so a
@@ -56,8 +57,19 @@ def eval_interval(batches: int, fraction: float) -> int:
     return max(int(batches * fraction), 1)
 
 
+def eval_seeds(val_seeds: int, world: int) -> int:
+    """Validation seeds one evaluation reads on `world` ranks: the reference gives each rank
+    `val_idx.split(len // world)[rank]` (train_rgnn_multi_gpu.py:96), so the last `len % world` seeds are
+    never evaluated (3 of 788,379 on 4 GPUs)."""
+    return val_seeds // world * world
+
+
+def _split(tier) -> tuple[int, float, float]:
+    return tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction
+
+
 def train_seeds(tier) -> int:
-    return igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction)[0]
+    return igbh.split_sizes(*_split(tier))[0]
 
 
 def batch_of(graph: igbh.Graph, sub, labels: torch.Tensor | None) -> Batch:
@@ -107,7 +119,8 @@ class _Seeds(RunData):
         self.samples_per_epoch = self.batches * gbs
         self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
         self.rank, self.world, self.seed, self.device = rank, world, seed, device
-        self.val = val[len(val) * rank // world : len(val) * (rank + 1) // world]
+        share = eval_seeds(len(val), world) // world  # equal shares, as the reference's (`eval_seeds`)
+        self.val = val[rank * share : (rank + 1) * share]
         # One sampler per thread: batches are sampled on the prefetch thread, evaluations on the main one.
         self.sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
         self.eval_sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
@@ -240,6 +253,18 @@ class NodeClassification(Task):
         batches = batches_per_epoch(train_seeds(tier), tier.global_batch_size)
         return ((step - 1) % batches + 1) % eval_interval(batches, tier.data.eval_fraction) == 0
 
+    def steps_at_gbs(self, tier, gbs: int) -> int:
+        """The reference runs `--epochs` (2) epochs at any GBS (train_rgnn_multi_gpu.py:153,294): a new GBS
+        keeps the tier's epochs, not its steps."""
+        n = train_seeds(tier)
+        epochs = max(tier.max_steps // batches_per_epoch(n, tier.global_batch_size), 1)
+        return epochs * batches_per_epoch(n, gbs)
+
+    def eval_windows(self, tier, world: int = 1) -> int:
+        """Validation seeds one evaluation reads on `world` data-parallel ranks (`eval_seeds`); the log's
+        `eval_samples` is the whole validation split, as the reference's."""
+        return eval_seeds(igbh.split_sizes(*_split(tier))[1], world)
+
     def prepare_data(self, tier, source: Path, out: Path) -> None:
         """`ttt suite`: a tier on a generated graph writes it (`source` is not read); the real IGBH is
         downloaded and named with `--data BENCH=DIR`. Seed 0 is `ttt data synth-graph`'s default, the graph
@@ -312,7 +337,7 @@ class NodeClassification(Task):
             # The split's sizes, as the reference logs them (train_idx.size(0), val_idx.size(0)).
             *zip(
                 ("train_samples", "eval_samples"),
-                igbh.split_sizes(tier.data.num_labeled, tier.data.train_fraction, tier.data.val_fraction),
+                igbh.split_sizes(*_split(tier)),
                 strict=True,
             ),
         ]
