@@ -1,4 +1,4 @@
-"""The rule files of our tiers are assembled from layers (timetotrain/suite/rule_files.py): the ruleset's
+"""The rule files of our tiers are assembled from layers (timetotrain/mlperf/rule_files.py): the ruleset's
 official common rules, our common tiny part, the tier's own checks. Each shipped file is its assembly byte
 for byte, holds every check of the official common layers, and its target check is the tier's target with
 the metric's direction."""
@@ -12,8 +12,8 @@ import yaml
 from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.errors import UserError
-from timetotrain.suite import rule_files
-from timetotrain.suite.rule_files import Layer, assemble, merge, parse_layer, shipped_path, tiers_with_rules
+from timetotrain.mlperf import rule_files
+from timetotrain.mlperf.rule_files import Layer, assemble, merge, parse_layer, shipped_path, tiers_with_rules
 
 BENCHES = [suite.get(n) for n in suite.names()] + [toy_benchmark.BENCHMARK]
 TIERS = [(b, t) for b in BENCHES for t in tiers_with_rules(b)]

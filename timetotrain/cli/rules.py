@@ -1,4 +1,4 @@
-"""`ttt rules build`: assemble the rule files of our tiers from their layers (timetotrain/suite/rule_files.py)."""
+"""`ttt rules build`: assemble the rule files of our tiers from their layers (timetotrain/mlperf/rule_files.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 def _cmd_build(args) -> int:
     from timetotrain import suite
-    from timetotrain.suite.rule_files import build
+    from timetotrain.mlperf.rule_files import build
 
     benches = [suite.get(n) for n in (args.benchmark or suite.names(listed_only=False))]
     built = build(benches, check_only=args.check)

@@ -2,7 +2,7 @@
 
 Rule files are data: the official `training_6.0.0/*.yaml` for reference tiers, ours (in each benchmark's
 `rules_dir`, `suite/rules/` for the packaged ones, assembled on the official common rules by
-suite/rule_files.py) for tiers that are not closed configurations. Both are evaluated by mlperf_logging's
+mlperf/rule_files.py) for tiers that are not closed configurations. Both are evaluated by mlperf_logging's
 own engine.
 """
 
@@ -156,7 +156,7 @@ def tier_ruleset(bench, requested: str) -> str:
     """The ruleset a tier of ours is judged under: the requested one where its benchmark belongs to it
     (llama31_8b tiny under 6.1.0 then meets 6.1's common rules), else the benchmark's own (rgat tiny under
     the default 6.0.0 keeps the 5.1.0 rules its file was assembled on)."""
-    from timetotrain.suite.rule_files import official_benchmark
+    from timetotrain.mlperf.rule_files import official_benchmark
 
     return requested if official_benchmark(bench.name, requested) else bench.ruleset
 
@@ -172,7 +172,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
         engine_ruleset, config = ruleset, f"training_{ruleset}/common.yaml"
         if rules is not None:
             from timetotrain import suite
-            from timetotrain.suite.rule_files import assemble
+            from timetotrain.mlperf.rule_files import assemble
 
             bench, tier = suite.get(str(keys["submission_benchmark"])), str(keys["ttt_tier"])
             engine_ruleset = tier_ruleset(bench, ruleset)

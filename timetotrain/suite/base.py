@@ -165,7 +165,7 @@ class Benchmark:
     schedule: str  # the reference framework's schedule, see train/schedule.py (nemo, megatron, ...)
     closed_rules: tuple[str, ...] = ()  # official yaml files under mlperf_logging/compliance_checker
     # The MLPerf Training ruleset the benchmark's closed rules come from (the folder of `closed_rules`); the
-    # rule files of our tiers are assembled on that ruleset's common rules (suite/rule_files.py).
+    # rule files of our tiers are assembled on that ruleset's common rules (mlperf/rule_files.py).
     ruleset: str = "6.0.0"
     # GBS -> the hyperparameters of the reference convergence points, used when --set changes the GBS.
     rcp_hparams: dict[int, RcpHparams] = field(default_factory=dict)
@@ -178,7 +178,7 @@ class Benchmark:
     # runs at its exact width with fewer layers (llama31_405b reference), and the output says so.
     synth_layers: dict[str, int] = field(default_factory=dict)
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`, assembled by
-    # `ttt rules build` from `src/<name>_<tier>.yaml` there (suite/rule_files.py); the official engine checks
+    # `ttt rules build` from `src/<name>_<tier>.yaml` there (mlperf/rule_files.py); the official engine checks
     # the logs of those tiers against them.
     rules_dir: Path = Path(__file__).parent / "rules"
 

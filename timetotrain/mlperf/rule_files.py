@@ -30,9 +30,12 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
+from timetotrain.suite import base as suite_base
 from timetotrain.suite.base import Benchmark
 
-SRC = Path(__file__).parent / "rules" / "src"
+# Our layers live beside the shipped rule files, in the suite package (the common ones; each benchmark's
+# own sit in its `rules_dir`/src).
+SRC = Path(suite_base.__file__).parent / "rules" / "src"
 # Occurrence requirements from the weakest to the strictest (the engine's REQ values that we use).
 _REQ_ORDER = ("OPTIONAL", "AT_LEAST_ONE_OR", "AT_LEAST_ONE", "EXACTLY_ONE")
 _CODE_FIELDS = ("PRE", "POST")
@@ -280,7 +283,7 @@ def assemble(bench: Benchmark, tier: str, ruleset: str | None = None) -> str:
         f"# The rule file of timetotrain's {bench.name} `{tier}` tier, for the official MLPerf compliance engine:",
         f"#   python -m mlperf_logging.compliance_checker --usage training --ruleset {ruleset} --config <this file> LOG",
         "#",
-        "# Assembled by `ttt rules build` (timetotrain/suite/rule_files.py): do not edit it, edit its layers and",
+        "# Assembled by `ttt rules build` (timetotrain/mlperf/rule_files.py): do not edit it, edit its layers and",
         "# build again. Its layers, in order (a key several of them state holds all their checks and the",
         "# strictest REQ; enqueue_config calls are dropped: the common files they load are inlined here, and",
         "# <division>_<benchmark>.yaml, which states the reference tier's values, does not apply to this tier):",
