@@ -15,7 +15,7 @@ from timetotrain.suite.llama31_405b import closed_lr
 BENCH = get("llama31_405b")
 CLOSED = [official_rules_dir() / f for f in BENCH.closed_rules]
 
-# spec §9.3 / §9.4 (and the RCP file for the LRs and warmups): GBS -> (base LR, warmup, decay steps,
+# closed_llama31_405b.yaml (and the RCP file for the LRs and warmups): GBS -> (base LR, warmup, decay steps,
 # eval every (steps), first eval step). First eval = 18,432 * floor(0.0026 GBS + 12) / GBS.
 TABLE = {
     1152: (8e-5, 8000, 1_200_000 - 8000, 16, 224),

@@ -1,4 +1,4 @@
-"""RCPs: our implementation of the checker's algorithm against the official code and the spec §5.1
+"""RCPs: our implementation of the checker's algorithm against the official code and the MLPerf training rules'
 numbers; the official checker on real v5.1 logs; RCP records built from tier runs."""
 
 import itertools

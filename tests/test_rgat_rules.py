@@ -37,7 +37,7 @@ def test_reference_is_the_5_1_closed_configuration():
     keys = dict(logged(tier))  # the split's sizes, as the reference logs them
     assert (keys["train_samples"], keys["eval_samples"]) == (94_605_581, 788_379)
     # The reference's rgnn.py builds GATConv(in_dim, ...) with an int in_dim: one projection shared by
-    # source and destination, so 13.1 M parameters (spec §13's "about 25 M" would need two).
+    # source and destination, so 13.1 M parameters (the MLPerf rgat description's "about 25 M" would need two).
     assert BENCH.family.param_count(tier.model) == 13_115_303
 
 

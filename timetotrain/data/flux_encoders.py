@@ -1,6 +1,6 @@
 """The frozen encoders that turn image/caption pairs into flux1's encodings (data/flux_encodings.py).
 
-`RealEncoders` (the benchmark's own, spec §11.1): T5 v1.1 XXL (`transformers.T5EncoderModel`, 256 tokens, last
+`RealEncoders` (the benchmark's own, docs/benchmarks/flux1.md): T5 v1.1 XXL (`transformers.T5EncoderModel`, 256 tokens, last
 hidden state), CLIP ViT-L/14 text (`transformers.CLIPTextModel`, 77 tokens, pooled output) and the FLUX.1 VAE
 (`diffusers.AutoencoderKL`, posterior mean and log-variance of the image scaled to [-1, 1]), loaded from a
 folder with `t5/`, `clip/` and `vae/` subfolders as `save_pretrained` writes them (tokenizers in `t5/` and

@@ -1,6 +1,6 @@
 """The encoded text-to-image dataset flux1 trains and evaluates on: per sample, the text encoder's hidden
 states (T5), the pooled text vector (CLIP) and the VAE posterior's mean and log-variance, as MLCommons'
-preprocessed CC12M / COCO data provides them (benchmarks spec §11.2), plus the empty prompt's encodings for
+preprocessed CC12M / COCO data provides them (docs/benchmarks/flux1.md), plus the empty prompt's encodings for
 the classifier-free-guidance drop.
 
 On disk (one folder per split, written by `ttt data prepare flux`: data/flux_prepare.py encodes
@@ -52,7 +52,7 @@ from timetotrain.errors import UserError
 FIELDS = ("t5", "clip", "vae_mean", "vae_logvar")
 EMPTY_DIR = "empty_encodings"
 TIMESTEP_FILE = "timestep.npy"
-TIMESTEP_DIVISOR = 8  # stored eval timesteps are 0..7, t = stored / 8 (spec §11.4's 8 balanced values)
+TIMESTEP_DIVISOR = 8  # stored eval timesteps are 0..7, t = stored / 8 (the reference's 8 balanced values)
 _REPREPARE = "re-run `ttt data prepare flux` into a new --out"
 DTYPES = {
     "bfloat16": (np.uint16, torch.bfloat16),

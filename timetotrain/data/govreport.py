@@ -1,6 +1,6 @@
 """`ttt data prepare govreport`: SCROLLS GovReport → packed Llama 2 token blocks for llama2_70b_lora.
 
-The recipe (docs: spec §10.2; MLCommons `llama2_70b_lora/scripts/utils.py:create_datasets`, read for facts):
+The recipe (docs/benchmarks/llama2_70b_lora.md; MLCommons `llama2_70b_lora/scripts/utils.py:create_datasets`, read for facts):
 
 * text = "### Summarize the following text:\\n {input}\\n ### Summary:\\n {output}" followed by EOS;
 * training labels = input_ids (loss on every token);

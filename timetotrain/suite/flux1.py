@@ -1,5 +1,5 @@
 """flux1: text-to-image, a FLUX.1-schnell-shaped MMDiT trained from scratch by rectified flow (MLPerf
-Training 6.0; benchmarks spec §11).
+Training 6.0; docs/benchmarks/flux1.md).
 
 The model is models/flux/, the objective and evaluation tasks/rectified_flow.py, the data the encoded layout
 of data/flux_encodings.py that `ttt data prepare flux` writes from image/caption tars (data/flux_prepare.py),

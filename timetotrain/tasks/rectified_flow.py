@@ -1,4 +1,4 @@
-"""Text-to-image training by rectified flow on encoded data (flux1; benchmarks spec §11.2-§11.5).
+"""Text-to-image training by rectified flow on encoded data (flux1; docs/benchmarks/flux1.md).
 
 A training sample: its VAE posterior drawn and normalised into the clean latent x0 (data/flux_encodings.py),
 t ~ U(0, 1), eps ~ N(0, I) in the latent's shape; the model sees x_t = (1 - t) x0 + t eps (patchified) with t

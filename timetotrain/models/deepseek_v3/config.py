@@ -66,7 +66,7 @@ class DeepSeekV3Config:
         return layer >= self.first_dense
 
 
-# HF `deepseek-ai/DeepSeek-V3` config.json, as Megatron-Bridge maps it (spec §8.1); the vocabulary is the
+# HF `deepseek-ai/DeepSeek-V3` config.json, as Megatron-Bridge maps it; the vocabulary is the
 # Llama 3.1 tokenizer's padded to 129,280 rows.
 DEEPSEEK_V3 = DeepSeekV3Config(
     dim=7168,

@@ -1,7 +1,7 @@
 """The FLUX.1 MMDiT (torchtitan's `flux-schnell` flavor): a rectified-flow transformer over VAE latent patches,
 conditioned on T5 hidden states (as tokens), a CLIP pooled vector and the timestep (as AdaLN modulation).
 
-Shape (benchmarks spec §11.1):
+Shape (torchtitan's flux-schnell, the reference; docs/benchmarks/flux1.md):
 - image tokens: the latent `[C, H, W]` patchified `p x p` -> `(H/p)(W/p)` tokens of `C p^2` channels, `img_in`;
   text tokens: T5 states -> `txt_in`; both to `dim`;
 - conditioning vector `vec = time_in(sinusoid(1000 t)) + vector_in(pooled)`; every modulation Linear reads
@@ -17,7 +17,7 @@ Shape (benchmarks spec §11.1):
 `model.layers` holds the double blocks, then the single blocks (FSDP2, activation checkpointing and compile
 wrap each from outside); the forward tells them apart by index (`cfg.n_double`).
 
-Initialisation (`init`): DiT-style, spec §11.1: Xavier-uniform projections with zero biases, N(0, 0.02) for
+Initialisation (`init`): DiT-style, as the reference: Xavier-uniform projections with zero biases, N(0, 0.02) for
 the two embedder MLPs, every modulation Linear and the final layer zero, so the model starts as the
 identity in every block and predicts 0.
 """
@@ -223,7 +223,7 @@ class Flux(nn.Module):
 
 @torch.no_grad()
 def init(model: Flux, generator: torch.Generator | None) -> None:
-    """DiT initialisation (spec §11.1); modulation and final layers zero."""
+    """DiT initialisation (as the reference); modulation and final layers zero."""
 
     def xavier(lin: nn.Linear):
         nn.init.xavier_uniform_(lin.weight, generator=generator)
