@@ -2,12 +2,25 @@
 
 import pytest
 import torch
+from conftest import strict_loads
 
+from timetotrain import suite
+from timetotrain.cli import main
+from timetotrain.errors import UserError
 from timetotrain.models import flux
 from timetotrain.models.flux import Flux, FluxConfig
 from timetotrain.suite import get
 from timetotrain.tasks.rectified_flow import flow_loss
-from timetotrain.train.memory import GiB, activation_bytes, estimate, plan
+from timetotrain.train.memory import (
+    GiB,
+    activation_bytes,
+    estimate,
+    fits_from,
+    format_plan,
+    launch,
+    plan,
+    plan_doc,
+)
 
 BENCH = get("llama31_8b")
 REF = BENCH.tier("reference")
@@ -249,9 +262,6 @@ def test_expert_parallel_rows():
 
 
 def test_multi_node_launch_is_one_torchrun_per_node():
-    from timetotrain.errors import UserError
-    from timetotrain.train.memory import format_plan, launch, plan_doc
-
     bench = get("llama31_405b")
     tier = bench.tier("reference")
     n, rows, best = plan(bench, tier, 256, 80, None, gpus_per_node=8)
@@ -280,8 +290,6 @@ def _tp(r) -> int:
 
 
 def test_nothing_fits_says_from_how_many_gpus_it_would():
-    from timetotrain.train.memory import fits_from, format_plan
-
     _, _, best = plan(BENCH, REF, 1, 24, None)
     assert best is None
     w, first = fits_from(BENCH, REF, 1, 24, None)
@@ -315,9 +323,6 @@ def test_moe_benchmarks_get_ep_rows_by_default():
 
 
 def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
-    from timetotrain import suite
-    from timetotrain.cli import main
-
     for name in suite.names():
         code = main(["plan", name, "--gpus", "8", "--gpu-mem", "80"])
         out, err = capsys.readouterr()
@@ -331,3 +336,26 @@ def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
             assert code == 0 or "fits from " in out, name
     main(["plan", "rgat", "--gpus", "8", "--gpu-mem", "80"])
     assert "no memory model for the rgat family" in capsys.readouterr().err
+
+
+def test_plan_json_carries_nodes_launch_and_fits_from(capsys):
+    """`ttt plan --json` keeps its keys and adds the nodes, the launch lines and, when nothing fits, the
+    smallest world that would; strict JSON (conftest.strict_loads)."""
+    argv = ["plan", "llama31_405b", "--gpus", "256", "--gpu-mem", "80", "--json"]
+    assert main(argv) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    how = doc["suggestion"]["launch"]
+    assert (doc["gpus_per_node"], doc["nodes"], how["nodes"], how["gpus_per_node"]) == (8, 32, 32, 8)
+    assert how["command"].startswith("torchrun --nnodes 32 --nproc_per_node 8 ")
+    assert doc["suggestion"]["run_flags"] in how["command"] and how["slurm"][0] == "#!/bin/bash"
+    assert main(["plan", "llama31_8b", "--gpus", "1", "--gpu-mem", "24", "--json"]) == 1
+    doc = strict_loads(capsys.readouterr().out)
+    w, r = fits_from(BENCH, REF, 1, 24, None)
+    assert (
+        doc["suggestion"] is None
+        and doc["fits_from"]["gpus"] == w
+        and doc["fits_from"]["parallel"] == r.parallel
+    )
+    assert f"fits from {w} GPUs" in doc["suggestion_reason"]
+    assert main(["plan", "llama31_8b", "--gpus", "8", "--gpu-mem", "80", "--gpus-per-node", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "ttt: error: --gpus-per-node 0 must be at least 1"
