@@ -167,15 +167,15 @@ def synth(opts: SynthOptions) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         loss = None
-        t_warm = time.perf_counter()
+        t_warm = t0 = time.perf_counter()  # t0 starts again with the timed window (i == warmup)
         for i in range(warmup + steps):
+            if live:  # before the clock starts at i == warmup: the phase's line is outside its window
+                _synth_progress(live, what, i, warmup, steps, opts.compile, t_warm if i <= warmup else t0)
             if i == warmup:
                 _sync(device)
                 e0 = _energy_mj(device)
                 t0 = time.perf_counter()
                 clock.mark()
-            if live:
-                _synth_progress(live, what, i, warmup, steps, opts.compile, t_warm if i < warmup else t0)
             loss = tr.step(i, data.batch(i), accum, data.loss)
             if i >= warmup:
                 clock.mark()
@@ -281,7 +281,8 @@ def synth(opts: SynthOptions) -> dict:
 def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, compiled: bool, since: float):
     """The line before step `i`: forced when a phase starts (its first step allocates, and compiles under
     --compile: the longest wait), then as often as the line allows. It reads the host clock only, never
-    the device, so the timed window gets no sync from it (on a GPU it counts steps issued)."""
+    the device, so the timed window gets no sync from it (on a GPU it counts steps issued); `since` is
+    when the phase began (unused by a phase's first line, which has no elapsed time)."""
     start = i in (0, warmup)
     if i < warmup:
         first = " (the first step allocates memory" + (" and compiles the blocks" if compiled else "") + ")"
