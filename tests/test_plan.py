@@ -2,12 +2,25 @@
 
 import pytest
 import torch
+from conftest import strict_loads
 
+from timetotrain import suite
+from timetotrain.cli import main
+from timetotrain.errors import UserError
 from timetotrain.models import flux
 from timetotrain.models.flux import Flux, FluxConfig
 from timetotrain.suite import get
 from timetotrain.tasks.rectified_flow import flow_loss
-from timetotrain.train.memory import GiB, activation_bytes, estimate, plan
+from timetotrain.train.memory import (
+    GiB,
+    activation_bytes,
+    estimate,
+    fits_from,
+    format_plan,
+    launch,
+    plan,
+    plan_doc,
+)
 
 BENCH = get("llama31_8b")
 REF = BENCH.tier("reference")
@@ -243,3 +256,106 @@ def test_expert_parallel_rows():
     assert best is not None and best.parallel == "ep=8,fsdp=8"
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
         plan(BENCH, REF, 8, 80, "ep=8,fsdp=8")
+
+
+# -- clusters: nodes, "fits from", ep rows by default, every benchmark planned or refused in one line --
+
+
+def test_multi_node_launch_is_one_torchrun_per_node():
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    n, rows, best = plan(bench, tier, 256, 80, None, gpus_per_node=8)
+    text = format_plan(bench, tier, n, rows, best, 256, 80, gpus_per_node=8)
+    assert "--nproc_per_node 256" not in text
+    assert "torchrun --nnodes 32 --nproc_per_node 8 --rdzv-backend c10d" in text
+    assert "#SBATCH --nodes=32 --ntasks-per-node=1 --gpus-per-node=8" in text
+    # Nodes of 4: 64 of them, and no TP group wider than a node.
+    n4, rows4, best4 = plan(bench, tier, 256, 80, None, gpus_per_node=4)
+    assert best4 is not None and max(_tp(r) for r in rows4) <= 4 < max(_tp(r) for r in rows)
+    assert launch(bench, tier, best4, 256, 4)["command"].startswith(
+        "torchrun --nnodes 64 --nproc_per_node 4 "
+    )
+    # One node when --gpus fits in it: the single-node line, as before.
+    one = launch(bench, tier, best, 4, 8)
+    assert one == {"nodes": 1, "gpus_per_node": 4, "command": one["command"]}
+    assert one["command"].startswith("torchrun --nproc_per_node 4 -m timetotrain run llama31_405b")
+    doc = plan_doc(bench, tier, n, rows, best, 256, 80, gpus_per_node=8)
+    assert (doc["nodes"], doc["suggestion"]["launch"]["nodes"]) == (32, 32)
+    with pytest.raises(UserError, match=r"--gpus 12 is not a whole number of nodes of --gpus-per-node 8"):
+        plan(BENCH, REF, 12, 80, None)
+
+
+def _tp(r) -> int:
+    return int(r.parallel.split(",")[0][3:]) if r.parallel.startswith("tp=") else 1
+
+
+def test_nothing_fits_says_from_how_many_gpus_it_would():
+    _, _, best = plan(BENCH, REF, 1, 24, None)
+    assert best is None
+    w, first = fits_from(BENCH, REF, 1, 24, None)
+    assert first.total <= 0.9 * 24 * GiB and plan(BENCH, REF, w, 24, None)[2] == first
+    # The smallest such world: every smaller one that splits the batch fits nothing.
+    gbs = REF.global_batch_size
+    assert all(
+        plan(BENCH, REF, k, 24, None)[2] is None
+        for k in range(2, w)
+        if gbs % k == 0 and (k <= 8 or k % 8 == 0)
+    )
+    n, rows, _ = plan(BENCH, REF, 1, 24, None)
+    text = format_plan(BENCH, REF, n, rows, None, 1, 24, larger=(w, first))
+    assert f"nothing fits on 1 GPU; fits from {w} GPUs ({first.parallel}," in text
+    # A layout given with --parallel grows with the world; nowhere at all says so.
+    w2, r2 = fits_from(get("llama31_405b"), get("llama31_405b").tier("reference"), 8, 80, "tp=8")
+    assert r2.parallel == f"tp=8,fsdp={w2 // 8}" and w2 % 8 == 0
+    assert fits_from(BENCH, REF, 1, 0.01, None) is None
+
+
+def test_moe_benchmarks_get_ep_rows_by_default():
+    for name, gpus in (("gpt_oss_20b", 8), ("deepseekv3_671b", 256)):
+        bench = get(name)
+        tier = bench.tier("reference")
+        _, rows, _ = plan(bench, tier, gpus, 80, None)
+        kinds = {r.parallel for r in rows}
+        assert {f"ep={gpus}", f"ep={gpus},fsdp={gpus}", f"fsdp={gpus}"} <= kinds, name
+    _, rows, best = plan(get("deepseekv3_671b"), get("deepseekv3_671b").tier("reference"), 256, 80, None)
+    assert best is not None and best.parallel == "ep=256,fsdp=256"
+    assert not any(r.parallel.startswith("ep") for r in plan(BENCH, REF, 8, 80, None)[1])  # dense: none
+
+
+def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
+    for name in suite.names():
+        code = main(["plan", name, "--gpus", "8", "--gpu-mem", "80"])
+        out, err = capsys.readouterr()
+        if code == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"ttt: error: ttt plan {name}: "), (name, err)
+            assert "Config" not in lines[0] and "--parallel dp=N" in lines[0]
+        else:
+            assert code in (0, 1) and out.startswith(f"{name} reference: "), (name, code, err)
+            assert ("torchrun --nproc_per_node 8 " in out) == (code == 0), name
+            assert code == 0 or "fits from " in out, name
+    main(["plan", "rgat", "--gpus", "8", "--gpu-mem", "80"])
+    assert "no memory model for the rgat family" in capsys.readouterr().err
+
+
+def test_plan_json_carries_nodes_launch_and_fits_from(capsys):
+    """`ttt plan --json` keeps its keys and adds the nodes, the launch lines and, when nothing fits, the
+    smallest world that would; strict JSON (conftest.strict_loads)."""
+    argv = ["plan", "llama31_405b", "--gpus", "256", "--gpu-mem", "80", "--json"]
+    assert main(argv) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    how = doc["suggestion"]["launch"]
+    assert (doc["gpus_per_node"], doc["nodes"], how["nodes"], how["gpus_per_node"]) == (8, 32, 32, 8)
+    assert how["command"].startswith("torchrun --nnodes 32 --nproc_per_node 8 ")
+    assert doc["suggestion"]["run_flags"] in how["command"] and how["slurm"][0] == "#!/bin/bash"
+    assert main(["plan", "llama31_8b", "--gpus", "1", "--gpu-mem", "24", "--json"]) == 1
+    doc = strict_loads(capsys.readouterr().out)
+    w, r = fits_from(BENCH, REF, 1, 24, None)
+    assert (
+        doc["suggestion"] is None
+        and doc["fits_from"]["gpus"] == w
+        and doc["fits_from"]["parallel"] == r.parallel
+    )
+    assert f"fits from {w} GPUs" in doc["suggestion_reason"]
+    assert main(["plan", "llama31_8b", "--gpus", "8", "--gpu-mem", "80", "--gpus-per-node", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "ttt: error: --gpus-per-node 0 must be at least 1"

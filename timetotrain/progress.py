@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
 
 class LiveLine:
-    def __init__(self, stream=None, min_interval: float = 0.25, plain_interval: float = 30.0):
+    """`quiet_s`: unforced updates stay silent for that long after the line is made, so work that is
+    usually quick (a small checkpoint) prints nothing unless it turns out slow."""
+
+    def __init__(
+        self, stream=None, min_interval: float = 0.25, plain_interval: float = 30.0, quiet_s: float = 0.0
+    ):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.min_interval = min_interval if self.tty else plain_interval
-        self._last = 0.0
+        self._last = -math.inf  # the first update prints, however recently the clock started
         self._width = 0
+        self._quiet_until = time.monotonic() + quiet_s
+        self.shown = False  # whether any update has printed
+
+    def due(self) -> bool:
+        """Whether an unforced update would print now: build a costly text (one that reads a loss off the
+        device, a sync) only then."""
+        now = time.monotonic()
+        return now >= self._quiet_until and now - self._last >= self.min_interval
 
     def update(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.min_interval:
+        if not force and not self.due():
             return
-        self._last = now
+        self._last = time.monotonic()
+        self.shown = True
         if self.tty:
             pad = max(0, self._width - len(text))
             self.stream.write("\r" + text + " " * pad)

@@ -266,13 +266,15 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import format_plan, plan, plan_doc
+    from timetotrain.train.memory import fits_from, format_plan, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
-    n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=args.precision == "bf16")
+    bf16, gpn = args.precision == "bf16", args.gpus_per_node
+    n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn)
+    larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)
     show = plan_doc if args.json else format_plan
-    out = show(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16=args.precision == "bf16")
+    out = show(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger)
     print(strictjson.dumps(out, indent=2) if args.json else out)
     return 0 if best is not None else 1
 
@@ -442,12 +444,20 @@ def add_commands(sub) -> None:
         "--tier", default="reference", help="the tier to plan (default: reference, the closed configuration)"
     )
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    s.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs each node has (default 8): --gpus above it must be a multiple of it, the launch line is "
+        "then one torchrun per node, and tensor parallelism stays within a node",
+    )
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
     s.add_argument(
         "--parallel",
         default=None,
         help="only this layout, as `ttt run --parallel` takes it on --gpus processes: dp=N, fsdp=N, ep=N, "
-        "ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp, then tp x fsdp if neither fits",
+        "ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp (and ep, ep x fsdp for an MoE "
+        "model), then tp x fsdp within a node if none of those fits",
     )
     s.add_argument(
         "--precision",

@@ -132,16 +132,23 @@ def make_base(
     tr = build_training(bench, tier, dev, recipe.seed)
     data = bench.task.open(tier, resolved, recipe.seed, 0, 1, dev)
     live = LiveLine() if echo else None
+    what = f"base {bench.name}/{tier.name}"
+    if live:
+        live.update(f"{what}: pretraining {tier.max_steps} steps", force=True)
     losses = []
     try:
+        t_steps = time.monotonic()
         for step in range(tier.max_steps):
             batch = {k: v.to(dev) for k, v in data.batch(step).items()}
             losses.append(tr.step(step, batch, tier.grad_accum, data.loss)[0])
-            if live and (step + 1) % 10 == 0:
+            # The first step at once (it says the run is moving and how long a step takes), then as often
+            # as the line allows; the loss is read off the device only for a line that prints.
+            if live and (step == 0 or live.due()):
                 live.update(
-                    f"base {bench.name}/{tier.name}: step {step + 1}/{tier.max_steps}  "
-                    f"loss {losses[-1].item():.4f}  [{time.monotonic() - t0:.0f} s]"
+                    _base_progress(what, step + 1, tier.max_steps, losses[-1].item(), t_steps), force=True
                 )
+        if live:
+            live.update(f"{what}: evaluating on {tier.eval_samples:,} samples", force=True)
         eval_loss = data.evaluate(tr.model)
     finally:
         if live:
@@ -194,6 +201,19 @@ def make_base(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder, doc, False
+
+
+def _base_progress(what: str, done: int, total: int, loss: float, t_steps: float) -> str:
+    """`ttt base`'s line: the step, its loss, the time so far and what is left (steps left x the mean step
+    time so far)."""
+    elapsed = time.monotonic() - t_steps
+    eta = (total - done) * elapsed / done
+    return f"{what}: step {done}/{total}  loss {loss:.4f}  [{_clock(elapsed)} elapsed, ETA {_clock(eta)}]"
+
+
+def _clock(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def check_init_base(bench, tier, folder: Path | None) -> str | None:

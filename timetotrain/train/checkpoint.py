@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
+from timetotrain.progress import LiveLine
 from timetotrain.train import dcp_safe
 from timetotrain.train.shards import copy_full, full_shape, is_part
 
@@ -164,8 +165,9 @@ def load_hf_checkpoint(
     held_bytes = 0
     live = _progress_line(len(shards))
     for k, shard in enumerate(shards):
+        at = f"loading {path.name}: shard {k + 1}/{len(shards)} ({shard})"
         if live is not None:
-            live.update(f"loading {path.name}: shard {k + 1}/{len(shards)} ({shard})", force=k == 0)
+            live.update(at, force=k == 0 and len(shards) > 1)
         wanted = {hf for hf in consumers if weight_map[hf] == shard}
         check_safetensors_layout(path / shard)
         with safe_open(path / shard, framework="pt", device="cpu") as f:
@@ -174,7 +176,9 @@ def load_hf_checkpoint(
                 raise UserError(
                     f"{path / shard}: tensor {absent[0]} listed in {listing.name} is not in this shard"
                 )
-            for hf in sorted(wanted):
+            for j, hf in enumerate(sorted(wanted)):
+                if live is not None:  # a big shard (or a one-file checkpoint) is minutes of reading too
+                    live.update(f"{at}, tensor {j + 1}/{len(wanted)}")
                 held[hf] = f.get_tensor(hf)
                 held_bytes += held[hf].nbytes
                 report.peak_held_bytes = max(report.peak_held_bytes, held_bytes)
@@ -190,7 +194,8 @@ def load_hf_checkpoint(
                         if not uses_left[name]:
                             held_bytes -= held.pop(name).nbytes
     if live is not None:
-        live.update(f"loading {path.name}: {len(shards)}/{len(shards)} shards", force=True)
+        # The closing line only where progress was shown: a quick one-file load stays silent.
+        live.update(f"loading {path.name}: {len(shards)}/{len(shards)} shards", force=live.shown)
         live.close()
     reset_rope = getattr(model, "reset_rope", None)
     if callable(reset_rope):
@@ -198,14 +203,16 @@ def load_hf_checkpoint(
     return report
 
 
-def _progress_line(n_shards: int):
-    """A progress line on stderr for a checkpoint of several shards, on the first rank only (a 405B
-    checkpoint is 191 shards and minutes of reading)."""
-    if n_shards < 2 or (_distributed() and dist.get_rank() != 0):
-        return None
-    from timetotrain.progress import LiveLine
+# A load that has taken this long prints its progress; a quicker one-file load prints nothing.
+QUIET_S = 10.0
 
-    return LiveLine()
+
+def _progress_line(n_shards: int):
+    """A progress line on stderr, on the first rank only: from the start for a checkpoint of several
+    shards (a 405B checkpoint is 191 shards and minutes of reading), after QUIET_S seconds for one file."""
+    if _distributed() and dist.get_rank() != 0:
+        return None
+    return LiveLine(quiet_s=0.0 if n_shards > 1 else QUIET_S)
 
 
 def check_hf_files(path: Path) -> None:

@@ -34,14 +34,20 @@ Where the numbers come from (an estimate, not a measurement):
   unsharded blocks are 1/T of a block each; a block's kept activations are 1/T of the count above (heads
   split over the TP ranks, the norms and the residual stream cut along the sequence, Megatron's sequence
   parallelism), the block inputs kept under checkpointing too; the head and loss see the whole sequence.
-  T runs over 2, 4, 8 (one node's NVLink domain) where heads and FFN width divide. This estimate has not
-  been validated on GPUs; the TP code is tested for exactness on CPU (gloo) only.
-- Expert parallelism (MoE families, only when --parallel names it): `ep=N` (DDP) keeps the replicated part
-  whole and 1/N of the routed experts on every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
+  T runs over 2, 4, 8 where heads and FFN width divide and T divides a node (`--gpus-per-node`: the TP
+  group stays in one node's NVLink domain). This estimate has not been validated on GPUs; the TP code is
+  tested for exactness on CPU (gloo) only.
+- Expert parallelism (MoE families: candidates beside dp and fsdp whenever the experts split over --gpus,
+  or what --parallel names): `ep=N` (DDP) keeps the replicated part whole and 1/N of the routed experts on
+  every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
   parts 1/N (the states of `fsdp=N`), but FSDP2 gathers a block without its experts, and the experts' bf16
   copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
   under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing).
+- Launch: one torchrun on one node when --gpus fits in `--gpus-per-node`, else the same torchrun on every
+  node with a c10d rendezvous and its sbatch form (README "Scale-out"). When nothing fits, `fits_from`
+  plans the larger worlds `ttt run` could take (whole nodes, a divisor of the global batch times a TP
+  degree) in order and names the first that fits.
 """
 
 from __future__ import annotations
@@ -157,9 +163,12 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimat
     return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin)
 
 
-def _tp_degrees(cfg, gpus: int) -> list[int]:
+def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
+    """TP degrees to try: dividing the heads and the FFN width, and within one node (a TP group's
+    collectives sit on every block: they need the NVLink domain, not the network)."""
     ok = hasattr(cfg, "n_kv_heads") and hasattr(cfg, "ffn_dim")
-    return [t for t in (2, 4, 8) if ok and gpus % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_dim % t == 0]
+    node = min(gpus, gpus_per_node)
+    return [t for t in (2, 4, 8) if ok and node % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_dim % t == 0]
 
 
 def _kind(p: parallel.Plan) -> str:
@@ -178,18 +187,54 @@ def _check_tensor_parallel(family, tier, spec: str, tp: int) -> None:
         family.tensor_parallel_check(tier.model, tp)
 
 
-def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True):
+def check_nodes(gpus: int, gpus_per_node: int) -> int:
+    """The node count of --gpus on nodes of --gpus-per-node (one node when --gpus fits in one)."""
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {gpus_per_node} must be at least 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise UserError(
+            f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {gpus_per_node}: use a multiple "
+            f"of {gpus_per_node}, or set --gpus-per-node to the GPUs each node has"
+        )
+    return max(1, gpus // gpus_per_node)
+
+
+def _check_supported(bench, tier) -> None:
+    """One line for a benchmark whose memory the estimate cannot count, saying why and what to run."""
+    decoder = all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers"))
+    if bench.family.activation_bytes is None and not decoder:
+        n = bench.family.param_count(tier.model)
+        raise UserError(
+            f"ttt plan {bench.name}: no memory model for the {bench.family.name} family (it counts decoders and "
+            f"MMDiTs); its {_count(n)} parameters take {16 * n / GiB:.2f} GiB of weights, gradients and Adam "
+            "moments per GPU, so the layout does not limit it: run it data-parallel (the default, --parallel dp=N)"
+        )
+
+
+def _check_experts(cfg, spec: str, ep: int) -> None:
+    """`ttt run` refuses experts that do not split over the ep ranks (train/expert_parallel.py)."""
+    if cfg.n_experts % ep:
+        raise UserError(
+            f"--parallel {spec!r}: {cfg.n_experts} experts do not split over {ep} expert-parallel ranks; use an "
+            f"ep that divides {cfg.n_experts}"
+        )
+
+
+def plan(
+    bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
+    gpus_per_node: int = 8,
+):  # fmt: skip
     """All candidate configurations with their estimates, and the suggested one (or None if none fits).
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
-    ranks, TP divides the heads and the FFN width)."""
+    ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
+    fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
         raise UserError(f"--gpu-mem {gpu_mem_gib:g} must be a positive, finite number of GiB")
-    decoder = all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers"))
-    if bench.family.activation_bytes is None and not decoder:
-        raise UserError(f"ttt plan has no memory model for {type(tier.model).__name__} yet")
+    check_nodes(gpus, gpus_per_node)
+    _check_supported(bench, tier)
     n = bench.family.param_count(tier.model)
     gbs = tier.global_batch_size
 
@@ -208,14 +253,20 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, 
             raise UserError(
                 f"--parallel {parallel_spec!r}: expert parallelism needs a mixture-of-experts model"
             )
+        if kind.startswith("ep"):
+            _check_experts(tier.model, parallel_spec, given.ep)
         if kind == "tp":
             _check_tensor_parallel(bench.family, tier, parallel_spec, given.tp)
         rows = rows_of(kind, local, given.tp)
     else:
-        rows = [] if gbs % gpus else [r for k in ("dp", "fsdp") for r in rows_of(k, gbs // gpus)]
+        kinds = ["dp", "fsdp"]
+        moe = hasattr(tier.model, "n_experts")
+        if moe and gpus > 1 and tier.model.n_experts % gpus == 0:
+            kinds += ["ep", "ep,fsdp"]  # after dp and fsdp: a tie goes to the layout without all-to-all
+        rows = [] if gbs % gpus else [r for k in kinds for r in rows_of(k, gbs // gpus)]
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-            for t in _tp_degrees(tier.model, gpus):
+            for t in _tp_degrees(tier.model, gpus, gpus_per_node):
                 if not hasattr(tier.model, "n_experts") and gbs % (gpus // t) == 0:  # TP ranks share samples
                     rows += rows_of("tp", gbs // (gpus // t), t)
         if not rows:
@@ -234,6 +285,74 @@ def plan(bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, 
     return n, rows, best
 
 
+# TP groups are at most 8 wide (one node's NVLink domain), so a world above 8 x the global batch leaves a
+# data-parallel rank without a sample: `fits_from` stops there.
+MAX_TP = 8
+
+
+def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
+    """The --parallel of `kind` at another world size, its degrees grown with the world (a tp degree kept),
+    or None (the default candidates) when no layout was given."""
+    if given is None:
+        return None
+    if kind == "tp":
+        return f"tp={given.tp},fsdp={world // given.tp}"
+    return f"ep={world},fsdp={world}" if kind == "ep,fsdp" else f"{kind}={world}"
+
+
+def fits_from(
+    bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
+    gpus_per_node: int = 8,
+) -> tuple[int, Estimate] | None:  # fmt: skip
+    """When nothing fits on --gpus: the smallest larger world size on which the same estimates suggest a
+    layout (of the kind --parallel names, grown with the world; else the default candidates), with that
+    suggestion; None when none does. Only worlds `ttt run` could take are tried: the batch splits over the
+    data-parallel ranks (a divisor of the global batch, times a TP degree of 1, 2, 4 or 8) and the world is
+    whole nodes of --gpus-per-node (or fits in one), so the search is a few dozen plans, not a scan."""
+    gbs = tier.global_batch_size
+    given = parallel.parse(parallel_spec, gpus, world_from="--gpus is") if parallel_spec else None
+    kind = _kind(given) if given is not None else ""
+    divisors = [d for d in range(1, math.isqrt(gbs) + 1) if gbs % d == 0]
+    divisors += [gbs // d for d in divisors]
+    worlds = sorted({d * t for d in divisors for t in (1, 2, 4, MAX_TP)})
+    for w in worlds:
+        if w <= gpus or (w > gpus_per_node and w % gpus_per_node) or (kind == "tp" and w % given.tp):
+            continue
+        spec = _spec_at(kind, given, w)
+        try:
+            _, _, best = plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node)
+        except UserError:  # this world splits neither the batch nor the experts: try the next one
+            continue
+        if best is not None:
+            return w, best
+    return None
+
+
+def launch(bench, tier, best: Estimate, gpus: int, gpus_per_node: int = 8, bf16: bool = True) -> dict:
+    """The launch line of a suggestion: one torchrun on one node, or the same torchrun on every node with
+    a c10d rendezvous (README "Scale-out"), and that line under Slurm."""
+    nodes = max(1, gpus // gpus_per_node) if gpus > gpus_per_node else 1
+    per_node = gpus // nodes
+    run = f"-m timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {suggested_flags(best, bf16)}"
+    doc = {"nodes": nodes, "gpus_per_node": per_node}
+    if nodes == 1:
+        doc["command"] = f"torchrun --nproc_per_node {per_node} {run}"
+        return doc
+    rdzv = '--rdzv-backend c10d --rdzv-endpoint "{}:29500" --rdzv-id {}'
+    doc["command"] = (
+        f"torchrun --nnodes {nodes} --nproc_per_node {per_node} {rdzv.format('$MASTER_ADDR', bench.name)} {run}"
+    )
+    doc["slurm"] = [  # the lines of an sbatch script
+        "#!/bin/bash",
+        f"#SBATCH --nodes={nodes} --ntasks-per-node=1 --gpus-per-node={per_node} --exclusive",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {per_node} '
+        + rdzv.format("$head", '"$SLURM_JOB_ID"')
+        + f" {run}",
+    ]
+    return doc
+
+
 def _tp_of(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
@@ -250,8 +369,12 @@ def _fits(r: Estimate, gpu_mem_gib: float) -> str:
     return "yes" if r.total <= HEADROOM * cap else ("tight" if r.total <= cap else "no")
 
 
-def plan_doc(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True) -> dict:
-    """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB)."""
+def plan_doc(
+    bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
+    larger: tuple[int, Estimate] | None = None,
+) -> dict:  # fmt: skip
+    """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB). `larger` is
+    `fits_from`'s answer when nothing fits."""
     trainable, frozen = bench.task.param_counts(bench.family, tier)
     doc = {
         "benchmark": bench.name,
@@ -262,6 +385,8 @@ def plan_doc(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = 
         "frozen_parameters": frozen,
         "global_batch_size": tier.global_batch_size,
         "gpus": gpus,
+        "gpus_per_node": gpus_per_node,
+        "nodes": check_nodes(gpus, gpus_per_node),
         "gpu_mem_gib": gpu_mem_gib,
         "precision": "bf16" if bf16 else "fp32",
         "headroom": HEADROOM,
@@ -282,7 +407,12 @@ def plan_doc(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = 
         "suggestion": None,
     }
     if best is None:
-        doc["suggestion_reason"] = "nothing fits within 90% of the device; use more GPUs or larger ones"
+        doc["suggestion_reason"] = f"nothing fits within 90% of the device; {_fits_from_text(larger)}"
+        doc["fits_from"] = None
+        if larger is not None:
+            w, r = larger
+            doc["fits_from"] = {"gpus": w, "parallel": r.parallel, "ac": r.ac, "micro_batch": r.micro_batch,
+                                "total_gib": r.total / GiB}  # fmt: skip
     else:
         doc["suggestion"] = {
             "parallel": best.parallel,
@@ -290,8 +420,22 @@ def plan_doc(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = 
             "micro_batch": best.micro_batch,
             "total_gib": best.total / GiB,
             "run_flags": suggested_flags(best, bf16),
+            "launch": launch(bench, tier, best, gpus, gpus_per_node, bf16),
         }
     return doc
+
+
+def _fits_from_text(larger: tuple[int, Estimate] | None) -> str:
+    if larger is None:
+        return (
+            "nor on more GPUs (any count of whole nodes that splits the global batch, up to 8 GPUs a sample): "
+            "use GPUs with more memory"
+        )
+    w, r = larger
+    return (
+        f"fits from {w} GPUs ({r.parallel}, activation checkpointing {'on' if r.ac else 'off'}, micro-batch "
+        f"{r.micro_batch}, ~{r.total / GiB:.0f} GiB per GPU)"
+    )
 
 
 def _count(n: float) -> str:
@@ -299,7 +443,10 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True) -> str:
+def format_plan(
+    bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
+    larger: tuple[int, Estimate] | None = None,
+) -> str:  # fmt: skip
     active = bench.family.active_param_count(tier.model)
     params = f"{_count(n_params)} parameters"
     if active != n_params:
@@ -332,14 +479,25 @@ def format_plan(bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool
             f"{r.total / GiB:>8.1f}G  {fits}"
         )
     if best is None:
-        out.append("suggestion: nothing fits; use more GPUs or larger ones")
+        out.append(
+            f"suggestion: nothing fits on {gpus} GPU{'' if gpus == 1 else 's'}; {_fits_from_text(larger)}"
+        )
     else:
-        flags = suggested_flags(best, bf16)
+        how = launch(bench, tier, best, gpus, gpus_per_node, bf16)
         out.append(
             f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
-            f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):\n  torchrun --nproc_per_node {gpus} -m "
-            f"timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {flags}"
+            f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):"
         )
+        if how["nodes"] == 1:
+            out.append(f"  {how['command']}")
+        else:
+            out.append(
+                f"  on each of the {how['nodes']} nodes ({how['gpus_per_node']} GPUs each; MASTER_ADDR: the "
+                "address of one of them):"
+            )
+            out.append(f"  {how['command']}")
+            out.append("  or under Slurm (sbatch):")
+            out.extend(f"    {line}" for line in how["slurm"])
     out.append("fits: within 90% of the device (only those are suggested); tight: within 100%.")
     out.append(
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"

@@ -22,6 +22,7 @@ import torch
 from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.logger import ResultLog
+from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.device import platform_name
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
@@ -138,6 +139,8 @@ def synth(opts: SynthOptions) -> dict:
     if trackers is not None:
         log.listeners.append(trackers.on_event)
     tr = None
+    what = f"synth {bench.name}/{tier.name}"
+    live = LiveLine() if d.main else None  # stderr: --json keeps stdout to the summary
     try:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
         log.start("init_start")
@@ -146,6 +149,8 @@ def synth(opts: SynthOptions) -> dict:
             log, prep, "timetotrain", None, {"ttt_mode": "synthetic", "ttt_tier": tier.name}
         )
         prep.tier = tier
+        if live:
+            live.update(f"{what}: building the model and its optimizer on {device}", force=True)
         peak, peak_src = _peak(device)
         tr = prepare.build(prep)
         data = bench.task.synthetic(
@@ -162,7 +167,10 @@ def synth(opts: SynthOptions) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         loss = None
+        t_warm = t0 = time.perf_counter()  # t0 starts again with the timed window (i == warmup)
         for i in range(warmup + steps):
+            if live:  # before the clock starts at i == warmup: the phase's line is outside its window
+                _synth_progress(live, what, i, warmup, steps, opts.compile, t_warm if i <= warmup else t0)
             if i == warmup:
                 _sync(device)
                 e0 = _energy_mj(device)
@@ -173,6 +181,8 @@ def synth(opts: SynthOptions) -> dict:
                 clock.mark()
         _sync(device)
         wall = time.perf_counter() - t0
+        if live:
+            live.update(f"{what}: {steps} steps timed in {wall:.1f} s", force=True)
         e1 = _energy_mj(device)
         final_loss = float(loss[0].item())
         per_step = clock.durations()
@@ -250,6 +260,8 @@ def synth(opts: SynthOptions) -> dict:
         log.end("run_stop", metadata={"status": "aborted"})
         raise
     finally:
+        if live:
+            live.close()
         log.close()
         if trackers is not None:
             trackers.close()
@@ -264,6 +276,20 @@ def synth(opts: SynthOptions) -> dict:
     del tr
     distributed.teardown(barrier=True)
     return summary
+
+
+def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, compiled: bool, since: float):
+    """The line before step `i`: forced when a phase starts (its first step allocates, and compiles under
+    --compile: the longest wait), then as often as the line allows. It reads the host clock only, never
+    the device, so the timed window gets no sync from it (on a GPU it counts steps issued); `since` is
+    when the phase began (unused by a phase's first line, which has no elapsed time)."""
+    start = i in (0, warmup)
+    if i < warmup:
+        first = " (the first step allocates memory" + (" and compiles the blocks" if compiled else "") + ")"
+        text = f"{what}: warm-up step {i + 1}/{warmup}" + (first if i == 0 else "")
+    else:
+        text = f"{what}: timing step {i - warmup + 1}/{steps}"
+    live.update(text if start else f"{text}  [{time.perf_counter() - since:.0f} s]", force=start)
 
 
 def _with_layers(bench, tier, layers: int):
