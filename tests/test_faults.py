@@ -14,6 +14,8 @@ import pytest
 from conftest import ttt_command
 from test_e2e_tiny import tiny
 
+pytestmark = pytest.mark.e2e
+
 
 def child_pids(pid: int) -> list[int]:
     """Processes whose parent is `pid` (from /proc: no psutil needed)."""

@@ -22,6 +22,8 @@ from timetotrain.data import govreport
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log
 
+pytestmark = pytest.mark.e2e
+
 HERE = Path(__file__).parent
 
 
