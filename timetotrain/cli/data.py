@@ -153,7 +153,6 @@ def _prepare_govreport(args) -> int:
 
 def _prepare_flux(args) -> int:
     from timetotrain.data import flux_encoders, flux_mlcommons, flux_prepare
-    from timetotrain.suite import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
     parts = flux_mlcommons.find_sources(args.src)  # MLCommons' preprocessed encodings: imported as they are
@@ -164,7 +163,9 @@ def _prepare_flux(args) -> int:
         raise UserError("--empty-encodings applies to importing MLCommons' preprocessed encodings (--src)")
     if not args.encoders:
         raise UserError("flux needs --encoders: `standin` (the tiny tier) or a folder with t5/, clip/, vae/")
-    tier = get("flux1").tier(_flux_tier(args) or ("tiny" if args.encoders == "standin" else "reference"))
+    tier = suite.get("flux1").tier(
+        _flux_tier(args) or ("tiny" if args.encoders == "standin" else "reference")
+    )
     shapes = shapes_of(tier.model)
     if args.encoders == "standin":
         if args.tokenizer_model is None:
@@ -190,7 +191,6 @@ def _flux_tier(args) -> str | None:
 def _import_flux(args, parts) -> int:
     """--src is MLCommons' preprocessed encodings (data/flux_mlcommons.py): import them as they are."""
     from timetotrain.data import flux_mlcommons
-    from timetotrain.suite import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
     if args.encoders:
@@ -199,7 +199,7 @@ def _import_flux(args, parts) -> int:
         )
     if args.select != "all":
         raise UserError(f"--select {args.select} applies to image/caption tars, not to --src {args.src}")
-    tier = get("flux1").tier(_flux_tier(args) or "reference")
+    tier = suite.get("flux1").tier(_flux_tier(args) or "reference")
     shapes = shapes_of(tier.model)
     out = Path(args.out)
     empty = flux_mlcommons.find_empty(args.src, args.empty_encodings)
