@@ -27,6 +27,8 @@ from fakelogs import tier_log
 
 from timetotrain.cli import main
 
+pytestmark = pytest.mark.bad_input
+
 BUDGET_S = 5.0
 
 

@@ -22,6 +22,8 @@ from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.checkpoint import load_checkpoint, load_hf_checkpoint, save_checkpoint
 from timetotrain.train.optim import build_adamw
 
+pytestmark = [pytest.mark.parity, pytest.mark.distributed]
+
 CFG = small_llama(rope_scaling=TINY.model.rope_scaling)  # Llama 3.1 RoPE scaling active
 
 

@@ -16,6 +16,8 @@ import torch
 from timetotrain.data.mapped import DataChangedError, MappedFiles
 from timetotrain.errors import UserError
 
+pytestmark = pytest.mark.e2e
+
 CPU = torch.device("cpu")
 CHANGED = r"was (truncated|modified) while this run was reading it"
 

@@ -15,6 +15,8 @@ from timetotrain.models.common.moe.router import GroupLimitedRouter, sequence_au
 from timetotrain.models.deepseek_v3.hf import hf_config_kwargs, hf_export, hf_mapping
 from timetotrain.train.checkpoint import load_hf_checkpoint
 
+pytestmark = pytest.mark.parity
+
 
 def small_cfg(**overrides) -> ds.DeepSeekV3Config:
     # YaRN with an original context of 16 and a max of 64, exercised at 48 tokens (longer than the original).

@@ -19,6 +19,8 @@ from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
 from timetotrain.train.step import build_training
 
+pytestmark = pytest.mark.distributed
+
 BENCH = get("deepseekv3_671b")
 WORLD, STEPS = 2, 6
 CFG = small_deepseek_v3()

@@ -114,6 +114,7 @@ def test_tiny_block_passes_our_rule_file():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     """The tiny tier's plumbing end to end: a base cut to 3 short steps (`make_base`: HF export with the MTP
     layer and routing biases), then `ttt run` from it for 2 steps, before its first evaluation; the log

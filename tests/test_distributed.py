@@ -16,6 +16,8 @@ from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataset
 from timetotrain.data.loader import TokenSource
 
+pytestmark = pytest.mark.distributed
+
 STEPS = 20
 
 

@@ -12,6 +12,8 @@ from test_golden import assert_matches_golden, golden, golden_env
 
 from timetotrain.mlperf.compliance import check_log
 
+pytestmark = pytest.mark.e2e
+
 
 def ttt(*argv, **kw):
     return subprocess.run(ttt_command(*argv), capture_output=True, text=True, **kw)

@@ -33,6 +33,8 @@ from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
 from timetotrain.train.step import build_training
 
+pytestmark = pytest.mark.distributed
+
 WORLD, STEPS, LOAD_STEPS, BF16_STEPS = 2, 10, 3, 4
 DS, GPT = get("deepseekv3_671b"), get("gpt_oss_20b")
 DS_CFG = small_deepseek_v3()

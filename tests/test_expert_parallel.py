@@ -44,7 +44,10 @@ CFG = GptOssConfig(
     init_std=0.1,
 )
 TOKENS = 12  # per rank, layer tests
-pytestmark = pytest.mark.slow  # the shared fixture spawns 2 gloo processes (several seconds)
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+]  # the shared fixture spawns 2 gloo processes (several seconds)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

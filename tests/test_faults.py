@@ -14,6 +14,8 @@ import pytest
 from conftest import ttt_command
 from test_e2e_tiny import tiny
 
+pytestmark = pytest.mark.e2e
+
 
 def child_pids(pid: int) -> list[int]:
     """Processes whose parent is `pid` (from /proc: no psutil needed)."""
@@ -221,10 +223,7 @@ def test_truncated_train_bin_under_a_live_run_aborts_not_sigbus(c4_prepared, tmp
 def _toy_suite(tmp_path, *extra_env: tuple[str, str]):
     """`ttt suite` of the toy benchmark (tests/toy_benchmark.py), one run of seed 7, into tmp_path/out."""
     from test_suite import _env, suite_cmd
-    from toy_benchmark import make_data
 
-    if not (tmp_path / "data").exists():
-        make_data(tmp_path / "data")
     return suite_cmd(tmp_path, 1), {**_env(tmp_path), **dict(extra_env)}
 
 
@@ -284,8 +283,8 @@ def test_suite_sigterm_sets_the_run_aside_and_a_second_suite_is_refused(tmp_path
 def test_sigkill_of_the_suite_stops_its_run_and_the_resumed_suite_reruns_that_seed(tmp_path):
     import json
 
+    from timetotrain.cli.suite_driver import finished_seeds
     from timetotrain.mlperf.results import parse_log
-    from timetotrain.runner.suite import finished_seeds
 
     proc, child, folder = _start_slow_suite(tmp_path)
     proc.kill()

@@ -18,6 +18,8 @@ from timetotrain.errors import UserError
 from timetotrain.suite import get
 from timetotrain.tasks.rectified_flow import shapes_of
 
+pytestmark = pytest.mark.parity
+
 CC12M = shared_data_dir() / "cc12m" / "cc12m-train-0000.tar"
 COCO = shared_data_dir() / "coco_mini" / "coco-captions-mini-0000.tar"
 LLAMA2_SP = shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model"

@@ -8,6 +8,8 @@ from conftest import require
 from timetotrain.models import flux
 from timetotrain.models.flux import Flux, FluxConfig
 
+pytestmark = pytest.mark.parity
+
 # 2 double + 2 single blocks, head_dim 16 split (4, 6, 6) over the three RoPE axes as (16, 56, 56) splits 128.
 CFG = FluxConfig(
     dim=32, n_heads=2, n_double=2, n_single=2, latent_channels=4, patch=2, latent_size=8, txt_dim=24,

@@ -12,6 +12,8 @@ from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.rcp import rcp_path
 from timetotrain.suite import get
 
+pytestmark = pytest.mark.e2e
+
 TINY = get("flux1").tier("tiny")
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import mllog, ttt_command
 
+pytestmark = [pytest.mark.parity, pytest.mark.distributed]
+
 GOLDEN = Path(__file__).parent / "golden"
 
 

@@ -14,6 +14,8 @@ from timetotrain.data import govreport as g
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.errors import UserError
 
+pytestmark = pytest.mark.parity
+
 FIXTURE_SHA256 = "38ea8b96b4192b4f84b2ae17a84c46d8f715cf7faa85c8315c7917433fc4e697"
 # "<s>### Summarize the following text:\n The quick brown fox jumps over the lazy dog.\n ### Summary:\n
 # A fox jumps.</s>" with the Llama 2 tokenizer. The report's ids are the ones PROVENANCE.md lists for that

@@ -9,6 +9,7 @@ from timetotrain.data.indexed import IndexedDataset, IndexedWriter
 
 # Importing megatron-core emits optional-dependency and deprecation notices that are not ours.
 pytestmark = [
+    pytest.mark.parity,
     pytest.mark.filterwarnings("ignore:Transformer Engine and Apex:UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]

@@ -16,6 +16,8 @@ from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import targets
 from timetotrain.train.synth import SynthOptions, synth
 
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
 BENCH = get("gpt_oss_20b")
 
 

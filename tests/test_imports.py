@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = {
     "timetotrain.__main__": 100,  # `python -m timetotrain`: the entry point, above everything
     "timetotrain.cli": 90,  # the `ttt` commands
-    "timetotrain.runner": 80,  # commands that drive other commands (`ttt suite`)
     "timetotrain.suite": 70,  # one declaration per benchmark
     "timetotrain.tasks": 60,  # kinds of training
     "timetotrain.train": 50,  # the harness: the timed loop, the step, parallel plans, checkpoints

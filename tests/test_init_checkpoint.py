@@ -12,6 +12,8 @@ from timetotrain.suite import get
 from timetotrain.train.checkpoint import save_checkpoint
 from timetotrain.train.step import build_training
 
+pytestmark = [pytest.mark.parity, pytest.mark.e2e]
+
 BENCH = get("llama31_8b")
 TIER = BENCH.tier("tiny")
 

@@ -18,6 +18,8 @@ from timetotrain.models.llama import (
 )
 from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs, to_hf_state_dict
 
+pytestmark = pytest.mark.parity
+
 # original_max_position 16 against a 64-token test sequence puts most RoPE wavelengths in the stretched or
 # blended bands, so a wrong scaling formula shows up in the logits.
 TINY = LlamaConfig(

@@ -21,6 +21,8 @@ from timetotrain.suite import get
 from timetotrain.tasks.lora_sft import LoRAData
 from timetotrain.train.step import build_training
 
+pytestmark = pytest.mark.parity
+
 BENCH = get("llama2_70b_lora")
 REF = BENCH.tier("reference")
 SMALL = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=32_000, max_seq_len=256,

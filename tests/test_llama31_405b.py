@@ -239,6 +239,7 @@ def test_synth_reference_runs_one_block_at_the_exact_width(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_tiny_continues_a_llama3_base_on_mixtral_ids(c4_src, c4_prepared, tmp_path):
     """The tiny tier's situation end to end, shortened: a base pretrained on Llama 3 ids (cut to 3 steps),
     continued by `ttt run` on Mixtral-tokenized C4 with the embedding and head cut to the tier's rows. The

@@ -44,6 +44,8 @@ from timetotrain.train.checkpoint import HF_SINGLE, load_hf_checkpoint
 from timetotrain.train.optim import build_optimizer
 from timetotrain.train.step import train_step
 
+pytestmark = pytest.mark.parity
+
 CFG = small_llama(rope_theta=10_000.0, rope_scaling=None)  # Llama 2: plain RoPE
 RANK, ALPHA = 16, 32.0
 # The reference's optimizer: HF `adamw_torch`, weight decay on the LoRA weights, clip 0.3 by global norm.

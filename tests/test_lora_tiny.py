@@ -21,6 +21,8 @@ from timetotrain.train import base_model
 from timetotrain.train.checkpoint import init_from
 from timetotrain.train.step import build_training
 
+pytestmark = [pytest.mark.e2e, pytest.mark.parity]
+
 BENCH = get("llama2_70b_lora")
 TINY = BENCH.tier("tiny")
 

@@ -16,6 +16,8 @@ from fakelogs import _line
 from timetotrain.mlperf.results import captured_logging, parse_log
 from timetotrain.suite import official
 
+pytestmark = pytest.mark.parity
+
 
 def _pkg_dir(sub: str) -> Path:
     import mlperf_logging

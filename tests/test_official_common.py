@@ -21,6 +21,8 @@ from timetotrain import suite
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.train import loop, prepare
 
+pytestmark = pytest.mark.e2e
+
 PAIRS = [(b, t) for b in suite.names() for t in suite.get(b).tiers]
 RULESETS = [
     (b, t, rs)

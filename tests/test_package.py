@@ -10,6 +10,8 @@ from fakelogs import T0, tier_log, ttt_main
 from timetotrain.mlperf.package import REQUIRED_FIELDS, TODO, check_package
 from timetotrain.mlperf.results import parse_log
 
+pytestmark = pytest.mark.e2e
+
 AMD_SYSTEM = "MI355X_EPYC_9575F_pytorch"
 
 

@@ -13,6 +13,8 @@ from conftest import ttt_command
 from timetotrain.cli import main
 from timetotrain.data import tokenizer
 
+pytestmark = pytest.mark.bad_input
+
 
 def results(logdir: Path) -> list[Path]:
     """Result files, finished or live (`.partial`): a preflight failure leaves neither."""

@@ -22,6 +22,8 @@ from timetotrain.mlperf.rcp import (
 )
 from timetotrain.mlperf.results import captured_logging, parse_log, result_files
 
+pytestmark = pytest.mark.parity
+
 RUNS = {
     "llama31_8b": 10,
     "gpt_oss_20b": 10,

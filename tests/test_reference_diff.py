@@ -30,6 +30,8 @@ from timetotrain.suite import get
 from timetotrain.suite.base import apply_overrides
 from timetotrain.train import prepare
 
+pytestmark = pytest.mark.parity
+
 DS = "llm_moe_pretraining/nemo/"
 L405 = "large_language_model_pretraining/nemo/pretrain_llama31.py"
 L8 = "small_llm_pretraining/nemo/pretrain_llama31.py"

@@ -17,6 +17,8 @@ from fakelogs import T0, tier_log, tiny_runs, ttt_main
 
 from timetotrain.report import html as report_html
 
+pytestmark = pytest.mark.e2e
+
 CHROMIUM = "/usr/bin/chromium"
 # No network at all: every host resolves to nothing and any proxy use fails.
 NO_NET = ["--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9", "--no-proxy-server=false"]

@@ -7,6 +7,8 @@ import pytest
 from conftest import mllog
 from test_distributed import curves, launch
 
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
 STEPS = 40  # two eval points (every 20 steps) and the warmup's end (20 steps)
 
 

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from timetotrain.data.igbh import NODE_TYPES, RELATIONS
 from timetotrain.models import rgat
 
+pytestmark = pytest.mark.parity
+
 pyg = pytest.importorskip("torch_geometric.nn")
 
 

@@ -17,6 +17,8 @@ from timetotrain.suite import get
 from timetotrain.tasks.node_classification import GraphData, _Seeds
 from timetotrain.train import loop
 
+pytestmark = pytest.mark.e2e
+
 BENCH = get("rgat")
 
 

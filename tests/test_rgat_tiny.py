@@ -12,7 +12,7 @@ from test_rgat_logs import official_chain_errors
 
 from timetotrain.suite.rgat import TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def ttt(*argv):

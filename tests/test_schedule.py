@@ -6,6 +6,8 @@ import pytest
 
 from timetotrain.train.schedule import WarmupCosine
 
+pytestmark = pytest.mark.parity
+
 
 def test_nemo_warmup_is_s_plus_one_over_w_plus_one():
     s = WarmupCosine(base=4e-4, end=4e-5, warmup=16, total=1_200_000, rule="nemo")

@@ -12,6 +12,8 @@ from fakelogs import tier_log, tiny_runs, ttt_main
 from timetotrain.errors import UserError
 from timetotrain.mlperf.score import olympic_score, score_tree
 
+pytestmark = pytest.mark.parity
+
 V51 = {"AMD": "llama31_8b", "NVIDIA": "llama2_70b_lora"}
 
 

@@ -19,6 +19,8 @@ from test_score import official_summary
 from timetotrain.mlperf.results import captured_logging, parse_log
 from timetotrain.mlperf.score import score_tree
 
+pytestmark = pytest.mark.parity
+
 ORG = "Acme"
 TARGET = 0.72
 T0 = 1_759_366_000_000  # ms, the time of a real v5.1 run

@@ -26,6 +26,8 @@ from conftest import free_port, random_hf_llama, small_llama
 from timetotrain.suite import get
 from timetotrain.tasks.lora_sft import LoRAData, lm_block_loss
 
+pytestmark = pytest.mark.distributed
+
 BENCH = get("llama2_70b_lora")
 CFG = small_llama(rope_theta=10_000.0, rope_scaling=None, vocab_size=255)  # odd rows: uneven shards
 STEPS, GBS, BLOCK = 3, 4, 33

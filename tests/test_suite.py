@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 from conftest import require_file, shared_data_dir, ttt_command
-from toy_benchmark import make_data
 
 from timetotrain import suite
+from timetotrain.cli import main
+from timetotrain.cli.suite_driver import Suite, SuiteOptions, finished_seeds, recipe_for, select
+from timetotrain.data import govreport
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log
-from timetotrain.runner import data as recipes
-from timetotrain.runner.suite import finished_seeds, select
+
+pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 
@@ -32,8 +34,10 @@ def _env(tmp_path):
 
 
 def suite_cmd(tmp_path, runs: int, *extra: str) -> list[str]:
+    """The toy's suite with --data SRC: its data comes from the toy task's own recipe, into the cache."""
+    (tmp_path / "src").mkdir(exist_ok=True)
     return ttt_command("suite", "--tier", "tiny", "--only", "toy_classify", "--runs", str(runs), "--seed", "7",
-                       "--data", f"toy_classify={tmp_path / 'data'}", "--out", str(tmp_path / "out"), *extra)  # fmt: skip
+                       "--data", str(tmp_path / "src"), "--out", str(tmp_path / "out"), *extra)  # fmt: skip
 
 
 def test_every_registered_tier_is_found_and_its_data_recipe_named():
@@ -43,11 +47,11 @@ def test_every_registered_tier_is_found_and_its_data_recipe_named():
     for b in tiny:
         tier = b.tiers["tiny"]
         for bench, t in [(b, tier)] + ([(tier.base.benchmark, tier.base.pretraining)] if tier.base else []):
-            r = recipes.recipe_for(bench, t, src)
+            r = recipe_for(bench, t, src)
             if r is None:  # a benchmark with data of its own kind: prepared by hand (--data BENCH=DIR)
-                assert recipes.cache_name(bench, t) is None
+                assert bench.task.data_name(t) is None
                 continue
-            assert r.name == recipes.cache_name(bench, t), b.name
+            assert r.name == bench.task.data_name(t), b.name
             assert all(p.exists() for p in r.sources)
             for step in r.steps:  # each step is a `ttt data prepare` line the parser accepts
                 from timetotrain.cli import build_parser
@@ -61,12 +65,11 @@ def test_bad_suite_input_is_one_line(tmp_path):
     with pytest.raises(UserError, match="no benchmark has it"):
         select("huge", None)
     with pytest.raises(UserError, match="no c4-train"):
-        recipes.lm_recipe(suite.get("llama31_8b").tiers["tiny"].data, tmp_path)
+        recipe_for(suite.get("llama31_8b"), suite.get("llama31_8b").tiers["tiny"], tmp_path)
 
 
 @pytest.mark.slow
 def test_suite_runs_scores_and_resumes(tmp_path, monkeypatch):
-    make_data(tmp_path / "data")
     out = tmp_path / "out"
     folder = out / "toy_classify" / "tiny"
     # Two runs; stopped (SIGINT, as Ctrl-C) once the first has finished.
@@ -92,6 +95,8 @@ def test_suite_runs_scores_and_resumes(tmp_path, monkeypatch):
     for s, (p, text) in kept.items():
         assert final[s] == p and p.read_bytes() == text
     assert f"{len(kept)} of 2 run(s) already finished" in res.stderr
+    # The toy task's recipe made the data once, into the cache; the restart found it there.
+    assert "toy points: cached in" in res.stderr and (tmp_path / "cache" / "data").is_dir()
     assert "ETA" in res.stderr
     # The scorecard: one row for the benchmark, every log passing the official checker.
     row = next(line for line in res.stdout.splitlines() if line.startswith("toy_classify"))
@@ -113,8 +118,6 @@ def test_suite_runs_scores_and_resumes(tmp_path, monkeypatch):
 
 
 def test_eta_comes_from_this_suite_then_from_earlier_ones(tmp_path):
-    from timetotrain.runner.suite import Suite, SuiteOptions
-
     s = Suite(SuiteOptions(tier="tiny", out=tmp_path / "out", cache=tmp_path / "cache"))
     s.state = {"tier": "tiny", "seeds": {}, "seconds": {}}
     assert s.eta("llama31_8b", 2) == "ETA after its first run"
@@ -127,12 +130,66 @@ def test_eta_comes_from_this_suite_then_from_earlier_ones(tmp_path):
 
 @pytest.mark.parametrize("name", ["rgat", "flux1"])
 def test_tasks_outside_the_two_kinds_prepare_their_tiny_data(name, tmp_path):
-    """`ttt suite --data SRC` reaches rgat and flux1 through Task.prepare_data: the tiny data it writes is
-    what the tier's resolve accepts; a reference tier, whose data no recipe makes, is a one-line error."""
+    """`ttt suite --data SRC` reaches rgat and flux1 through their tasks' recipes (in-process calls): the
+    tiny data a recipe writes is what the tier's resolve accepts; a reference tier, whose data no recipe
+    makes, is a one-line error and has no data name."""
     bench = suite.get(name)
     src = require_file(shared_data_dir())
-    bench.task.prepare_data(bench.tier("tiny"), src, tmp_path / "tiny")
+    recipe = bench.task.data_recipe(bench.tier("tiny"), src)
+    assert recipe.name == bench.task.data_name(bench.tier("tiny")) and recipe.call is not None
+    recipe.call(tmp_path / "tiny")
     bench.task.resolve(bench.tier("tiny"), tmp_path / "tiny")
     with pytest.raises(UserError, match="--data " + name + "=DIR"):
-        bench.task.prepare_data(bench.tier("reference"), src, tmp_path / "ref")
-    assert not (tmp_path / "ref").exists()
+        bench.task.data_recipe(bench.tier("reference"), src)
+    assert bench.task.data_name(bench.tier("reference")) is None
+
+
+def test_data_prepare_for_runs_the_tasks_recipe(tmp_path, monkeypatch, capsys):
+    """`ttt data prepare --for BENCH --tier T` runs the recipe the suite runs: the toy's in-process call,
+    and llama2_70b_lora's two `ttt data prepare govreport` steps (in this process)."""
+    monkeypatch.setenv("TTT_EXTRA_BENCHMARKS", "toy_benchmark")
+    (tmp_path / "src").mkdir()
+    toy = suite.get("toy_classify")
+    argv = ["data", "prepare", "--for", "toy_classify", "--tier", "tiny", "--src", str(tmp_path / "src")]
+    assert main([*argv, "--out", str(tmp_path / "toy")]) == 0
+    toy.task.resolve(toy.tier("tiny"), tmp_path / "toy")
+    assert "2,048 toy points" in capsys.readouterr().out
+    src = require_file(shared_data_dir())
+    lora = suite.get("llama2_70b_lora")
+    out = tmp_path / "gov"
+    argv = ["data", "prepare", "--for", lora.name, "--tier", "tiny", "--src", str(src), "--out", str(out)]
+    assert main(argv) == 0
+    recipe = lora.task.data_recipe(lora.tier("tiny"), src)
+    assert len(recipe.steps) == 2 and recipe.call is None
+    # Both splits (the tier's resolve needs its base as well: tests/test_lora_tiny.py runs it).
+    for split in ("train", "validation"):
+        assert all((out / name).is_file() for name in govreport.array_names(split))
+        assert (out / f"{govreport.dataset_name(split)}.manifest.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "dataset, extra, says",
+    [
+        (["c4"], ["--tier", "tiny"], "DATASET does not go with --for"),
+        ([], ["--tier", "tiny", "--split", "train"], "--split does not go with --for"),
+        ([], [], "needs --tier T"),
+        ([], ["--tier", "huge"], "huge"),
+    ],
+)
+def test_data_prepare_for_bad_input_is_one_line(tmp_path, monkeypatch, capsys, dataset, extra, says):
+    monkeypatch.setenv("TTT_EXTRA_BENCHMARKS", "toy_benchmark")
+    argv = [
+        "data",
+        "prepare",
+        *dataset,
+        "--for",
+        "toy_classify",
+        "--src",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ttt: error:") and says in err[0], err
+    assert not (tmp_path / "o").exists()

@@ -11,6 +11,8 @@ from fakelogs import tiny_runs, ttt_main
 
 from timetotrain.train.synth import SynthOptions, _percentile, synth
 
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
 
 def test_synth_tiny_writes_log_and_summary(tmp_path):
     s = synth(SynthOptions("llama31_8b", "tiny", steps=3, warmup_steps=1, logdir=tmp_path, seed=11))

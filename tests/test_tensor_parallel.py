@@ -22,6 +22,8 @@ from conftest import free_port, small_llama
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
 
+pytestmark = pytest.mark.distributed
+
 STEPS, GBS, SEQ = 20, 4, 32
 CFG = small_llama(max_seq_len=SEQ)  # 4 heads / 2 KV heads, FFN 128: both split over 2 ranks
 HF_VOCAB = 384  # the checkpoint's rows; the model keeps the first CFG.vocab_size (256)

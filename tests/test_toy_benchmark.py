@@ -12,7 +12,10 @@ from conftest import mllog, official_errors, ttt_command
 from toy_benchmark import make_data
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.slow  # every test launches `ttt` in a subprocess; the fixture runs three trainings
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+]  # every test launches `ttt` in a subprocess; the fixture runs three trainings
 
 
 def _env():

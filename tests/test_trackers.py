@@ -14,6 +14,8 @@ from toy_benchmark import make_data
 from timetotrain.errors import UserError
 from timetotrain.train import trackers as trk
 
+pytestmark = pytest.mark.e2e
+
 HERE = Path(__file__).parent
 
 

@@ -28,6 +28,8 @@ from timetotrain.train import dcp_safe
 from timetotrain.train.optim import build_adamw
 from timetotrain.train.step import build_training
 
+pytestmark = pytest.mark.bad_input
+
 BENCH = get("llama31_8b")
 TIER = BENCH.tier("tiny")
 

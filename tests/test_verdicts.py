@@ -8,13 +8,13 @@ import pytest
 from fakelogs import rcp_only_log, tiny_runs
 
 from timetotrain import suite
+from timetotrain.cli.suite_driver import score_row
 from timetotrain.markup import md
 from timetotrain.mlperf.rcp import NOT_ENOUGH_RUNS, check_reference, official_rcp_path
 from timetotrain.mlperf.results import captured_logging, parse_log, result_files
 from timetotrain.mlperf.score import format_text, score_tree
 from timetotrain.report import summary_markdown
 from timetotrain.report.html import render
-from timetotrain.runner.suite import score_row
 
 
 @pytest.mark.parametrize("n", [1, 2])

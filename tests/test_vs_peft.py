@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import REPO, require
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.fixture(scope="module")
 def vs_peft():

@@ -4,7 +4,8 @@ weight decay, every parameter), a warmup+constant schedule, accuracy as the metr
 eval points counted in epochs (`epoch_num`), as R-GAT's are. Not in `ttt list` (`listed=False`).
 
 Made known to every `ttt` command by TTT_EXTRA_BENCHMARKS=toy_benchmark (with tests/ on PYTHONPATH).
-Its data is one .npz file that `make_data` writes. TOY_STEP_SECONDS=S makes each training batch take S
+Its data is one .npz file that `make_data` writes: its task's data recipe, so `ttt suite --data SRC` and
+`ttt data prepare --for toy_classify --tier tiny --src SRC --out DIR` make it (SRC is not read). TOY_STEP_SECONDS=S makes each training batch take S
 seconds more, so the fault tests can signal a run that is surely still training.
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
 from timetotrain.suite.base import Benchmark, Optimizer, Tier
-from timetotrain.tasks.base import Batch, Metric, RunData, Task
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 
 FILE = "toy_clusters.npz"
 
@@ -157,6 +158,17 @@ class Resolved:
 
 class Classify(Task):
     metric = Metric("validation accuracy", higher_is_better=True, unit="epochs")
+
+    def data_name(self, tier):
+        return f"toy-clusters-{tier.data.train_points}"
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        # Drawn, not read: the recipe makes the points whatever the source folder holds.
+        return DataRecipe(
+            self.data_name(tier),
+            f"{tier.data.train_points:,} toy points",
+            call=lambda out: make_data(Path(out), n_train=tier.data.train_points),
+        )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         path = Path(data_dir) / tier.data.file

@@ -1,19 +1,84 @@
-"""`ttt data prepare`: raw datasets into the indexed files the benchmarks read."""
+"""`ttt data prepare`: raw datasets into the indexed files the benchmarks read.
+
+`ttt data prepare DATASET ...` runs one preparation with its own flags; `ttt data prepare --for BENCH --tier T
+--src DIR --out DIR` runs what the benchmark's task declares for the tier (`Task.data_recipe`: in-process
+calls and `ttt data prepare DATASET` steps), the same recipe `ttt suite --data SRC` runs, so a benchmark
+with a new dataset needs no edit here.
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from timetotrain import lifeline
+from timetotrain import lifeline, suite
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
+
+if TYPE_CHECKING:  # tasks/ imports torch, which `ttt --help` should not wait for
+    from timetotrain.tasks.base import DataRecipe
 
 _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
 
+def make_data(recipe: DataRecipe, out: Path, run_step: Callable[[list[str]], None]) -> None:
+    """Make a recipe's data in `out` (which exists): its in-process call, then each `ttt` step through
+    `run_step` with "{out}" replaced by `out` (`ttt suite` runs them as child processes, `--for` here)."""
+    if recipe.call is not None:
+        recipe.call(out)
+    for step in recipe.steps:
+        run_step([str(out) if a == "{out}" else a for a in step])
+
+
+def _run_here(step: list[str]) -> None:
+    """One `ttt data ...` step in this process, through this module's own parsers."""
+    parser = argparse.ArgumentParser(prog="ttt")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    if step[:1] != ["data"]:
+        raise AssertionError(f"a data recipe step is a `ttt data` command, not `ttt {' '.join(step)}`")
+    args = parser.parse_args(step)
+    args.func(args)
+
+
+def _prepare_for(args) -> int:
+    """`--for BENCH --tier T --src DIR --out DIR`: the tier's data as its task's recipe makes it."""
+    stray = [f for f, v in (("DATASET", args.dataset), ("--split", args.split)) if v is not None]
+    if stray:
+        raise UserError(f"{stray[0]} does not go with --for: the recipe of --for {args.for_bench} decides it")
+    if args.tier is None:
+        raise UserError(f"--for {args.for_bench} needs --tier T: the tier whose data to prepare")
+    bench = suite.get(args.for_bench)
+    tier = bench.tier(args.tier)
+    src = Path(args.src)
+    if not src.is_dir():
+        raise UserError(f"--src {src} is not a folder: pass the folder of raw sources (as ../shared/data)")
+    recipe = bench.task.data_recipe(tier, src)
+    if recipe is None:
+        raise UserError(
+            f"--for {bench.name} --tier {tier.name}: no recipe here makes this data: prepare it as "
+            f"docs/benchmarks/{bench.name}.md says and pass the folder to `ttt run --data`"
+        )
+    out = Path(args.out)
+    with writing("--out", out):
+        out.mkdir(parents=True, exist_ok=True)
+    make_data(recipe, out, _run_here)
+    print(f"{bench.name} {tier.name}: {recipe.describe} -> {out}")
+    return 0
+
+
 def _cmd_prepare(args) -> int:
+    if args.for_bench is not None:
+        return _prepare_for(args)
+    if args.dataset is None:
+        raise UserError("name the DATASET to prepare (c4, govreport, flux), or pass --for BENCH --tier T")
+    if args.split is None:
+        raise UserError(f"{args.dataset} needs --split train|validation: which split --src holds")
+    if args.tier is not None and args.dataset != "flux":
+        raise UserError(f"--tier applies to flux and to --for BENCH: drop it for {args.dataset}")
     if args.workers is not None and args.workers < 1:
         # c4 handed 0 to multiprocessing (a ValueError traceback), govreport ran on one thread anyway.
         raise UserError(f"--workers {args.workers} must be at least 1 (leave it out to use every core)")
@@ -88,7 +153,6 @@ def _prepare_govreport(args) -> int:
 
 def _prepare_flux(args) -> int:
     from timetotrain.data import flux_encoders, flux_mlcommons, flux_prepare
-    from timetotrain.suite import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
     parts = flux_mlcommons.find_sources(args.src)  # MLCommons' preprocessed encodings: imported as they are
@@ -99,7 +163,9 @@ def _prepare_flux(args) -> int:
         raise UserError("--empty-encodings applies to importing MLCommons' preprocessed encodings (--src)")
     if not args.encoders:
         raise UserError("flux needs --encoders: `standin` (the tiny tier) or a folder with t5/, clip/, vae/")
-    tier = get("flux1").tier(args.flux_tier or ("tiny" if args.encoders == "standin" else "reference"))
+    tier = suite.get("flux1").tier(
+        _flux_tier(args) or ("tiny" if args.encoders == "standin" else "reference")
+    )
     shapes = shapes_of(tier.model)
     if args.encoders == "standin":
         if args.tokenizer_model is None:
@@ -116,10 +182,15 @@ def _prepare_flux(args) -> int:
     return 0
 
 
+def _flux_tier(args) -> str | None:
+    if args.tier not in (None, "tiny", "reference"):
+        raise UserError(f"--tier {args.tier}: flux encodes for the tiny or the reference tier's shapes")
+    return args.tier
+
+
 def _import_flux(args, parts) -> int:
     """--src is MLCommons' preprocessed encodings (data/flux_mlcommons.py): import them as they are."""
     from timetotrain.data import flux_mlcommons
-    from timetotrain.suite import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
     if args.encoders:
@@ -128,7 +199,7 @@ def _import_flux(args, parts) -> int:
         )
     if args.select != "all":
         raise UserError(f"--select {args.select} applies to image/caption tars, not to --src {args.src}")
-    tier = get("flux1").tier(args.flux_tier or "reference")
+    tier = suite.get("flux1").tier(_flux_tier(args) or "reference")
     shapes = shapes_of(tier.model)
     out = Path(args.out)
     empty = flux_mlcommons.find_empty(args.src, args.empty_encodings)
@@ -220,9 +291,20 @@ def add_commands(sub) -> None:
         "--select tiny splits the shared CC12M + COCO fixtures (COCO val2017 is the validation set); or, when --src "
         "is MLCommons' preprocessed download (a `datasets` save_to_disk folder of Arrow files, a folder of them, or "
         "its data_<rank>_<idx>.parquet files), import those encodings bit for bit, keys and stored eval timesteps "
-        "included, with empty_encodings/ from beside --src or --empty-encodings (see data/flux_mlcommons.py).",
+        "included, with empty_encodings/ from beside --src or --empty-encodings (see data/flux_mlcommons.py). "
+        "--for BENCH --tier T --src DIR --out DIR: whatever that tier reads, made from a folder of raw sources "
+        "laid out as ../shared/data by the recipe its task declares (the one `ttt suite --data SRC` runs).",
     )
-    s.add_argument("dataset", choices=["c4", "govreport", "flux"], help="dataset to prepare")
+    s.add_argument(
+        "dataset", nargs="?", choices=["c4", "govreport", "flux"], help="dataset to prepare (or --for)"
+    )
+    s.add_argument(
+        "--for",
+        dest="for_bench",
+        metavar="BENCH",
+        help="prepare what benchmark BENCH's --tier reads from --src, a folder of raw sources laid out as "
+        "../shared/data, by the recipe its task declares (the one `ttt suite --data SRC` runs)",
+    )
     s.add_argument(
         "--src",
         required=True,
@@ -232,7 +314,6 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--split",
-        required=True,
         choices=["train", "validation"],
         help="which split --src holds; a run reads both, so prepare train and validation into one --out",
     )
@@ -291,10 +372,8 @@ def add_commands(sub) -> None:
     )
     f.add_argument(
         "--tier",
-        dest="flux_tier",
-        choices=["tiny", "reference"],
-        help="flux: whose shapes to encode for or to check imported encodings against (default: tiny with "
-        "standin, else reference)",
+        help="with --for: the tier whose data to prepare; flux: tiny or reference, whose shapes to encode for "
+        "or to check imported encodings against (default: tiny with standin, else reference)",
     )
     f.add_argument(
         "--empty-encodings",

@@ -1,4 +1,6 @@
-"""`ttt suite`: the whole suite at one tier, scored into one results folder (timetotrain/runner/suite.py)."""
+"""`ttt suite`: the whole suite at one tier, scored into one results folder. This module parses the flags;
+the driver is cli/suite_driver.py, imported when the command runs (it loads the MLPerf logging package,
+which no other command should wait for at start-up)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _data_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
 
 
 def _cmd_suite(args) -> int:
-    from timetotrain.runner.suite import Suite, SuiteOptions, format_rows
+    from timetotrain.cli.suite_driver import Suite, SuiteOptions, format_rows
 
     if args.runs is not None and args.runs < 1:
         raise UserError(f"--runs {args.runs} must be at least 1")

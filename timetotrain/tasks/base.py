@@ -10,7 +10,9 @@ A task answers, for a tier of a benchmark:
   open it after `run_start` (`open` -> `RunData`: this rank's batches, the loss, the evaluation);
 - what a random batch is (`synthetic`, for `ttt synth` and the warm-up before the clock);
 - how many FLOPs one training sample costs, and what one sample holds ("tokens" x seq_len, "images" x 1);
-- which hyperparameter keys the log carries.
+- which hyperparameter keys the log carries;
+- how its tier's data is made from a folder of raw sources (`data_name`, `data_recipe`: what `ttt suite
+  --data SRC` and `ttt data prepare --for` run), so no code outside the task names its data spec.
 
 Batches are dicts of tensors whose first dimension is the sample; the harness splits them into
 micro-batches along that dimension and never looks inside.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,18 @@ class RunData(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional: most data holds nothing to release
         """Release files and threads."""
+
+
+@dataclass(frozen=True)
+class DataRecipe:
+    """How a tier's data is made from a folder of raw sources (as ../shared/data): in-process (`call`), then
+    `ttt data prepare` steps, each run into the folder being made."""
+
+    name: str  # the cache folder's name: what the data is, not which benchmark reads it (`Task.data_name`)
+    describe: str  # one phrase for the progress line, e.g. "C4 tokenized with llama3"
+    steps: tuple[tuple[str, ...], ...] = ()  # `ttt` argument lists; the argument "{out}" is the folder made
+    sources: tuple[Path, ...] = ()  # the files the recipe reads: a changed one makes a cached copy stale
+    call: Callable[[Path], None] | None = None  # writes the data into the folder it is given, before `steps`
 
 
 class Task(ABC):
@@ -181,6 +196,19 @@ class Task(ABC):
 
     def plan_note(self, tier) -> str | None:
         """A line `ttt plan` adds about what its memory estimate leaves out and why, or None."""
+        return None
+
+    def data_name(self, tier) -> str | None:
+        """The name of the tier's prepared data (its cache folder), known without a source folder: the
+        `DataRecipe.name` that `data_recipe` returns. None: no recipe here makes this tier's data (the user
+        prepares it and passes `--data BENCH=DIR`)."""
+        return None
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe | None:
+        """How the tier's data is made from `source`, a folder of raw sources laid out as ../shared/data;
+        None where `data_name` is None. Finding the files in `source` is the task's: a missing one is a
+        UserError naming `--data SOURCE` and what to put there (read by `ttt suite` and `ttt data prepare
+        --for`, which run the recipe)."""
         return None
 
     def baseline_loss(self, tier) -> float | None:

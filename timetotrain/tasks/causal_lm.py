@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from timetotrain.data import loader
+from timetotrain.data import loader, sources
 from timetotrain.data.cyclic_sampler import CyclicDraw, reference_val_samples
 from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,26 @@ class CausalLM(Task):
         # The checkpoint's embedding and head keep only their first vocab_size rows (llama31_405b: the
         # Llama 3 checkpoint continued on Mixtral ids).
         self.truncate_vocab = truncate_vocab
+
+    def data_name(self, tier) -> str:
+        return f"c4-{tier.data.tokenizer}"
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        """C4 tokenized with the tier's tokenizer, both splits: two `ttt data prepare c4` steps."""
+        source = Path(source)
+        c4 = sources.c4_dir(source)
+        tokenizer = tier.data.tokenizer
+        tok = ["--tokenizer", tokenizer]
+        read = sorted(c4.glob("c4-*.json.gz"))
+        if tokenizer != "llama3":  # llama3 ships with llama-models; the others are SentencePiece files
+            model = sources.tokenizer_model(source, tokenizer)
+            tok += ["--tokenizer-model", str(model)]
+            read.append(model)
+        steps = tuple(
+            ("data", "prepare", "c4", "--src", str(c4), "--split", split, *tok, "--out", "{out}")
+            for split in ("train", "validation")
+        )
+        return DataRecipe(self.data_name(tier), f"C4 tokenized with {tokenizer}", steps, tuple(read))
 
     def checkpoint_rows(self, tier) -> dict[str, int] | None:
         if not self.truncate_vocab:

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from timetotrain.data import govreport
+from timetotrain.data import govreport, sources
 from timetotrain.data.mapped import MappedFiles
 from timetotrain.data.vocab_table import load_vocab_table
 from timetotrain.errors import UserError
 from timetotrain.models.common.lora import QKV_PARTS, apply_lora, base_names, init_lora, lora_param_count
-from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,30 @@ class LoRAFineTune(Task):
     def validate(self, tier) -> None:
         if tier.data.block <= 1 or tier.data.block > tier.model.max_seq_len:
             raise UserError(f"--set block={tier.data.block} must be in [2, {tier.model.max_seq_len}]")
+
+    @staticmethod
+    def _select(tier) -> str:
+        # The tiny tiers pick their rows of the shared fixture (`--select tiny`); other tiers take the file.
+        return "tiny" if tier.name == "tiny" else "all"
+
+    def data_name(self, tier) -> str:
+        return f"govreport-{self._select(tier)}-{tier.data.block}"
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        """GovReport packed into blocks of the tier's length, both splits: two `ttt data prepare govreport`
+        steps, tokenized with Llama 2 (data/govreport.py)."""
+        source = Path(source)
+        gov = sources.govreport_file(source)
+        model = sources.tokenizer_model(source, "llama2")
+        select, block = self._select(tier), tier.data.block
+        steps = tuple(
+            ("data", "prepare", "govreport", "--src", str(gov), "--split", split, "--select", select,
+             "--block", str(block), "--tokenizer-model", str(model), "--out", "{out}")
+            for split in ("train", "validation")
+        )  # fmt: skip
+        return DataRecipe(
+            self.data_name(tier), f"GovReport in {block}-token blocks ({select})", steps, (gov, model)
+        )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         data_dir = Path(data_dir)

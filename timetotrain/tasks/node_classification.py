@@ -22,7 +22,7 @@ from timetotrain.data import graph_synth, igbh
 from timetotrain.data.sampler import NeighbourSampler
 from timetotrain.errors import UserError
 from timetotrain.models import rgat
-from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 SEED_TYPE = "paper"
 
@@ -265,16 +265,27 @@ class NodeClassification(Task):
         `eval_samples` is the whole validation split, as the reference's."""
         return eval_seeds(igbh.split_sizes(*_split(tier))[1], world)
 
-    def prepare_data(self, tier, source: Path, out: Path) -> None:
-        """`ttt suite`: a tier on a generated graph writes it (`source` is not read); the real IGBH is
-        downloaded and named with `--data BENCH=DIR`. Seed 0 is `ttt data synth-graph`'s default, the graph
-        the tiny RCP was measured on."""
-        if not tier.data.num_nodes or tier.data.num_nodes != _generated_sizes(tier.name):
+    def _generated(self, tier) -> bool:
+        return bool(tier.data.num_nodes) and tier.data.num_nodes == _generated_sizes(tier.name)
+
+    def data_name(self, tier) -> str | None:
+        return f"igbh-synth-{tier.name}" if self._generated(tier) else None
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        """A tier on a generated graph writes it (`source` is not read); the real IGBH is downloaded and
+        named with `--data BENCH=DIR`. Seed 0 is `ttt data synth-graph`'s default, the graph the tiny RCP
+        was measured on."""
+        if not self._generated(tier):
             raise UserError(
                 f"{tier.name} reads IGBH-full, which no recipe here makes: {tier.data.how_to_make}, then pass "
                 "--data rgat=DIR"
             )
-        graph_synth.generate(Path(out), graph_synth.scale(tier.name), seed=0, log=lambda *a: None)
+        scale = graph_synth.scale(tier.name)
+        return DataRecipe(
+            self.data_name(tier),
+            f"a synthetic IGBH-like {tier.name} graph (seed 0)",
+            call=lambda out: graph_synth.generate(Path(out), scale, seed=0, log=lambda *a: None),
+        )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         spec: GraphData = tier.data

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from timetotrain.data import flux_encodings as enc
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 EVAL_TIMESTEPS = 8
 _EVAL_TAG = 0xE7A1  # separates the eval generators' seeds from the training steps'
@@ -240,10 +240,13 @@ class RectifiedFlow(Task):
                 f"{tier.micro_batch_size}"
             )
 
-    def prepare_data(self, tier, source: Path, out: Path) -> None:
-        """`ttt suite`: the tiny tier encodes the CC12M and COCO fixture tars under `source` (cc12m/,
-        coco_mini/) with the stand-in encoders and `source`'s Llama 2 tokenizer, as `ttt data prepare flux
-        --encoders standin --select tiny` does; the reference tier's encodings come from MLCommons."""
+    def data_name(self, tier) -> str | None:
+        return "flux-standin-tiny" if tier.name == "tiny" else None
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        """The tiny tier encodes the CC12M and COCO fixture tars under `source` (cc12m/, coco_mini/) with the
+        stand-in encoders and `source`'s Llama 2 tokenizer, as `ttt data prepare flux --encoders standin
+        --select tiny` does; the reference tier's encodings come from MLCommons."""
         from timetotrain.data import flux_encoders, flux_prepare
 
         if tier.name != "tiny":
@@ -258,10 +261,17 @@ class RectifiedFlow(Task):
         for p in (tokenizer, *tar_dirs):
             if not p.exists():
                 raise UserError(f"--data {source}: no {p.relative_to(source)} in it (the flux1 tiny sources)")
-        encoders = flux_encoders.StandInEncoders(shapes_of(tier.model), tokenizer)
         tars = flux_prepare.tars_of(",".join(str(d) for d in tar_dirs))
-        for split in ("train", "validation"):
-            flux_prepare.prepare(tars, split, encoders, Path(out), select="tiny")
+
+        def make(out: Path) -> None:
+            encoders = flux_encoders.StandInEncoders(shapes_of(tier.model), tokenizer)
+            for split in ("train", "validation"):
+                flux_prepare.prepare(tars, split, encoders, Path(out), select="tiny")
+
+        return DataRecipe(
+            self.data_name(tier), "CC12M and COCO fixtures through the stand-in encoders",
+            sources=(tokenizer, *tars), call=make,
+        )  # fmt: skip
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None) -> Resolved:
         root = Path(data_dir)

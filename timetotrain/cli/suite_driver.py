@@ -1,8 +1,15 @@
-"""`ttt suite`: every benchmark that has a tier, N runs each, scored into one results folder.
+"""`ttt suite`'s driver: every benchmark that has a tier, N runs each, scored into one results folder
+(cli/suite.py parses the flags and imports this module only when the command runs).
 
 The benchmarks come from the registry (`timetotrain.suite.names()` and each one's tiers), so a benchmark
-added there joins the suite with no change here. Each step is a `ttt` child process (data prepare, base,
-run), so each keeps its own signal handling, progress and clean-up; this process never imports torch.
+added there joins the suite with no change here. A tier's data is what its task's recipe makes
+(`Task.data_name`, `Task.data_recipe`): this module never names a data spec. Each step is a `ttt` child
+process (data prepare, base, run), so each keeps its own signal handling, progress and clean-up; only a
+recipe's in-process part (`DataRecipe.call`) runs in this process.
+
+Prepared data is cached in CACHE/<recipe name>, written as `<name>.partial` and renamed when every step has
+finished, so a folder that exists is complete; `source.json` in it records which source files it was made
+from (a changed source makes it stale).
 
 Resuming: a run is finished when its `result_<k>.txt` exists (a killed run leaves only a `.partial`,
 which no score reads). A run that a signal stopped (its log names the signal, `ttt_stop_signal`) did not
@@ -22,6 +29,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,11 +37,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timetotrain import fileio, lifeline
+from timetotrain import fileio, lifeline, suite
+from timetotrain.cli.data import make_data
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
-from timetotrain.runner import data as recipes
+from timetotrain.mlperf.results import find_groups, parse_log, result_files
+from timetotrain.mlperf.score import score_group
+from timetotrain.tasks.base import DataRecipe
 from timetotrain.train.seeds import run_seeds
 
 STATE = "suite.json"
@@ -66,6 +77,37 @@ class Row:
     rcp: str
     note: str = ""
     mean_minutes: float | None = None  # run_start -> run_stop, mean of the compliant runs
+
+
+def default_cache() -> Path:
+    root = os.environ.get("TTT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "timetotrain")
+    return Path(root) / "data"
+
+
+def source_record(recipe: DataRecipe) -> dict:
+    """What the data was made from: names and sizes (a changed source file makes the cache stale)."""
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in recipe.sources]
+    return {"recipe": recipe.name, "steps": [list(s) for s in recipe.steps], "sources": files}
+
+
+def cached(cache: Path, name: str) -> Path | None:
+    folder = cache / name
+    return folder if (folder / "source.json").is_file() else None
+
+
+def is_current(folder: Path, recipe: DataRecipe) -> bool:
+    try:
+        return json.loads((folder / "source.json").read_text()) == source_record(recipe)
+    except (OSError, ValueError):
+        return False
+
+
+def recipe_for(bench, tier, src: Path) -> DataRecipe | None:
+    """The task's recipe of the tier's data from `src`, checked against the name it gives without one."""
+    recipe = bench.task.data_recipe(tier, src)
+    if recipe is not None and recipe.name != bench.task.data_name(tier):
+        raise AssertionError(f"{bench.name} {tier.name}: data_recipe names {recipe.name}, data_name another")
+    return recipe
 
 
 def _ttt(*args: str) -> list[str]:
@@ -128,8 +170,6 @@ def hold_lock(out: Path) -> int:
 def set_aside_signalled(folder: Path) -> list[tuple[Path, Path, object, str]]:
     """Move the logs of runs a signal stopped out of the results: result_<k>.txt -> result_<k>.txt.signalled.
     Returns (old, new, seed, signal) for each."""
-    from timetotrain.mlperf.results import parse_log, result_files
-
     moved = []
     for p in result_files(folder) if folder.is_dir() else []:
         lg = parse_log(p)
@@ -144,8 +184,6 @@ def set_aside_signalled(folder: Path) -> list[tuple[Path, Path, object, str]]:
 
 
 def select(tier: str, only: list[str] | None) -> list:
-    from timetotrain import suite
-
     if only:
         benches = [suite.get(n) for n in only]  # any registered name, listed or not
         missing = [b.name for b in benches if tier not in b.tiers]
@@ -198,8 +236,6 @@ def _state_problem(state) -> str:
 
 def finished_seeds(folder: Path) -> dict[int, Path]:
     """Seed -> finished log, for the result files already in a benchmark's folder."""
-    from timetotrain.mlperf.results import parse_log, result_files
-
     out = {}
     for p in result_files(folder) if folder.is_dir() else []:
         seed = parse_log(p).seed
@@ -215,7 +251,7 @@ def _fmt_s(s: float) -> str:
 class Suite:
     def __init__(self, opts: SuiteOptions):
         self.o = opts
-        self.cache = opts.cache or recipes.default_cache()
+        self.cache = opts.cache or default_cache()
         self.state_path = opts.out / STATE
         self.t0 = time.monotonic()
 
@@ -235,45 +271,41 @@ class Suite:
         src = self.o.source
         if src is None:
             # No source: only a folder a previous suite prepared can serve.
-            name = recipes.cache_name(bench, tier)
-            found = recipes.cached(self.cache, name) if name else None
+            name = bench.task.data_name(tier)
+            found = cached(self.cache, name) if name else None
             if found is None:
                 raise UserError(
                     f"{who}: no data: pass --data SRC (a folder with c4/en, govreport/ and tokenizers/, as "
                     f"../shared/data) or --data {bench.name}=DIR (a prepared folder)"
                 )
             return found
-        recipe = recipes.recipe_for(bench, tier, src)
+        recipe = recipe_for(bench, tier, src)
         if recipe is None:
             raise UserError(
                 f"{who}: timetotrain cannot prepare this data from --data {src}: pass "
                 f"--data {bench.name}=DIR with a prepared folder"
             )
         folder = self.cache / recipe.name
-        if recipes.is_current(folder, recipe):
+        if is_current(folder, recipe):
             self.say(f"{who}: {recipe.describe}: cached in {folder}")
             return folder
         self.say(f"{who}: preparing {recipe.describe} into {folder}")
         tmp = folder.with_name(folder.name + ".partial")
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        if recipe.call is not None:
-            recipe.call(tmp)
-        for step in recipe.steps:
-            cmd = _ttt(*(str(tmp) if a == "{out}" else a for a in step))
-            res = _child(cmd)
-            if res.returncode != 0:
-                raise UserError(f"{who}: `{' '.join(cmd[2:])}` failed (exit {res.returncode}); see above")
-        fileio.write_text(tmp / "source.json", json.dumps(recipes.source_record(recipe), indent=2) + "\n")
+        make_data(recipe, tmp, lambda step: self._step(who, step))
+        fileio.write_text(tmp / "source.json", json.dumps(source_record(recipe), indent=2) + "\n")
         if folder.exists():
-            import shutil
-
             shutil.rmtree(folder)
         tmp.rename(folder)
         return folder
+
+    def _step(self, who: str, step: list[str]) -> None:
+        cmd = _ttt(*step)
+        res = _child(cmd)
+        if res.returncode != 0:
+            raise UserError(f"{who}: `{' '.join(cmd[2:])}` failed (exit {res.returncode}); see above")
 
     def base_for(self, bench, tier) -> Path | None:
         if tier.base is None:
@@ -407,8 +439,8 @@ class Suite:
     def _check_cached(self, bench) -> None:
         tier = bench.tier(self.o.tier)
         for b, t in [(bench, tier)] + ([(tier.base.benchmark, tier.base.pretraining)] if tier.base else []):
-            name = recipes.cache_name(b, t)
-            if name is None or recipes.cached(self.cache, name) is None:
+            name = b.task.data_name(t)
+            if name is None or cached(self.cache, name) is None:
                 raise UserError(
                     f"{bench.name} {tier.name}: no data: pass --data SRC (a folder with c4/en, govreport/ and "
                     f"tokenizers/, as ../shared/data) or --data {bench.name}=DIR (a prepared folder)"
@@ -416,9 +448,6 @@ class Suite:
 
 
 def score_row(bench, folder: Path) -> Row:
-    from timetotrain.mlperf.results import find_groups, result_files
-    from timetotrain.mlperf.score import score_group
-
     if not folder.is_dir() or not result_files(folder):
         return Row(bench.name, 0, 0, 0, None, "-", "no runs")
     (g,) = [g for g in find_groups(folder) if g.folder == folder]

@@ -1,1 +1,0 @@
-"""Commands that drive other commands: `ttt suite` and the data it prepares."""
