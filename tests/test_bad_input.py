@@ -1058,8 +1058,11 @@ def full_disk_from(monkeypatch, nth: int) -> None:
         ("data synth-graph --scale tiny --out {w}/g", "--out {w}/g", 3),
         ("report {w}/logs_ok --out {w}/rep", "--out {w}/rep", 2),  # summary.md, after the plot
         ("report {w}/logs_ok --html {w}/r.html", "--html {w}/r.html", 1),
+        # the systems json, then (3) a copied result: the package is built aside and renamed
+        ("package --org O --system S --results {w}/logs_ok --out {w}/pkg", "--out {w}/pkg", 1),
+        ("package --org O --system S --results {w}/logs_ok --out {w}/pkg", "--out {w}/pkg", 3),
     ],
-    ids=["synth-graph", "report", "report-html"],
+    ids=["synth-graph", "report", "report-html", "package-systems-json", "package-result-copy"],
 )
 def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, capsys, monkeypatch):
     w = tmp_path / "w"

@@ -61,14 +61,15 @@ def _cmd_package(args) -> int:
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
-    res = build_package(
-        args.org,
-        args.system,
-        _existing_dir(args.results, "--results"),
-        Path(args.out),
-        system_json,
-        args.tier,
-    )
+    with writing("--out", args.out):  # a full disk: the package is built aside and renamed, so none appears
+        res = build_package(
+            args.org,
+            args.system,
+            _existing_dir(args.results, "--results"),
+            Path(args.out),
+            system_json,
+            args.tier,
+        )
     for w in res.warnings:
         print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
