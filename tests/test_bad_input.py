@@ -1084,6 +1084,18 @@ def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, cap
     assert {p: v for p, v in after.items() if p not in made} == before
 
 
+def test_full_disk_under_any_other_writer_is_one_line(tmp_path, capsys, monkeypatch):
+    """`ttt synth`'s summary is written after its log: a full disk there is the CLI's one line, not a traceback
+    (the finished log stays: it is a whole synth log)."""
+    full_disk_from(monkeypatch, 1)
+    code = main(["synth", "llama31_8b", "--tier", "tiny", "--steps", "2", "--warmup-steps", "0", "--logdir",
+                 str(tmp_path / "syn")])  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("ttt: error: ") and "No space left on device" in lines[-1]
+    assert "Traceback" not in "\n".join(lines)
+    assert not [p for p in (tmp_path / "syn").rglob("*") if p.name.startswith(".")]  # no temporaries
+
+
 @pytest.mark.parametrize("how", ["from-another-prepare", "counts-too-few-ids"])
 def test_a_token_count_file_no_manifest_vouches_for_is_not_trusted(how, c4_prepared, tmp_path, capsys):
     """Without the manifests, a leftover `*_token_counts.npy` neither narrows the vocabulary nor stands in for

@@ -9,6 +9,7 @@ inside the commands.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import warnings
 
@@ -55,6 +56,9 @@ def _one_line_warning(message, category, filename, lineno, line=None):
     return f"ttt: warning: {message}\n"
 
 
+_STORAGE_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     args = build_parser().parse_args(argv)
@@ -72,6 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ttt: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in _STORAGE_FULL:
+            raise  # anything else is a bug to see whole
+        # The backstop for a writer that does not name its flag itself (errors.writing): every output goes
+        # through fileio's staged writes, so what is final is whole and the rest was removed.
+        where = f"{e.filename}: " if e.filename else ""
+        print(
+            f"ttt: error: {where}{e.strerror or e}: free space (or pass a folder with room) and run again; "
+            "files completed before it are whole, the unfinished one was removed",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
 
 def _outcome(e: Interrupted) -> str:
