@@ -7,10 +7,14 @@ import os
 import subprocess
 
 import pytest
+import torch
 from conftest import mllog, ttt_command
 from test_rgat_logs import official_chain_errors
+from untrained import assert_misses_target
 
+from timetotrain.suite import get
 from timetotrain.suite.rgat import TINY
+from timetotrain.train.step import build_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,6 +47,17 @@ def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
     assert 0.4 < epochs[-1] < 1.0  # the RCP's 10 seeds converged at 0.59-0.72 epochs
     check = ttt("check", str(log), "--ruleset", "5.1.0")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_untrained_model_misses_the_target(run):
+    """The freshly built model, before any step, on the tier's validation seeds (tests/untrained.py)."""
+    root, _ = run
+    bench, dev = get("rgat"), torch.device("cpu")
+    data = bench.task.open(TINY, bench.task.resolve(TINY, root / "graph"), 0, 0, 1, dev)
+    try:
+        assert_misses_target(bench, TINY, data.evaluate(build_training(bench, TINY, dev, 0).model))
+    finally:
+        data.close()
 
 
 def test_tiny_log_passes_the_official_checker(run):
