@@ -6,15 +6,19 @@ import json
 import subprocess
 
 import pytest
+import torch
 from conftest import mllog, official_errors, require_file, shared_data_dir, ttt_command
+from untrained import assert_misses_target
 
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.rcp import rcp_path
 from timetotrain.suite import get
+from timetotrain.train.step import build_training
 
 pytestmark = pytest.mark.e2e
 
-TINY = get("flux1").tier("tiny")
+BENCH = get("flux1")
+TINY = BENCH.tier("tiny")
 
 
 def ttt(*argv, **kw):
@@ -30,6 +34,13 @@ def test_tiny_tier_to_target_and_scored(tmp_path):
         made = ttt("data", "prepare", "flux", "--src", src, "--split", split, "--select", "tiny", "--encoders",
                    "standin", "--tokenizer-model", str(sp), "--out", str(tmp_path / "enc"))  # fmt: skip
         assert made.returncode == 0, made.stderr[-2000:]
+    # Before any step, the freshly built model on the tier's eval set misses the target (tests/untrained.py).
+    dev = torch.device("cpu")
+    data = BENCH.task.open(TINY, BENCH.task.resolve(TINY, tmp_path / "enc"), 0, 0, 1, dev)
+    try:
+        assert_misses_target(BENCH, TINY, data.evaluate(build_training(BENCH, TINY, dev, 0).model))
+    finally:
+        data.close()
     proc = ttt("run", "flux1", "--tier", "tiny", "--data", str(tmp_path / "enc"), "--logdir", str(tmp_path / "logs"),
                "--seed", "1000", "--quiet")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
