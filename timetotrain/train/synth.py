@@ -49,6 +49,7 @@ class SynthOptions:
     layers: int | None = None  # replace the tier's layer count (reference width, fewer layers)
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
     wandb: bool = False
+    config: dict | None = None  # the --config file and the values it gave, logged as ttt_config
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -145,9 +146,10 @@ def synth(opts: SynthOptions) -> dict:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
         log.start("init_start")
         prep.tier = dataclasses.replace(tier, division="open")  # never a closed result
-        prepare.log_init_keys(
-            log, prep, "timetotrain", None, {"ttt_mode": "synthetic", "ttt_tier": tier.name}
-        )
+        extra = {"ttt_mode": "synthetic", "ttt_tier": tier.name}
+        if opts.config is not None:
+            extra["ttt_config"] = opts.config
+        prepare.log_init_keys(log, prep, "timetotrain", None, extra)
         prep.tier = tier
         if live:
             live.update(f"{what}: building the model and its optimizer on {device}", force=True)
