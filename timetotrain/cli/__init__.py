@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from timetotrain import fileio
-from timetotrain.cli import config, data, doctor, results, rules, run, suite
+from timetotrain.cli import completion, config, data, doctor, results, rules, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_commands(sub)
     rules.add_commands(sub)
     doctor.add_commands(sub)
+    completion.add_commands(sub, p)
     return p
 
 
