@@ -198,6 +198,13 @@ def synth(opts: SynthOptions) -> dict:
             [local_samples_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
         )
         max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
+        # Each rank's own figures, gathered once after the window (its clock has already been read).
+        mine = [
+            steps * local * items_per_sample / wall,
+            statistics.median(per_step),
+            statistics.fmean(per_step),
+        ]
+        ranks = per_rank(distributed.all_gather([*mine, float(mem)], device), item_name)
         flops_sample = bench.flops_per_sample(tier)
         achieved = tot_samples_s * flops_sample
         tot_items_s = tot_samples_s * items_per_sample
@@ -243,6 +250,7 @@ def synth(opts: SynthOptions) -> dict:
             "final_loss": final_loss,
             "baseline_loss": bench.task.baseline_loss(tier),
         }
+        summary["per_rank"] = ranks
         if opts.layers is not None:
             summary["layers"] = opts.layers
             summary["layers_of"] = full_layers
@@ -278,6 +286,33 @@ def synth(opts: SynthOptions) -> dict:
     del tr
     distributed.teardown(barrier=True)
     return summary
+
+
+def per_rank(gathered: list[list[float]], item_name: str) -> list[dict]:
+    """The gathered [items/s, step p50, step mean, peak memory] of each rank as summary rows."""
+    return [
+        {
+            "rank": r,
+            f"{item_name}_per_s": items_s,
+            "step_time_p50_s": p50,
+            "step_time_mean_s": mean,
+            "peak_memory_bytes": int(mem),
+        }
+        for r, (items_s, p50, mean, mem) in enumerate(gathered)
+    ]
+
+
+def format_per_rank(s: dict) -> str:
+    """One line per rank (under torchrun): where a slow rank or an uneven memory use shows."""
+    item = s["item"]
+    rows = s.get("per_rank", [])
+    head = f"{'rank':>6}  {item + '/s':>14}  {'step p50 (s)':>12}  {'step mean (s)':>13}  {'peak memory (GiB)':>17}"
+    lines = [head] + [
+        f"{r['rank']:>6}  {r[item + '_per_s']:>14,.0f}  {r['step_time_p50_s']:>12.4f}  {r['step_time_mean_s']:>13.4f}"
+        f"  {r['peak_memory_bytes'] / 2**30:>17.2f}"
+        for r in rows
+    ]
+    return "\n".join(lines)
 
 
 def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, compiled: bool, since: float):
@@ -368,4 +403,7 @@ def format_table(s: dict) -> str:
     ]  # fmt: skip
     rows += [(name, f"{value:,.1f}") for name, value in s.get("data_figures", {}).items()]
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    if len(s.get("per_rank", [])) > 1:
+        table += "\nper rank:\n" + format_per_rank(s)
+    return table
