@@ -73,3 +73,10 @@ def test_zsh_script_loads_the_bash_tables_through_bashcompinit(capsys, tmp_path)
         f = tmp_path / "ttt.zsh"
         f.write_text(text)
         subprocess.run([zsh, "-n", str(f)], check=True)
+        # Loaded as ~/.zshrc would: registered for ttt, and completing a tier from the same tables.
+        probe = (
+            f"autoload -U compinit; compinit -u; source {f}; echo ${{_comps[ttt]}}; setopt ksharrays; "
+            "COMP_WORDS=(ttt run llama31_8b --tier ''); COMP_CWORD=4; _ttt_complete; echo ${COMPREPLY[*]}"
+        )
+        out = subprocess.run([zsh, "-fc", probe], capture_output=True, text=True, check=True).stdout
+        assert out.splitlines() == ["_bash_complete -o default -F _ttt_complete", "reference tiny"]
