@@ -113,3 +113,17 @@ def test_the_run_logs_its_config(tmp_path, capsys, monkeypatch):
     assert events["ttt_data"] == str((tmp_path / "data").resolve()) and events["seed"] == 1
     json.dumps(conf)
     assert main(["check", str(log)]) == 0  # the rule file takes the extra key
+
+
+def test_synth_dry_run_says_steps_layers_and_builds_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["synth", "flux1", "--layers", "3", "--steps", "4", "--dry-run", "--json"]) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    assert doc["command"] == "synth" and doc["rules"]["verdict"] == "not checked"
+    assert doc["synth"] == {"steps": 4, "warmup_steps": 5, "layers": 3, "layers_source": "--layers"}
+    assert (doc["model"]["n_double"], doc["model"]["n_single"]) == (1, 2)  # the reduced model, 19:38
+    assert doc["options"]["precision"]["source"] == "default" and doc["plan"]["parallel"].endswith("fp32")
+    assert main(["synth", "llama31_405b", "--tier", "reference", "--dry-run"]) == 0
+    assert "1 layer(s) (the tier's synth default)" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []

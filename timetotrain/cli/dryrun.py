@@ -15,17 +15,18 @@ from timetotrain import strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.suite.base import SETTABLE, apply_overrides, setting
-from timetotrain.train import distributed, memory, parallel
+from timetotrain.train import distributed, memory, parallel, synth
 
 # The options shown besides the tier's settings (the rest only shape the output of the command).
-_SKIP = {"set", "json", "quiet", "dry_run", "config", "func", "command", "config_doc", "sources"}
+_SKIP = {"set", "json", "quiet", "dry_run", "config", "func", "command", "config_doc", "sources", "steps",
+         "warmup_steps", "layers"}  # fmt: skip
 
 
 def _set_keys(items: list[str]) -> set[str]:
     return {i.partition("=")[0].strip().replace("-", "_") for i in items}
 
 
-def resolve(args) -> dict:
+def resolve(args, command: str = "run") -> dict:
     bench = suite.get(args.benchmark)
     declared = bench.tier(args.tier)
     sets = list(args.set or [])
@@ -35,6 +36,23 @@ def resolve(args) -> dict:
     on_line = _set_keys(sets[len(from_file) :])
     in_file = _set_keys(from_file)
     tier = apply_overrides(bench, declared, sets)
+    extra = {}
+    if command == "synth":  # what `ttt synth` does to the tier before it builds (train/synth.py)
+        layers = args.layers if args.layers is not None else bench.synth_layers.get(tier.name)
+        if layers is not None:
+            tier = synth.with_layers(bench, tier, layers)
+        extra["synth"] = {
+            "steps": args.steps if args.steps is not None else synth.DEFAULT_STEPS.get(tier.name, 20),
+            "warmup_steps": args.warmup_steps
+            if args.warmup_steps is not None
+            else synth.DEFAULT_WARMUP.get(tier.name, 5),
+            "layers": layers,
+            "layers_source": "--layers"
+            if args.layers is not None
+            else "the tier's synth default"
+            if layers
+            else None,
+        }
     settings = {}
     for name in (*SETTABLE, *bench.task.settable):
         value = setting(tier, name)
@@ -54,6 +72,7 @@ def resolve(args) -> dict:
         if k not in _SKIP and k != "benchmark" and not callable(v)
     }
     return {
+        "command": command,
         "benchmark": bench.name,
         "tier": tier.name,
         "division": tier.division,
@@ -64,10 +83,14 @@ def resolve(args) -> dict:
         },
         "settings": settings,
         "options": options,
-        "rules": _rules(bench, tier),
+        "rules": _rules(bench, tier) if command == "run" else _NOT_A_RESULT,
         "plan": _plan(bench, tier, args),
         "config": args.config_doc,
+        **extra,
     }
+
+
+_NOT_A_RESULT = {"verdict": "not checked", "reason": "a synth run is never a result", "rules": "none"}
 
 
 def _plain(v):
@@ -95,7 +118,13 @@ def _rules(bench, tier) -> dict:
 def _plan(bench, tier, args) -> dict:
     """The layout `ttt run` would take in this process (torchrun's environment, else one process)."""
     d = distributed.from_env()
-    p = parallel.parse(args.parallel, d.world, precision=args.precision, activation_checkpointing=args.ac,
+    precision = args.precision
+    if precision is None:  # `ttt synth`'s default: bf16 on a GPU, fp32 on a CPU
+        import torch
+
+        cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        precision = "bf16" if cuda else "fp32"
+    p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=args.ac,
                        compile=args.compile)  # fmt: skip
     local = parallel.check_batch_split(tier.global_batch_size, p)
     micro = min(tier.micro_batch_size, local)
@@ -128,9 +157,15 @@ def _show(v) -> str:
 
 
 def format_text(doc: dict) -> str:
-    lines = [f"ttt run {doc['benchmark']} --tier {doc['tier']}: dry run (no model built, nothing written)"]
+    lines = [
+        f"ttt {doc['command']} {doc['benchmark']} --tier {doc['tier']}: dry run (no model built, nothing written)"
+    ]
     m = doc["model"]
     lines.append(f"model: {m['family']}, {m['parameters']:,} parameters")
+    if "synth" in doc:
+        sy = doc["synth"]
+        depth = f", {sy['layers']} layer(s) ({sy['layers_source']})" if sy["layers"] else ""
+        lines.append(f"synth: {sy['steps']} timed steps after {sy['warmup_steps']} warm-up{depth}")
     if doc["config"]:
         lines.append(f"config: {doc['config']['file']} (sha256 {doc['config']['sha256'][:12]}…)")
     w = max(len(k) for k in (*doc["settings"], *doc["options"]))
@@ -153,8 +188,8 @@ def format_text(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
+def run(args, command: str = "run") -> int:
     """Print the dry run; exit 0 when `ttt run` would start, 1 when its rule check would refuse."""
-    doc = resolve(args)
+    doc = resolve(args, command)
     print(strictjson.dumps(doc, indent=2) if args.json else format_text(doc))
     return 0 if doc["rules"]["verdict"] != "refused" else 1

@@ -159,6 +159,10 @@ def run_set(args, seeds: list[int], **fixed) -> list:
 
 
 def _cmd_synth(args) -> int:
+    if args.dry_run:
+        from timetotrain.cli import dryrun
+
+        return dryrun.run(args, "synth")
     from timetotrain.train.synth import SynthOptions, format_table, synth
 
     summary = synth(
@@ -446,6 +450,13 @@ def add_commands(sub) -> None:
     _add_tracker_flags(s)
     s.add_argument("--json", action="store_true", help="print the summary (summary.json's content) as JSON")
     config.add_flag(s)
+    s.add_argument(
+        "--dry-run",
+        "--print-config",
+        action="store_true",
+        help="print the resolved tier (each setting and where it came from), steps, layers and the parallel "
+        "plan, then exit: no model built, nothing written (with --json: one JSON object)",
+    )
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser(

@@ -112,7 +112,7 @@ def synth(opts: SynthOptions) -> dict:
     if opts.layers is None and tier.name in bench.synth_layers:
         opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
     if opts.layers is not None:
-        tier = _with_layers(bench, tier, opts.layers)
+        tier = with_layers(bench, tier, opts.layers)
     # The schedule must cover every step we take, whatever the tier's max_steps.
     tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
     # -- preflight before any model is built: the log dir, the batch split --
@@ -329,7 +329,7 @@ def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, 
     live.update(text if start else f"{text}  [{time.perf_counter() - since:.0f} s]", force=start)
 
 
-def _with_layers(bench, tier, layers: int):
+def with_layers(bench, tier, layers: int):
     """The tier's model with `layers` repeated blocks (same width): a full-width model that fits one device,
     for throughput checks. Logged as `ttt_layers`; the run is never a closed result. A family with its own
     meaning of depth says it (`ModelFamily.with_layers`: flux splits the blocks double:single 19:38); FLOPs
