@@ -49,9 +49,10 @@ def test_file_values_are_defaults_the_command_line_overrides(tmp_path, capsys):
 
 def test_dry_run_text_and_the_closed_rule_verdict(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = ["run", "llama31_8b", "--tier", "reference", "--data", "d", "--logdir", "logs", "--dry-run"]
+    argv = ["run", "llama31_8b", "--tier", "reference", "--dry-run"]  # no --data, --logdir: none are read
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert "  data                -               default" in out
     assert "rules: pass (official closed rules)" in out and "plan: single process" in out
     assert "  global_batch_size   16              tier" in out
     # A closed run with another eval cadence is refused by `ttt run`; the dry run says so and exits 1.

@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    sub = _subparser(parser, argv)
+    if sub is not None and {"--dry-run", "--print-config"} & set(argv):
+        # A dry run reads no data and writes no log: it needs neither folder.
+        for a in sub._actions:
+            if a.dest in ("data", "logdir"):
+                a.required = False
     try:
         conf = _apply_config(parser, argv)
     except UserError as e:  # a bad --config file: one line, before the parse that may need its values
@@ -87,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     args = parser.parse_args(argv)
     args.config_doc = conf
-    sub = _subparser(parser, argv)
     if sub is not None:  # where each option's value came from, for --dry-run
         args.sources = config.sources(sub, argv, conf["values"] if conf else None)
     fileio.COMPLETED.clear()  # what this command completes (main may run many times in one process)
