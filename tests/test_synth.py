@@ -101,6 +101,18 @@ def test_synth_under_torchrun_two_processes_one_log(tmp_path):
     assert [r["key"] for r in recs].count("run_start") == 1  # only rank 0 logged
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_their_samples(tmp_path):
+    """Under tp=2 both ranks step through the same samples: the global rate is the per-rank rates' sum / 2
+    (summing all ranks counted every sample twice)."""
+    proc = torchrun_synth("--logdir", str(tmp_path), "--seed", "5", "--parallel", "tp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())
+    ranks = [r["tokens_per_s"] for r in s["per_rank"]]
+    assert s["tokens_per_s"] == pytest.approx(sum(ranks) / 2)
+    assert s["samples_per_s"] == pytest.approx(s["tokens_per_s"] / 256)
+
+
 def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, monkeypatch, capsys):
     """By default `ttt synth` writes ./synth/...; a synth log that sits in a tree of results anyway (the old
     default put it in ./logs) is skipped with a note by score, report and package, which then read the
