@@ -38,20 +38,20 @@ def resolve(args, command: str = "run") -> dict:
     tier = apply_overrides(bench, declared, sets)
     extra = {}
     if command == "synth":  # what `ttt synth` does to the tier before it builds (train/synth.py)
-        layers = args.layers if args.layers is not None else bench.synth_layers.get(tier.name)
+        given = args.layers is not None
+        layers = args.layers if given else bench.synth_layers.get(tier.name)
         if layers is not None:
             tier = synth.with_layers(bench, tier, layers)
+        steps = args.steps if args.steps is not None else synth.DEFAULT_STEPS.get(tier.name, 20)
+        warmup = (
+            args.warmup_steps if args.warmup_steps is not None else synth.DEFAULT_WARMUP.get(tier.name, 5)
+        )
+        depth_from = "--layers" if given else "the tier's synth default" if layers is not None else None
         extra["synth"] = {
-            "steps": args.steps if args.steps is not None else synth.DEFAULT_STEPS.get(tier.name, 20),
-            "warmup_steps": args.warmup_steps
-            if args.warmup_steps is not None
-            else synth.DEFAULT_WARMUP.get(tier.name, 5),
+            "steps": steps,
+            "warmup_steps": warmup,
             "layers": layers,
-            "layers_source": "--layers"
-            if args.layers is not None
-            else "the tier's synth default"
-            if layers
-            else None,
+            "layers_source": depth_from,
         }
     settings = {}
     for name in (*SETTABLE, *bench.task.settable):
