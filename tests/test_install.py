@@ -9,6 +9,7 @@ the test until it is placed, so the base install cannot silently miss a module n
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
@@ -49,6 +50,7 @@ def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
+@functools.cache
 def _imports() -> list[tuple[Path, str, list[ast.AST]]]:
     """(file, module placed, the chain of enclosing nodes) for every third-party import."""
     found = []
