@@ -31,8 +31,8 @@ def artifacts_dir() -> Path:
 
 
 def two_benchmarks(root: Path) -> None:
-    """10 llama31_8b and 10 gpt_oss_20b tiny runs (one aborted, so one log fails compliance), and one
-    `ttt synth` summary."""
+    """10 llama31_8b and 10 gpt_oss_20b tiny runs (one aborted, so one log fails compliance), and two
+    `ttt synth` summaries: llama31_8b (tokens) and flux1 (images, 2 ranks)."""
     tiny_runs(root / "llama31_8b" / "tiny", n=10, aborted=(2,))
     for i in range(10):
         tier_log(
@@ -49,6 +49,13 @@ def two_benchmarks(root: Path) -> None:
            "samples_per_s": 48.2, "model_tflops_per_s": 0.12, "mfu": 0.081, "device": "cpu",
            "precision": "fp32", "peak_memory_bytes": 2**30}  # fmt: skip
     (synth / "summary_0.json").write_text(json.dumps(doc))
+    flux = root / "synth" / "flux1" / "tiny"
+    flux.mkdir(parents=True)
+    doc = {"benchmark": "flux1", "tier": "tiny", "item": "images", "images_per_s": 20.5, "samples_per_s": 20.5,
+           "model_tflops_per_s": 0.02, "mfu": 0.2, "device": "cpu", "precision": "fp32", "world_size": 2,
+           "peak_memory_bytes": 3 * 2**29, "step_time_s": {"p50": 0.8},
+           "per_rank": [{"rank": 0, "images_per_s": 10.0}, {"rank": 1, "images_per_s": 10.5}]}  # fmt: skip
+    (flux / "summary_0.json").write_text(json.dumps(doc))
 
 
 def chromium(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
@@ -83,7 +90,7 @@ def test_page_is_self_contained_and_small(tmp_path, capsys):
     assert text.count("Plotly.newPlot") == 1 and "FAIL" in text and "PASS" in text
     figs = page_figures(text)
     assert set(figs) == {"chart-llama31_8b-tiny-timetotrain-test_box", "chart-gpt_oss_20b-tiny-timetotrain-test_box",
-                         "chart-synth"}  # fmt: skip
+                         "chart-synth-llama31_8b", "chart-synth-flux1"}  # fmt: skip
     llama = figs["chart-llama31_8b-tiny-timetotrain-test_box"]["data"]
     names = [t["name"] for t in llama]
     assert sum(n.startswith("result_") for n in names) == 10
@@ -110,7 +117,7 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
     # --virtual-time-budget lets the page's scripts run to the end before the DOM is dumped.
     dumped = chromium("--virtual-time-budget=20000", "--dump-dom", url)
     dom = dumped.stdout
-    assert 'data-charts-drawn="3"' in dom, dumped.stderr[-2000:]
+    assert 'data-charts-drawn="4"' in dom, dumped.stderr[-2000:]
     charts = chart_segments(dom)
     for cid in ("chart-llama31_8b-tiny-timetotrain-test_box", "chart-gpt_oss_20b-tiny-timetotrain-test_box"):
         seg = charts[cid]
@@ -120,7 +127,15 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
         assert expected >= 11 and seg.count("trace scatter") == expected, cid
         assert len(re.findall(r'class="legendtext"[^>]*>result_\d+ \(seed', seg)) == 10, cid
         assert "target " in seg
-    assert charts["chart-synth"].count("trace bars") == 2
+    for cid in (
+        "chart-synth-llama31_8b",
+        "chart-synth-flux1",
+    ):  # three panels: three bar traces, three y titles
+        assert charts[cid].count("trace bars") == 3, cid
+    assert (
+        "throughput (images/s)" in charts["chart-synth-flux1"]
+        and "peak memory (GiB)" in charts["chart-synth-flux1"]
+    )
     shot = artifacts_dir() / "report-html.png"
     shot.unlink(missing_ok=True)
     chromium("--virtual-time-budget=20000", "--window-size=1400,2400", f"--screenshot={shot}", url)
@@ -128,13 +143,36 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
     shutil.copy(page, artifacts_dir() / "report.html")
 
 
-def test_synth_chart_puts_throughput_and_mfu_on_their_own_axes(tmp_path):
-    """items/s and MFU % share no scale: one panel each, side by side, never two bars on one axis pair."""
+def test_synth_section_per_benchmark_with_units_on_their_own_axes(tmp_path):
+    """Per benchmark a table and a chart of three panels (throughput in its item/s, MFU %, peak memory GiB):
+    quantities that share no scale are never bars on one axis pair."""
     two_benchmarks(tmp_path)
-    _, fig = report_html._synth_section(report_html.synth_summaries(tmp_path))
-    per_s, mfu = fig["data"]
-    assert (per_s["xaxis"], per_s["yaxis"], mfu["xaxis"], mfu["yaxis"]) == ("x", "y", "x2", "y2")
-    lay = fig["layout"]
-    assert lay["xaxis"]["domain"][1] < lay["xaxis2"]["domain"][0]  # side by side, not overlaid
-    assert "overlaying" not in lay["yaxis2"] and "tokens" in lay["yaxis"]["title"]["text"]
-    assert per_s["y"] == [12345.6] and mfu["y"] == [100 * 0.081]
+    text, figs = report_html._synth_section(report_html.synth_summaries(tmp_path))
+    assert set(figs) == {"chart-synth-llama31_8b", "chart-synth-flux1"}
+    flux = figs["chart-synth-flux1"]
+    per_s, mfu, mem = flux["data"]
+    assert [(t["xaxis"], t["yaxis"]) for t in flux["data"]] == [("x", "y"), ("x2", "y2"), ("x3", "y3")]
+    lay = flux["layout"]
+    assert (
+        lay["xaxis"]["domain"][1]
+        < lay["xaxis2"]["domain"][0]
+        < lay["xaxis2"]["domain"][1]
+        < lay["xaxis3"]["domain"][0]
+    )
+    assert not any("overlaying" in lay[f"yaxis{k}"] for k in ("", "2", "3"))
+    titles = [lay[f"yaxis{k}"]["title"]["text"] for k in ("", "2", "3")]
+    assert titles == ["throughput (images/s)", "MFU (% of the device's peak)", "peak memory (GiB)"]
+    assert (per_s["y"], mfu["y"], mem["y"]) == ([20.5], [20.0], [1.5])
+    assert figs["chart-synth-llama31_8b"]["layout"]["yaxis"]["title"]["text"] == "throughput (tokens/s)"
+    # The tables: one per benchmark, units in the headers, the spread over ranks where there are several.
+    assert text.count("<table class='synth'") == 2 and "<th>throughput (images/s)</th>" in text
+    assert "10 to 10.5 images/s over 2 ranks" in text and "<th>peak memory (GiB)</th>" in text
+
+
+def test_verdict_cells_take_the_vocabulary_colour(tmp_path):
+    """One run: "not enough runs (1 of >= 3)" in the pending colour, neither the pass nor the fail one."""
+    tiny_runs(tmp_path / "llama31_8b" / "tiny", n=1)
+    text = report_html.render(tmp_path)
+    assert "<td class='pending'>not enough runs (1 of &gt;= 3)</td>" in text
+    colours = dict(re.findall(r"td\.(pass|fail|pending) \{ color: (#[0-9a-f]+)", text))
+    assert len(set(colours.values())) == 3, colours

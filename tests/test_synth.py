@@ -9,7 +9,7 @@ import pytest
 from conftest import mllog, strict_loads, ttt_command
 from fakelogs import tiny_runs, ttt_main
 
-from timetotrain.train.synth import SynthOptions, _percentile, synth
+from timetotrain.train.synth import SynthOptions, _percentile, format_per_rank, per_rank, synth
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -91,8 +91,26 @@ def test_synth_under_torchrun_two_processes_one_log(tmp_path):
     assert [p.name for p in d.glob("result_*.txt")] == ["result_0.txt"]
     s = json.loads((d / "summary.json").read_text())
     assert s["world_size"] == 2 and s["tokens_per_s_per_device"] == pytest.approx(s["tokens_per_s"] / 2)
+    # Each rank's figures, gathered after the window: they add up to the global rate, and the table shows them.
+    assert [r["rank"] for r in s["per_rank"]] == [0, 1]
+    assert sum(r["tokens_per_s"] for r in s["per_rank"]) == pytest.approx(s["tokens_per_s"])
+    assert max(r["peak_memory_bytes"] for r in s["per_rank"]) == s["peak_memory_bytes"]
+    assert all(0 < r["step_time_p50_s"] <= s["seconds_timed"] for r in s["per_rank"])
+    assert "per rank:" in proc.stdout and proc.stdout.count("\n") > 14
     recs = mllog(d / "result_0.txt")
     assert [r["key"] for r in recs].count("run_start") == 1  # only rank 0 logged
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_their_samples(tmp_path):
+    """Under tp=2 both ranks step through the same samples: the global rate is the per-rank rates' sum / 2
+    (summing all ranks counted every sample twice)."""
+    proc = torchrun_synth("--logdir", str(tmp_path), "--seed", "5", "--parallel", "tp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "synth" / "llama31_8b" / "tiny" / "summary.json").read_text())
+    ranks = [r["tokens_per_s"] for r in s["per_rank"]]
+    assert s["tokens_per_s"] == pytest.approx(sum(ranks) / 2)
+    assert s["samples_per_s"] == pytest.approx(s["tokens_per_s"] / 256)
 
 
 def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, monkeypatch, capsys):
@@ -139,6 +157,15 @@ def test_synth_results_live_apart_and_readers_of_results_skip_them(tmp_path, mon
     assert ttt_main(["score", "synth"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("ttt: error: only `ttt synth` logs under synth (") and len(err) == 2
+
+
+def test_per_rank_rows_and_their_table():
+    rows = per_rank([[1000.0, 0.5, 0.52, 2**30], [900.0, 0.55, 0.56, 2**31]], "tokens")
+    assert rows[1] == {"rank": 1, "tokens_per_s": 900.0, "step_time_p50_s": 0.55, "step_time_mean_s": 0.56,
+                       "peak_memory_bytes": 2**31}  # fmt: skip
+    lines = format_per_rank({"item": "tokens", "per_rank": rows}).splitlines()
+    assert "tokens/s" in lines[0] and "peak memory (GiB)" in lines[0]
+    assert lines[2].split() == ["1", "900", "0.5500", "0.5600", "2.00"]
 
 
 def test_percentile():

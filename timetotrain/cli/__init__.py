@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from timetotrain import fileio
-from timetotrain.cli import data, doctor, results, rules, run, suite
+from timetotrain.cli import completion, config, data, doctor, results, rules, run, suite
 from timetotrain.errors import Interrupted, UserError
 
 EXIT_USAGE = 2
@@ -49,7 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_commands(sub)
     rules.add_commands(sub)
     doctor.add_commands(sub)
+    completion.add_commands(sub, p)
     return p
+
+
+def _apply_config(parser: argparse.ArgumentParser, argv: list[str]) -> dict | None:
+    """`--config FILE` on a command that takes it (cli/config.py): the file's values become that
+    subcommand's defaults before the parse. Returns what `ttt_config` logs, or None."""
+    path = config.given_path(argv)
+    sub = _subparser(parser, argv)
+    if path is None or sub is None or config.FLAG not in sub._option_string_actions:
+        return None  # argparse itself refuses --config where a command has none
+    return config.describe(path, config.apply(sub, path, argv))
+
+
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    command = next((a for a in argv if not a.startswith("-")), None)
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subs.choices.get(command)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None):
@@ -61,7 +78,23 @@ _STORAGE_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    sub = _subparser(parser, argv)
+    if sub is not None and {"--dry-run", "--print-config"} & set(argv):
+        # A dry run reads no data and writes no log: it needs neither folder.
+        for a in sub._actions:
+            if a.dest in ("data", "logdir"):
+                a.required = False
+    try:
+        conf = _apply_config(parser, argv)
+    except UserError as e:  # a bad --config file: one line, before the parse that may need its values
+        print(f"ttt: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    args.config_doc = conf
+    if sub is not None:  # where each option's value came from, for --dry-run
+        args.sources = config.sources(sub, argv, conf["values"] if conf else None)
     fileio.COMPLETED.clear()  # what this command completes (main may run many times in one process)
     fileio.DISCARDED.clear()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -233,6 +234,8 @@ def _cmd_download(args) -> int:
         raise UserError(f"--workers {args.workers} must be at least 1")
     workers = args.workers or 4
     out = Path(args.out)
+    if args.dataset == "fixtures":
+        return _download_fixtures(args)
     with raise_on_signals():  # a stopped download keeps its .part files: the next call resumes them
         if args.dataset == "c4":
             if args.metadata or args.name:
@@ -251,6 +254,30 @@ def _cmd_download(args) -> int:
     return 0
 
 
+def _download_fixtures(args) -> int:
+    """The tiny tiers' data, rebuilt from public sources byte for byte (data/fixtures.py)."""
+    from timetotrain.data import fixtures
+
+    if args.metadata or args.name or args.shards != 1 or args.split != "train":
+        raise UserError(
+            "fixtures takes --out, --mirror and --only: drop --metadata, --shards, --split and the name"
+        )
+    only = [o.strip() for o in args.only.split(",")] if args.only else None
+    known = sorted({rel.split("/")[0] for rel in fixtures.OUTPUTS})
+    bad = [o for o in only or [] if o not in known]
+    if bad:
+        raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
+    out = Path(args.out)
+    with raise_on_signals(), writing("--out", out):
+        written, notes = fixtures.build(out, args.mirror, only)
+    for note in notes:
+        print(f"ttt: note: {note}", file=sys.stderr)
+    total = sum(f.stat().st_size for f in written)
+    print(f"{len(written)} fixture file(s), {total / 1e6:,.1f} MB, sha256-checked, in {out} "
+          f"(the layout ttt data prepare --for ... --src {out} reads)")  # fmt: skip
+    return 0
+
+
 def add_commands(sub) -> None:
     """Register `data prepare` and `data download`."""
     d = sub.add_parser(
@@ -266,9 +293,17 @@ def add_commands(sub) -> None:
         "checked) or from --mirror (a URL, file:// URL or folder laid out as the hub repository; each shard "
         "checked by its gzip CRC). mlcommons: the files listed by the storage metadata --metadata "
         "(<dataset>.uri with the base URL, <dataset>.md5 beside it), downloaded in parallel and md5-checked. "
-        "Interrupted downloads resume from their .part files when the command runs again.",
+        "Interrupted downloads resume from their .part files when the command runs again. "
+        "fixtures: the small real data the tiny tiers were measured on (C4 sample, GovReport, CC12M and COCO "
+        "samples, the Llama 2 and Mixtral tokenizers), rebuilt byte for byte from pinned commits of public "
+        "GitHub repositories (or --mirror with their <repo>/<commit>/<path> layout), sha256-checked, in the "
+        "layout `ttt data prepare --for BENCH --tier tiny --src OUT` reads.",
     )
-    s.add_argument("dataset", choices=["c4", "mlcommons"], help="what to download")
+    s.add_argument(
+        "dataset",
+        choices=["c4", "mlcommons", "fixtures"],
+        help="what to download (fixtures: the tiny tiers' data, rebuilt from public GitHub sources)",
+    )
     s.add_argument("name", nargs="?", help="mlcommons: a folder name under --out for the dataset")
     s.add_argument("--out", required=True, help="download folder (created if missing)")
     s.add_argument("--shards", type=int, default=1, help="c4: the first K shards (default 1)")
@@ -278,6 +313,11 @@ def add_commands(sub) -> None:
     s.add_argument("--mirror", metavar="URL|DIR", help="c4: a mirror instead of the hub")
     s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
     s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
+    s.add_argument(
+        "--only",
+        metavar="NAMES",
+        help="fixtures: a comma-separated subset (c4, govreport, cc12m, coco_mini, tokenizers)",
+    )
     s.set_defaults(func=_cmd_download)
     s = d.add_parser(
         "prepare",

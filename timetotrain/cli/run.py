@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from timetotrain import strictjson
+from timetotrain.cli import config
 from timetotrain.errors import UserError
 from timetotrain.train.seeds import run_seeds
 
@@ -73,6 +74,10 @@ def _cmd_run(args) -> int:
             f"--save-checkpoint with --runs {args.runs}: each run would replace it; pass --runs 1"
         )
     _check_seconds(args)
+    if args.dry_run:
+        from timetotrain.cli import dryrun
+
+        return dryrun.run(args)
     results = run_set(args, run_seeds(args.seed, args.runs))
     if args.json and results and results[0][1].log_path is not None:  # rank 0 only
         print(strictjson.dumps(run_summary(args, results), indent=2))
@@ -117,7 +122,7 @@ def run_set(args, seeds: list[int], **fixed) -> list:
                          ("parallel", "parallel"), ("precision", "precision"), ("activation_checkpointing", "ac"),
                          ("compile", "compile"), ("dist_timeout", "dist_timeout"), ("abort_grace", "abort_grace"),
                          ("init_checkpoint", "init_checkpoint"), ("save_checkpoint", "save_checkpoint"),
-                         ("tensorboard", "tensorboard"), ("wandb", "wandb")]
+                         ("tensorboard", "tensorboard"), ("wandb", "wandb"), ("config", "config_doc")]
             if hasattr(args, a)
         }  # fmt: skip
         results = []
@@ -154,6 +159,10 @@ def run_set(args, seeds: list[int], **fixed) -> list:
 
 
 def _cmd_synth(args) -> int:
+    if args.dry_run:
+        from timetotrain.cli import dryrun
+
+        return dryrun.run(args, "synth")
     from timetotrain.train.synth import SynthOptions, format_table, synth
 
     summary = synth(
@@ -174,6 +183,7 @@ def _cmd_synth(args) -> int:
             layers=args.layers,
             tensorboard=Path(args.tensorboard) if args.tensorboard else None,
             wandb=args.wandb,
+            config=args.config_doc,
         )
     )
     if "log" in summary and args.json:  # rank 0 only
@@ -394,6 +404,14 @@ def add_commands(sub) -> None:
         "folder, for --init-checkpoint (one run: --runs 1)",
     )
     _add_tracker_flags(s)
+    config.add_flag(s)
+    s.add_argument(
+        "--dry-run",
+        "--print-config",
+        action="store_true",
+        help="print the resolved tier (each setting and where it came from), the rule check's verdict and the "
+        "parallel plan, then exit: no model built, nothing written (with --json: one JSON object)",
+    )
     s.set_defaults(func=_cmd_run)
 
     s = sub.add_parser(
@@ -431,6 +449,14 @@ def add_commands(sub) -> None:
     _add_scale_flags(s, precision_default=None)
     _add_tracker_flags(s)
     s.add_argument("--json", action="store_true", help="print the summary (summary.json's content) as JSON")
+    config.add_flag(s)
+    s.add_argument(
+        "--dry-run",
+        "--print-config",
+        action="store_true",
+        help="print the resolved tier (each setting and where it came from), steps, layers and the parallel "
+        "plan, then exit: no model built, nothing written (with --json: one JSON object)",
+    )
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser(

@@ -110,7 +110,7 @@ class RealEncoders:
             from diffusers import AutoencoderKL
         except ImportError as e:
             raise UserError(
-                f"--encoders {folder} needs transformers and diffusers ({e}): pip install transformers diffusers"
+                f"--encoders {folder} needs transformers and diffusers ({e}): pip install 'timetotrain[flux-encoders]'"
             ) from e
         folder = Path(folder)
         for sub in ("t5", "clip", "vae"):

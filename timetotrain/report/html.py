@@ -2,7 +2,8 @@
 
 The page holds the score table, one interactive chart per system x benchmark (every run's eval curve with
 hover values, the target and the RCP marks as their own traces), the compliance verdict of every log with
-the official checker's message, and the throughput and MFU of `ttt synth` summaries found under DIR.
+the official checker's message, and per benchmark a table and a chart (throughput, MFU, peak memory, each
+on its own axis with its unit) of the `ttt synth` summaries found under DIR.
 Charts are Plotly figures; plotly.js is inlined once, so the page needs no network and no server.
 """
 
@@ -38,7 +39,7 @@ th { background: #f2f2f2; }
 td.pass { color: #006400; font-weight: 600; } td.fail { color: #b00020; font-weight: 600; }
 td.pending { color: #8a6d00; font-weight: 600; }
 pre { white-space: pre-wrap; margin: 0; font-size: 0.85em; }
-.chart { width: 100%; height: 520px; }
+.chart { width: 100%; height: 520px; } .chart.synth { height: 420px; }
 """
 
 
@@ -217,52 +218,129 @@ def _summary_problem(doc: dict) -> str:
     return ""
 
 
-def _synth_section(summaries: list[dict]) -> tuple[str, dict | None]:
-    if not summaries:
-        return "", None
-    rows = [
-        "<h2 id='throughput'>Throughput (ttt synth)</h2><table id='synth'><tr><th>benchmark</th><th>tier</th>"
-        "<th>layers</th><th>device</th><th>precision</th><th>items/s</th><th>samples/s</th>"
-        "<th>model TFLOP/s</th><th>MFU</th><th>peak memory (GiB)</th><th>summary</th></tr>"
-    ]
-    labels, items, mfus = [], [], []
-    for s in summaries:
-        item = s.get("item", "tokens")
-        per_s = s.get(f"{item}_per_s")
-        label = f"{s['benchmark']}/{s['tier']}" + (f" {s['layers']}L" if "layers" in s else "")
-        label += f" {s.get('precision', '')} ({Path(s['_path']).stem})"
-        labels.append(plotly(label))  # category ticks render Plotly markup too
-        items.append(per_s)
-        mfus.append(100 * s["mfu"])
+def _synth_label(s: dict) -> str:
+    """One synth run on a chart's category axis: tier, depth, precision, world size and its summary file."""
+    label = s["tier"] + (f" {s['layers']}L" if "layers" in s else "")
+    world = s.get("world_size")
+    label += f" {s.get('precision', '')}" + (f" x{world}" if isinstance(world, int) and world > 1 else "")
+    return label + f" ({Path(s['_path']).stem})"
+
+
+def _num(s: dict, key: str):
+    v = s.get(key)
+    return v if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _step_p50(s: dict):
+    st = s.get("step_time_s")
+    return _num(st, "p50") if isinstance(st, dict) else None
+
+
+def _per_rank_text(s: dict, item: str) -> str:
+    ranks = [r for r in s.get("per_rank", []) if isinstance(r, dict) and _num(r, f"{item}_per_s") is not None]
+    if len(ranks) < 2:
+        return "-"
+    xs = [r[f"{item}_per_s"] for r in ranks]
+    return f"{_rate(min(xs))} to {_rate(max(xs))} {_e(item)}/s over {len(ranks)} ranks"
+
+
+def _synth_table(bench: str, runs: list[dict], item: str) -> str:
+    head = (
+        f"<table class='synth' id='synth-{_e(bench)}'><tr><th>run</th><th>tier</th><th>layers</th>"
+        f"<th>device</th><th>world size</th><th>parallel, precision</th><th>throughput ({_e(item)}/s)</th>"
+        f"<th>per device ({_e(item)}/s)</th><th>per rank</th><th>samples/s</th><th>step time p50 (s)</th>"
+        "<th>model TFLOP/s</th><th>MFU (% of peak)</th><th>peak memory (GiB)</th><th>final loss (uninformed guess)</th></tr>"
+    )
+    rows = [head]
+    for s in runs:
+        mem = _num(s, "peak_memory_bytes")
+        kind = s.get("peak_memory_kind") if isinstance(s.get("peak_memory_kind"), str) else ""
+        loss, guess = _num(s, "final_loss"), _num(s, "baseline_loss")
         rows.append(
-            f"<tr><td>{_e(s['benchmark'])}</td><td>{_e(s['tier'])}</td><td>{_e(s.get('layers', '-'))}</td>"
-            f"<td>{_e(s.get('device', '-'))}</td><td>{_e(s.get('precision', '-'))}</td>"
-            f"<td>{_fmt(per_s, ',.0f')} {_e(item)}/s</td><td>{_fmt(s.get('samples_per_s'), ',.2f')}</td>"
-            f"<td>{_fmt(s.get('model_tflops_per_s'), ',.3f')}</td><td>{100 * s['mfu']:.2f}%</td>"
-            f"<td>{_fmt(s.get('peak_memory_bytes', 0) / 2**30, ',.2f')}</td><td>{_e(s['_path'])}</td></tr>"
+            f"<tr><td>{_e(Path(s['_path']).name)}</td><td>{_e(s['tier'])}</td><td>{_e(s.get('layers', '-'))}</td>"
+            f"<td>{_e(s.get('device', '-'))}</td><td>{_e(s.get('world_size', '-'))}</td>"
+            f"<td>{_e(s.get('parallel', s.get('precision', '-')))}</td>"
+            f"<td>{_rate(_num(s, f'{item}_per_s'))}</td><td>{_rate(_num(s, f'{item}_per_s_per_device'))}</td>"
+            f"<td>{_per_rank_text(s, item)}</td><td>{_fmt(_num(s, 'samples_per_s'), ',.2f')}</td>"
+            f"<td>{_fmt(_step_p50(s), '.4f')}</td><td>{_fmt(_num(s, 'model_tflops_per_s'), ',.3f')}</td>"
+            f"<td>{100 * s['mfu']:.2f}</td>"
+            f"<td title='{_e(kind)}'>{_fmt(None if mem is None else mem / 2**30, ',.2f')}</td>"
+            f"<td>{_fmt(loss, '.3f')} ({_fmt(guess, '.3f')})</td></tr>"
         )
-    rows.append("</table><div id='chart-synth' class='chart'></div>")
-    # Two panels, each with its own axes: items/s and MFU % share no scale, so bars of both on one axis
-    # pair read as one quantity. The items differ per benchmark (tokens, images, ...): the hover says which.
-    item_names = [plotly(str(s.get("item", "tokens"))) for s in summaries]  # from the files: text only
-    fig = {
-        "data": [
-            {"type": "bar", "name": "throughput", "x": labels, "y": items, "xaxis": "x", "yaxis": "y",
-             "customdata": item_names, "hovertemplate": "%{x}<br>%{y:,.0f} %{customdata}/s<extra></extra>"},
-            {"type": "bar", "name": "MFU", "x": labels, "y": mfus, "xaxis": "x2", "yaxis": "y2",
-             "hovertemplate": "%{x}<br>MFU %{y:.2f}%<extra></extra>"},
-        ],
-        "layout": {
-            "title": {"text": "ttt synth: throughput (left) and model FLOPs utilization (right), per run"},
-            "xaxis": {"domain": [0, 0.46], "anchor": "y"},
-            "yaxis": {"title": {"text": "items/s (" + ", ".join(sorted(set(item_names))) + ")"}, "anchor": "x"},
-            "xaxis2": {"domain": [0.54, 1], "anchor": "y2"},
-            "yaxis2": {"title": {"text": "MFU (% of the device's peak)"}, "anchor": "x2", "rangemode": "tozero"},
+    rows.append("</table>")
+    kinds = sorted({s["peak_memory_kind"] for s in runs if isinstance(s.get("peak_memory_kind"), str)})
+    if kinds:
+        rows.append(f"<p>peak memory: {_e('; '.join(kinds))}</p>")
+    return "\n".join(rows)
+
+
+def _rate(v) -> str:
+    """A rate with the digits that matter: whole numbers from 100 up, three significant ones below."""
+    return "-" if v is None else f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+# The three panels of a benchmark's synth chart, left to right: each quantity on its own axis, with its unit.
+_PANELS = ((0.0, 0.28), (0.36, 0.64), (0.72, 1.0))
+
+
+def _synth_figure(bench: str, runs: list[dict], item: str) -> dict:
+    """Throughput, MFU and peak memory of each run of one benchmark, one panel each (they share no scale)."""
+    labels = [plotly(_synth_label(s)) for s in runs]  # category ticks render Plotly markup too
+    unit = plotly(item)
+    mem = [
+        None if _num(s, "peak_memory_bytes") is None else _round(s["peak_memory_bytes"] / 2**30) for s in runs
+    ]
+    panels = [
+        (
+            "throughput",
+            [_num(s, f"{item}_per_s") for s in runs],
+            f"throughput ({unit}/s)",
+            f"%{{y:,.0f}} {unit}/s",
+        ),
+        ("MFU", [_round(100 * s["mfu"]) for s in runs], "MFU (% of the device's peak)", "MFU %{y:.2f}%"),
+        ("peak memory", mem, "peak memory (GiB)", "%{y:,.2f} GiB"),
+    ]
+    data, layout = [], {}
+    for k, ((name, ys, title, hover), domain) in enumerate(zip(panels, _PANELS, strict=True)):
+        x, y = ("x", "y") if k == 0 else (f"x{k + 1}", f"y{k + 1}")
+        data.append({"type": "bar", "name": name, "x": labels, "y": ys, "xaxis": x, "yaxis": y,
+                     "hovertemplate": f"%{{x}}<br>{hover}<extra></extra>"})  # fmt: skip
+        layout["xaxis" + x[1:]] = {"domain": list(domain), "anchor": y, "automargin": True}
+        layout["yaxis" + y[1:]] = {"title": {"text": title}, "anchor": x, "rangemode": "tozero"}
+    layout.update(
+        {
+            "title": {"text": plotly(f"ttt synth {bench}: throughput, MFU and peak memory per run")},
             "showlegend": False,
-            "margin": {"b": 160},
-        },
-    }  # fmt: skip
-    return "\n".join(rows), fig
+            "margin": {"b": 40, "t": 50},
+        }
+    )
+    return {"data": data, "layout": layout}
+
+
+def _synth_section(summaries: list[dict]) -> tuple[str, dict[str, dict]]:
+    """Per benchmark: a table of its synth runs (units in the headers) and a chart of three panels."""
+    if not summaries:
+        return "", {}
+    by_bench: dict[str, list[dict]] = {}
+    for s in summaries:
+        by_bench.setdefault(s["benchmark"], []).append(s)
+    parts = [
+        "<h2 id='throughput'>Throughput (ttt synth)</h2>",
+        "<p>Random weights and random data: throughput and memory, no quality. MFU is the model's FLOPs "
+        "against the device's peak (each run's source of the peak is in its summary).</p>",
+    ]
+    figs = {}
+    for bench, runs in by_bench.items():
+        items = {str(s.get("item", "tokens")) for s in runs}
+        item = items.pop() if len(items) == 1 else "items"
+        cid = f"chart-synth-{_slug(bench)}"
+        figs[cid] = _synth_figure(bench, runs, item)
+        parts += [
+            f"<h3 id='synth-{_e(_slug(bench))}'>{_e(bench)}</h3>",
+            _synth_table(bench, runs, item),
+            f"<div id='{cid}' class='chart synth'></div>",
+        ]
+    return "\n".join(parts), figs
 
 
 def render(root: Path, ruleset: str = RULESET) -> str:
@@ -290,9 +368,8 @@ def render(root: Path, ruleset: str = RULESET) -> str:
             f"<p>{_e(rcp_line(s.rcp))}</p>",
             *(f"<p>{_e(n)}</p>" for n in s.notes),
         ]
-    synth_html, synth_fig = _synth_section(summaries)
-    if synth_fig is not None:
-        figures["chart-synth"] = synth_fig
+    synth_html, synth_figs = _synth_section(summaries)
+    figures.update(synth_figs)
     from plotly.offline import get_plotlyjs
 
     head = [

@@ -59,6 +59,17 @@ def all_reduce(values: list[float], op: str = "sum", device: torch.device | None
     return t.tolist()
 
 
+def all_gather(values: list[float], device: torch.device | None = None) -> list[list[float]]:
+    """Every rank's `values`, in rank order (one collective; [values] without a process group)."""
+    if not dist.is_initialized():
+        return [list(values)]
+    dev = device if device is not None and dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
 def teardown(barrier: bool = False) -> None:
     """Leave the process group. Callers drop their DDP-wrapped model first: a reducer that outlives its
     process group can abort the interpreter at exit ("terminate called without an active exception").

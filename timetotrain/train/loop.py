@@ -65,6 +65,7 @@ class RunOptions:
     aborter: Aborter | None = None  # the CLI's, entered before torch starts threads; else run() makes one
     tensorboard: Path | None = None  # write TensorBoard events under this folder (train/trackers.py)
     wandb: bool = False  # log to Weights & Biases (offline unless WANDB_MODE says otherwise)
+    config: dict | None = None  # the --config file and its values (cli/config.py), logged as ttt_config
 
 
 @dataclass
@@ -186,6 +187,8 @@ def run(opts: RunOptions) -> RunResult:
                 extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
             if base_sha is not None:
                 extra["ttt_init_checkpoint_sha256"] = base_sha
+            if opts.config is not None:
+                extra["ttt_config"] = opts.config
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)
             tr = prepare.build(prep)
             if tr.load_seconds is not None:

@@ -49,6 +49,7 @@ class SynthOptions:
     layers: int | None = None  # replace the tier's layer count (reference width, fewer layers)
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
     wandb: bool = False
+    config: dict | None = None  # the --config file and the values it gave, logged as ttt_config
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -111,7 +112,7 @@ def synth(opts: SynthOptions) -> dict:
     if opts.layers is None and tier.name in bench.synth_layers:
         opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
     if opts.layers is not None:
-        tier = _with_layers(bench, tier, opts.layers)
+        tier = with_layers(bench, tier, opts.layers)
     # The schedule must cover every step we take, whatever the tier's max_steps.
     tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
     # -- preflight before any model is built: the log dir, the batch split --
@@ -145,9 +146,10 @@ def synth(opts: SynthOptions) -> dict:
         log.event("cache_clear", value=False)  # no dataset: nothing to evict
         log.start("init_start")
         prep.tier = dataclasses.replace(tier, division="open")  # never a closed result
-        prepare.log_init_keys(
-            log, prep, "timetotrain", None, {"ttt_mode": "synthetic", "ttt_tier": tier.name}
-        )
+        extra = {"ttt_mode": "synthetic", "ttt_tier": tier.name}
+        if opts.config is not None:
+            extra["ttt_config"] = opts.config
+        prepare.log_init_keys(log, prep, "timetotrain", None, extra)
         prep.tier = tier
         if live:
             live.update(f"{what}: building the model and its optimizer on {device}", force=True)
@@ -195,7 +197,15 @@ def synth(opts: SynthOptions) -> dict:
         tot_samples_s, tot_energy, have_energy = distributed.all_reduce(
             [local_samples_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
         )
+        tot_samples_s /= plan.tp  # the ranks of a tensor-parallel group step through the same samples
         max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
+        # Each rank's own figures, gathered once after the window (its clock has already been read).
+        mine = [
+            steps * local * items_per_sample / wall,
+            statistics.median(per_step),
+            statistics.fmean(per_step),
+        ]
+        ranks = per_rank(distributed.all_gather([*mine, float(mem)], device), item_name)
         flops_sample = bench.flops_per_sample(tier)
         achieved = tot_samples_s * flops_sample
         tot_items_s = tot_samples_s * items_per_sample
@@ -241,6 +251,7 @@ def synth(opts: SynthOptions) -> dict:
             "final_loss": final_loss,
             "baseline_loss": bench.task.baseline_loss(tier),
         }
+        summary["per_rank"] = ranks
         if opts.layers is not None:
             summary["layers"] = opts.layers
             summary["layers_of"] = full_layers
@@ -278,6 +289,33 @@ def synth(opts: SynthOptions) -> dict:
     return summary
 
 
+def per_rank(gathered: list[list[float]], item_name: str) -> list[dict]:
+    """The gathered [items/s, step p50, step mean, peak memory] of each rank as summary rows."""
+    return [
+        {
+            "rank": r,
+            f"{item_name}_per_s": items_s,
+            "step_time_p50_s": p50,
+            "step_time_mean_s": mean,
+            "peak_memory_bytes": int(mem),
+        }
+        for r, (items_s, p50, mean, mem) in enumerate(gathered)
+    ]
+
+
+def format_per_rank(s: dict) -> str:
+    """One line per rank (under torchrun): where a slow rank or an uneven memory use shows."""
+    item = s["item"]
+    rows = s.get("per_rank", [])
+    head = f"{'rank':>6}  {item + '/s':>14}  {'step p50 (s)':>12}  {'step mean (s)':>13}  {'peak memory (GiB)':>17}"
+    lines = [head] + [
+        f"{r['rank']:>6}  {r[item + '_per_s']:>14,.0f}  {r['step_time_p50_s']:>12.4f}  {r['step_time_mean_s']:>13.4f}"
+        f"  {r['peak_memory_bytes'] / 2**30:>17.2f}"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
 def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, compiled: bool, since: float):
     """The line before step `i`: forced when a phase starts (its first step allocates, and compiles under
     --compile: the longest wait), then as often as the line allows. It reads the host clock only, never
@@ -292,7 +330,7 @@ def _synth_progress(live: LiveLine, what: str, i: int, warmup: int, steps: int, 
     live.update(text if start else f"{text}  [{time.perf_counter() - since:.0f} s]", force=start)
 
 
-def _with_layers(bench, tier, layers: int):
+def with_layers(bench, tier, layers: int):
     """The tier's model with `layers` repeated blocks (same width): a full-width model that fits one device,
     for throughput checks. Logged as `ttt_layers`; the run is never a closed result. A family with its own
     meaning of depth says it (`ModelFamily.with_layers`: flux splits the blocks double:single 19:38); FLOPs
@@ -366,4 +404,7 @@ def format_table(s: dict) -> str:
     ]  # fmt: skip
     rows += [(name, f"{value:,.1f}") for name, value in s.get("data_figures", {}).items()]
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    if len(s.get("per_rank", [])) > 1:
+        table += "\nper rank:\n" + format_per_rank(s)
+    return table
