@@ -14,6 +14,7 @@ import pytest
 from timetotrain.cli import main
 from timetotrain.data import criteo, criteo_synth
 from timetotrain.errors import UserError
+from timetotrain.models.dlrm_dcnv2 import CRITEO_MULTI_HOT, CRITEO_TABLE_SIZES
 
 MICRO = dataclasses.replace(
     criteo_synth.SCALES["tiny"], table_sizes=tuple(min(n, 50) for n in criteo_synth.SCALES["tiny"].table_sizes),
@@ -59,6 +60,10 @@ def test_layout_is_what_the_reference_reads(micro):
     z1 = np.load(criteo.sparse_file(micro, 1))
     assert np.array_equal(sparse[5:, :3], z1["0"][:5]) and labels.dtype == np.float32
     files.close()
+
+
+def test_the_dataset_facts_are_the_models():
+    assert criteo.TABLE_SIZES == CRITEO_TABLE_SIZES and criteo.MULTI_HOT == CRITEO_MULTI_HOT
 
 
 def test_deterministic_per_seed(micro, tmp_path):

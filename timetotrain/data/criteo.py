@@ -28,6 +28,14 @@ from timetotrain.data.mapped import MappedFiles, _header
 from timetotrain.errors import UserError
 
 DAYS = 24  # torchrec.datasets.criteo.DAYS
+# The ids each table was hashed to and the ids per sample the materialization wrote
+# (materialize_synthetic_multihot_dataset.py:91-92). The model's config states its own copy (models and data
+# are one layer: neither imports the other); tests/test_criteo_data.py checks they agree.
+TABLE_SIZES = (
+    40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956, 405_282, 10,
+    2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152, 12_973, 108, 36,
+)  # fmt: skip
+MULTI_HOT = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
 MANIFEST = "criteo"  # criteo.manifest.json: what `ttt data synth-criteo` wrote, sizes and sha256s
 # Files up to this size have every id and label range-checked by the preflight (the generated tiers'); a
 # larger one (a real day: 7-90 GB) has its first and last CHECK_ROWS rows checked, so that the preflight

@@ -30,7 +30,6 @@ from timetotrain import fileio
 from timetotrain.data import criteo
 from timetotrain.data.manifest import write_manifest
 from timetotrain.errors import UserError
-from timetotrain.models.dlrm_dcnv2.config import CRITEO_MULTI_HOT, CRITEO_TABLE_SIZES
 
 # Training rows of the real dataset and the rows of day 23 (its validation half is 89,137,319).
 FULL_TRAIN = 4_195_197_692
@@ -42,7 +41,7 @@ class Scale:
     table_sizes: tuple[int, ...]
     train_day_rows: tuple[int, ...]  # rows of days 0..22
     last_day_rows: int
-    multi_hot: tuple[int, ...] = CRITEO_MULTI_HOT
+    multi_hot: tuple[int, ...] = criteo.MULTI_HOT
     skew: float = 3.0
     important: tuple[int, ...] = (0, 2, 4, 9, 10, 13, 19, 21, 22)  # tables whose ids carry an effect
     crosses: tuple[tuple[int, int], ...] = ((1, 3), (6, 14), (9, 22))
@@ -52,7 +51,7 @@ class Scale:
 
 
 def _capped(cap: int) -> tuple[int, ...]:
-    return tuple(min(n, cap) for n in CRITEO_TABLE_SIZES)
+    return tuple(min(n, cap) for n in criteo.TABLE_SIZES)
 
 
 def _full_days() -> tuple[int, ...]:
@@ -65,7 +64,7 @@ SCALES = {
     "tiny": Scale(_capped(2_000), (8_192,) * (criteo.DAYS - 1), 32_768),
     "small": Scale(_capped(200_000), (400_000,) * (criteo.DAYS - 1), 800_000),
     # The real sizes: ~4 TB, days of ~182 M rows. For throughput studies of the reader, not for tests.
-    "full": Scale(CRITEO_TABLE_SIZES, _full_days(), FULL_LAST_DAY),
+    "full": Scale(criteo.TABLE_SIZES, _full_days(), FULL_LAST_DAY),
 }
 
 
