@@ -113,7 +113,7 @@ class _Synthetic(RunData):
 
     def __init__(self, tier, local_batch: int, generator: torch.Generator, device):
         self.cfg, self.n, self.generator, self.device = tier.model, local_batch, generator, device
-        self._made = 0
+        self._stamps: list[float] = []  # when each batch was asked for: one a step
 
     def batch(self, step):
         g, n, dev = self.generator, self.n, self.device
@@ -121,7 +121,7 @@ class _Synthetic(RunData):
             torch.randint(0, rows, (n, k), generator=g, device=dev, dtype=torch.int32)
             for rows, k in zip(self.cfg.table_sizes, self.cfg.multi_hot, strict=True)
         ]
-        self._made += 1
+        self._stamps.append(time.perf_counter())
         return {
             "dense": torch.rand(n, self.cfg.dense_in, generator=g, device=dev) * 5,
             "sparse": torch.cat(cols, 1),
@@ -132,13 +132,19 @@ class _Synthetic(RunData):
         return _loss(model, batch, reduction)
 
     def figures(self) -> dict[str, float]:
-        """Per sample: the embedding lookups and the bytes they move (rows read forward, gradient rows
-        and the optimizer's read-modify-write of rows and state backward), for `ttt synth` to rate."""
-        cfg = self.cfg
+        """Embedding lookups and the bytes they move per second of this rank, over the later half of the
+        steps (the earlier ones include the warm-up): rows read forward, a gradient row written and read
+        back per lookup, and the optimizer's read and write of each row and its state (an upper bound:
+        repeated ids in a batch are updated once)."""
+        cfg, stamps = self.cfg, self._stamps[len(self._stamps) // 2 :]
+        if len(stamps) < 2:
+            return {}
+        per_s = self.n * (len(stamps) - 1) / (stamps[-1] - stamps[0])
         row = cfg.dim * 4
         return {
-            "embedding lookups/sample": float(cfg.hots),
-            "embedding bytes moved/sample": float(cfg.hots * row * 2 + cfg.hots * row * 4),
+            "embedding lookups/s": per_s * cfg.hots,
+            "embedding GB moved/s": per_s * cfg.hots * row * (1 + 2 + 4) / 1e9,
+            "embedding bytes/sample": float(cfg.hots * row * (1 + 2 + 4)),
         }
 
 
