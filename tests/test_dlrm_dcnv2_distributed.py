@@ -93,6 +93,7 @@ def _worker(rank, world, port, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned gloo processes: ~18 s
 def test_sharded_tables_with_row_wise_splits_equal_the_whole_table(tmp_path):
     mp.spawn(_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]

@@ -91,7 +91,7 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float) -> dict:
 def format_per_rank(doc: dict) -> str:
     g = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
     lines = [
-        f"ttt plan {doc['benchmark']} --tier {doc['tier']}: {doc['gpus']} GPUs x {doc['gpu_mem_gib']:g} GiB, "
+        f"{doc['benchmark']} {doc['tier']}: {doc['gpus']} GPUs x {doc['gpu_mem_gib']:g} GiB, "
         f"{doc['parallel']} ({doc['placement']}), {doc['optimizer']}, fp32",
         "rank  tables   table rows  emb weights  emb optim  emb grad  dense+opt  ddp   activ  exchange   total GiB",
     ]
