@@ -159,3 +159,36 @@ def test_the_wrong_dataset_size_names_the_fix(micro, tmp_path, capsys):
     code = main(["run", "dlrm_dcnv2", "--tier", "tiny", "--data", str(micro), "--logdir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "synth-criteo --scale tiny" in err[0], err
+
+
+def test_eval_shares_are_equal_chunks_and_cover_the_validation_rows_once(micro, monkeypatch):
+    """Sharded tables run collectives in every forward, so each rank scores the same chunks; the 31
+    validation rows over 3 ranks are 11 + 11 + 9, the last share padded and the padding dropped."""
+    import torch
+
+    from timetotrain.suite import get
+    from timetotrain.tasks import click_through_rate as ctr
+
+    bench = get("dlrm_dcnv2")
+    tier = bench.tier("tiny")
+    spec = dataclasses.replace(tier.data, eval_batch=4)
+    calls, seen = [], []
+    monkeypatch.setattr(ctr, "gather", lambda t, world: t)
+    monkeypatch.setattr(ctr, "auc", lambda s, y: seen.append((s, y)) or 0.5)
+
+    class Model(torch.nn.Module):
+        def forward(self, dense, sparse):
+            calls[-1].append(tuple(dense.shape))
+            return dense[:, 0] + sparse[:, 0].float()
+
+    out = []
+    for world in (1, 3):
+        for rank in range(world):
+            files = criteo.open_files(micro, MICRO.table_sizes, MICRO.multi_hot)
+            days = ctr._Days(files, spec, 6, rank, world, torch.device("cpu"))
+            calls.append([])
+            days.evaluate(Model())
+            files.close()
+        out.append(torch.cat([s for s, _ in seen[-world:]]))
+    assert calls[1] == calls[2] == calls[3] == [(4, 13), (4, 13), (3, 13)]
+    assert torch.equal(out[0], out[1]) and len(out[0]) == 31

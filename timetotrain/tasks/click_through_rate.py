@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,12 +69,11 @@ class _Days(RunData):
         self.samples_per_epoch = self.batches * gbs
         self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
         self.rank, self.world, self.device = rank, world, device
-        # This rank's contiguous share of the validation rows (the AUC gathers every share).
-        share = -(-len(self.val) // world)
-        self.val_start, self.val_stop = (
-            min(rank * share, len(self.val)),
-            min((rank + 1) * share, len(self.val)),
-        )
+        # This rank's contiguous share of the validation rows (the AUC gathers every share). Every rank scores
+        # the same number of equal chunks, the last share padded with repeats of the last row (dropped before
+        # the AUC): sharded tables run collectives in each forward, which every rank must join alike.
+        self.share = -(-len(self.val) // world)
+        self.val_start = rank * self.share
 
     def batch(self, step: int) -> Batch:
         self.files.mapped.check_unchanged()  # before touching mapped pages: a file cut short is a SIGBUS
@@ -88,15 +88,22 @@ class _Days(RunData):
         was = model.training
         model.eval()
         scores, labels = [], []
-        for a in range(self.val_start, self.val_stop, self.spec.eval_batch):
+        n_val = len(self.val)
+        for a in range(self.val_start, self.val_start + self.share, self.spec.eval_batch):
+            n = min(self.spec.eval_batch, self.val_start + self.share - a)
+            real = max(min(n, n_val - a), 0)
             self.files.mapped.check_unchanged()
-            b = _to_batch(self.val.take(a, min(self.spec.eval_batch, self.val_stop - a)), self.device)
+            rows = self.val.take(a, real) if real else self.val.take(n_val - 1, 1)
+            pad = n - len(rows[0])
+            if pad:  # the last row again, scored and dropped
+                rows = tuple(np.concatenate([x, np.repeat(x[-1:], pad, axis=0)]) for x in rows)
+            b = _to_batch(rows, self.device)
             with torch.autocast(
                 self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
                 # Logits, not sigmoid(logits): the same order without fp32 saturation making false ties.
-                scores.append(forward(model, b).float())
-            labels.append(b["label"])
+                scores.append(forward(model, b).float()[:real])
+            labels.append(b["label"][:real])
         model.train(was)
         empty = torch.empty(0, device=self.device)
         s = gather(torch.cat(scores) if scores else empty, self.world)
