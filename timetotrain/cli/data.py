@@ -284,7 +284,8 @@ def add_commands(sub) -> None:
         "data",
         help="download and prepare datasets",
         description="Datasets: `download` fetches a benchmark's public data, `prepare` tokenizes or encodes it "
-        "into the files runs read, `synth-graph` writes rgat's synthetic graph.",
+        "into the files runs read, `synth-graph` writes rgat's synthetic graph, `synth-criteo` dlrm_dcnv2's "
+        "synthetic multi-hot Criteo.",
     ).add_subparsers(dest="data_command", required=True)
     s = d.add_parser(
         "download",
@@ -423,6 +424,7 @@ def add_commands(sub) -> None:
     )
     s.set_defaults(func=_cmd_prepare)
     _add_synth_graph(d)
+    _add_synth_criteo(d)
 
 
 def _cmd_synth_graph(args) -> int:
@@ -480,3 +482,53 @@ def _add_synth_graph(d) -> None:
     s.add_argument("--out", required=True, help="output folder (new or empty)")
     s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     s.set_defaults(func=_cmd_synth_graph)
+
+
+def _cmd_synth_criteo(args) -> int:
+    from timetotrain.data import criteo_synth
+    from timetotrain.train.seeds import check_seed
+
+    check_seed(args.seed)
+    sc = criteo_synth.scale(args.scale)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder for the dataset")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(
+            f"--out {out} is not empty: give a new folder (a dataset is never written over another)"
+        )
+    created = not out.exists()
+    try:
+        # Every file of the 24 days and the manifest appear together, or none (staged writes).
+        with writing("--out", out), raise_on_signals():
+            out.mkdir(parents=True, exist_ok=True)
+            info = criteo_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
+    except BaseException:
+        _remove_empty_folders(out, created)
+        raise
+    print(
+        f"{args.scale} multi-hot Criteo (seed {args.seed}): {info['train_rows']:,} training and "
+        f"{info['val_rows']:,} validation samples, click rate {info['click_rate']:.3f}, the hidden model's "
+        f"validation AUC {info['hidden_model_val_auc']:.4f} -> {out}"
+    )
+    return 0
+
+
+def _add_synth_criteo(d) -> None:
+    s = d.add_parser(
+        "synth-criteo",
+        help="write a synthetic multi-hot Criteo (dlrm_dcnv2) in the MLPerf reference's layout",
+        description="24 days of day_<d>_dense.npy, day_<d>_labels.npy and day_<d>_sparse_multi_hot.npz, as the "
+        "MLPerf DLRM-DCNv2 reference reads them, with clicks drawn from a hidden logistic model over the dense "
+        "features, per-id effects and feature crosses; deterministic for a seed, with a manifest of sha256s. "
+        "Its parameters: timetotrain/data/criteo_synth.py and docs/benchmarks/dlrm_dcnv2.md.",
+    )
+    s.add_argument(
+        "--scale",
+        required=True,
+        choices=["tiny", "small", "full"],
+        help="tiny: 188k training rows, tables <= 2,000 rows; small: 9.2M, <= 200,000; full: the real sizes (~4 TB)",
+    )
+    s.add_argument("--out", required=True, help="output folder (new or empty)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    s.set_defaults(func=_cmd_synth_criteo)

@@ -280,6 +280,14 @@ def _cmd_plan(args) -> int:
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
+    if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM)
+        from timetotrain.train.embedding_memory import format_per_rank, per_rank
+
+        if args.parallel and not args.parallel.startswith("dp="):
+            raise UserError(f"--parallel {args.parallel!r}: a model with embedding tables runs dp=N only")
+        doc = per_rank(bench, tier, args.gpus, args.gpu_mem)
+        print(strictjson.dumps(doc, indent=2) if args.json else format_per_rank(doc))
+        return 0 if doc["fits"] else 1
     bf16, gpn = args.precision == "bf16", args.gpus_per_node
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn)
     larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)

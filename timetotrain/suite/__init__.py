@@ -20,6 +20,7 @@ _MODULES = {
     "flux1": "timetotrain.suite.flux1",
     "llama31_405b": "timetotrain.suite.llama31_405b",
     "rgat": "timetotrain.suite.rgat",
+    "dlrm_dcnv2": "timetotrain.suite.dlrm_dcnv2",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

@@ -100,7 +100,7 @@ SETTABLE = (
 class Optimizer:
     """The optimizer a benchmark's rules fix, and how its constants are logged."""
 
-    name: str = "adamw"  # "adamw" | "adam" (the log's `opt_name`)
+    name: str = "adamw"  # "adamw" | "adam" | "adagrad" (the log's `opt_name`)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -108,8 +108,19 @@ class Optimizer:
     # Which parameters decay: "megatron" (not biases and other 1-D tensors such as norm weights) or "all".
     decay_mask: str = "megatron"
     schedule_name: str | None = None  # logged as opt_learning_rate_decay_schedule when given
+    # Adagrad only: one accumulator per embedding row (FBGEMM's EXACT_ROWWISE_ADAGRAD) instead of one per
+    # element (EXACT_ADAGRAD, what the DLRM reference's torch.optim.Adagrad maps to): train/adagrad.py.
+    rowwise: bool = False
 
     def log_keys(self) -> list[tuple[str, object]]:
+        if self.name == "adagrad":  # closed_dlrm_dcnv2.yaml's keys; lr_decay and the accumulator are 0
+            return [
+                ("opt_name", "adagrad"),
+                ("opt_adagrad_learning_rate_decay", 0),
+                ("opt_weight_decay", self.weight_decay),
+                ("opt_adagrad_initial_accumulator_value", 0),
+                ("opt_adagrad_epsilon", self.eps),
+            ]
         p = f"opt_{self.name}_"
         keys = [
             ("opt_name", self.name),

@@ -1,9 +1,11 @@
-"""The optimizers the benchmarks' rules name (AdamW, Adam) with their weight-decay masks."""
+"""The optimizers the benchmarks' rules name (AdamW, Adam with their weight-decay masks; Adagrad)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from timetotrain.train.adagrad import SparseAdagrad
 
 
 def param_groups(model: nn.Module, weight_decay: float, mask: str = "megatron") -> list[dict]:
@@ -30,6 +32,8 @@ def build_optimizer(
     `foreach=False` the per-parameter loop (parameters of different meshes or placements in one list, as
     tensor parallelism leaves them, cannot share a foreach kernel)."""
     kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if spec.name == "adagrad":  # row-sparse for embedding tables, torch's update for the rest
+        return SparseAdagrad([p for p in model.parameters() if p.requires_grad], lr, spec.eps, spec.rowwise)
     if spec.name not in kinds:
         raise ValueError(f"unknown optimizer {spec.name!r}: choose one of {', '.join(kinds)}")
     params = _apart_by_kind(param_groups(model, spec.weight_decay, spec.decay_mask))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from timetotrain.errors import UserError
+from timetotrain.train.embedding_parallel import shard_embeddings
 
 KINDS = ("dp", "fsdp", "ep", "tp")
 
@@ -185,6 +186,14 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # A model some of whose parameters cannot reach the loss (R-GAT's last layer into node types other
         # than the target's, as in the reference) says so; DDP then looks for them each step.
         unused = getattr(model, "has_unused_parameters", False)
+        if plan.ep == 1:
+            import torch.distributed as dist
+
+            # Embedding tables (DLRM) are model-parallel: table-wise and row-wise shards, all-to-all of the
+            # pooled rows (train/embedding_parallel.py); DDP averages only the dense part.
+            sharded = shard_embeddings(model, dist.get_rank(), plan.dp)
+            if sharded:
+                DDP._set_params_and_buffers_to_ignore_for_model(model, sharded)
         return DDP(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
         ), ep_group

@@ -68,6 +68,11 @@ def preflight(
         raise UserError(
             f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
         )
+    if hasattr(tier.model, "table_sizes") and plan.dp != plan.world:
+        # Embedding tables shard over the data-parallel ranks themselves (train/embedding_parallel.py).
+        raise UserError(
+            f"--parallel {parallel_spec}: a model with embedding tables runs --parallel dp=N only"
+        )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
     return Prepared(bench, tier, plan, d, logdir, local, local // micro)
 
