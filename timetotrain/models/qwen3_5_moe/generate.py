@@ -51,10 +51,13 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     pad_id: int = 0,
+    all_steps: bool = False,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Completions of every prompt (module docstring): (token lists, fp32 log-probabilities `[len]` per token, on
     the CPU), in the order of `prompt_ids`. Repeat a prompt G times in `prompt_ids` for G generations of it.
-    `pad_id`: the token id the padding columns hold (any valid id: they are masked)."""
+    `pad_id`: the token id the padding columns hold (any valid id: they are masked). `all_steps`: run all
+    `max_new_tokens` steps over every row, finished or not (the results are the same): under expert parallelism
+    every rank must make the same number of forwards, whatever its own rows do."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     if max_new_tokens < 1:
@@ -75,14 +78,21 @@ def generate(
     completions: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     live = torch.arange(B)  # the original index of each row still in the cache
+    done = torch.zeros(B, dtype=torch.bool)  # all_steps: rows past their EOS, whose new tokens are dropped
     for step in range(max_new_tokens):
         tokens, lp = _sample(logits, temperature, top_p, generator)
         tokens_cpu, lp_cpu = tokens.cpu(), lp.cpu()
         for j, b in enumerate(live.tolist()):
+            if done[b]:
+                continue
             completions[b].append(int(tokens_cpu[j]))
             logprobs[b].append(lp_cpu[j])
         if step == max_new_tokens - 1:
             break
+        if all_steps:
+            done = done | (tokens_cpu == eos_id) if eos_id is not None else done
+            logits = model.decode(tokens.unsqueeze(1), cache)[:, -1]
+            continue
         going = tokens_cpu != eos_id if eos_id is not None else torch.ones_like(tokens_cpu, dtype=torch.bool)
         if not bool(going.any()):
             break
