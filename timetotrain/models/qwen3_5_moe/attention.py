@@ -103,9 +103,12 @@ class GatedAttention(nn.Module):
         if mask is None and cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         else:
-            if group > 1:  # an explicit mask: repeat KV, which every SDPA backend takes with a mask
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # An explicit mask (decoding): fold each KV head's query heads into its query rows instead of
+            # repeating the cached keys and values (query head h uses KV head h // group, as HF's repeat_kv).
+            kv, L = self.n_kv_heads, k.shape[2]
+            q = q.reshape(B, kv, group * T, hd)
+            mask = mask.unsqueeze(2).expand(B, 1, group, T, L).reshape(B, 1, group * T, L)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
         out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
         return self.o_proj(out)
 

@@ -171,7 +171,10 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat((past, x), dim=-1)
         if state is not None:
             state.conv = full[:, :, full.shape[-1] - (self.kernel - 1) :].detach().clone()
-        return F.silu(F.conv1d(full, self.conv_weight.to(x.dtype), groups=C))
+        w = self.conv_weight.to(x.dtype)
+        if full.shape[-1] == self.kernel:  # one new step (decoding): a dot product per channel
+            return F.silu((full * w.squeeze(1)).sum(dim=-1, keepdim=True))
+        return F.silu(F.conv1d(full, w, groups=C))
 
     def forward(
         self, x: torch.Tensor, state: LinearState | None = None, valid: torch.Tensor | None = None
