@@ -31,23 +31,29 @@ class CenteredRMSNorm(nn.Module):
 
 
 class KVCache:
-    """One full-attention layer's keys and values `[B, kv_heads, capacity, head_dim]`, filled up to `length`."""
+    """One full-attention layer's keys and values `[B, kv_heads, capacity, head_dim]`, filled up to `length`;
+    allocated at the first append, in the dtype the layer computes in (bf16 under FSDP2 mixed precision)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k = self.v = None
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         end = self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache of {self.k.shape[2]} positions cannot hold {end}")
+        if end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot hold {end}")
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -68,11 +74,8 @@ class GatedAttention(nn.Module):
         self.q_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def new_cache(self, batch: int, capacity: int, device, dtype) -> KVCache:
-        shape = (batch, self.n_kv_heads, capacity, self.head_dim)
-        return KVCache(
-            torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
-        )
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(capacity)
 
     def forward(
         self,

@@ -158,10 +158,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(value, cfg.dim, bias=False)
 
-    def new_state(self, batch: int, device, dtype) -> LinearState:
-        return LinearState(
-            torch.zeros(batch, self.conv_weight.shape[0], self.kernel - 1, device=device, dtype=dtype)
-        )
+    def new_state(self, batch: int, device) -> LinearState:
+        # fp32 zeros: the conv window is cast to the compute dtype where it is used.
+        return LinearState(torch.zeros(batch, self.conv_weight.shape[0], self.kernel - 1, device=device))
 
     def _conv(self, x: torch.Tensor, state: LinearState | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over `x` `[B, C, T]`; the inputs before the first are the state's (zeros

@@ -1,7 +1,7 @@
 """Batched autoregressive decoding for the qwen3_5_moe family: the PyTorch rollout engine GRPO samples from.
 
 `generate(model, prompts, ...)` left-pads the prompts into one block (padding is internal: the caller passes
-plain token lists and gets plain token lists back), runs the block through `Qwen35Moe.decode` once (the
+plain token lists and gets plain token lists back), runs the block through the model once (`Qwen35Moe.decode`, called as `model(tokens, cache=cache)`) (the
 prefill: chunked DeltaNet, causal attention under the padding mask) and then one column per step (the recurrent
 DeltaNet form, attention over the KV cache). Each row's positions count from its own first real token and its
 padding adds nothing to any state, so a row's tokens do not depend on the other rows it is batched with
@@ -73,7 +73,7 @@ def generate(
         block[b, P - len(p) :] = torch.tensor(p, dtype=torch.long)
     n_pad = torch.tensor([P - len(p) for p in prompt_ids], device=device)
     cache = model.new_cache(n_pad, P + max_new_tokens)
-    logits = model.decode(block.to(device), cache)[:, -1]
+    logits = model(block.to(device), cache=cache)[:, -1]
 
     completions: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[torch.Tensor]] = [[] for _ in range(B)]
@@ -91,7 +91,7 @@ def generate(
             break
         if all_steps:
             done = done | (tokens_cpu == eos_id) if eos_id is not None else done
-            logits = model.decode(tokens.unsqueeze(1), cache)[:, -1]
+            logits = model(tokens.unsqueeze(1), cache=cache)[:, -1]
             continue
         going = tokens_cpu != eos_id if eos_id is not None else torch.ones_like(tokens_cpu, dtype=torch.bool)
         if not bool(going.any()):
@@ -100,6 +100,6 @@ def generate(
             rows = going.nonzero().squeeze(1)
             cache.keep(rows.to(device))
             live, tokens = live[rows], tokens[rows.to(device)]
-        logits = model.decode(tokens.unsqueeze(1), cache)[:, -1]
+        logits = model(tokens.unsqueeze(1), cache=cache)[:, -1]
     model.train(was_training)
     return completions, [torch.stack(lp) for lp in logprobs]

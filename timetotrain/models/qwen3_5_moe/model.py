@@ -136,9 +136,16 @@ class Qwen35Moe(nn.Module):
         return self.norm(x)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        reduction: str = "mean",
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor:
-        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy."""
+        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy. With
+        `cache`: decoding (`decode`), through `forward` so that FSDP2's root hooks gather the embedding and head."""
+        if cache is not None:
+            return self.decode(tokens, cache)
         return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
 
     def moe_layers(self) -> list[MoE]:
@@ -151,19 +158,16 @@ class Qwen35Moe(nn.Module):
 
     def new_cache(self, n_pad: torch.Tensor, capacity: int) -> DecodeCache:
         """A cache for `len(n_pad)` rows, row b left-padded by `n_pad[b]`, holding up to `capacity` columns."""
-        B = n_pad.shape[0]
-        p = self.embed.weight
+        B, device = n_pad.shape[0], self.embed.weight.device
         layers = [
-            b.attn.new_cache(B, capacity, p.device, p.dtype)
-            if b.full_attention
-            else b.attn.new_state(B, p.device, p.dtype)
+            b.attn.new_cache(capacity) if b.full_attention else b.attn.new_state(B, device)
             for b in self.layers
         ]
-        cols = torch.arange(capacity, device=p.device)
-        return DecodeCache(layers, cols.unsqueeze(0) >= n_pad.to(p.device).unsqueeze(1), n_pad.to(p.device))
+        cols = torch.arange(capacity, device=device)
+        return DecodeCache(layers, cols.unsqueeze(0) >= n_pad.to(device).unsqueeze(1), n_pad.to(device))
 
     def decode(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
-        """Logits `[B, T, vocab]` of the next `T` columns of every row (the prompt block, then one column per
+        """(Called as `model(tokens, cache=cache)`.) Logits `[B, T, vocab]` of the next `T` columns of every row (the prompt block, then one column per
         step), extending `cache`."""
         B, T = tokens.shape
         start = cache.length
