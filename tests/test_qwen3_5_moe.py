@@ -12,6 +12,7 @@ from timetotrain.models import qwen3_5_moe as q
 from timetotrain.models.qwen3_5_moe.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from timetotrain.models.qwen3_5_moe.generate import _sample, generate
 from timetotrain.models.qwen3_5_moe.hf import hf_config_kwargs, hf_export, hf_mapping
+from timetotrain.models.qwen3_5_moe.model import block_activation_elements
 from timetotrain.train.checkpoint import load_hf_checkpoint
 
 pytestmark = pytest.mark.parity
@@ -267,3 +268,38 @@ def test_reference_sizes():
     assert f4k > 6 * (q.active_param_count(cfg) - cfg.vocab_size * cfg.dim)
     full_attention = cfg.n_full_layers() * 6 * 2 * cfg.n_heads * cfg.head_dim * 2048  # per 4096 more keys / 2
     assert f8k - f4k == pytest.approx(full_attention)
+
+
+def _saved_bytes(fn, module) -> int:
+    """Bytes of the distinct storages autograd saves while `fn()` runs, the module's parameters left out."""
+    states = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in states:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()  # held until counted, so no storage is freed and its address reused
+    del out
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(dim=64, lin_v_heads=8, lin_k_dim=16, lin_v_dim=16)])
+def test_activation_count_is_near_what_autograd_saves_in_bf16(shape):
+    """`ttt plan`'s per-block count (bf16 elements, fp32 ones twice) against the bytes a block really keeps under
+    CPU bf16 autocast: not below by more than 5%, not above by more than 25% (the fp32 DeltaNet internals, the
+    norms and the MoE are counted at their largest)."""
+    cfg = small_cfg("a", **shape)
+    model = q.Qwen35Moe(cfg)
+    B, T = 2, 128
+    x = torch.randn(B, T, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    for layer in (0, cfg.full_attention_interval - 1):
+        block = model.layers[layer]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            measured = _saved_bytes(lambda b=block: b(x, cos, sin), block) / (B * T) / 2
+        counted = block_activation_elements(cfg, block.full_attention)
+        assert 0.95 * measured <= counted <= 1.25 * measured, (layer, counted, measured)

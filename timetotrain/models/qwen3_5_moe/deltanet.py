@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+DELTANET_CHUNK = 64  # tokens per chunk of the chunked form (FLA's and HF's default)
 L2_EPS = 1e-6  # FLA's and HF's l2norm epsilon: x * rsqrt(sum x^2 + eps)
 
 
@@ -59,6 +60,7 @@ def chunk_gated_delta_rule(
     dv = v.shape[-1]
     if state is None:
         state = q.new_zeros(B, H, dk, dv)
+    chunk = min(chunk, T)  # a short sequence (a prompt) is one chunk of its own length, not padded to 64
     pad = (-T) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -140,7 +142,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer (module docstring), no biases."""
 
-    def __init__(self, cfg, chunk: int = 64):
+    def __init__(self, cfg, chunk: int = DELTANET_CHUNK):
         super().__init__()
         self.k_heads, self.v_heads = cfg.lin_k_heads, cfg.lin_v_heads
         self.k_dim, self.v_dim = cfg.lin_k_dim, cfg.lin_v_dim
