@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE's text model (the MLPerf 6.1 `qwen35_397b_grpo` policy), docs/benchmarks/qwen35_397b_grpo.md.
+"""Qwen3.5-MoE's text model (the MLPerf 6.1 `qwen35_397b_grpo` policy), docs/models/qwen3_5_moe.md.
 
 Block: 1-centred RMSNorm -> token mixer -> residual, 1-centred RMSNorm -> MoE -> residual; final 1-centred RMSNorm
 and an untied head. The token mixer is Gated DeltaNet linear attention (`deltanet.py`) in three of every four
