@@ -1,7 +1,8 @@
 """qwen3_5_moe sharded on gloo (2 processes, `ep=2,fsdp=2`: 4 experts per rank, the rest FSDP2-sharded), loaded
 from a Hugging Face folder by `load_hf_checkpoint` into the shards: the logits and greedy decoding
 (`generate(..., all_steps=True)`, the same number of forwards on every rank, as the all-to-alls need) equal one
-process loading the same folder. Each rank decodes its own prompts (different lengths and batch sizes), so the
+process loading the same folder; the family's init on the shards (`shards.full_init`, as the sharded build
+runs it) gives the one-process model's weights bit for bit. Each rank decodes its own prompts (different lengths and batch sizes), so the
 expert all-to-alls carry uneven loads."""
 
 import datetime
@@ -17,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from timetotrain.models import qwen3_5_moe as q
 from timetotrain.models.qwen3_5_moe.generate import generate
 from timetotrain.models.qwen3_5_moe.hf import hf_export, hf_mapping
-from timetotrain.train import parallel
+from timetotrain.train import expert_parallel, parallel
 from timetotrain.train.checkpoint import load_hf_checkpoint
+from timetotrain.train.shards import full_init
 
 pytestmark = pytest.mark.distributed
 
@@ -43,6 +45,29 @@ def _run(model, rank: int) -> dict:
     return {"logits": logits, "completions": completions}
 
 
+PLAN = parallel.Plan(fsdp=WORLD, ep=WORLD)
+INIT_SEED = 7
+
+
+def _sharded_model():
+    with torch.device("meta"):
+        model = q.Qwen35Moe(CFG)
+    model, _ = parallel.apply(model, PLAN, torch.device("cpu"), q.FAMILY)
+    model.to_empty(device="cpu")
+    parallel.remark(model, PLAN)
+    return model
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter as its whole tensor: FSDP2 shards and expert slices gathered (collectives)."""
+    experts = expert_parallel.expert_dtensors(model)
+    out = {}
+    for n, p in model.named_parameters():
+        t = experts.get(n, p)
+        out[n] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return out
+
+
 def _worker(rank: int, root: str) -> None:
     torch.set_num_threads(1)
     root = Path(root)
@@ -51,13 +76,14 @@ def _worker(rank: int, root: str) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     try:
-        with torch.device("meta"):
-            model = q.Qwen35Moe(CFG)
-        model, _ = parallel.apply(model, parallel.Plan(fsdp=WORLD, ep=WORLD), torch.device("cpu"), q.FAMILY)
-        model.to_empty(device="cpu")
-        parallel.remark(model, parallel.Plan(fsdp=WORLD, ep=WORLD))
+        fresh = _sharded_model()
+        with full_init():
+            q.FAMILY.init(fresh, torch.Generator().manual_seed(INIT_SEED))
+        init = _full_state(fresh)
+        model = _sharded_model()
         report = load_hf_checkpoint(model, root / "hf", hf_mapping(CFG))
         out = {
+            "init": init,
             "ignored": report.ignored,
             "local_experts": model.layers[0].ffn.experts.w1.shape[0],
             "sharded": isinstance(model.layers[0].attn.in_proj_qkv.weight, DTensor),
@@ -82,11 +108,21 @@ def results(tmp_path_factory):
     one = q.Qwen35Moe(CFG).eval()
     load_hf_checkpoint(one, root / "hf", hf_mapping(CFG))
     single = [_run(one, rank) for rank in range(WORLD)]
-    return single, [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+    q.FAMILY.init(one, torch.Generator().manual_seed(INIT_SEED))
+    init = {n: p.detach() for n, p in one.named_parameters()}
+    return single, init, [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_sharded_init_equals_one_process(results):
+    _, init, ranks = results
+    for got in ranks:
+        assert got["init"].keys() == init.keys()
+        for name, t in init.items():
+            assert torch.equal(got["init"][name], t), name
 
 
 def test_sharded_load_forward_and_decode_equal_one_process(results):
-    single, ranks = results
+    single, _, ranks = results
     for rank, got in enumerate(ranks):
         assert got["ignored"] == []
         assert got["local_experts"] == CFG.n_experts // WORLD and got["sharded"]
