@@ -5,7 +5,10 @@ side by side in one process.
 
 Same weights (ours loaded from HF's `save_pretrained` output), the same left-padded batch of prompts of
 different lengths (a GRPO step's shape: prompts x generations), greedy decoding of `new` tokens with no EOS,
-so both produce exactly the same tokens (checked) and the same count. HF runs as its users run it:
+so both generate the same number of tokens. The rows whose tokens are identical are counted: a row can part
+where a token's top-k router logits are tied to within fp32 noise (seen once at "medium": a gap of 2.6e-6 between
+the 4th and 5th expert, where cached decoding and a full forward, ours and HF's alike, sum in other orders); it
+is the same amount of work either way. HF runs as its users run it:
 `generate(input_ids, attention_mask, do_sample=False)` with its default cache (a KV cache for the attention
 layers, the conv and recurrent states for the DeltaNet layers) and its pure-PyTorch fallbacks (no fla /
 causal-conv1d kernels installed, as ours uses none). The two alternate within each repetition so drift in
@@ -85,7 +88,8 @@ def bench(name: str, reps: int) -> dict:
             )  # fmt: skip
         return out[:, P:].tolist()
 
-    same = run_ours() == run_hf()  # warm-up, and the check that both decode the same tokens
+    a, b = run_ours(), run_hf()  # warm-up, and the check that both decode the same tokens
+    same = f"{sum(x == y for x, y in zip(a, b, strict=True))}/{rows}"
     ours_tps, hf_tps = [], []
     for _ in range(reps):
         for fn, out in ((run_ours, ours_tps), (run_hf, hf_tps)):
