@@ -224,6 +224,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight.uniform_(-bound, bound, generator=generator)
         # HF's initialisation: dt_bias 1, A = exp(A_log) ~ U(0.01, 16).
         self.dt_bias.fill_(1.0)
-        self.A_log.uniform_(0.01, 16.0, generator=generator)  # in place: the sharded build's `full_init` sees it
+        # In place, so that the sharded build's `full_init` sees the draw.
+        self.A_log.uniform_(0.01, 16.0, generator=generator)
         self.A_log.log_()
         nn.init.ones_(self.norm.weight)

@@ -90,6 +90,8 @@ class DecodeCache:
         self.layers = layers
         self.valid = valid
         self.n_pad = n_pad
+        # Columns from here on are real in every row: the DeltaNet layers skip their padding mask there.
+        self.pad_end = int(n_pad.max()) if n_pad.numel() else 0
         self.length = 0
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -176,7 +178,7 @@ class Qwen35Moe(nn.Module):
             raise ValueError(f"decoding past max_seq_len {self.cfg.max_seq_len}")
         positions = (cols.unsqueeze(0) - cache.n_pad.unsqueeze(1)).clamp(min=0)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        valid = cache.valid[:, start : start + T]
+        valid = cache.valid[:, start : start + T] if start < cache.pad_end else None
         keys = torch.arange(start + T, device=tokens.device)
         # A query sees the real keys up to its own column; a padding query sees itself (a finite, unused row).
         mask = (keys.unsqueeze(0) <= cols.unsqueeze(1)).unsqueeze(0) & cache.valid[:, None, : start + T]
