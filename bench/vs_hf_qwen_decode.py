@@ -122,7 +122,7 @@ def main() -> int:
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, cpu"
     )
     print(
-        f"{'config':<8}{'rows':>5}{'prompt':>8}{'new':>5}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}  same tokens"
+        f"{'config':<8}{'rows':>5}{'prompt':>8}{'new':>5}{'ours tok/s':>12}{'HF tok/s':>10}{'ratio':>7}  rows with the same tokens"
     )
     for name in args.configs.split(","):
         r = bench(name, args.reps)

@@ -86,7 +86,7 @@ def _worker(rank: int, root: str) -> None:
             "init": init,
             "ignored": report.ignored,
             "local_experts": model.layers[0].ffn.experts.w1.shape[0],
-            "sharded": isinstance(model.layers[0].attn.in_proj_qkv.weight, DTensor),
+            "sharded": isinstance(model.layers[0].attn.in_proj.weight, DTensor),
             **_run(model.eval(), rank),
         }
         torch.save(out, root / f"rank{rank}.pt")

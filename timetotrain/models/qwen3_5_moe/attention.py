@@ -1,7 +1,7 @@
 """Qwen3.5's gated full attention (every fourth layer) and the 1-centred RMSNorm the family uses.
 
 Grouped-query attention with per-head QK-norm, partial RoPE and an output gate (HF `Qwen3_5MoeAttention`):
-`q_proj` gives per head `head_dim` query values then `head_dim` gate values; q and k pass a 1-centred RMSNorm
+`q_proj` (here the first rows of the fused `qkv`) gives per head `head_dim` query values then `head_dim` gate values; q and k pass a 1-centred RMSNorm
 over the head; RoPE rotates the first `rope_dim` dimensions of each head (the two halves of that slice, HF's
 `rotate_half` convention) and leaves the rest; softmax scale `head_dim ** -0.5`; the attention output is
 multiplied by `sigmoid(gate)` before `o_proj`. No biases.
@@ -67,9 +67,13 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope_dim = cfg.rope_dim
-        self.q_proj = nn.Linear(cfg.dim, 2 * cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        # HF's q_proj (with the gate), k_proj and v_proj as one matmul, rows [q+gate | k | v].
+        self.qkv_sizes = [
+            2 * cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        ]
+        self.qkv = nn.Linear(cfg.dim, sum(self.qkv_sizes), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.q_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -91,10 +95,11 @@ class GatedAttention(nn.Module):
         attend), which the caller builds (causality and padding)."""
         B, T, _ = x.shape
         H, hd = self.n_heads, self.head_dim
-        q, gate = self.q_proj(x).view(B, T, H, 2 * hd).chunk(2, dim=-1)
+        qg, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+        q, gate = qg.reshape(B, T, H, 2 * hd).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, hd))
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, hd)
+        k = self.k_norm(k.reshape(B, T, self.n_kv_heads, hd))
+        v = v.reshape(B, T, self.n_kv_heads, hd)
         cos, sin = (
             (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 2 else (cos.unsqueeze(2), sin.unsqueeze(2))
         )
@@ -116,8 +121,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj):
-            normal(lin.weight, std)
+        normal(self.qkv.weight, std)
         normal(self.o_proj.weight, residual_std)
         nn.init.zeros_(self.q_norm.weight)
         nn.init.zeros_(self.k_norm.weight)

@@ -23,7 +23,8 @@ Only the S-dependent part runs chunk by chunk. Decays are formed as differences 
 diagonal before the exp), so nothing overflows however strong the decay. A sequence not a multiple of C is padded
 with g = 0, k = v = beta = 0, which leaves the state unchanged. Both forms compute in fp32 whatever the input dtype.
 
-The layer (`GatedDeltaNet`, HF `Qwen3_5MoeGatedDeltaNet`'s weights): `in_proj_qkv` -> a depthwise causal conv1d of
+The layer (`GatedDeltaNet`, HF `Qwen3_5MoeGatedDeltaNet`'s weights, its four input projections fused into one
+`in_proj`): `in_proj_qkv` -> a depthwise causal conv1d of
 width `conv_kernel` over time -> SiLU -> q, k, v; `beta = sigmoid(in_proj_b x)`,
 `g = -exp(A_log) * softplus(in_proj_a x + dt_bias)`; each key head serves `lin_v_heads / lin_k_heads` consecutive
 value heads; the output is RMS-normalised per value head (a plain 1-initialised weight), gated by
@@ -149,10 +150,9 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.conv_kernel
         self.chunk = chunk
         key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        self.in_proj_qkv = nn.Linear(cfg.dim, 2 * key + value, bias=False)
-        self.in_proj_z = nn.Linear(cfg.dim, value, bias=False)
-        self.in_proj_b = nn.Linear(cfg.dim, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.dim, self.v_heads, bias=False)
+        # HF's four input projections as one matmul, rows [qkv | z | b | a] (`hf.py` concatenates them).
+        self.in_sizes = [2 * key + value, value, self.v_heads, self.v_heads]
+        self.in_proj = nn.Linear(cfg.dim, sum(self.in_sizes), bias=False)
         # Depthwise: one `kernel`-tap filter per channel, HF's `conv1d.weight` layout `[C, 1, K]`.
         self.conv_weight = nn.Parameter(torch.empty(2 * key + value, 1, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
@@ -185,7 +185,8 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         B, T, _ = x.shape
-        mixed = self._conv(self.in_proj_qkv(x).transpose(1, 2), state).transpose(1, 2)
+        mixed, z, b, a = self.in_proj(x).split(self.in_sizes, dim=-1)
+        mixed = self._conv(mixed.transpose(1, 2), state).transpose(1, 2)
         key = self.k_heads * self.k_dim
         q, k, v = mixed.split([key, key, self.v_heads * self.v_dim], dim=-1)
         group = self.v_heads // self.k_heads
@@ -199,10 +200,8 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(heads(q, self.k_heads, self.k_dim)) * self.k_dim**-0.5
         k = l2_normalize(heads(k, self.k_heads, self.k_dim))
         v = heads(v, self.v_heads, self.v_dim)
-        beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)
-        g = (
-            -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        ).transpose(1, 2)
+        beta = b.float().sigmoid().transpose(1, 2)
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         initial = state.recurrent if state is not None else None
         if state is not None and T == 1:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
@@ -211,13 +210,12 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.recurrent = final.detach()
         out = out.transpose(1, 2).to(x.dtype)  # [B, T, H_v, d_v]
-        z = self.in_proj_z(x).view(B, T, self.v_heads, self.v_dim)
+        z = z.reshape(B, T, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(B, T, -1))
 
     @torch.no_grad()
     def init_weights(self, normal, std: float, residual_std: float, generator=None) -> None:
-        for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
-            normal(lin.weight, std)
+        normal(self.in_proj.weight, std)
         normal(self.out_proj.weight, residual_std)
         # PyTorch's default for a depthwise conv (fan-in = K): U(-1/sqrt(K), 1/sqrt(K)).
         bound = self.kernel**-0.5

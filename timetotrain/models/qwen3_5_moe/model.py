@@ -222,7 +222,7 @@ def _full_attention_params(cfg: Qwen35MoeConfig) -> int:
 
 
 def _linear_attention_params(cfg: Qwen35MoeConfig) -> int:
-    """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the conv taps, dt_bias, A_log, the gated norm, out_proj."""
+    """in_proj (HF's in_proj_qkv, _z, _b, _a), the conv taps, dt_bias, A_log, the gated norm, out_proj."""
     value = cfg.lin_v_heads * cfg.lin_v_dim
     matmul = cfg.dim * (cfg.conv_dim + value + 2 * cfg.lin_v_heads) + value * cfg.dim
     return matmul + cfg.conv_dim * cfg.conv_kernel + 2 * cfg.lin_v_heads + cfg.lin_v_dim
@@ -291,7 +291,8 @@ def block_activation_elements(cfg: Qwen35MoeConfig, full_attention: bool) -> flo
     - The MoE, as deepseek_v3 counts it: the router's fp32 logits and softmax (2E), top-k (2k), per routed copy the
       permuted input (h), fc1's output (2f), the weighted activation (f) and the expert output (h), the combine's
       input (k h); the shared expert's fc1 output and fc2 input (3 f_s) and its gate (2).
-    - Gated attention: the block input (h), q and k through their fp32 norms (4 (H + kv) hd), the rotated q, k and
+    - Gated attention: the block input (h), the fused q/gate/k/v projection's output, kept whole because the gate,
+      a view of it, is saved ((2 H + 2 kv) hd), q and k through their fp32 norms (4 (H + kv) hd), the rotated q, k and
       v (H hd + 2 kv hd), SDPA's output (H hd), the gate's sigmoid and the gated product (2 H hd), o_proj's input
       (H hd).
     - Gated DeltaNet: the block input (h), the conv's input and output (2 C_conv), then in fp32: per value head the
@@ -304,7 +305,9 @@ def block_activation_elements(cfg: Qwen35MoeConfig, full_attention: bool) -> flo
     moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 3 * fs + 2
     if full_attention:
         H, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        mixer = h + 4 * (H + kv) * hd + (H + 2 * kv) * hd + H * hd + 2 * H * hd + H * hd
+        mixer = (
+            h + (2 * H + 2 * kv) * hd + 4 * (H + kv) * hd + (H + 2 * kv) * hd + H * hd + 2 * H * hd + H * hd
+        )
     else:
         Hv, dk, dv, C = cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, DELTANET_CHUNK
         fp32 = Hv * (5 * C + 10 * dk + 8 * dv + 8 + 4 * dk * dv / C)
