@@ -303,3 +303,22 @@ def test_activation_count_is_near_what_autograd_saves_in_bf16(shape):
             measured = _saved_bytes(lambda b=block: b(x, cos, sin), block) / (B * T) / 2
         counted = block_activation_elements(cfg, block.full_attention)
         assert 0.95 * measured <= counted <= 1.25 * measured, (layer, counted, measured)
+
+
+def test_generate_refuses_what_it_cannot_do_and_keeps_the_mode():
+    cfg = small_cfg("a")
+    model = q.Qwen35Moe(cfg).train()
+    for prompts, kwargs in (
+        ([], {}),
+        ([[1], []], {}),
+        ([[1]], {"max_new_tokens": 0}),
+        ([[1]], {"temperature": -1.0}),
+        ([[1]], {"top_p": 0.0}),
+    ):
+        with pytest.raises(ValueError):
+            generate(model, prompts, **{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(model, [[1] * 150], max_new_tokens=20, temperature=0.0)  # 170 columns > 160
+    assert model.training  # an error leaves the mode as it was
+    completions, _ = generate(model, [[1, 2]], max_new_tokens=3, temperature=0.0)
+    assert model.training and len(completions[0]) == 3  # back in training mode, dropout-free decoding done

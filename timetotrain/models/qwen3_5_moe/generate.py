@@ -64,10 +64,25 @@ def generate(
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-    device = model.embed.weight.device
+    P = max(len(p) for p in prompt_ids)
+    limit = model.cfg.max_seq_len
+    if P + max_new_tokens > limit:
+        raise ValueError(
+            f"a prompt of {P} tokens plus max_new_tokens {max_new_tokens} exceeds max_seq_len {limit}"
+        )
     was_training = model.training
     model.eval()
-    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+    try:
+        return _decode(
+            model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, generator, pad_id, all_steps
+        )
+    finally:
+        model.train(was_training)
+
+
+def _decode(model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, generator, pad_id, all_steps):
+    device = model.embed.weight.device
+    B = len(prompt_ids)
     block = torch.full((B, P), pad_id, dtype=torch.long)
     for b, p in enumerate(prompt_ids):
         block[b, P - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -101,5 +116,4 @@ def generate(
             cache.keep(rows.to(device))
             live, tokens = live[rows], tokens[rows.to(device)]
         logits = model(tokens.unsqueeze(1), cache=cache)[:, -1]
-    model.train(was_training)
     return completions, [torch.stack(lp) for lp in logprobs]
