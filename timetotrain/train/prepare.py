@@ -50,10 +50,20 @@ def preflight(
     split."""
     d = distributed.from_env()
     check_seed(seed)
-    resolve_device(device, d.local_rank)
+    dev = resolve_device(device, d.local_rank)
     logdir = check_writable(logdir)
+    fp8 = {}
+    if precision == "fp8":
+        from timetotrain.train.float8 import check_device, check_model
+
+        check_model(tier.model, dev)  # first: it needs no torchao, whose import takes seconds
+        check_device(dev)
+        # What float8 does not cover: bf16 where it is fast (GPUs), fp32 on CPUs (DESIGN: no fast bf16).
+        fp8 = {"fp8_recipe": tier.fp8_recipe, "high": "bf16" if dev.type == "cuda" else "fp32"}
+    elif "fp8_recipe" in tier.user_set:
+        raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
     plan = parallel.parse(
-        parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile
+        parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
     local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
