@@ -38,7 +38,9 @@ def test_block_linears_become_float8_and_nothing_else():
     _, model = llama()
     parallel.apply(model, fp8(), CPU, get("llama31_8b").family)
     names = float8.converted(model)
-    assert names == [f"layers.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "ffn.fc1", "ffn.fc2")]
+    assert names == [
+        f"layers.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "ffn.fc1", "ffn.fc2")
+    ]
     assert type(model.head) is torch.nn.Linear and type(model.embed) is torch.nn.Embedding
 
 

@@ -164,7 +164,7 @@ def _convert_experts(experts: list[nn.Module]) -> None:
     from torchao.quantization import quantize_
 
     for module in experts:
-        quantize_(module, Float8TrainingOpConfig(), filter_fn=lambda m, _: m is module)
+        quantize_(module, Float8TrainingOpConfig(), filter_fn=lambda m, _, target=module: m is target)
         module.use_grouped_mm = True
 
 
