@@ -5,6 +5,7 @@ what matters most; `--budget-s` skips the rest once the budget is spent (each sk
 
 Figures (all bf16 unless named; `ttt synth` on random tokens at the reference width):
   synth      llama31_8b 4 layers: eager and compiled, bf16; float8 tensorwise and rowwise, compiled;
+             compiled with cuDNN attention first (TTT_SDPA_PRIORITY, train/sdpa.py);
              depth sweep 2/4/8 layers compiled, a straight line through step time vs layers extrapolated to
              the full depth (32); gpt_oss_20b 2 layers compiled.
   head_loss  the fused head + loss at the 8B shape, fp32-buffer path vs bf16-logits path (bench/head_loss.py).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -225,6 +227,12 @@ def main(argv=None) -> int:
     if not smoke:  # CPU rowwise float8 GEMMs are a reference kernel: minutes at the tiny shape
         s(f"llama8b_{base_layers}L_fp8_rowwise_compiled", precision="fp8", recipe="rowwise")
     s(f"llama8b_{base_layers}L_eager", compile=False)
+    if wanted("synth") and not smoke:  # the SDPA order setting (train/sdpa.py): cuDNN first vs torch's order
+        os.environ["TTT_SDPA_PRIORITY"] = "cudnn,flash,efficient,math"
+        try:
+            s(f"llama8b_{base_layers}L_compiled_cudnn_first")
+        finally:
+            del os.environ["TTT_SDPA_PRIORITY"]
     if wanted("head_loss"):
         shape = (512, 128, 4096) if smoke else (8192, 4096, 128256)
         rec.item(

@@ -154,3 +154,22 @@ def test_moe_experts_without_a_grouped_float8_gemm_are_refused():
         model = bench.family.build(tier.model)
     with pytest.raises(UserError, match="_scaled_grouped_mm"):
         float8.convert(model, "tensorwise", False, CPU)
+
+
+def test_sdpa_priority_setting(monkeypatch):
+    """TTT_SDPA_PRIORITY (train/sdpa.py): an order of backend names, the unnamed ones kept after them; a bad
+    name is one line; on a CPU it changes nothing."""
+    from torch.nn.attention import SDPBackend
+
+    from timetotrain.train import sdpa
+
+    assert sdpa.order(None) is None
+    got = sdpa.order("cudnn,flash")
+    assert got[:2] == (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION) and len(got) == 4
+    with pytest.raises(UserError, match="TTT_SDPA_PRIORITY='fast'"):
+        sdpa.order("fast")
+    monkeypatch.setenv(sdpa.ENV, "cudnn")
+    q = torch.randn(1, 2, 8, 4)
+    with sdpa.priority("cpu"):
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.shape == q.shape

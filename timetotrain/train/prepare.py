@@ -15,7 +15,7 @@ from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train import distributed, parallel
+from timetotrain.train import distributed, parallel, sdpa
 from timetotrain.train.device import platform_name
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -50,6 +50,7 @@ def preflight(
     split."""
     d = distributed.from_env()
     check_seed(seed)
+    sdpa.check()
     dev = resolve_device(device, d.local_rank)
     logdir = check_writable(logdir)
     fp8 = {}

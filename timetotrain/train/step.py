@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.tasks.base import split_batch
-from timetotrain.train import parallel, schedule
+from timetotrain.train import parallel, schedule, sdpa
 from timetotrain.train.optim import build_optimizer, set_lr
 
 
@@ -26,7 +26,7 @@ def train_step(
     on the last micro-batch."""
     total = None
     for i, mb in enumerate(split_batch(batch, accum)):
-        with parallel.grad_sync(model, i == accum - 1):
+        with parallel.grad_sync(model, i == accum - 1), sdpa.priority(_device_type(mb)):
             with torch.autocast(
                 _device_type(mb), dtype=autocast or torch.float32, enabled=autocast is not None
             ):
