@@ -25,14 +25,18 @@ def train_step(
     forward in that precision; weights and optimizer stay fp32. Under DDP/FSDP gradients are reduced once,
     on the last micro-batch."""
     total = None
-    for i, mb in enumerate(split_batch(batch, accum)):
-        with parallel.grad_sync(model, i == accum - 1), sdpa.priority(_device_type(mb)):
-            with torch.autocast(
-                _device_type(mb), dtype=autocast or torch.float32, enabled=autocast is not None
-            ):
+    dev = _device_type(batch)
+    # One autocast context for the whole step, not one per micro-batch: autocast caches the bf16 copy of
+    # each fp32 weight it casts until its outermost context exits, so every weight is cast once per step
+    # instead of once per micro-batch (the cache holds those copies, 2 bytes per parameter, meanwhile).
+    # The backward runs with autocast off, as it did outside the per-micro-batch contexts.
+    with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
+        for i, mb in enumerate(split_batch(batch, accum)):
+            with parallel.grad_sync(model, i == accum - 1), sdpa.priority(dev):
                 loss = loss_fn(model, mb) / accum
-            loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
+                with torch.autocast(dev, enabled=False):
+                    loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
     if clip is not None:
         if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
             from timetotrain.train.tensor_parallel import clip_grad_norm_tp
