@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     def s(name, bench="llama31_8b", layers=base_layers, compile=True, precision="bf16", recipe=None):
         if wanted("synth"):
             prec = "fp32" if smoke and precision == "bf16" else precision
+            if smoke:  # toy sizes on a CPU: fp32 and eager whatever the GPU item is; the name says so
+                name = name.replace("_compiled", "") + "_smoke"
             return rec.item(
                 "synth", name,
                 lambda: synth(bench, tier, layers, compile=compile and not smoke, precision=prec, recipe=recipe, **common),
