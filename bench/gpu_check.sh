@@ -8,8 +8,10 @@
 # start-up included), and reaches no network. So the wheels travel with the checkout: before the run, on a
 # machine with the network,
 #
-#   pip download --no-deps -d bench/wheels torchao==0.18.0 mlperf-logging    # ~3.7 MB; bench/wheels/ is
-#                                                                            # git-ignored
+#   pip download --no-deps -d bench/wheels torchao==0.18.0 mlperf-logging pyyaml tqdm   # ~4.5 MB;
+#                                                                                        # git-ignored
+# (pyyaml is built per Python version: add --only-binary=:all: --python-version 3.X --platform
+# manylinux2014_x86_64 when the device's Python differs from this machine's)
 # and hand the folder to the device tool as an ignored path it carries (`carry: ["bench/wheels"]`; it
 # carries up to 64 MiB). Add any other wheel `ttt synth` needs there and lacks (the script lists the missing
 # imports first). Here every wheel in bench/wheels is installed with --no-index --no-deps.
@@ -33,12 +35,13 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)"
-if compgen -G "bench/wheels/*.whl" > /dev/null; then
-    "$py" -m pip install --no-index --no-deps --quiet bench/wheels/*.whl 2>&1 | tail -3
-fi
+for whl in bench/wheels/*.whl; do  # one at a time: a wheel for another Python must not block the rest
+    [ -e "$whl" ] || continue
+    "$py" -m pip install --no-index --no-deps --quiet "$whl" 2>&1 | tail -1
+done
 "$py" - <<'EOF'
 import importlib.util
-need = ["torch", "numpy", "yaml", "mlperf_logging", "torchao", "safetensors", "tiktoken", "sentencepiece", "pyarrow", "scipy"]
+need = ["torch", "numpy", "yaml", "tqdm", "mlperf_logging", "torchao"]  # what `ttt synth` and the probe import
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 print("missing imports:", ", ".join(missing) if missing else "none")
 EOF

@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/head_loss.py, a sibling script
 
-import head_loss as head_loss_bench  # noqa: E402
-
-from timetotrain import suite  # noqa: E402
+# Imported in `main`, after the first record: on a bare machine a missing wheel is then a record, not a
+# traceback before any output.
+suite = head_loss_bench = None
 
 
 class Records:
@@ -196,6 +196,14 @@ def main(argv=None) -> int:
         ao = torchao.__version__
     except ImportError:
         ao = None
+    global suite, head_loss_bench
+    try:
+        import head_loss as head_loss_bench
+
+        from timetotrain import suite
+    except ImportError as e:
+        rec.write("env", "imports", status="failed", error=f"{e} (add its wheel to bench/wheels)")
+        return 1
     rec.write(
         "env", "machine", torch=torch.__version__, cuda=torch.version.cuda, torchao=ao, python=platform.python_version(),
         device=torch.cuda.get_device_name(0) if not smoke else platform.processor() or "cpu",
