@@ -1,73 +1,78 @@
 #!/usr/bin/env bash
-# GPU readiness: one prepared script to run unchanged on a machine with one CUDA GPU. No effect on the CPU
-# test suite. Run it from the repository root:
+# The prepared one-GPU probe (issue 26): about 8 minutes on one bare H200, run from the repository root.
 #
-#   bash bench/gpu_check.sh [SOURCES_DIR] [OUT_DIR]
+#   bash bench/gpu_check.sh [OUT_DIR]            # on the GPU machine; default OUT_DIR gpu_check_out
+#   bash bench/gpu_check.sh --cpu-smoke [OUT]    # the same script end to end at toy sizes on a CPU
 #
-# SOURCES_DIR: raw sources laid out as ../shared/data (c4/en, govreport/, tokenizers/), from which
-# `ttt suite` prepares each tiny tier's data (cached under $TTT_CACHE/data); default ../shared/data.
-# OUT_DIR: where logs, summaries and the table go; default gpu_check_out.
+# A lent GPU machine is bare (torch, no torchao, no mlperf-logging) and short-lived (~15 minutes in all,
+# start-up included), and reaches no network. So the wheels travel with the checkout: before the run, on a
+# machine with the network,
 #
-# It runs, each bf16 on one GPU:
-#   1. `ttt synth llama31_8b --tier reference` at the reference width with 4 of its 32 layers, eager and
-#      compiled (tokens/s, model TFLOP/s, MFU against the datasheet peak, memory);
-#   2. `ttt synth gpt_oss_20b --tier reference` with 2 of its 24 layers (the MoE grouped-GEMM path, the
-#      blocked sliding-window band), eager and compiled;
-#   2b. `ttt synth llama2_70b_lora --tier reference` with 4 of its 80 layers (frozen base, LoRA adapters);
-#   3. `ttt suite --tier tiny --runs 1 --device cuda`: every benchmark that has a tiny tier, to its target
-#      on the GPU (fp32, as their RCPs were made), each log through the official compliance engine;
-# then prints one table. A step that fails is reported in the table and the script goes on.
+#   pip download --no-deps -d bench/wheels torchao==0.18.0 mlperf-logging pyyaml tqdm   # ~4.5 MB;
+#                                                                                        # git-ignored
+# (pyyaml is built per Python version: add --only-binary=:all: --python-version 3.X --platform
+# manylinux2014_x86_64 when the device's Python differs from this machine's)
+# and hand the folder to the device tool as an ignored path it carries (`carry: ["bench/wheels"]`; it
+# carries up to 64 MiB). Add any other wheel `ttt synth` needs there and lacks (the script lists the missing
+# imports first). Here every wheel in bench/wheels is installed with --no-index --no-deps.
+#
+# What it measures, one JSON line per figure appended to OUT_DIR/records.jsonl as each is measured (see
+# bench/gpu_probe.py): llama31_8b at reference width, 4 layers, compiled bf16, float8 tensorwise and rowwise,
+# eager; the fused head+loss before/after at the 8B shape; SDPA backends at the 8B and gpt_oss_20b attention
+# shapes; a 2/4/8-layer depth sweep extrapolated to 32 layers; gpt_oss_20b at 2 layers. MFU in both FLOP
+# conventions (causal half: ours; full square: torchtitan / NeMo <= 25.07). A run cut short keeps its records;
+# a figure that fails is a record too. Then a table of them.
+#
+# GPU_CHECK_BUDGET_S (default 480) bounds the probe; GPU_CHECK_SUITE=1 also runs `ttt suite --tier tiny` on
+# the GPU afterwards (the previous content of this script; ~10+ minutes more, sources from ../shared/data).
 set -u
-src=${1:-../shared/data}
-out=${2:-gpu_check_out}
+smoke=()
+if [ "${1:-}" = "--cpu-smoke" ]; then smoke=(--cpu-smoke); shift; fi
+out=${1:-gpu_check_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-ttt() { "$py" -m timetotrain "$@"; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null)"
-"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-
-rows=()
-synth() {  # name, then ttt synth arguments
-    local name=$1; shift
-    local dir="$out/synth_$name"
-    if ttt synth "$@" --device cuda --precision bf16 --logdir "$dir" > "$out/synth_$name.txt" 2>&1; then
-        rows+=("$("$py" - "$dir" "$name" <<'EOF'
-import glob, json, sys
-s = json.load(open(glob.glob(sys.argv[1] + "/synth/*/*/summary.json")[0]))
-item = s["item"]
-print(f"{sys.argv[2]:<26}{s[item + '_per_s']:>14,.0f} {item}/s  {s['model_tflops_per_s']:>8,.1f} TFLOP/s  "
-      f"MFU {s['mfu']:>6.1%}  step p50 {s['step_time_s']['p50']:.3f} s  mem {s['peak_memory_bytes'] / 2**30:.1f} GiB")
+for whl in bench/wheels/*.whl; do  # one at a time: a wheel for another Python must not block the rest
+    [ -e "$whl" ] || continue
+    "$py" -m pip install --no-index --no-deps --quiet "$whl" 2>&1 | tail -1
+done
+"$py" - <<'EOF'
+import importlib.util
+need = ["torch", "numpy", "yaml", "tqdm", "mlperf_logging", "torchao"]  # what `ttt synth` and the probe import
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+print("missing imports:", ", ".join(missing) if missing else "none")
 EOF
-)")
-    else
-        rows+=("$(printf '%-26s FAILED (see %s)' "$name" "$out/synth_$name.txt")")
-        tail -5 "$out/synth_$name.txt"
-    fi
-}
 
-synth llama8b_4L_eager llama31_8b --tier reference --layers 4 --steps 8 --warmup-steps 3 --set global_batch_size=8
-synth llama8b_4L_compiled llama31_8b --tier reference --layers 4 --steps 8 --warmup-steps 3 --set global_batch_size=8 --compile
-synth gptoss20b_2L_eager gpt_oss_20b --tier reference --layers 2 --steps 8 --warmup-steps 3 --set global_batch_size=8
-synth gptoss20b_2L_compiled gpt_oss_20b --tier reference --layers 2 --steps 8 --warmup-steps 3 --set global_batch_size=8 --compile
-synth llama2_70b_lora_4L llama2_70b_lora --tier reference --layers 4 --steps 8 --warmup-steps 3
+"$py" bench/gpu_probe.py "${smoke[@]}" --out "$out" --budget-s "${GPU_CHECK_BUDGET_S:-480}" > "$out/probe.txt" 2>&1
+echo "probe exit $? (log $out/probe.txt)"
 
-# Every benchmark with a tiny tier, as the registry lists them (benchmarks added later join by themselves):
-# `ttt suite` prepares their data from the raw sources (cached), makes the bases a tier needs, runs each to
-# its target on the GPU, checks every log with the official engine and prints its scorecard.
-suite_out="$out/suite_tiny"
-start=$(date +%s)
-if ttt suite --tier tiny --runs 1 --seed 1234 --device cuda --data "$src" --out "$suite_out" > "$out/suite_tiny.txt" 2>&1; then
-    status=ok
-else
-    status="not all converged/compliant (exit $?)"
+echo
+echo "== gpu_check records ($out/records.jsonl)"
+"$py" - "$out/records.jsonl" <<'EOF' | tee "$out/table.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    name, st = f"{r['kind']}:{r['name']}", r.get("status", "")
+    if st in ("failed", "skipped"):
+        print(f"{name:<52} {st}: {r.get('error') or r.get('reason')}")
+    elif r["kind"] in ("synth", "extrapolated"):
+        print(f"{name:<52} {r['tokens_per_s']:>10,.0f} tok/s  MFU causal {r['mfu_causal']:6.1%}  "
+              f"full-square {r['mfu_full_square']:6.1%}" + (f"  mem {r['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in r else ""))
+    elif r["kind"] == "head_loss":
+        print(f"{name:<52} fp32-buffer {r['fp32_buffer_s']*1e3:8.1f} ms  bf16-logits {r['bf16_logits_s']*1e3:8.1f} ms  "
+              f"x{r['speedup']:.2f}  max rel diff {r['max_rel_diff']}")
+    elif r["kind"] == "attention":
+        print(f"{name:<52} {r['fwd_bwd_ms']:8.2f} ms fwd+bwd  {r['tflops_causal']:7.1f} TFLOP/s (causal)")
+    else:
+        print(f"{name:<52} {json.dumps({k: v for k, v in r.items() if k not in ('kind', 'name')})}")
+EOF
+
+if [ "${GPU_CHECK_SUITE:-0}" = 1 ] && [ ${#smoke[@]} -eq 0 ]; then
+    "$py" -m timetotrain suite --tier tiny --runs 1 --seed 1234 --device cuda --data ../shared/data \
+        --out "$out/suite_tiny" > "$out/suite_tiny.txt" 2>&1
+    echo "ttt suite --tier tiny: exit $? (log $out/suite_tiny.txt)"
+    sed -n '/^benchmark /,$p' "$out/suite_tiny.txt" | tee -a "$out/table.txt"
 fi
-secs=$(( $(date +%s) - start ))
-rows+=("$(printf '%-26s %-20s %5s s  (scorecard below; log %s)' "ttt suite --tier tiny" "$status" "$secs" "$out/suite_tiny.txt")")
-
-echo
-echo "== gpu_check results"
-printf '%s\n' "${rows[@]}" | tee "$out/table.txt"
-echo
-sed -n '/^benchmark /,$p' "$out/suite_tiny.txt" | tee -a "$out/table.txt"

@@ -106,7 +106,21 @@ CASES = [
     ),
     C("run-parallel-garbage", run_("--parallel garbage"), "--parallel 'garbage'", "dp=8"),
     C("run-parallel-world-size", run_("--parallel dp=4"), "--parallel dp=4", "torchrun started 1"),
-    C("run-precision-invalid", run_("--precision fp8"), "--precision", "invalid choice", usage=True),
+    C("run-precision-invalid", run_("--precision fp4"), "--precision", "invalid choice", usage=True),
+    C("run-fp8-recipe-unknown", run_("--precision fp8 --set fp8_recipe=mx"), "fp8_recipe=mx", "rowwise"),
+    C(
+        "run-fp8-recipe-without-fp8",
+        run_("--set fp8_recipe=rowwise"),
+        "fp8_recipe=rowwise",
+        "--precision fp8",
+    ),
+    C(
+        "run-fp8-moe-on-cpu",
+        "run gpt_oss_20b --tier tiny --data {c4} --logdir {w}/logs --precision fp8",
+        "--precision fp8",
+        "_scaled_grouped_mm",
+        "bf16",
+    ),
     C("run-device-unknown", run_("--device tpu"), "--device 'tpu'", "cpu, cuda"),
     C(
         "run-init-checkpoint-a-file",

@@ -125,3 +125,41 @@ def test_model_with_labels_gives_the_loss_of_its_logits_and_the_same_gradients(b
     with torch.no_grad():
         total = m(tokens[:, :-1], labels=labels, reduction="sum")
     torch.testing.assert_close(total, ref.detach() * (labels != -100).sum(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("rows", [16, 37])
+def test_bf16_logits_path_equals_the_fp32_buffer_path(rows):
+    """Under bf16 autocast on a CPU the bf16-logits path (the default) gives the loss, dh and dW of the
+    fp32-buffer path it replaced (1e-5, fp32 comparison; bitwise here: the same arithmetic in the same
+    order, and a CPU has no fp32-output bf16 GEMM, so dW accumulates as before)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(100, 32, generator=g)
+    w = torch.randn(300, 32, generator=g) * 0.2
+    y = torch.randint(0, 300, (100,), generator=g)
+    y[::9] = -100
+    out = []
+    for lowp in (False, True):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy(hh, ww, y, rows=rows, lowp=lowp)
+        loss.backward()
+        out.append((loss.detach(), hh.grad, ww.grad))
+    for before, after in zip(*out, strict=True):
+        torch.testing.assert_close(after.float(), before.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_xent_grad_matches_autograd():
+    """The one-pass function: loss and in-place gradient equal F.cross_entropy's (sum) and its gradient."""
+    from timetotrain.models.common.head_loss import softmax_xent_grad_
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(20, 50, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 50, (20,), generator=g)
+    valid = torch.ones(20, dtype=torch.bool)
+    valid[3] = False
+    ref_z = z.clone().requires_grad_()
+    ref = F.cross_entropy(ref_z, torch.where(valid, y, -100), reduction="sum")
+    ref.backward()
+    got = softmax_xent_grad_(z, y.unsqueeze(1), valid, grad=True)
+    torch.testing.assert_close(got.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z, ref_z.grad.to(z.dtype), rtol=1e-6, atol=1e-6)

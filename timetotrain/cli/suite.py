@@ -95,7 +95,9 @@ def add_commands(sub) -> None:
     )
     s.add_argument("--seed", type=int, default=None, help="first seed of each benchmark (default: random)")
     s.add_argument("--device", default=None, help="torch device for every run (default: cuda if available)")
-    s.add_argument("--precision", choices=["fp32", "bf16"], default=None, help="passed to every `ttt run`")
+    s.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp8"], default=None, help="passed to every `ttt run`"
+    )
     s.add_argument(
         "--cache",
         default=None,

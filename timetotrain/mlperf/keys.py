@@ -48,23 +48,32 @@ def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
         ("context_parallelism", 1),
         ("expert_parallelism", getattr(plan, "ep", 1)),
         ("micro_batch_size", micro_batch),
-        ("lowest_numerical_precision_in_linear", _precision(plan)),
-        # bf16 autocast runs the attention kernels (SDPA) in bf16 too.
+        ("lowest_numerical_precision_in_linear", "fp8" if _fp8(plan) else _precision(plan)),
+        # bf16 autocast runs the attention kernels (SDPA) in bf16 too; float8 covers linears only.
         ("lowest_numerical_precision_in_attn", _precision(plan)),
         ("lowest_numerical_precision_in_comm", _comm_precision(plan)),
     ]
 
 
+def _fp8(plan) -> bool:
+    return getattr(plan, "precision", "fp32") == "fp8"
+
+
 def _precision(plan) -> str:
-    return "bfloat16" if plan.precision == "bf16" else "fp32"
+    """The non-float8 compute: bf16, or fp32 (under fp8, `Plan.high`)."""
+    compute = getattr(plan, "compute", getattr(plan, "precision", "fp32"))
+    return "bfloat16" if compute == "bf16" else "fp32"
 
 
 def _comm_precision(plan) -> str:
     """The narrowest dtype a collective of the plan carries: under bf16, FSDP2 gathers bf16 parameters
     (train/parallel.py) and TP / EP exchange bf16 activations; DDP and a single process reduce fp32
-    gradients (FSDP2 reduces in fp32 too)."""
+    gradients (FSDP2 reduces in fp32 too). Under fp8's tensorwise recipe FSDP2 gathers float8 weights
+    (train/float8.py); TP's activations stay in the non-float8 precision."""
+    if _fp8(plan) and getattr(plan, "fsdp", 1) > 1 and getattr(plan, "fp8_recipe", "") == "tensorwise":
+        return "fp8"
     sharded = any(getattr(plan, k, 1) > 1 for k in ("fsdp", "tp", "ep"))
-    return "bfloat16" if plan.precision == "bf16" and sharded else "fp32"
+    return "bfloat16" if _precision(plan) == "bfloat16" and sharded else "fp32"
 
 
 def config_keys(bench: Benchmark, tier: Tier) -> list[tuple[str, object]]:

@@ -19,8 +19,10 @@ All of them take the family's config dataclass (a tier's `model`):
   `activation_elements`); `ttt plan` uses it instead (flux);
 - `with_layers(cfg, n)`: optional, the config with `n` blocks at the same width, for `ttt synth --layers`
   where replacing an `n_layers` field is not the meaning (flux: double and single blocks in proportion);
-- `tensor_parallel(model, tp_mesh)`: optional, the family's tensor-parallel plan: parallelise the model
-  (built on the meta device) over the 1-D `tp_mesh` in place, with torch.distributed APIs only, setting
+- `tensor_parallel(model, tp_mesh, colwise=None, rowwise=None)`: optional, the family's tensor-parallel
+  plan: parallelise the model (built on the meta device) over the 1-D `tp_mesh` in place, with
+  torch.distributed APIs only (`colwise`/`rowwise`: other style classes for the block linears, e.g.
+  float8's, which the harness passes), setting
   `TP_STACKED_OVER` on modules whose weight stacks two sub-tensors (train/tensor_parallel.py); None means
   `--parallel tp` is refused for the family;
 - `tensor_parallel_check(cfg, tp)`: optional, the plan's own shape check without a model (a UserError

@@ -48,6 +48,9 @@ class Tier:
     # The names given with --set (apply_overrides). A closed run may use a GBS without an RCP only with a
     # base LR and warmup its submitter chose (closed_violation), not ones the harness kept from the tier.
     user_set: frozenset[str] = frozenset()
+    # torchao's float8 recipe under `--precision fp8` (train/float8.py): a run setting, not a hyperparameter
+    # of the rules, so neither logged as one nor checked by a rule file.
+    fp8_recipe: str = "tensorwise"
 
     @property
     def grad_accum(self) -> int:
@@ -93,7 +96,10 @@ SETTABLE = (
     "eval_samples",
     "target",
     "division",
+    "fp8_recipe",
 )
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train/float8.py applies them
 
 
 @dataclass(frozen=True)
@@ -323,6 +329,8 @@ def setting(tier: Tier, name: str):
 
 
 def validate(bench: Benchmark, t: Tier) -> None:
+    if t.fp8_recipe not in FP8_RECIPES:
+        raise UserError(f"--set fp8_recipe={t.fp8_recipe}: choose one of {', '.join(FP8_RECIPES)}")
     for key in ("global_batch_size", "micro_batch_size", "max_steps", "eval_samples", "eval_every_samples"):
         if getattr(t, key) <= 0:
             raise UserError(f"--set {key}={getattr(t, key)}: must be positive")

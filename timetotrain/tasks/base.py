@@ -141,7 +141,8 @@ class Task(ABC):
         """Change the model before parallelism, e.g. add LoRA adapters and freeze the base: the initialised
         (or loaded) model, or, for a sharded build, the model still on the meta device (then the new
         parameters are drawn later by `init_adapters`). Runs on every rank with the same generator state.
-        `precision` is the run's (`fp32` or `bf16`), e.g. to store a frozen base in bf16."""
+        `precision` is the run's compute precision (`fp32` or `bf16`; under fp8 that of what float8 does not
+        cover), e.g. to store a frozen base in bf16."""
 
     def init_adapters(self, model, tier, generator: torch.Generator) -> None:  # noqa: B027 - optional
         """Draw the parameters `adapt_model` added, after the sharded build's `to_empty`: the values

@@ -27,6 +27,7 @@ from timetotrain.errors import UserError
 from timetotrain.train.embedding_parallel import shard_embeddings
 
 KINDS = ("dp", "fsdp", "ep", "tp")
+PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,18 @@ class Plan:
     fsdp: int = 1
     ep: int = 1
     tp: int = 1
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "fp32"  # fp32 | bf16 | fp8
     activation_checkpointing: bool = False
     compile: bool = False
+    # Under fp8 (train/float8.py): torchao's recipe, and the precision of what float8 does not cover
+    # (bf16 on GPUs, fp32 on CPUs: preflight chooses by device).
+    fp8_recipe: str = "tensorwise"
+    high: str = "bf16"
+
+    @property
+    def compute(self) -> str:
+        """fp32 or bf16: the precision of the non-float8 compute (every op, unless fp8)."""
+        return self.high if self.precision == "fp8" else self.precision
 
     @property
     def world(self) -> int:
@@ -61,7 +71,7 @@ class Plan:
         parts = [f"{k}={getattr(self, k)}" for k in KINDS if getattr(self, k) > 1] or ["single process"]
         return (
             ", ".join(parts)
-            + f", {self.precision}"
+            + (f", {self.precision}" if self.precision != "fp8" else f", fp8 {self.fp8_recipe} + {self.high}")
             + (", AC" if self.activation_checkpointing else "")
             + (", compiled" if self.compile else "")
         )
@@ -103,8 +113,8 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
             f"--parallel {spec or 'dp'} needs {plan.world} processes but {world_from} {world}: "
             + ("match --nproc_per_node x --nnodes" if world_from == "torchrun started" else "make them equal")
         )
-    if plan.precision not in ("fp32", "bf16"):
-        raise UserError(f"--precision {plan.precision!r}: choose fp32 or bf16")
+    if plan.precision not in PRECISIONS:
+        raise UserError(f"--precision {plan.precision!r}: choose {', '.join(PRECISIONS)}")
     return plan
 
 
@@ -127,13 +137,22 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
     ep_group = None
     fsdp_mesh = None
+    if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
+        from timetotrain.train import float8
+
+        float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     if plan.tp > 1:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (plan.fsdp, plan.tp), mesh_dim_names=("fsdp", "tp"))
-        family.tensor_parallel(model, mesh["tp"])
+        styles = {}
+        if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
+            from timetotrain.train.float8 import tensor_parallel_styles
+
+            styles = tensor_parallel_styles(device)
+        family.tensor_parallel(model, mesh["tp"], **styles)
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
@@ -145,7 +164,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         ep_group = dist.new_group(list(range(plan.ep)))
         # FSDP2 casts only the parameters it manages to bf16; the expert slices it ignores compute under
         # autocast instead (DDP runs the whole forward under autocast already).
-        bf16_experts = plan.precision == "bf16" and plan.fsdp > 1
+        bf16_experts = plan.compute == "bf16" and plan.fsdp > 1
         apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None)
     blocks = model.layers
     if plan.activation_checkpointing:
@@ -161,7 +180,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
 
         # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.
         mp = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if plan.precision == "bf16" else None, reduce_dtype=torch.float32
+            param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
         )
         # Expert slices differ per rank and are complete: FSDP2 must neither shard nor reduce them.
         ignored = None
@@ -217,7 +236,7 @@ def remark(model: nn.Module, plan: Plan) -> None:
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
     """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
-    if plan.precision == "bf16" and plan.fsdp == 1:  # (under tp alone too: its DTensors keep their dtype)
+    if plan.compute == "bf16" and plan.fsdp == 1:  # (under tp alone too: its DTensors keep their dtype)
         return torch.bfloat16
     return None
 

@@ -15,7 +15,7 @@ from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train import distributed, parallel
+from timetotrain.train import distributed, parallel, sdpa
 from timetotrain.train.device import platform_name
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -50,10 +50,21 @@ def preflight(
     split."""
     d = distributed.from_env()
     check_seed(seed)
-    resolve_device(device, d.local_rank)
+    sdpa.check()
+    dev = resolve_device(device, d.local_rank)
     logdir = check_writable(logdir)
+    fp8 = {}
+    if precision == "fp8":
+        from timetotrain.train.float8 import check_device, check_model
+
+        check_model(tier.model, dev)  # first: it needs no torchao, whose import takes seconds
+        check_device(dev)
+        # What float8 does not cover: bf16 where it is fast (GPUs), fp32 on CPUs (DESIGN: no fast bf16).
+        fp8 = {"fp8_recipe": tier.fp8_recipe, "high": "bf16" if dev.type == "cuda" else "fp32"}
+    elif "fp8_recipe" in tier.user_set:
+        raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
     plan = parallel.parse(
-        parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile
+        parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
     local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.tasks.base import split_batch
-from timetotrain.train import parallel, schedule
+from timetotrain.train import parallel, schedule, sdpa
 from timetotrain.train.optim import build_optimizer, set_lr
 
 
@@ -25,14 +25,18 @@ def train_step(
     forward in that precision; weights and optimizer stay fp32. Under DDP/FSDP gradients are reduced once,
     on the last micro-batch."""
     total = None
-    for i, mb in enumerate(split_batch(batch, accum)):
-        with parallel.grad_sync(model, i == accum - 1):
-            with torch.autocast(
-                _device_type(mb), dtype=autocast or torch.float32, enabled=autocast is not None
-            ):
+    dev = _device_type(batch)
+    # One autocast context for the whole step, not one per micro-batch: autocast caches the bf16 copy of
+    # each fp32 weight it casts until its outermost context exits, so every weight is cast once per step
+    # instead of once per micro-batch (the cache holds those copies, 2 bytes per parameter, meanwhile).
+    # The backward runs with autocast off, as it did outside the per-micro-batch contexts.
+    with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
+        for i, mb in enumerate(split_batch(batch, accum)):
+            with parallel.grad_sync(model, i == accum - 1), sdpa.priority(dev):
                 loss = loss_fn(model, mb) / accum
-            loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
+                with torch.autocast(dev, enabled=False):
+                    loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
     if clip is not None:
         if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
             from timetotrain.train.tensor_parallel import clip_grad_norm_tp
@@ -66,6 +70,7 @@ class Training:
     ep_group: object = None  # expert-parallel process group, when experts are sharded
     tp_world: int | None = None  # under tensor parallelism: the world the gradient norm is summed over
     load_seconds: float | None = None  # how long reading --init-checkpoint took (logged before run_start)
+    after_opt_step: object = None  # called after each optimizer step (float8 scales under FSDP2), or None
     _votes: torch.Tensor | None = None
 
     def step(self, step: int, batch: dict, accum: int, loss_fn, stop_vote: bool = False) -> torch.Tensor:
@@ -76,6 +81,8 @@ class Training:
             self.model, self.opt, batch, accum, loss_fn, self.clip, self.params, self.autocast, self.ep_group,
             self.tp_world,
         )  # fmt: skip
+        if self.after_opt_step is not None:
+            self.after_opt_step()
         # Auxiliary-loss-free MoE balancing (DeepSeek-V3): a router bias update outside autograd, once per
         # optimizer step, from the expert loads summed over the whole global batch.
         balance = getattr(self.bare, "update_router_bias", None)
@@ -108,9 +115,15 @@ def build_training(
     opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
     sched = schedule.for_tier(bench.schedule, tier)
     params = [p for p in model.parameters() if p.requires_grad]
+    after = None
+    if plan.precision == "fp8" and plan.fsdp > 1:
+        from timetotrain.train.float8 import after_optimizer_step
+
+        after = after_optimizer_step(model)
     return Training(
         wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
         ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
+        after_opt_step=after,
     )  # fmt: skip
 
 
@@ -133,13 +146,13 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
         model = family.build(tier.model)
     model.to_empty(device=device)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
-    _warmup(bench, model, tier, device, torch.bfloat16 if plan.precision == "bf16" else None)
+    _warmup(bench, model, tier, device, torch.bfloat16 if plan.compute == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
         _timed_init_from(
             timer, init_checkpoint, model, family, tier.model, truncate_rows=bench.task.checkpoint_rows(tier)
         )
-    bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.precision)
+    bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.compute)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device, family)
     return model, wrapped, ep_group
@@ -164,7 +177,7 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     family, task = bench.family, bench.task
     with torch.device("meta"):
         model = family.build(tier.model)
-    task.adapt_model(model, tier, None, plan.precision)
+    task.adapt_model(model, tier, None, plan.compute)
     wrapped, ep_group = parallel.apply(model, plan, device, family)
     model.to_empty(device=device)
     parallel.remark(model, plan)  # to_empty made new Parameters: mark them (expert slices: scale their grads)

@@ -15,9 +15,23 @@ is the memory traffic. Numerically it is the same loss and gradient; the test co
 
 The gradients are computed in the forward only when autograd will want them (grad mode on and an input
 requiring grad); under `torch.no_grad()` (evaluation) it is a chunked loss and nothing else.
+
+Under bf16 (autocast) the logits chunk stays bf16, in the layout the GEMM writes (`lowp=True`, the default):
+the product was rounded to bf16 anyway, so an fp32 copy of it holds the same numbers. One function
+(`softmax_xent_grad_`) then reads the chunk once, does the log-sum-exp and `softmax - onehot` in fp32
+registers and writes the bf16 gradient in place; `torch.compile` fuses it into one pass on GPUs (eager
+elsewhere, op by op, the same arithmetic). The weight gradient accumulates straight into its fp32 buffer
+(`addmm` with an fp32 `out_dtype`, where the build has that kernel: CUDA) instead of through a fresh bf16
+`[V, d]` product per chunk. Numerically: the loss and dh are those of the fp32-buffer path bit for bit in
+eager mode; dW is that path's exactly where the fp32-output GEMM is missing (CPUs), and more accurate
+where it runs (no bf16 rounding of each chunk's product). `lowp=False` keeps the fp32-buffer path
+(bench/head_loss.py measures both side by side: on a 2-core CPU, eager, they take the same time; the gain
+is the GPU's, from the fused pass and the fp32-output GEMM, which bench/gpu_probe.py measures).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -47,6 +61,7 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     reduction: str = "mean",
     rows: int | None = None,
+    lowp: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels`, as `F.cross_entropy(..., ignore_index=-100)`.
 
@@ -66,7 +81,7 @@ def linear_cross_entropy(
     grads = torch.is_grad_enabled()
     want = (grads and h.requires_grad, grads and weight.requires_grad)
     valid = y != IGNORE_INDEX
-    total = _LinearCrossEntropy.apply(h, weight, y, valid, dtype, rows, want)
+    total = _LinearCrossEntropy.apply(h, weight, y, valid, dtype, rows, want, lowp)
     if reduction == "sum":
         return total
     return total / valid.sum()
@@ -95,9 +110,79 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: boo
         out.addmm_(a, b)
 
 
+def softmax_xent_grad_(
+    z: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, grad: bool
+) -> torch.Tensor:
+    """The summed cross-entropy of the low-precision logits chunk `z` `[n, V]` against `target` `[n, 1]`
+    (`valid` `[n]` marks labelled rows), computed in fp32; with `grad`, `z` is overwritten in place with
+    `softmax - onehot` on labelled rows (0 on the others), rounded to `z`'s dtype. The same operations, in
+    the same order, as the fp32-buffer path of `_LinearCrossEntropy`."""
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    zmax = zf.amax(dim=1, keepdim=True)
+    z_target = zf.gather(1, target)
+    e = zf.sub_(zmax).exp_()  # zf is this function's own copy
+    sumexp = e.sum(dim=1, keepdim=True)
+    lse = zmax + sumexp.log()
+    total = torch.where(valid.unsqueeze(1), lse - z_target, 0.0).sum()
+    if grad:
+        vf = valid.unsqueeze(1).to(e.dtype)
+        z.copy_(e.mul_(vf / sumexp).scatter_add_(1, target, vf.neg()))
+    return total
+
+
+@functools.cache
+def _fused_pass(device_type: str):
+    """`softmax_xent_grad_` compiled into one kernel per chunk shape on GPUs; eager elsewhere (a CPU gains
+    nothing measurable from inductor here and would pay its compile time)."""
+    if device_type != "cuda":
+        return softmax_xent_grad_
+    return torch.compile(softmax_xent_grad_, dynamic=False)
+
+
+@functools.cache
+def _fp32_out_gemm(device_type: str) -> bool:
+    """Whether `addmm(..., out_dtype=float32)` of bf16 operands runs here (CUDA builds; not CPU ones)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        out = torch.zeros(2, 2, device=device_type)
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _add_product_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """`out` (fp32) (+)= `a @ b` of bf16 operands in one GEMM, accumulated in fp32, no temporary."""
+    torch.addmm(out, a, b, beta=0.0 if first else 1.0, out_dtype=torch.float32, out=out)
+
+
+def _lowp_chunks(x, w, w_shape, target, valid, rows, want, acc):
+    """The bf16-logits path (module docstring): per chunk one GEMM into a bf16 buffer, one pass for the
+    loss and gradient, one GEMM each for dh and dW."""
+    want_dh, want_dw = want
+    dev = x.device
+    grad = want_dh or want_dw
+    fused = _fused_pass(dev.type)
+    add_dw = _add_product_fp32 if want_dw and _fp32_out_gemm(dev.type) else _add_product
+    total = torch.zeros((), dtype=acc, device=dev)
+    dh = torch.empty_like(x) if want_dh else None
+    dw = torch.empty(w_shape, dtype=acc, device=dev) if want_dw else None
+    buf = torch.empty(min(rows, x.shape[0]), w.shape[0], dtype=x.dtype, device=dev)
+    for s in range(0, x.shape[0], rows):
+        xs, ts, vs = x[s : s + rows], target[s : s + rows], valid[s : s + rows]
+        z = buf[: xs.shape[0]]
+        torch.mm(xs, w.T, out=z)
+        total += fused(z, ts, vs, grad)
+        if want_dh:
+            torch.mm(z, w, out=dh[s : s + rows])
+        if want_dw:
+            add_dw(dw, z.T, xs, first=s == 0)
+    return total, dh, dw
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, y, valid, dtype, rows, want):
+    def forward(ctx, h, weight, y, valid, dtype, rows, want, lowp=True):
         want_dh, want_dw = want
         dev = h.device
         with torch.autocast(dev.type, enabled=False):
@@ -106,6 +191,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The softmax runs in fp32 at least (fp64 stays fp64, which the exactness tests use).
             acc = torch.promote_types(dtype, torch.float32)
             target = torch.where(valid, y, 0).unsqueeze(1)
+            if lowp and dtype != acc:
+                total, dh, dw = _lowp_chunks(x, w, weight.shape, target, valid, rows, want, acc)
+                ctx.save_for_backward(dh, dw)
+                ctx.dtypes = (h.dtype, weight.dtype)
+                ctx.used = False
+                return total
             total = torch.zeros((), dtype=acc, device=dev)
             dh = torch.empty_like(x) if want_dh else None
             dw = torch.empty(weight.shape, dtype=acc, device=dev) if want_dw else None
@@ -148,4 +239,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: these buffers are ours and become the gradients, with no further allocation.
         grad_h = None if dh is None else dh.mul_(grad_total).to(h_dtype)
         grad_w = None if dw is None else dw.mul_(grad_total).to(w_dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None

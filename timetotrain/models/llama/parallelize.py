@@ -35,9 +35,11 @@ def check_shape(cfg, tp: int) -> None:
         raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
 
 
-def tensor_parallel(model: nn.Module, tp_mesh) -> None:
+def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:
     """Parallelise `model` (a `models.common.decoder.Decoder` with dense FFNs) over the 1-D `tp_mesh`, in place;
-    works on the meta device (before `to_empty`)."""
+    works on the meta device (before `to_empty`). `colwise` / `rowwise`: the parallel style classes of the
+    block linears when the harness swapped them for others (float8's, which scale a sharded input by its
+    global amax); torch's ColwiseParallel / RowwiseParallel by default."""
     # Here, not at the top: torch.distributed.tensor.parallel costs 0.4 s to import, and every command that
     # names a llama benchmark imports this family.
     from torch.distributed.tensor import Replicate, Shard
@@ -50,6 +52,7 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module,
     )
 
+    colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
     check_shape(model.cfg, tp)
     # The embedding's whole output, cut along the sequence for the first block.
@@ -71,14 +74,14 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> None:
         plan = {
             "attn_norm": SequenceParallel(),
             "attn": gathered,
-            "attn.qkv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "attn.qkv": colwise(),
+            "attn.proj": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "ffn": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             ),
-            "ffn.fc1": ColwiseParallel(),
-            "ffn.fc2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "ffn.fc1": colwise(),
+            "ffn.fc2": rowwise(output_layouts=Shard(1), use_local_output=False),
         }
         parallelize_module(block, tp_mesh, plan)
         # Gate and up rows side by side per rank (module docstring); on the module: FSDP2 and to_empty
