@@ -22,6 +22,7 @@ Same seed, same inputs, same encodings on any machine (CPU fp32 arithmetic only)
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -107,6 +108,12 @@ class RealEncoders:
     def __init__(self, folder: Path | str, shapes: Shapes, device: str = "cpu"):
         try:
             import transformers
+            from diffusers.utils import logging as diffusers_logging
+
+            # diffusers probes an installed torchao (ttt's fp8 extra) and warns about its own version
+            # mismatch on stderr; a data command's stderr is its progress and its one-line errors.
+            diffusers_logging.set_verbosity_error()
+            logging.getLogger("torchao").setLevel(logging.ERROR)
             from diffusers import AutoencoderKL
         except ImportError as e:
             raise UserError(
