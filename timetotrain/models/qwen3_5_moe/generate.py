@@ -1,0 +1,95 @@
+"""Batched autoregressive decoding for the qwen3_5_moe family: the PyTorch rollout engine GRPO samples from.
+
+`generate(model, prompts, ...)` left-pads the prompts into one block (padding is internal: the caller passes
+plain token lists and gets plain token lists back), runs the block through `Qwen35Moe.decode` once (the
+prefill: chunked DeltaNet, causal attention under the padding mask) and then one column per step (the recurrent
+DeltaNet form, attention over the KV cache). Each row's positions count from its own first real token and its
+padding adds nothing to any state, so a row's tokens do not depend on the other rows it is batched with
+(tests/test_qwen3_5_moe.py checks it). A row stops after `eos_id` (kept as its last token) or after
+`max_new_tokens`; finished rows are dropped from the cache, so later steps compute only the live ones.
+
+Sampling, in fp32: `temperature == 0` is greedy (argmax); otherwise the logits are divided by `temperature`,
+`top_p < 1` keeps the smallest set of most probable tokens whose probability reaches `top_p` (the first token
+always kept; nucleus sampling), and the token is drawn with `torch.multinomial` from `generator`, which the
+caller seeds per rank. The returned log-probability of each token is `log_softmax(logits / temperature)` at the
+token (`temperature == 0`: of the plain logits), before the top-p cut: the distribution a full forward of the
+same weights gives, which GRPO's importance ratio compares against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens `[B]`, their log-probabilities `[B]`) from next-token `logits` `[B, V]` (module docstring)."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    logp = (logits / temperature).log_softmax(dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more probable tokens
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    pad_id: int = 0,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Completions of every prompt (module docstring): (token lists, fp32 log-probabilities `[len]` per token, on
+    the CPU), in the order of `prompt_ids`. Repeat a prompt G times in `prompt_ids` for G generations of it.
+    `pad_id`: the token id the padding columns hold (any valid id: they are masked)."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    device = model.embed.weight.device
+    was_training = model.training
+    model.eval()
+    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+    block = torch.full((B, P), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompt_ids):
+        block[b, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+    n_pad = torch.tensor([P - len(p) for p in prompt_ids], device=device)
+    cache = model.new_cache(n_pad, P + max_new_tokens)
+    logits = model.decode(block.to(device), cache)[:, -1]
+
+    completions: list[list[int]] = [[] for _ in range(B)]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    live = torch.arange(B)  # the original index of each row still in the cache
+    for step in range(max_new_tokens):
+        tokens, lp = _sample(logits, temperature, top_p, generator)
+        tokens_cpu, lp_cpu = tokens.cpu(), lp.cpu()
+        for j, b in enumerate(live.tolist()):
+            completions[b].append(int(tokens_cpu[j]))
+            logprobs[b].append(lp_cpu[j])
+        if step == max_new_tokens - 1:
+            break
+        going = tokens_cpu != eos_id if eos_id is not None else torch.ones_like(tokens_cpu, dtype=torch.bool)
+        if not bool(going.any()):
+            break
+        if not bool(going.all()):
+            rows = going.nonzero().squeeze(1)
+            cache.keep(rows.to(device))
+            live, tokens = live[rows], tokens[rows.to(device)]
+        logits = model.decode(tokens.unsqueeze(1), cache)[:, -1]
+    model.train(was_training)
+    return completions, [torch.stack(lp) for lp in logprobs]
