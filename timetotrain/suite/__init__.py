@@ -20,6 +20,7 @@ _MODULES = {
     "flux1": "timetotrain.suite.flux1",
     "llama31_405b": "timetotrain.suite.llama31_405b",
     "rgat": "timetotrain.suite.rgat",
+    "qwen35_397b_grpo": "timetotrain.suite.qwen35_397b_grpo",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

@@ -109,7 +109,7 @@ def build_training(
     sched = schedule.for_tier(bench.schedule, tier)
     params = [p for p in model.parameters() if p.requires_grad]
     return Training(
-        wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
+        wrapped, model, opt, sched, params, bench.clip(tier), parallel.autocast_dtype(plan), plan.world,
         ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
     )  # fmt: skip
 
