@@ -27,6 +27,7 @@ EOS, BOS, PAD = len(CHARS), len(CHARS) + 1, len(CHARS) + 2
 VOCAB_SIZE = 16  # the 15 ids above, rounded up
 TRAIN, VALIDATION = "arithmetic_train.jsonl", "arithmetic_validation.jsonl"
 MANIFEST = "arithmetic_manifest.json"
+KINDS = ("add", "reverse")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,11 @@ def answer_ids(p: Problem) -> list[int]:
     return [*encode(p.answer), EOS]
 
 
-def draw(n: int, digits: int, rng: random.Random, exclude: set[str] = frozenset()) -> list[Problem]:
+def draw(
+    n: int, digits: int, rng: random.Random, exclude: set[str] = frozenset(), kind: str = "add"
+) -> list[Problem]:
+    """`kind` "add": "a+b=" -> the sum's digits reversed; "reverse": "d1..dk+e1..ek=" -> all 2k digits in
+    reverse order (a routing task with no carries: the easiest verifiable task of the same prompt shape)."""
     hi = 10**digits
     out, seen = [], set(exclude)
     while len(out) < n:
@@ -66,21 +71,30 @@ def draw(n: int, digits: int, rng: random.Random, exclude: set[str] = frozenset(
         if prompt in seen:
             continue
         seen.add(prompt)
-        out.append(Problem(prompt, str(a + b)[::-1]))
+        answer = str(a + b)[::-1] if kind == "add" else prompt[:-1].replace("+", "")[::-1]
+        out.append(Problem(prompt, answer))
     return out
 
 
-def write_problems(out: Path, digits: int, n_train: int, n_val: int, seed: int = 0) -> None:
+def answer_digits(digits: int, kind: str) -> int:
+    """The longest answer of a kind (without EOS)."""
+    return digits + 1 if kind == "add" else 2 * digits
+
+
+def write_problems(out: Path, digits: int, n_train: int, n_val: int, seed: int = 0, kind: str = "add") -> None:
     """Disjoint train and validation sets and their manifest (sha256 of each file)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r}: one of {KINDS}")
     rng = random.Random(seed)
-    val = draw(n_val, digits, rng)
-    train = draw(n_train, digits, rng, exclude={p.prompt for p in val})
+    val = draw(n_val, digits, rng, kind=kind)
+    train = draw(n_train, digits, rng, exclude={p.prompt for p in val}, kind=kind)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, probs in ((TRAIN, train), (VALIDATION, val)):
         fileio.write_text(out / name, "".join(json.dumps(p.__dict__) + "\n" for p in probs))
     doc = {
         "digits": digits,
+        "kind": kind,
         "seed": seed,
         "files": {
             n: {"sha256": sha256_file(out / n), "problems": k}
@@ -90,8 +104,9 @@ def write_problems(out: Path, digits: int, n_train: int, n_val: int, seed: int =
     fileio.write_text(out / MANIFEST, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def check(folder: Path, digits: int, verify: bool = True) -> list[Path]:
-    """Preflight: the manifest and both files present, of `digits`, unchanged. One UserError line if not."""
+def check(folder: Path, digits: int, kind: str, verify: bool = True) -> list[Path]:
+    """Preflight: the manifest and both files present, of `digits` and `kind`, unchanged. One UserError line
+    if not."""
     folder = Path(folder)
     man = folder / MANIFEST
     hint = "make it with `ttt data prepare --for qwen35_397b_grpo --tier tiny --src ../shared/data --out DIR`"
@@ -100,8 +115,10 @@ def check(folder: Path, digits: int, verify: bool = True) -> list[Path]:
     try:
         doc = json.loads(man.read_text())
         files = doc["files"]
-        if doc["digits"] != digits:
-            raise UserError(f"{man}: problems of {doc['digits']} digits, the tier needs {digits}: {hint}")
+        if (doc["digits"], doc["kind"]) != (digits, kind):
+            raise UserError(
+                f"{man}: {doc['kind']} problems of {doc['digits']} digits, the tier needs {kind} of {digits}: {hint}"
+            )
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise UserError(f"{man} is not a valid manifest ({e}): {hint}") from None
     paths = []

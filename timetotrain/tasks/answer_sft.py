@@ -22,11 +22,12 @@ class AnswerData:
     digits: int
     train_problems: int
     val_problems: int
+    kind: str = "add"
 
     @property
     def width(self) -> int:
-        """BOS, two operands, '+', '=', at most digits + 1 answer digits and EOS."""
-        return 1 + 2 * self.digits + 2 + self.digits + 2
+        """BOS, two operands, '+', '=', the longest answer and EOS."""
+        return 1 + 2 * self.digits + 2 + arithmetic.answer_digits(self.digits, self.kind) + 1
 
 
 def _rows(problems, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +90,10 @@ class AnswerSFT(Task):
 
     def data_name(self, tier) -> str:
         d = tier.data
-        return f"arithmetic-{d.digits}d-{d.train_problems}-{d.val_problems}"
+        return f"arithmetic-{d.kind}-{d.digits}d-{d.train_problems}-{d.val_problems}"
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
-        return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, verify))
+        return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
 
     def open(self, tier, resolved, seed, rank, world, device) -> RunData:
         d = tier.data

@@ -72,6 +72,7 @@ class GRPOData:
     eval_every_steps: int = 1
     environment: str = "exact"  # "exact": arithmetic answers; "swe": the reference's (not runnable here)
     digits: int = 2  # operand digits of the arithmetic problems
+    kind: str = "add"  # which problems (data/arithmetic.py): "add" or "reverse"
     logprob_error_threshold: float | None = LOGPROB_ERROR_THRESHOLD
 
 
@@ -299,7 +300,7 @@ class GRPO(Task):
         d = tier.data
         if d.environment != "exact":
             return None
-        return f"arithmetic-{d.digits}d-{d.train_problems}-{d.val_problems}"
+        return f"arithmetic-{d.kind}-{d.digits}d-{d.train_problems}-{d.val_problems}"
 
     def data_recipe(self, tier, source: Path) -> DataRecipe | None:
         d = tier.data
@@ -307,8 +308,10 @@ class GRPO(Task):
             return None
         return DataRecipe(
             self.data_name(tier),
-            f"{d.train_problems:,} + {d.val_problems:,} {d.digits}-digit addition problems",
-            call=lambda out: arithmetic.write_problems(Path(out), d.digits, d.train_problems, d.val_problems),
+            f"{d.train_problems:,} + {d.val_problems:,} {d.digits}-digit {d.kind} problems",
+            call=lambda out: arithmetic.write_problems(
+                Path(out), d.digits, d.train_problems, d.val_problems, kind=d.kind
+            ),
         )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint: Path | None = None):
@@ -318,7 +321,7 @@ class GRPO(Task):
                 "do not run in timetotrain: the reference tier is for `ttt check`, `ttt plan` and `ttt synth` "
                 "(docs/benchmarks/qwen35_397b_grpo.md)"
             )
-        return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, verify))
+        return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
 
     def open(self, tier, resolved, seed, rank, world, device) -> RunData:
         train_path, val_path = resolved.paths
