@@ -42,7 +42,7 @@ class _Env:
     """Reward 1 for a completion whose first digit is even: a reward the random model meets half the time."""
 
     def score_many(self, problems, texts):
-        from timetotrain.envs import Outcome
+        from timetotrain.tasks.envs import Outcome
 
         return [Outcome(float(bool(t) and t[0] in "02468")) for t in texts]
 

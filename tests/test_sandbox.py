@@ -1,4 +1,4 @@
-"""The code environment contains what a completion does (timetotrain/envs/sandbox.py): an infinite loop, a fork
+"""The code environment contains what a completion does (timetotrain/tasks/envs/sandbox.py): an infinite loop, a fork
 bomb, a flood of output, writes outside its scratch directory, a network connection, a memory hog. Each is
 tried with every guard on (the reward is 0 and the side effect did not happen), and the OS guards are tried
 again without the Python audit hook, so a test fails if the OS layer alone would let it through (skipped,
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from timetotrain.envs import CodeRunner, ExactAnswer, Limits, Problem, containment
-from timetotrain.envs.sandbox import NOBODY, run_python
+from timetotrain.tasks.envs import CodeRunner, ExactAnswer, Limits, Problem, containment
+from timetotrain.tasks.envs.sandbox import NOBODY, run_python
 
 pytestmark = pytest.mark.bad_input
 

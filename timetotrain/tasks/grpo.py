@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.data import arithmetic
-from timetotrain.envs import ExactAnswer
-from timetotrain.envs import Problem as EnvProblem
+from timetotrain.tasks.envs import ExactAnswer
+from timetotrain.tasks.envs import Problem as EnvProblem
 from timetotrain.errors import UserError
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.train.policy_gradient import (

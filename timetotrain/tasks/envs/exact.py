@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from timetotrain.envs.base import Environment, Outcome, Problem
+from timetotrain.tasks.envs.base import Environment, Outcome, Problem
 
 
 def answer_of(completion: str) -> str:

@@ -3,8 +3,8 @@ within a time limit (`base.Environment`). `exact.ExactAnswer` compares the compl
 `sandbox.CodeRunner` runs it against unit tests in a contained subprocess (the SWE environment's shape on one
 machine)."""
 
-from timetotrain.envs.base import Environment, Outcome, Problem
-from timetotrain.envs.exact import ExactAnswer
-from timetotrain.envs.sandbox import CodeRunner, Limits, containment
+from timetotrain.tasks.envs.base import Environment, Outcome, Problem
+from timetotrain.tasks.envs.exact import ExactAnswer
+from timetotrain.tasks.envs.sandbox import CodeRunner, Limits, containment
 
 __all__ = ["CodeRunner", "Environment", "ExactAnswer", "Limits", "Outcome", "Problem", "containment"]

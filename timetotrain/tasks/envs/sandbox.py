@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from timetotrain.envs.base import Environment, Outcome, Problem
+from timetotrain.tasks.envs.base import Environment, Outcome, Problem
 
 NOBODY = 65534
 
