@@ -81,7 +81,9 @@ def answer_digits(digits: int, kind: str) -> int:
     return digits + 1 if kind == "add" else 2 * digits
 
 
-def write_problems(out: Path, digits: int, n_train: int, n_val: int, seed: int = 0, kind: str = "add") -> None:
+def write_problems(
+    out: Path, digits: int, n_train: int, n_val: int, seed: int = 0, kind: str = "add"
+) -> None:
     """Disjoint train and validation sets and their manifest (sha256 of each file)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: one of {KINDS}")

@@ -93,7 +93,9 @@ TINY_BASE = base_recipe(
     "qwen35_397b_grpo",
     task=AnswerSFT(),
     family=FAMILY,
-    optimizer=Optimizer(name="adamw", betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip=1.0, decay_mask="all"),
+    optimizer=Optimizer(
+        name="adamw", betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip=1.0, decay_mask="all"
+    ),
     schedule="warmup_constant",
     seed=0,
     data_hint="the problems: `ttt data prepare --for qwen35_397b_grpo --tier tiny --src ../shared/data --out DIR`",
@@ -113,9 +115,16 @@ TINY = Tier(
     name="tiny",
     model=TINY_MODEL,
     data=GRPOData(
-        generations=TINY_G, max_new_tokens=ANSWER + 1, seq_len=PROMPT + ANSWER + 1,
-        train_problems=TRAIN_PROBLEMS, val_problems=VAL_PROBLEMS, val_generations=4, first_eval_step=10,
-        eval_every_steps=5, digits=DIGITS, kind=KIND,
+        generations=TINY_G,
+        max_new_tokens=ANSWER + 1,
+        seq_len=PROMPT + ANSWER + 1,
+        train_problems=TRAIN_PROBLEMS,
+        val_problems=VAL_PROBLEMS,
+        val_generations=4,
+        first_eval_step=10,
+        eval_every_steps=5,
+        digits=DIGITS,
+        kind=KIND,
     ),  # fmt: skip
     global_batch_size=TINY_GBS,
     micro_batch_size=TINY_GBS,

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.data import arithmetic
-from timetotrain.tasks.envs import ExactAnswer
-from timetotrain.tasks.envs import Problem as EnvProblem
 from timetotrain.errors import UserError
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.tasks.envs import ExactAnswer
+from timetotrain.tasks.envs import Problem as EnvProblem
 from timetotrain.train.policy_gradient import (
     LOGPROB_ERROR_THRESHOLD,
     TIS_MAX,
