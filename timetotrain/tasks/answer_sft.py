@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from timetotrain.data import arithmetic
-from timetotrain.tasks.base import Batch, Metric, RunData, Task, evaluate_ratio
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,17 @@ class AnswerSFT(Task):
     def data_name(self, tier) -> str:
         d = tier.data
         return f"arithmetic-{d.kind}-{d.digits}d-{d.train_problems}-{d.val_problems}"
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe:
+        """The problems the GRPO tier reads too (the same name: one prepared folder serves both)."""
+        d = tier.data
+        return DataRecipe(
+            self.data_name(tier),
+            f"{d.train_problems:,} + {d.val_problems:,} {d.digits}-digit {d.kind} problems",
+            call=lambda out: arithmetic.write_problems(
+                Path(out), d.digits, d.train_problems, d.val_problems, kind=d.kind
+            ),
+        )
 
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
