@@ -25,6 +25,16 @@ from timetotrain.train.rollout import TorchRollout, naive_generate
 BENCH = Q.BENCHMARK
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding a 318k-parameter model is many small ops: two threads on a loaded 2-core host wait on each
+    other far longer than they compute (docs/benchmarks/qwen35_397b_grpo.md, "Threads")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _model(seed=0):
     torch.manual_seed(seed)
     m = Qwen35Moe(Q.TINY_MODEL)

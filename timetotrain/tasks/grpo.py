@@ -343,6 +343,12 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
+    def plan_note(self, tier) -> str | None:
+        return (
+            "the estimate is the training step's; the rollouts' KV cache and DeltaNet state (colocated decode, "
+            f"{tier.global_batch_size} rollouts of up to {tier.data.max_new_tokens:,} tokens) come on top of it"
+        )
+
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
         """In the order of closed_qwen35_397b_grpo.yaml (its checks read state set by earlier keys), then the
         keys the reference logs beyond the rule file (mlperf_grpo_logging.py)."""
