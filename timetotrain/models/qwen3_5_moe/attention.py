@@ -1,7 +1,7 @@
 """Qwen3.5's gated full attention (every fourth layer) and the 1-centred RMSNorm the family uses.
 
 Grouped-query attention with per-head QK-norm, partial RoPE and an output gate (HF `Qwen3_5MoeAttention`):
-`q_proj` gives per head `head_dim` query values then `head_dim` gate values; q and k pass a 1-centred RMSNorm
+`q_proj` (here the first rows of the fused `qkv`) gives per head `head_dim` query values then `head_dim` gate values; q and k pass a 1-centred RMSNorm
 over the head; RoPE rotates the first `rope_dim` dimensions of each head (the two halves of that slice, HF's
 `rotate_half` convention) and leaves the rest; softmax scale `head_dim ** -0.5`; the attention output is
 multiplied by `sigmoid(gate)` before `o_proj`. No biases.
@@ -31,23 +31,29 @@ class CenteredRMSNorm(nn.Module):
 
 
 class KVCache:
-    """One full-attention layer's keys and values `[B, kv_heads, capacity, head_dim]`, filled up to `length`."""
+    """One full-attention layer's keys and values `[B, kv_heads, capacity, head_dim]`, filled up to `length`;
+    allocated at the first append, in the dtype the layer computes in (bf16 under FSDP2 mixed precision)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.k = self.v = None
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
         end = self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache of {self.k.shape[2]} positions cannot hold {end}")
+        if end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot hold {end}")
         self.k[:, :, self.length : end] = k
         self.v[:, :, self.length : end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def keep(self, rows: torch.Tensor) -> None:
-        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
 
 
 def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -61,18 +67,19 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope_dim = cfg.rope_dim
-        self.q_proj = nn.Linear(cfg.dim, 2 * cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        # HF's q_proj (with the gate), k_proj and v_proj as one matmul, rows [q+gate | k | v].
+        self.qkv_sizes = [
+            2 * cfg.n_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+            cfg.n_kv_heads * cfg.head_dim,
+        ]
+        self.qkv = nn.Linear(cfg.dim, sum(self.qkv_sizes), bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.q_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = CenteredRMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def new_cache(self, batch: int, capacity: int, device, dtype) -> KVCache:
-        shape = (batch, self.n_kv_heads, capacity, self.head_dim)
-        return KVCache(
-            torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
-        )
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(capacity)
 
     def forward(
         self,
@@ -88,10 +95,11 @@ class GatedAttention(nn.Module):
         attend), which the caller builds (causality and padding)."""
         B, T, _ = x.shape
         H, hd = self.n_heads, self.head_dim
-        q, gate = self.q_proj(x).view(B, T, H, 2 * hd).chunk(2, dim=-1)
+        qg, k, v = self.qkv(x).split(self.qkv_sizes, dim=-1)
+        q, gate = qg.reshape(B, T, H, 2 * hd).chunk(2, dim=-1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, hd))
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, hd)
+        k = self.k_norm(k.reshape(B, T, self.n_kv_heads, hd))
+        v = v.reshape(B, T, self.n_kv_heads, hd)
         cos, sin = (
             (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 2 else (cos.unsqueeze(2), sin.unsqueeze(2))
         )
@@ -103,15 +111,17 @@ class GatedAttention(nn.Module):
         if mask is None and cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         else:
-            if group > 1:  # an explicit mask: repeat KV, which every SDPA backend takes with a mask
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            # An explicit mask (decoding): fold each KV head's query heads into its query rows instead of
+            # repeating the cached keys and values (query head h uses KV head h // group, as HF's repeat_kv).
+            kv, L = self.n_kv_heads, k.shape[2]
+            q = q.reshape(B, kv, group * T, hd)
+            mask = mask.unsqueeze(2).expand(B, 1, group, T, L).reshape(B, 1, group * T, L)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
         out = out.transpose(1, 2).reshape(B, T, H * hd) * torch.sigmoid(gate.reshape(B, T, H * hd))
         return self.o_proj(out)
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj):
-            normal(lin.weight, std)
+        normal(self.qkv.weight, std)
         normal(self.o_proj.weight, residual_std)
         nn.init.zeros_(self.q_norm.weight)
         nn.init.zeros_(self.k_norm.weight)

@@ -23,7 +23,8 @@ Only the S-dependent part runs chunk by chunk. Decays are formed as differences 
 diagonal before the exp), so nothing overflows however strong the decay. A sequence not a multiple of C is padded
 with g = 0, k = v = beta = 0, which leaves the state unchanged. Both forms compute in fp32 whatever the input dtype.
 
-The layer (`GatedDeltaNet`, HF `Qwen3_5MoeGatedDeltaNet`'s weights): `in_proj_qkv` -> a depthwise causal conv1d of
+The layer (`GatedDeltaNet`, HF `Qwen3_5MoeGatedDeltaNet`'s weights, its four input projections fused into one
+`in_proj`): `in_proj_qkv` -> a depthwise causal conv1d of
 width `conv_kernel` over time -> SiLU -> q, k, v; `beta = sigmoid(in_proj_b x)`,
 `g = -exp(A_log) * softplus(in_proj_a x + dt_bias)`; each key head serves `lin_v_heads / lin_k_heads` consecutive
 value heads; the output is RMS-normalised per value head (a plain 1-initialised weight), gated by
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+DELTANET_CHUNK = 64  # tokens per chunk of the chunked form (FLA's and HF's default)
 L2_EPS = 1e-6  # FLA's and HF's l2norm epsilon: x * rsqrt(sum x^2 + eps)
 
 
@@ -59,6 +61,7 @@ def chunk_gated_delta_rule(
     dv = v.shape[-1]
     if state is None:
         state = q.new_zeros(B, H, dk, dv)
+    chunk = min(chunk, T)  # a short sequence (a prompt) is one chunk of its own length, not padded to 64
     pad = (-T) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -140,17 +143,16 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer (module docstring), no biases."""
 
-    def __init__(self, cfg, chunk: int = 64):
+    def __init__(self, cfg, chunk: int = DELTANET_CHUNK):
         super().__init__()
         self.k_heads, self.v_heads = cfg.lin_k_heads, cfg.lin_v_heads
         self.k_dim, self.v_dim = cfg.lin_k_dim, cfg.lin_v_dim
         self.kernel = cfg.conv_kernel
         self.chunk = chunk
         key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        self.in_proj_qkv = nn.Linear(cfg.dim, 2 * key + value, bias=False)
-        self.in_proj_z = nn.Linear(cfg.dim, value, bias=False)
-        self.in_proj_b = nn.Linear(cfg.dim, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.dim, self.v_heads, bias=False)
+        # HF's four input projections as one matmul, rows [qkv | z | b | a] (`hf.py` concatenates them).
+        self.in_sizes = [2 * key + value, value, self.v_heads, self.v_heads]
+        self.in_proj = nn.Linear(cfg.dim, sum(self.in_sizes), bias=False)
         # Depthwise: one `kernel`-tap filter per channel, HF's `conv1d.weight` layout `[C, 1, K]`.
         self.conv_weight = nn.Parameter(torch.empty(2 * key + value, 1, cfg.conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
@@ -158,10 +160,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(value, cfg.dim, bias=False)
 
-    def new_state(self, batch: int, device, dtype) -> LinearState:
-        return LinearState(
-            torch.zeros(batch, self.conv_weight.shape[0], self.kernel - 1, device=device, dtype=dtype)
-        )
+    def new_state(self, batch: int, device) -> LinearState:
+        # fp32 zeros: the conv window is cast to the compute dtype where it is used.
+        return LinearState(torch.zeros(batch, self.conv_weight.shape[0], self.kernel - 1, device=device))
 
     def _conv(self, x: torch.Tensor, state: LinearState | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over `x` `[B, C, T]`; the inputs before the first are the state's (zeros
@@ -171,7 +172,10 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat((past, x), dim=-1)
         if state is not None:
             state.conv = full[:, :, full.shape[-1] - (self.kernel - 1) :].detach().clone()
-        return F.silu(F.conv1d(full, self.conv_weight.to(x.dtype), groups=C))
+        w = self.conv_weight.to(x.dtype)
+        if full.shape[-1] == self.kernel:  # one new step (decoding): a dot product per channel
+            return F.silu((full * w.squeeze(1)).sum(dim=-1, keepdim=True))
+        return F.silu(F.conv1d(full, w, groups=C))
 
     def forward(
         self, x: torch.Tensor, state: LinearState | None = None, valid: torch.Tensor | None = None
@@ -181,7 +185,8 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         B, T, _ = x.shape
-        mixed = self._conv(self.in_proj_qkv(x).transpose(1, 2), state).transpose(1, 2)
+        mixed, z, b, a = self.in_proj(x).split(self.in_sizes, dim=-1)
+        mixed = self._conv(mixed.transpose(1, 2), state).transpose(1, 2)
         key = self.k_heads * self.k_dim
         q, k, v = mixed.split([key, key, self.v_heads * self.v_dim], dim=-1)
         group = self.v_heads // self.k_heads
@@ -195,10 +200,8 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalize(heads(q, self.k_heads, self.k_dim)) * self.k_dim**-0.5
         k = l2_normalize(heads(k, self.k_heads, self.k_dim))
         v = heads(v, self.v_heads, self.v_dim)
-        beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)
-        g = (
-            -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        ).transpose(1, 2)
+        beta = b.float().sigmoid().transpose(1, 2)
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         initial = state.recurrent if state is not None else None
         if state is not None and T == 1:
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
@@ -207,18 +210,19 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.recurrent = final.detach()
         out = out.transpose(1, 2).to(x.dtype)  # [B, T, H_v, d_v]
-        z = self.in_proj_z(x).view(B, T, self.v_heads, self.v_dim)
+        z = z.reshape(B, T, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(B, T, -1))
 
     @torch.no_grad()
     def init_weights(self, normal, std: float, residual_std: float, generator=None) -> None:
-        for lin in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
-            normal(lin.weight, std)
+        normal(self.in_proj.weight, std)
         normal(self.out_proj.weight, residual_std)
         # PyTorch's default for a depthwise conv (fan-in = K): U(-1/sqrt(K), 1/sqrt(K)).
         bound = self.kernel**-0.5
         self.conv_weight.uniform_(-bound, bound, generator=generator)
         # HF's initialisation: dt_bias 1, A = exp(A_log) ~ U(0.01, 16).
         self.dt_bias.fill_(1.0)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16.0, generator=generator).log())
+        # In place, so that the sharded build's `full_init` sees the draw.
+        self.A_log.uniform_(0.01, 16.0, generator=generator)
+        self.A_log.log_()
         nn.init.ones_(self.norm.weight)

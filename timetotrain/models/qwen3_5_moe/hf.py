@@ -11,7 +11,9 @@ Checkpoint layouts accepted (each tensor from the first layout the checkpoint ho
   `[E, h, F]`: transformers 5's in-memory layout, equal to ours) or per expert
   (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the hub layout).
 
-Our weights equal HF's element for element (no permutation): the 1-centred norms store the same offset from 1,
+Our weights equal HF's element for element (no permutation), some of them stacked: the attention's q (with its
+gate), k and v projections are the rows of our `attn.qkv`, the DeltaNet's `in_proj_{qkv,z,b,a}` those of our
+`attn.in_proj` (one matmul each); the 1-centred norms store the same offset from 1,
 the conv taps keep `[C, 1, K]`, partial RoPE rotates the same halves of the same leading dimensions.
 """
 
@@ -70,15 +72,35 @@ def _mixer_names(cfg: Qwen35MoeConfig, layer: int) -> dict[str, str]:
         "ffn.shared.gate.weight": "mlp.shared_expert_gate.weight",
     }
     if cfg.is_full_attention(layer):
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        out["attn.o_proj.weight"] = "self_attn.o_proj.weight"
+        for p in ("q_norm", "k_norm"):
             out[f"attn.{p}.weight"] = f"self_attn.{p}.weight"
     else:
-        for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"):
+        for p in ("norm", "out_proj"):
             out[f"attn.{p}.weight"] = f"linear_attn.{p}.weight"
         out["attn.conv_weight"] = "linear_attn.conv1d.weight"
         out["attn.dt_bias"] = "linear_attn.dt_bias"
         out["attn.A_log"] = "linear_attn.A_log"
     return out
+
+
+QKV_PARTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+IN_PROJ_PARTS = tuple(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+
+
+def _fused_names(cfg: Qwen35MoeConfig, layer: int) -> tuple[str, tuple[str, ...]]:
+    """Our fused input projection of a layer and the HF tensors whose rows it stacks, in order."""
+    if cfg.is_full_attention(layer):
+        return "attn.qkv.weight", QKV_PARTS
+    return "attn.in_proj.weight", IN_PROJ_PARTS
+
+
+def _fused_sizes(cfg: Qwen35MoeConfig, layer: int) -> list[int]:
+    if cfg.is_full_attention(layer):
+        kv = cfg.n_kv_heads * cfg.head_dim
+        return [2 * cfg.n_heads * cfg.head_dim, kv, kv]
+    value = cfg.lin_v_heads * cfg.lin_v_dim
+    return [cfg.conv_dim, value, cfg.lin_v_heads, cfg.lin_v_heads]
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -123,6 +145,8 @@ def hf_mapping(cfg: Qwen35MoeConfig) -> dict[str, Source]:
         hf = [f"{p}layers.{i}." for p in PREFIXES]
         for name, theirs in _mixer_names(cfg, i).items():
             mapping[ours + name] = _chain([Source((h + theirs,)) for h in hf])
+        fused = _fused_names(cfg, i)
+        mapping[ours + fused[0]] = _chain([Source(tuple(h + n for n in fused[1]), _cat) for h in hf])
         fc1 = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
         mapping[ours + "ffn.shared.ffn.fc1.weight"] = _chain(
             [Source(tuple(h + n for n in fc1), _cat) for h in hf]
@@ -146,6 +170,8 @@ def hf_export(state_dict: dict[str, torch.Tensor], cfg: Qwen35MoeConfig) -> tupl
             names, parts = src.otherwise.hf_names, list(t.unbind(0))
         elif ours.endswith("shared.ffn.fc1.weight"):
             parts = list(t.chunk(2, dim=0))
+        elif ours.endswith(("attn.qkv.weight", "attn.in_proj.weight")):
+            parts = list(t.split(_fused_sizes(cfg, int(ours.split(".")[1])), dim=0))
         else:
             parts = [t]
         for hf, part in zip(names, parts, strict=True):

@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE's text model (the MLPerf 6.1 `qwen35_397b_grpo` policy), docs/benchmarks/qwen35_397b_grpo.md.
+"""Qwen3.5-MoE's text model (the MLPerf 6.1 `qwen35_397b_grpo` policy), docs/models/qwen3_5_moe.md.
 
 Block: 1-centred RMSNorm -> token mixer -> residual, 1-centred RMSNorm -> MoE -> residual; final 1-centred RMSNorm
 and an untied head. The token mixer is Gated DeltaNet linear attention (`deltanet.py`) in three of every four
@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from timetotrain.models.common.head_loss import logits_or_loss
-from timetotrain.models.common.layers import RMSNORM_SAVED, FeedForward, rope_tables
+from timetotrain.models.common.layers import FeedForward, rope_tables
 from timetotrain.models.common.moe import MoE, TopKRouter
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.qwen3_5_moe.attention import CenteredRMSNorm, GatedAttention, KVCache
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
-from timetotrain.models.qwen3_5_moe.deltanet import GatedDeltaNet, LinearState
+from timetotrain.models.qwen3_5_moe.deltanet import DELTANET_CHUNK, GatedDeltaNet, LinearState
 from timetotrain.models.qwen3_5_moe.hf import hf_export, hf_mapping
 
 
@@ -90,6 +90,8 @@ class DecodeCache:
         self.layers = layers
         self.valid = valid
         self.n_pad = n_pad
+        # Columns from here on are real in every row: the DeltaNet layers skip their padding mask there.
+        self.pad_end = int(n_pad.max()) if n_pad.numel() else 0
         self.length = 0
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -136,9 +138,16 @@ class Qwen35Moe(nn.Module):
         return self.norm(x)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        reduction: str = "mean",
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor:
-        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy."""
+        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy. With
+        `cache`: decoding (`decode`), through `forward` so that FSDP2's root hooks gather the embedding and head."""
+        if cache is not None:
+            return self.decode(tokens, cache)
         return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
 
     def moe_layers(self) -> list[MoE]:
@@ -151,19 +160,16 @@ class Qwen35Moe(nn.Module):
 
     def new_cache(self, n_pad: torch.Tensor, capacity: int) -> DecodeCache:
         """A cache for `len(n_pad)` rows, row b left-padded by `n_pad[b]`, holding up to `capacity` columns."""
-        B = n_pad.shape[0]
-        p = self.embed.weight
+        B, device = n_pad.shape[0], self.embed.weight.device
         layers = [
-            b.attn.new_cache(B, capacity, p.device, p.dtype)
-            if b.full_attention
-            else b.attn.new_state(B, p.device, p.dtype)
+            b.attn.new_cache(capacity) if b.full_attention else b.attn.new_state(B, device)
             for b in self.layers
         ]
-        cols = torch.arange(capacity, device=p.device)
-        return DecodeCache(layers, cols.unsqueeze(0) >= n_pad.to(p.device).unsqueeze(1), n_pad.to(p.device))
+        cols = torch.arange(capacity, device=device)
+        return DecodeCache(layers, cols.unsqueeze(0) >= n_pad.to(device).unsqueeze(1), n_pad.to(device))
 
     def decode(self, tokens: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
-        """Logits `[B, T, vocab]` of the next `T` columns of every row (the prompt block, then one column per
+        """(Called as `model(tokens, cache=cache)`.) Logits `[B, T, vocab]` of the next `T` columns of every row (the prompt block, then one column per
         step), extending `cache`."""
         B, T = tokens.shape
         start = cache.length
@@ -172,7 +178,7 @@ class Qwen35Moe(nn.Module):
             raise ValueError(f"decoding past max_seq_len {self.cfg.max_seq_len}")
         positions = (cols.unsqueeze(0) - cache.n_pad.unsqueeze(1)).clamp(min=0)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        valid = cache.valid[:, start : start + T]
+        valid = cache.valid[:, start : start + T] if start < cache.pad_end else None
         keys = torch.arange(start + T, device=tokens.device)
         # A query sees the real keys up to its own column; a padding query sees itself (a finite, unused row).
         mask = (keys.unsqueeze(0) <= cols.unsqueeze(1)).unsqueeze(0) & cache.valid[:, None, : start + T]
@@ -216,7 +222,7 @@ def _full_attention_params(cfg: Qwen35MoeConfig) -> int:
 
 
 def _linear_attention_params(cfg: Qwen35MoeConfig) -> int:
-    """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the conv taps, dt_bias, A_log, the gated norm, out_proj."""
+    """in_proj (HF's in_proj_qkv, _z, _b, _a), the conv taps, dt_bias, A_log, the gated norm, out_proj."""
     value = cfg.lin_v_heads * cfg.lin_v_dim
     matmul = cfg.dim * (cfg.conv_dim + value + 2 * cfg.lin_v_heads) + value * cfg.dim
     return matmul + cfg.conv_dim * cfg.conv_kernel + 2 * cfg.lin_v_heads + cfg.lin_v_dim
@@ -269,33 +275,51 @@ def flops_per_token(cfg: Qwen35MoeConfig, seq_len: int, causal: bool = True) -> 
     matmul += cfg.dim * cfg.vocab_size
     keys = seq_len / 2 if causal else seq_len
     full = cfg.n_full_layers() * 6 * 2 * cfg.n_heads * cfg.head_dim * keys
-    C, dk, dv = min(64, seq_len), cfg.lin_k_dim, cfg.lin_v_dim
+    C, dk, dv = min(DELTANET_CHUNK, seq_len), cfg.lin_k_dim, cfg.lin_v_dim
     per_head = 2 * C * dk + C * (dv + dk) / 2 + C * dv + 3 * dk * dv  # multiply-adds per token
     linear = (cfg.n_layers - cfg.n_full_layers()) * 6 * cfg.lin_v_heads * per_head
     return 6 * matmul + full + linear
 
 
-def activation_elements(cfg: Qwen35MoeConfig) -> float:
-    """Elements autograd keeps per token for one block, averaged over the layer pattern (train/memory.py).
+def block_activation_elements(cfg: Qwen35MoeConfig, full_attention: bool) -> float:
+    """Elements autograd keeps per token for one block of either kind, counted in the compute precision with fp32
+    tensors as two elements (what bf16 training keeps; tests/test_qwen3_5_moe.py checks the count against the
+    bytes autograd saves under CPU bf16 autocast).
 
-    Every block: two norms (3h each); the MoE as deepseek_v3 counts it: the router's fp32 logits and softmax (2E),
-    top-k (2k), per routed copy the permuted input (h), fc1's output (2f), the weighted activation (f) and the
-    expert output (h), the combine's input (k h); the shared expert's fc1 output and fc2 input (3 f_s) and its
-    gate (2). Full attention: q and gate (2 H hd), normed and rotated q, k, v (H hd + 2 kv hd, counted twice for
-    the norm and RoPE), SDPA's output and the gated product (2 H hd). Gated DeltaNet: the qkv projection and conv
-    output (2 C_conv), fp32 normalised q, k, v after the head repeat (4 bytes: 2x under bf16, so counted twice:
-    2 H_v (2 d_k + d_v)), beta and g, z (H_v d_v), the chunked solves' W_v, W_k and the per-chunk U
-    (H_v (2 d_v + d_k)), the core output and the gated norm's tensors (3 H_v d_v), out_proj's input (H_v d_v).
+    - Each of the two 1-centred norms: its input upcast and its normalised output, in fp32, and the output in the
+      compute dtype (5h).
+    - The MoE, as deepseek_v3 counts it: the router's fp32 logits and softmax (2E), top-k (2k), per routed copy the
+      permuted input (h), fc1's output (2f), the weighted activation (f) and the expert output (h), the combine's
+      input (k h); the shared expert's fc1 output and fc2 input (3 f_s) and its gate (2).
+    - Gated attention: the block input (h), the fused q/gate/k/v projection's output, kept whole because the gate,
+      a view of it, is saved ((2 H + 2 kv) hd), q and k through their fp32 norms (4 (H + kv) hd), the rotated q, k and
+      v (H hd + 2 kv hd), SDPA's output (H hd), the gate's sigmoid and the gated product (2 H hd), o_proj's input
+      (H hd).
+    - Gated DeltaNet: the block input (h), the conv's input and output (2 C_conv), then in fp32: per value head the
+      chunk's C x C matrices (decays, the triangular system, the in-chunk scores and their products: 5 C), the
+      key- and value-sized tensors of the normalisation, head repeat, solves and output norm (10 d_k + 8 d_v),
+      beta and g (8), and the state entering each chunk (4 d_k d_v / C).
     """
     h, f, k, fs = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.shared_ffn_dim
+    norms = 2 * 5 * h
     moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 3 * fs + 2
-    H, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    full = 2 * H * hd + 2 * (H * hd + 2 * kv * hd) + 2 * H * hd
-    Hv, dk, dv = cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
-    linear = 2 * cfg.conv_dim + 2 * Hv * (2 * dk + dv) + 2 * Hv + Hv * dv + Hv * (2 * dv + dk) + 4 * Hv * dv
+    if full_attention:
+        H, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        mixer = (
+            h + (2 * H + 2 * kv) * hd + 4 * (H + kv) * hd + (H + 2 * kv) * hd + H * hd + 2 * H * hd + H * hd
+        )
+    else:
+        Hv, dk, dv, C = cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim, DELTANET_CHUNK
+        fp32 = Hv * (5 * C + 10 * dk + 8 * dv + 8 + 4 * dk * dv / C)
+        mixer = h + 2 * cfg.conv_dim + 2 * fp32
+    return norms + moe + mixer
+
+
+def activation_elements(cfg: Qwen35MoeConfig) -> float:
+    """`block_activation_elements` averaged over the layer pattern (what `ttt plan` multiplies by `n_layers`)."""
     n_full = cfg.n_full_layers()
-    mixer = (n_full * full + (cfg.n_layers - n_full) * linear) / cfg.n_layers
-    return 2 * RMSNORM_SAVED * h + mixer + moe
+    full, linear = block_activation_elements(cfg, True), block_activation_elements(cfg, False)
+    return (n_full * full + (cfg.n_layers - n_full) * linear) / cfg.n_layers
 
 
 def telemetry(model: Qwen35Moe) -> tuple[dict, str]:
