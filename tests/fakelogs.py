@@ -72,7 +72,15 @@ def tier_log(
         ("ttt_model", bench.model_key(t)),
         ("ttt_tier", tier),
         ("ttt_eval_every_samples", every),
+        # What `ttt run` logs on one process in fp32 (mlperf/keys.py), required exactly once from 6.1 on.
+        ("tensor_parallelism", 1),
+        ("pipeline_parallelism", 1),
+        ("context_parallelism", 1),
+        ("expert_parallelism", 1),
         ("lowest_numerical_precision_in_linear", "fp32"),
+        ("lowest_numerical_precision_in_attn", "fp32"),
+        ("lowest_numerical_precision_in_comm", "fp32"),
+        ("config_filename", f"{benchmark}_{tier}"),
     ]
     for i, (k, v) in enumerate(keys):
         lines.append(_line(start_ms - 2000, "POINT_IN_TIME", k, v, lineno=200 + i))

@@ -11,7 +11,7 @@ from fakelogs import tier_log
 from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.mlperf.compliance import hparam_violations, read_log_keys, rule_file
-from timetotrain.mlperf.keys import submission_keys
+from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 
 # Every tier of ours that has a rule file of ours.
 TIERS = [(b, t) for b in suite.names() for t in suite.get(b).tiers if t != "reference"]
@@ -36,6 +36,8 @@ def logged(bench_name, tier_name, as_benchmark):
     bench = suite.get(bench_name)
     tier = bench.tiers[tier_name]
     keys = submission_keys(bench, tier, "org", "platform") + bench.hyperparameters(tier)
+    # What every run logs after them (one process, fp32): required from 6.1 on (qwen35_397b_grpo tiny).
+    keys += parallel_keys(None, tier.micro_batch_size) + config_keys(bench, tier)
     return [(k, as_benchmark if k == "submission_benchmark" else v) for k, v in keys]
 
 

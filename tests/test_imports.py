@@ -34,6 +34,7 @@ LAYERS = {
     "timetotrain.suite.official": 31,  # facts of the official MLPerf benchmarks
     "timetotrain.models": 20,
     "timetotrain.data": 20,
+    "timetotrain.tasks.envs": 20,  # reward environments: exact answers, the sandboxed code runner
     "timetotrain": 10,  # the ground: errors, fileio, progress, interrupt, lifeline, markup, shell, trees
 }
 

@@ -28,7 +28,10 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
         files = [official_rules_dir() / f for f in bench.closed_rules]
     else:
         files = [rule_file(bench.name, tier.name)]
+    # With the keys every run logs after the hyperparameters (one process, fp32 here: the rules only ask
+    # that they are present and well formed), which rule files from 6.1 on require.
     logged = submission_keys(bench, tier, "x", "x") + bench.hyperparameters(tier)
+    logged += parallel_keys(None, tier.micro_batch_size) + config_keys(bench, tier)
     problems = hparam_violations(files, logged)
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""
@@ -41,7 +44,7 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
 
 def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
     """The parallelism and precision keys: optional in the 6.0 rules, each required exactly once from 6.1
-    on (integers >= 1, approved precision names)."""
+    on (integers >= 1, approved precision names). `plan` None: one process in fp32."""
     return [
         ("tensor_parallelism", getattr(plan, "tp", 1)),
         ("pipeline_parallelism", 1),

@@ -21,6 +21,7 @@ _MODULES = {
     "llama31_405b": "timetotrain.suite.llama31_405b",
     "rgat": "timetotrain.suite.rgat",
     "dlrm_dcnv2": "timetotrain.suite.dlrm_dcnv2",
+    "qwen35_397b_grpo": "timetotrain.suite.qwen35_397b_grpo",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

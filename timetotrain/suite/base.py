@@ -51,6 +51,9 @@ class Tier:
     # torchao's float8 recipe under `--precision fp8` (train/float8.py): a run setting, not a hyperparameter
     # of the rules, so neither logged as one nor checked by a rule file.
     fp8_recipe: str = "tensorwise"
+    # The gradient-clip norm where the rules tie it to the GBS (qwen35_397b_grpo: 0.125 x sqrt(256 / GBS)),
+    # replacing the optimizer's; None: `Optimizer.clip`.
+    clip: float | None = None
 
     @property
     def grad_accum(self) -> int:
@@ -216,6 +219,11 @@ class Benchmark:
         names the wrong submission_benchmark would pass that benchmark's rule file."""
         hp = self.task.hyperparameters(self, tier, accum or tier.grad_accum)
         return hp + [("ttt_model", self.model_key(tier))]
+
+    def clip(self, tier: Tier) -> float | None:
+        """The gradient-clip norm a run of `tier` uses and logs: the tier's where it has one, else the
+        optimizer's."""
+        return tier.clip if tier.clip is not None else self.optimizer.clip
 
     def model_key(self, tier: Tier) -> dict[str, object]:
         """What `ttt_model` logs: the family and its parameter count, which tells the shapes of the

@@ -41,10 +41,14 @@ class Metric:
     unit: str = "samples"
     # Decimals `epoch_num` is rounded to, where the reference rounds it (rgat: 2); None: unrounded.
     epoch_decimals: int | None = None
+    # The target must be passed, not only reached (closed_qwen35_397b_grpo.yaml: `value > target`).
+    strict: bool = False
 
     def met(self, value: float, target: float) -> bool:
         if not math.isfinite(value):
             return False
+        if self.strict:
+            return value > target if self.higher_is_better else value < target
         return value >= target if self.higher_is_better else value <= target
 
     def describe(self) -> str:
@@ -52,7 +56,7 @@ class Metric:
 
     @property
     def comparison(self) -> str:
-        return ">=" if self.higher_is_better else "<="
+        return (">" if self.higher_is_better else "<") + ("" if self.strict else "=")
 
 
 class RunData(ABC):
@@ -72,6 +76,11 @@ class RunData(ABC):
     def evaluate(self, model, autocast: torch.dtype | None = None) -> float:
         """The quality metric on the eval set, reduced across ranks; every rank returns the same value."""
         raise NotImplementedError(f"{type(self).__name__} has no eval set")
+
+    def prepare(self, model, batch: Batch) -> Batch:
+        """Complete a batch with what needs the current model, right before its step (`Task.on_policy`):
+        GRPO samples the rollouts, scores them and computes advantages here. Default: unchanged."""
+        return batch
 
     def figures(self) -> dict[str, float]:
         """Figures of the data pipeline itself for `ttt synth` (e.g. a graph sampler's subgraphs/s), by
@@ -105,6 +114,9 @@ class Task(ABC):
     # The `run_stop` status of a run that reaches max_steps without meeting the target (signals and errors
     # are always "aborted"): the word the task's reference logs.
     exhausted_status: str = "aborted"
+    # True for a task whose batches need the current weights before each step (GRPO's rollouts): the loop
+    # and `ttt synth` pass every batch through `RunData.prepare(model, batch)` first.
+    on_policy: bool = False
 
     def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""

@@ -225,7 +225,10 @@ def run(opts: RunOptions) -> RunResult:
                         raise RuntimeError(
                             f"injected fault on rank {d.rank} at step {step + 1} ({FAULT_ENV})"
                         )
-                    loss = tr.step(step, fetch.next(), accum, data.loss, stop_vote=aborter.caught is not None)
+                    batch = fetch.next()
+                    if task.on_policy:  # rollouts from the weights of this step (GRPO)
+                        batch = data.prepare(tr.bare, batch)
+                    loss = tr.step(step, batch, accum, data.loss, stop_vote=aborter.caught is not None)
                     step += 1
                     items_done += items_per_step
                     if pending is not None:

@@ -11,7 +11,6 @@ import torch
 
 from timetotrain import suite
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
@@ -110,7 +109,7 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
     for k, v in extra.items():
         log.event(k, v)
     # The ruleset this log is written for: `ttt check` against another says so (official logs state none).
-    log.event("ttt_ruleset", RULESET)
+    log.event("ttt_ruleset", prep.bench.ruleset)
 
 
 def build(prep: Prepared) -> Training:

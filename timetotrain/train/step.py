@@ -121,7 +121,7 @@ def build_training(
 
         after = after_optimizer_step(model)
     return Training(
-        wrapped, model, opt, sched, params, bench.optimizer.clip, parallel.autocast_dtype(plan), plan.world,
+        wrapped, model, opt, sched, params, bench.clip(tier), parallel.autocast_dtype(plan), plan.world,
         ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
         after_opt_step=after,
     )  # fmt: skip

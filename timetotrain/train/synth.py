@@ -169,6 +169,7 @@ def synth(opts: SynthOptions) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         loss = None
+        rollout_s, rollout_tokens = 0.0, 0
         t_warm = t0 = time.perf_counter()  # t0 starts again with the timed window (i == warmup)
         for i in range(warmup + steps):
             if live:  # before the clock starts at i == warmup: the phase's line is outside its window
@@ -178,7 +179,15 @@ def synth(opts: SynthOptions) -> dict:
                 e0 = _energy_mj(device)
                 t0 = time.perf_counter()
                 clock.mark()
-            loss = tr.step(i, data.batch(i), accum, data.loss)
+            batch = data.batch(i)
+            if bench.task.on_policy:  # rollouts, timed apart: generation's share of the step
+                t_gen = time.perf_counter()
+                batch = data.prepare(tr.bare, batch)
+                _sync(device)
+                if i >= warmup:
+                    rollout_s += time.perf_counter() - t_gen
+                    rollout_tokens += int(batch["mask"].sum().item())
+            loss = tr.step(i, batch, accum, data.loss)
             if i >= warmup:
                 clock.mark()
         _sync(device)
@@ -262,6 +271,17 @@ def synth(opts: SynthOptions) -> dict:
                 if getattr(tier.model, f.name) != getattr(full_model, f.name)
             }
         summary["data_figures"] = data.figures()
+        if bench.task.on_policy:
+            # This rank's figures (the rollouts of its prompts), the share of its timed wall clock.
+            train_s = max(wall - rollout_s, 1e-9)
+            summary["rollout"] = {
+                "engine": getattr(bench.task, "engine", None) and bench.task.engine.name,
+                "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9),
+                "training_tokens_per_s": steps * local * items_per_sample / train_s,
+                "generation_share_of_step": rollout_s / wall,
+                "rollout_seconds": rollout_s,
+                "rollout_tokens": rollout_tokens,
+            }
         for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
         log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])

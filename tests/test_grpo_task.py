@@ -1,0 +1,195 @@
+"""The GRPO task (timetotrain/tasks/grpo.py) and the qwen35_397b_grpo declaration: rollouts through the engine
+into loss-ready rows, the global token-level mean across micro-batches, the rollout engines against each other,
+pass@k, the eval points in samples, and the reference tier against the closed 6.1 rules (forbidden overrides
+refused before any log line)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from timetotrain.data import arithmetic
+from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
+from timetotrain.mlperf.keys import check_rules, config_keys, parallel_keys, submission_keys
+from timetotrain.models.qwen3_5_moe import Qwen35Moe, init_weights
+from timetotrain.models.qwen3_5_moe.generate import generate
+from timetotrain.suite import qwen35_397b_grpo as Q
+from timetotrain.tasks.base import split_batch
+from timetotrain.tasks.grpo import _Rollouts
+from timetotrain.train import prepare
+from timetotrain.train.policy_gradient import token_logprobs
+from timetotrain.train.rollout import TorchRollout, naive_generate
+
+BENCH = Q.BENCHMARK
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Decoding a 318k-parameter model is many small ops: two threads on a loaded 2-core host wait on each
+    other far longer than they compute (docs/benchmarks/qwen35_397b_grpo.md, "Threads")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = Qwen35Moe(Q.TINY_MODEL)
+    init_weights(m, torch.Generator().manual_seed(seed))
+    return m
+
+
+def _problems(n, digits=2, seed=0):
+    import random
+
+    return arithmetic.draw(n, digits, random.Random(seed))
+
+
+class _Env:
+    """Reward 1 for a completion whose first digit is even: a reward the random model meets half the time."""
+
+    def score_many(self, problems, texts):
+        from timetotrain.tasks.envs import Outcome
+
+        return [Outcome(float(bool(t) and t[0] in "02468")) for t in texts]
+
+
+def _data(world=1, rank=0, engine=None, tier=Q.TINY):
+    return _Rollouts(
+        tier, _problems(64), _problems(16, seed=1), 3, rank, world, torch.device("cpu"),
+        engine or TorchRollout(generate), _Env(),
+    )  # fmt: skip
+
+
+def test_greedy_decode_with_cache_equals_the_cache_free_oracle_and_logprobs_a_full_forward():
+    m = _model()
+    prompts = [arithmetic.prompt_ids(p) for p in _problems(6)]
+    fast, lp_fast = generate(m, prompts, max_new_tokens=4, temperature=0.0, eos_id=arithmetic.EOS)
+    slow, lp_slow = naive_generate(m, prompts, max_new_tokens=4, temperature=0.0, eos_id=arithmetic.EOS)
+    assert fast == slow
+    for p, c, lp in zip(prompts, fast, lp_fast, strict=True):
+        seq = torch.tensor([p + c])
+        full = token_logprobs(m(seq[:, :-1]), seq[:, 1:])[0, len(p) - 1 :]
+        assert torch.allclose(lp, full, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(lp_fast, lp_slow, strict=True))
+
+
+def test_prepare_makes_loss_ready_rows_from_the_groups():
+    data = _data()
+    m = _model()
+    batch = data.batch(0)
+    G = Q.TINY.data.generations
+    assert batch["prompt"].shape == (Q.TINY.global_batch_size, 2 * 2 + 3)
+    # Rows come in groups of G copies of one prompt, in the file's order.
+    assert batch["index"].view(-1, G).eq(batch["index"].view(-1, G)[:, :1]).all()
+    out = data.prepare(m, batch)
+    P = batch["prompt"].shape[1]
+    assert torch.equal(out["tokens"][:, :P], batch["prompt"])
+    # mask[t] = 1 where position t predicts a completion token: from the last prompt position on.
+    assert out["mask"][:, : P - 1].sum() == 0 and out["mask"][:, P - 1].eq(1).all()
+    # The token count is the global one; each group's advantages sum to ~0 or are all 0.
+    assert out["norm"][0] == (out["mask"] * out["sample_mask"][:, None]).sum()
+    adv = out["adv"].view(-1, G)
+    assert adv.abs().sum() > 0
+    # Only rollouts cut at the length cap (no EOS) are masked: sampler and trainer agree, so none is dropped
+    # by the log-probability check.
+    for row, m_row, keep in zip(out["tokens"][:, 1:], out["mask"], out["sample_mask"], strict=True):
+        completion = row[m_row.bool()].tolist()
+        assert keep == float(completion[-1] == arithmetic.EOS)
+
+
+def test_micro_batches_and_their_gradients_add_up_to_the_whole_batch():
+    """The harness divides each micro-batch's loss by accum and DDP averages ranks: the task's scaling makes
+    the step's gradient the gradient of the global token-level mean, whatever the split."""
+    data = _data()
+    m = _model()
+    batch = data.prepare(m, data.batch(0))
+    grads = []
+    for accum in (1, 4):
+        m.zero_grad()
+        total = 0.0
+        for mb in split_batch(batch, accum):
+            loss = data.loss(m, mb) / accum
+            loss.backward()
+            total += loss.item()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+        if accum == 1:
+            whole = total
+    assert total == pytest.approx(whole, rel=1e-5)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def test_ranks_own_whole_groups_and_a_split_that_cuts_one_is_refused():
+    a, b = _data(world=2, rank=0), _data(world=2, rank=1)
+    ia, ib = a.batch(3)["index"], b.batch(3)["index"]
+    assert len(ia) == len(ib) == Q.TINY.global_batch_size // 2 and set(ia.tolist()).isdisjoint(ib.tolist())
+    with pytest.raises(UserError, match="whole groups"):
+        _data(world=16)
+
+
+def test_pass_at_k_counts_a_problem_solved_by_any_of_its_samples():
+    class Fixed:
+        name = "fixed"
+
+        def generate(self, model, prompt_ids, **kw):
+            # Problem i of the 16 gets one right answer among its k = 4 samples when i is even.
+            out = []
+            for j, _ in enumerate(prompt_ids):
+                i, s = divmod(j, 4)
+                out.append([0, arithmetic.EOS] if (i % 2 == 0 and s == 3) else [1, arithmetic.EOS])
+            return out, [torch.zeros(2) for _ in out]
+
+    data = _data(engine=Fixed())
+    assert data.evaluate(_model()) == 0.5
+
+
+def test_eval_points_in_samples():
+    task = BENCH.task
+    # The closed rule: first at GBS x ceil(2.5 + 3840 / GBS), then every step.
+    for gbs, first in ((256, 18), (512, 10), (1024, 7)):
+        tier = prepare.resolve_tier(BENCH.name, "reference", [f"global_batch_size={gbs}"])[1]
+        assert task.first_eval_step(tier) * gbs == gbs * math.ceil(2.5 + 3840 / gbs)
+        assert [s for s in range(1, 25) if task.eval_due(tier, s)] == list(range(first, 25))
+    assert [s for s in range(1, 26) if task.eval_due(Q.TINY, s)] == [10, 15, 20, 25]
+
+
+def _logged(tier):
+    return (
+        submission_keys(BENCH, tier, "org", "box") + BENCH.hyperparameters(tier)
+        + parallel_keys(None, tier.micro_batch_size) + config_keys(BENCH, tier)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("gbs", [256, 512, 1024, 2048])
+def test_the_reference_tier_passes_the_closed_6_1_rules_at_any_gbs(gbs):
+    tier = prepare.resolve_tier(BENCH.name, "reference", [f"global_batch_size={gbs}"])[1]
+    files = [official_rules_dir() / f for f in BENCH.closed_rules]
+    assert Path(files[1]).name == "closed_qwen35_397b_grpo.yaml" and "training_6.1.0" in str(files[1])
+    assert hparam_violations(files, _logged(tier)) == []
+    assert tier.lr == pytest.approx(1e-6 * math.sqrt(gbs / 256)) and BENCH.clip(tier) == pytest.approx(
+        2 / math.sqrt(gbs)
+    )
+    check_rules(BENCH, tier)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("generations=8", "num_generations_per_prompt"),
+        ("lr=2e-6", "opt_base_learning_rate"),
+        ("warmup_steps=5", "opt_learning_rate_warmup_steps"),
+        ("eval_samples=256", "eval_samples"),
+    ],
+)
+def test_the_reference_tier_refuses_a_forbidden_override(override, needle):
+    with pytest.raises(UserError, match=needle):
+        tier = prepare.resolve_tier(BENCH.name, "reference", [override])[1]
+        check_rules(BENCH, tier)
+
+
+def test_the_reference_tier_does_not_run_here(tmp_path):
+    with pytest.raises(UserError, match="R2E-Gym SWE agent"):
+        BENCH.task.resolve(Q.REFERENCE, tmp_path)

@@ -1,0 +1,87 @@
+"""qwen35_397b_grpo tiny end to end: the problems from the tier's data recipe, the base `ttt base` supervises
+off the clock (which misses the target by the stated margin), the GRPO run to its target through `ttt run`,
+its log through `ttt check --ruleset 6.1.0` (the tier's rule file, assembled on the official 6.1 common
+rules), and a synth log with rollout and training throughput apart."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import mllog, ttt_command
+from untrained import assert_first_eval_after_training, assert_misses_target
+
+from timetotrain.suite import get
+from timetotrain.train import base_model
+from timetotrain.train.step import build_training
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BENCH = get("qwen35_397b_grpo")
+TINY = BENCH.tier("tiny")
+
+
+def ttt(*argv, **kw):
+    # One thread: on a shared 2-core host two OpenMP threads per process wait on each other far longer than
+    # they compute at this model size.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-data")
+    r = ttt(
+        "data", "prepare", "--for", BENCH.name, "--tier", "tiny", "--src", str(out), "--out", str(out / "d")
+    )
+    assert r.returncode == 0, r.stderr
+    return out / "d"
+
+
+@pytest.fixture(scope="module")
+def base(problems, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    r = ttt("base", BENCH.name, "--tier", "tiny", "--data", str(problems), "--cache", str(cache))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_the_base_starts_with_reward_and_misses_the_target(problems, base):
+    import torch
+
+    assert base_model.verify_base(base)["benchmark"] == "qwen35_397b_grpo_base"
+    tr = build_training(BENCH, TINY, torch.device("cpu"), 0, init_checkpoint=base)
+    data = BENCH.task.open(TINY, BENCH.task.resolve(TINY, problems), 0, 0, 1, torch.device("cpu"))
+    untrained = data.evaluate(tr.model)
+    assert untrained > 0.1  # the first rollouts earn rewards
+    assert_misses_target(BENCH, TINY, untrained)
+    assert_first_eval_after_training(BENCH, TINY)
+
+
+def test_the_tiny_tier_reaches_its_target_and_its_log_passes_6_1(problems, base, tmp_path):
+    r = ttt(
+        "run", BENCH.name, "--tier", "tiny", "--data", str(problems), "--init-checkpoint", base,
+        "--logdir", str(tmp_path), "--seed", "3",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    log = tmp_path / BENCH.name / "tiny" / "result_0.txt"
+    recs = mllog(log)
+    evals = [x for x in recs if x["key"] == "eval_accuracy"]
+    assert evals[-1]["value"] > TINY.target and all(x["value"] <= TINY.target for x in evals[:-1])
+    gbs = TINY.global_batch_size
+    assert [x["metadata"]["samples_count"] for x in evals] == [gbs * (10 + 5 * k) for k in range(len(evals))]
+    assert [x["value"] for x in recs if x["key"] == "num_generations_per_prompt"] == [8]
+    check = ttt("check", str(log), "--ruleset", "6.1.0", "--json")
+    assert json.loads(check.stdout)["ok"], check.stdout
+
+
+def test_synth_measures_rollouts_and_training_apart(tmp_path):
+    r = ttt(
+        "synth", BENCH.name, "--tier", "tiny", "--steps", "2", "--warmup-steps", "1", "--json", cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    roll = json.loads(r.stdout)["rollout"]
+    assert (
+        roll["rollout_tokens"] > 0 and roll["rollout_tokens_per_s"] > 0 and roll["training_tokens_per_s"] > 0
+    )
+    assert 0 < roll["generation_share_of_step"] < 1

@@ -1,0 +1,380 @@
+"""GRPO with verifiable rewards: every step samples rollouts from the policy, scores them in an environment and
+trains on group-relative advantages (MLPerf Training 6.1 qwen35_397b_grpo; docs/benchmarks/qwen35_397b_grpo.md
+for every rule and where the reference states it).
+
+A global batch is `num_prompts_per_step` prompts x G generations = GBS rollouts (the samples the log
+counts), grouped contiguously; each rank owns whole groups. `RunData.batch(step)` gives a rank its prompts
+(repeated G times); `prepare(model, batch)` (the loop calls it before each step: `Task.on_policy`) samples
+the completions from the current weights through the rollout engine, scores them, and returns the tensors
+the loss needs, so that micro-batches of the step are independent rows:
+
+- tokens `[B, P + L]`: prompt then completion, PAD after; `mask` `[B, P + L - 1]`: 1 where position t
+  predicts a completion token; `gen_logp`: the sampler's log-probabilities there;
+- `adv` `[B]`: group-relative advantages (leave-one-out, zero std undivided);
+- `sample_mask` `[B]`: 0 for a rollout cut at the length cap (overlong filtering) or whose trainer and
+  sampler log-probabilities disagree (mean exp|gen - prev| > 2);
+- `norm` `[B]`: the global batch's valid token count (all ranks), the token-level mean's denominator, and
+  `rows`, this rank's rollouts, so each micro-batch's share of the gradient is exact.
+
+Validation: every validation problem sampled `val_generations` times at temperature 0.1 / top-p 0.95, and the
+metric is pass@k (a problem counts when any of its k rewards is > 0), strictly above the target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from timetotrain.data import arithmetic
+from timetotrain.errors import UserError
+from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.tasks.envs import ExactAnswer
+from timetotrain.tasks.envs import Problem as EnvProblem
+from timetotrain.train.policy_gradient import (
+    LOGPROB_ERROR_THRESHOLD,
+    TIS_MAX,
+    TIS_MIN,
+    LossConfig,
+    group_advantages,
+    logprob_error_mask,
+    policy_loss,
+    token_logprobs,
+)
+from timetotrain.train.rollout import RolloutEngine, TorchRollout
+
+
+def reference_first_eval_step(gbs: int) -> int:
+    """The closed rules' first validation, in steps: GBS x ceil(2.5 + 3840 / GBS) samples
+    (closed_qwen35_397b_grpo.yaml, global_batch_size POST)."""
+    return math.ceil(2.5 + 3840 / gbs)
+
+
+@dataclass(frozen=True)
+class GRPOData:
+    """What a GRPO tier reads and how it samples."""
+
+    generations: int  # G, num_generations_per_prompt
+    max_new_tokens: int  # the completion length cap
+    seq_len: int  # max_sequence_length: prompt + completion
+    train_problems: int  # training prompts in the set (train_samples = this x G, as the reference logs)
+    val_problems: int  # the fixed validation set (eval_samples)
+    val_generations: int = 4  # k of pass@k
+    train_temperature: float = 1.0
+    train_top_p: float = 1.0
+    val_temperature: float = 0.1
+    val_top_p: float = 0.95
+    # The first eval step: None is the closed rule's formula of the GBS; then every `eval_every_steps`.
+    first_eval_step: int | None = None
+    eval_every_steps: int = 1
+    environment: str = "exact"  # "exact": arithmetic answers; "swe": the reference's (not runnable here)
+    digits: int = 2  # operand digits of the arithmetic problems
+    kind: str = "add"  # which problems (data/arithmetic.py): "add" or "reverse"
+    logprob_error_threshold: float | None = LOGPROB_ERROR_THRESHOLD
+
+
+class _Resolved:
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def files(self) -> list[Path]:
+        return list(self.paths)
+
+
+def _unwrap(model):
+    """The module itself under a DDP wrapper: decoding calls its methods (`decode`, `new_cache`)."""
+    return getattr(model, "module", model)
+
+
+class _Rollouts(RunData):
+    def __init__(self, tier, train, val, seed, rank, world, device, engine: RolloutEngine, env):
+        d = tier.data
+        self.tier, self.d, self.train, self.val = tier, d, train, val
+        self.G, self.gbs, self.world, self.rank, self.device = (
+            d.generations,
+            tier.global_batch_size,
+            world,
+            rank,
+            device,
+        )
+        self.local = self.gbs // world
+        if self.gbs % world or self.local % self.G:
+            raise UserError(
+                f"--set global_batch_size={self.gbs}: each of the {world} ranks needs whole groups of "
+                f"{self.G} generations (GBS a multiple of {self.G * world})"
+            )
+        self.seed, self.engine, self.env = seed, engine, env
+        self.loss_cfg = LossConfig()
+        self.step = 0
+        lo, hi = len(val) * rank // world, len(val) * (rank + 1) // world
+        self.val_share = val[lo:hi]
+        self.last_reward = float("nan")
+
+    # -- the prompts of a step: the file's order, no shuffling (the reference's `data.shuffle: false`) --
+    def batch(self, step: int) -> Batch:
+        prompts = self.gbs // self.G
+        first = step * prompts + self.rank * (self.local // self.G)
+        idx = [(first + i) % len(self.train) for i in range(self.local // self.G)]
+        rows = [i for i in idx for _ in range(self.G)]
+        ids = torch.tensor([arithmetic.prompt_ids(self.train[i]) for i in rows], dtype=torch.long)
+        return {"prompt": ids, "index": torch.tensor(rows), "step": torch.full((len(rows),), step)}
+
+    def _generator(self, stream: int, step: int) -> torch.Generator:
+        # Seeded per rank, step and use, so that a run is repeatable and ranks draw different samples.
+        g = torch.Generator(device=self.device)
+        return g.manual_seed((self.seed * 1_000_003 + stream * 10_007 + step * 101 + self.rank) % (2**63))
+
+    def _rewards(self, problems, completions) -> torch.Tensor:
+        texts = [arithmetic.decode(c) for c in completions]
+        outs = self.env.score_many([EnvProblem(p.prompt, answer=p.answer) for p in problems], texts)
+        ended = [bool(c) and c[-1] == arithmetic.EOS for c in completions]
+        # An answer counts only once the model has ended it: "4" cut at the cap is not "46" unfinished.
+        return torch.tensor([o.reward if e else 0.0 for o, e in zip(outs, ended, strict=True)])
+
+    @torch.no_grad()
+    def prepare(self, model, batch: Batch) -> Batch:
+        model = _unwrap(model)
+        step = int(batch["step"][0])
+        prompts = batch["prompt"].tolist()
+        problems = [self.train[i] for i in batch["index"].tolist()]
+        completions, gen_lps = self.engine.generate(
+            model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.train_temperature,
+            top_p=self.d.train_top_p, eos_id=arithmetic.EOS, generator=self._generator(1, step),
+        )  # fmt: skip
+        rewards = self._rewards(problems, completions)
+        self.last_reward = float(rewards.mean())
+        adv = group_advantages(rewards, self.G)
+        B, P = len(prompts), len(prompts[0])
+        L = max(1, max(len(c) for c in completions))
+        tokens = torch.full((B, P + L), arithmetic.PAD, dtype=torch.long)
+        mask = torch.zeros(B, P + L - 1)
+        gen = torch.zeros(B, P + L - 1)
+        for i, (p, c, lp) in enumerate(zip(prompts, completions, gen_lps, strict=True)):
+            tokens[i, :P] = torch.tensor(p)
+            if c:
+                tokens[i, P : P + len(c)] = torch.tensor(c)
+                mask[i, P - 1 : P - 1 + len(c)] = 1.0
+                gen[i, P - 1 : P - 1 + len(c)] = lp.float()
+        truncated = torch.tensor([not c or c[-1] != arithmetic.EOS for c in completions])
+        sample_mask = (~truncated).float()
+        tokens, mask, gen = tokens.to(self.device), mask.to(self.device), gen.to(self.device)
+        sample_mask = sample_mask.to(self.device)
+        if self.d.logprob_error_threshold is not None:
+            prev = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
+            sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, self.d.logprob_error_threshold)
+        n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1).double()
+        if self.world > 1:
+            dist.all_reduce(n)
+        return {
+            "tokens": tokens,
+            "mask": mask,
+            "gen_logp": gen,
+            "adv": adv.to(self.device),
+            "sample_mask": sample_mask,
+            "norm": n.float().expand(B).clone(),
+            "rows": torch.full((B,), float(B), device=self.device),
+        }
+
+    def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        """This micro-batch's share of the global token-level loss, scaled so that the harness's mean over
+        micro-batches (/ accum) and over ranks (DDP's average) gives exactly sum over the global batch / N."""
+        tokens = batch["tokens"]
+        logp = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
+        loss = policy_loss(
+            logp, batch["gen_logp"], batch["adv"], batch["mask"], batch["sample_mask"], batch["norm"][0],
+            cfg=self.loss_cfg,
+        )  # fmt: skip
+        accum = batch["rows"][0] / tokens.shape[0]
+        return loss * accum * self.world
+
+    @torch.no_grad()
+    def evaluate(self, model, autocast=None) -> float:
+        """pass@k over the fixed validation set (this rank's share, then summed over ranks)."""
+        model = _unwrap(model)
+        k = self.d.val_generations
+        solved = 0.0
+        if self.val_share:
+            prompts = [arithmetic.prompt_ids(p) for p in self.val_share for _ in range(k)]
+            problems = [p for p in self.val_share for _ in range(k)]
+            with torch.autocast(
+                self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+            ):
+                completions, _ = self.engine.generate(
+                    model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.val_temperature,
+                    top_p=self.d.val_top_p, eos_id=arithmetic.EOS, generator=self._generator(2, 0),
+                )  # fmt: skip
+            rewards = self._rewards(problems, completions).view(-1, k)
+            solved = float((rewards > 0).any(1).sum())
+        sums = torch.tensor([solved, float(len(self.val_share))], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(sums)
+        return float(sums[0] / sums[1])
+
+    def figures(self) -> dict[str, float]:
+        return {"train_reward_mean": self.last_reward}
+
+
+class _Synthetic(_Rollouts):
+    """Random prompts of the tier's shape for `ttt synth` and the warm-up: rollouts from the (random) model,
+    rewards drawn at random (half the rollouts), the same loss. `batch` also carries a loss-ready batch, for
+    the warm-up, which calls `loss` without `prepare`."""
+
+    def __init__(self, tier, local_batch, generator, device, engine):
+        self.tier, self.d, self.G = tier, tier.data, tier.data.generations
+        self.gbs, self.world, self.rank, self.device, self.engine = local_batch, 1, 0, device, engine
+        self.local, self.loss_cfg, self.gen, self.last_reward = (
+            local_batch,
+            LossConfig(),
+            generator,
+            float("nan"),
+        )
+        self.d_prompt = 2 * tier.data.digits + 3
+        self.seed = 0
+
+    def batch(self, step: int) -> Batch:
+        B, P, L = self.local, self.d_prompt, self.d.max_new_tokens
+        prompts = torch.randint(0, len(arithmetic.CHARS), (B, P), generator=self.gen, device=self.device)
+        tokens = torch.randint(0, arithmetic.VOCAB_SIZE, (B, P + L), generator=self.gen, device=self.device)
+        mask = torch.zeros(B, P + L - 1, device=self.device)
+        mask[:, P - 1 :] = 1.0
+        return {
+            "prompt": prompts, "step": torch.full((B,), step, device=self.device),
+            "tokens": tokens, "mask": mask, "gen_logp": torch.zeros(B, P + L - 1, device=self.device),
+            "adv": torch.randn(B, generator=self.gen, device=self.device),
+            "sample_mask": torch.ones(B, device=self.device),
+            "norm": torch.full((B,), float(B * L), device=self.device),
+            "rows": torch.full((B,), float(B), device=self.device),
+        }  # fmt: skip
+
+    def _rewards(self, problems, completions) -> torch.Tensor:
+        return (
+            torch.rand(len(completions), generator=torch.Generator().manual_seed(len(completions))) < 0.5
+        ).float()
+
+    @torch.no_grad()
+    def prepare(self, model, batch: Batch) -> Batch:
+        self.train = [arithmetic.Problem("", "")] * self.local
+        batch = {**batch, "index": torch.zeros(self.local, dtype=torch.long)}
+        return super().prepare(model, batch)
+
+
+class GRPO(Task):
+    metric = Metric("validation pass@k (fraction of problems solved)", higher_is_better=True, strict=True)
+    settable = {"generations": "num_generations_per_prompt", "max_new_tokens": "max_new_tokens"}
+    on_policy = True
+
+    def __init__(self, engine: RolloutEngine | None = None):
+        self.engine = engine or TorchRollout()
+
+    def validate(self, tier) -> None:
+        d = tier.data
+        if tier.global_batch_size % d.generations:
+            raise UserError(
+                f"--set global_batch_size={tier.global_batch_size}: GBS is prompts x {d.generations} "
+                "generations, so it must be a multiple of num_generations_per_prompt"
+            )
+        if tier.micro_batch_size > tier.global_batch_size:
+            raise UserError(
+                f"micro_batch_size {tier.micro_batch_size} is over the GBS {tier.global_batch_size}"
+            )
+
+    def eval_every_steps(self, tier) -> int:
+        return tier.data.eval_every_steps
+
+    def first_eval_step(self, tier) -> int:
+        d = tier.data
+        return (
+            d.first_eval_step
+            if d.first_eval_step is not None
+            else reference_first_eval_step(tier.global_batch_size)
+        )
+
+    def eval_due(self, tier, step: int) -> bool:
+        first = self.first_eval_step(tier)
+        return step >= first and (step - first) % self.eval_every_steps(tier) == 0
+
+    def data_name(self, tier) -> str | None:
+        d = tier.data
+        if d.environment != "exact":
+            return None
+        return f"arithmetic-{d.kind}-{d.digits}d-{d.train_problems}-{d.val_problems}"
+
+    def data_recipe(self, tier, source: Path) -> DataRecipe | None:
+        d = tier.data
+        if d.environment != "exact":
+            return None
+        return DataRecipe(
+            self.data_name(tier),
+            f"{d.train_problems:,} + {d.val_problems:,} {d.digits}-digit {d.kind} problems",
+            call=lambda out: arithmetic.write_problems(
+                Path(out), d.digits, d.train_problems, d.val_problems, kind=d.kind
+            ),
+        )
+
+    def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint: Path | None = None):
+        if tier.data.environment != "exact":
+            raise UserError(
+                f"{tier.data.environment!r} rollouts (the reference's R2E-Gym SWE agent in OpenHands sandboxes) "
+                "do not run in timetotrain: the reference tier is for `ttt check`, `ttt plan` and `ttt synth` "
+                "(docs/benchmarks/qwen35_397b_grpo.md)"
+            )
+        return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
+
+    def open(self, tier, resolved, seed, rank, world, device) -> RunData:
+        train_path, val_path = resolved.paths
+        train = arithmetic.read(train_path, tier.data.digits)
+        val = arithmetic.read(val_path, tier.data.digits)[: tier.eval_samples]
+        return _Rollouts(tier, train, val, seed, rank, world, device, self.engine, ExactAnswer())
+
+    def synthetic(self, tier, local_batch, generator, device) -> RunData:
+        return _Synthetic(tier, local_batch, generator, device, self.engine)
+
+    def flops_per_sample(self, family, tier) -> float:
+        """The training step's model FLOPs of one rollout (forward and backward over prompt + completion); the
+        rollout's own decode and the logprob-check forward are not counted."""
+        return family.flops_per_token(tier.model, tier.data.seq_len) * tier.data.seq_len
+
+    def sample_items(self, tier) -> tuple[str, int]:
+        return "tokens", tier.data.seq_len
+
+    def baseline_loss(self, tier) -> float | None:
+        return None
+
+    def plan_note(self, tier) -> str | None:
+        return (
+            "the estimate is the training step's; the rollouts' KV cache and DeltaNet state (colocated decode, "
+            f"{tier.global_batch_size} rollouts of up to {tier.data.max_new_tokens:,} tokens) come on top of it"
+        )
+
+    def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
+        """In the order of closed_qwen35_397b_grpo.yaml (its checks read state set by earlier keys), then the
+        keys the reference logs beyond the rule file (mlperf_grpo_logging.py)."""
+        d, opt = tier.data, bench.optimizer
+        return [
+            ("global_batch_size", tier.global_batch_size),
+            ("max_sequence_length", d.seq_len),
+            ("eval_samples", tier.eval_samples),
+            ("init_checkpoint_step", 0),
+            ("max_steps", tier.max_steps),
+            *[kv for kv in opt.log_keys() if kv[0] != "opt_gradient_clip_norm"],
+            ("opt_base_learning_rate", tier.lr),
+            ("opt_gradient_clip_norm", bench.clip(tier)),
+            ("opt_learning_rate_warmup_steps", tier.warmup_steps),
+            ("opt_end_learning_rate", tier.end_lr),
+            ("generation_training_rollout_temperature", d.train_temperature),
+            ("generation_training_rollout_top_p", d.train_top_p),
+            ("generation_validation_rollout_temperature", d.val_temperature),
+            ("generation_validation_rollout_top_p", d.val_top_p),
+            ("num_prompts_per_step", tier.global_batch_size // d.generations),
+            ("num_generations_per_prompt", d.generations),
+            ("gradient_accumulation_steps", accum),
+            ("train_samples", d.train_problems * d.generations),
+            ("generation_backend", self.engine.name),
+            ("truncated_importance_sampling_ratio_min", TIS_MIN),
+            ("truncated_importance_sampling_ratio", TIS_MAX),
+            ("truncated_importance_sampling_type", "seq-mask-tis"),
+            ("target_accuracy", tier.target),
+        ]
