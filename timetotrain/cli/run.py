@@ -41,12 +41,12 @@ def _cmd_list(args) -> int:
     if args.json:
         print(strictjson.dumps(rows, indent=2))
         return 0
-    head = f"{'benchmark':<17}{'tier':<11}{'target':>8}{'eval every':>12}{'eval set':>10}{'GBS':>6}{'sample':>14}{'runs':>6}  about"
+    head = f"{'benchmark':<17}{'tier':<11}{'target':>8}{'eval every':>13}{'eval set':>12}{'GBS':>7}{'sample':>14}{'runs':>6}  about"
     print(head)
     for r in rows:
         print(
-            f"{r['benchmark']:<17}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>12,}"
-            f"{r['eval_samples']:>10,}{r['global_batch_size']:>6}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
+            f"{r['benchmark']:<17}{r['tier']:<11}{r['target']:>8}{r['eval_every_samples']:>13,}"
+            f"{r['eval_samples']:>12,}{r['global_batch_size']:>7}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
         )
     print("\ntarget: the eval metric a run must meet to stop with success:")
     for name in suite.names():
