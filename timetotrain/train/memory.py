@@ -55,8 +55,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.train import parallel
@@ -84,7 +82,7 @@ def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int
     h = cfg.dim
     per_block = family.activation_elements(cfg) / tp  # elements per token, see the module docstring
     head = 4 * h * act_bytes
-    rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
+    rows = chunk_rows(tokens, cfg.vocab_size)
     # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
     chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
     head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes

@@ -129,9 +129,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     if plan.tp > 1:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (plan.fsdp, plan.tp), mesh_dim_names=("fsdp", "tp"))
+        mesh = device_mesh(device.type, (plan.fsdp, plan.tp), ("fsdp", "tp"))
         family.tensor_parallel(model, mesh["tp"])
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
@@ -157,6 +155,9 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
             block.compile()
     if plan.fsdp > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
+            fsdp_mesh = device_mesh(device.type, (plan.fsdp,), ("fsdp",))
 
         # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.
         mp = MixedPrecisionPolicy(
@@ -189,6 +190,18 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
         ), ep_group
     return model, ep_group
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """`init_device_mesh`, outside any fake-tensor mode. A mesh is host bookkeeping (the rank ids sit in a
+    tensor it reads back), so under `ttt plan --simulate`, which builds the model under FakeTensorMode, it
+    must still hold real ids (timetotrain/fakes.py); without a fake mode this is `init_device_mesh`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from timetotrain.fakes import real_host
+
+    with real_host():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def remark(model: nn.Module, plan: Plan) -> None:

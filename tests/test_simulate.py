@@ -1,0 +1,72 @@
+"""`ttt plan --simulate` (timetotrain/train/simulate.py) against a real run.
+
+The tiny tier's sharded layouts on 2 ranks, simulated (fake process group, fake tensors) and measured for real
+(2 gloo processes under torchrun, real tensors) with the same tracker through the same build and step:
+parameter, gradient and optimizer bytes equal, the activations at the peak within 10%. And layouts that
+cannot be built fail with one line naming what does not divide.
+
+Run as a script (by torchrun) this file is the worker: it writes its rank's measured bytes to a file."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+from timetotrain.errors import UserError
+from timetotrain.train import prepare
+from timetotrain.train.simulate import simulate, simulate_rank
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = [("llama31_8b", "fsdp=2"), ("gpt_oss_20b", "ep=2,fsdp=2")]
+
+
+def _measure_real(bench: str, spec: str, out: Path) -> None:
+    b, t = prepare.resolve_tier(bench, "tiny", [])
+    rank = int(os.environ["RANK"])
+    m = simulate_rank(b, t, 2, spec, rank, "fp32", False, fake=False)
+    out.with_suffix(f".{rank}.json").write_text(json.dumps(dataclasses.asdict(m)))
+
+
+@pytest.mark.parametrize("bench,spec", LAYOUTS)
+def test_simulated_bytes_match_a_real_gloo_run(bench, spec, tmp_path):
+    out = tmp_path / "real"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), __file__, bench, spec, str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    b, t = prepare.resolve_tier(bench, "tiny", [])
+    sim = simulate(b, t, 2, spec, precision="fp32")
+    for rank in (0, 1):
+        real = json.loads(out.with_suffix(f".{rank}.json").read_text())
+        fake = dataclasses.asdict(sim.ranks[rank])
+        for key in ("parameters", "gradients", "optimizer"):
+            assert fake[key] == real[key] > 0, (rank, key, fake[key], real[key])
+        act_fake, act_real = fake["peak"]["activations"], real["peak"]["activations"]
+        assert abs(act_fake - act_real) <= 0.10 * act_real, (rank, act_fake, act_real)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "bench,gpus,spec,says",
+    [
+        ("llama31_8b", 3, "tp=3", "layers.*.attn.qkv.weight"),
+        ("gpt_oss_20b", 3, "ep=3,fsdp=3", "layers.0.ffn.experts.w1"),
+    ],
+)
+def test_a_layout_that_cannot_be_built_fails_in_one_line(bench, gpus, spec, says):
+    b, t = prepare.resolve_tier(bench, "tiny", [])
+    t = dataclasses.replace(t, global_batch_size=gpus * 4, eval_samples=gpus * 4)
+    with pytest.raises(UserError) as e:
+        simulate(b, t, gpus, spec, precision="fp32")
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+if __name__ == "__main__":
+    _measure_real(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
