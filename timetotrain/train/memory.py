@@ -369,7 +369,7 @@ def _fits(r: Estimate, gpu_mem_gib: float) -> str:
 
 def plan_doc(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
 ) -> dict:  # fmt: skip
     """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB). `larger` is
     `fits_from`'s answer when nothing fits."""
@@ -398,6 +398,11 @@ def plan_doc(
                 "activations_gib": r.activations / GiB,
                 "margin_gib": r.margin / GiB,
                 "total_gib": r.total / GiB,
+                **(
+                    {}
+                    if simulated is None
+                    else {"simulated_gib": _gib(simulated.get((r.parallel, r.ac, r.micro_batch)))}
+                ),
                 "fits": _fits(r, gpu_mem_gib),
             }
             for r in rows
@@ -423,6 +428,10 @@ def plan_doc(
     return doc
 
 
+def _gib(x: float | None) -> float | None:
+    return None if x is None else x / GiB
+
+
 def _fits_from_text(larger: tuple[int, Estimate] | None) -> str:
     if larger is None:
         return (
@@ -443,8 +452,10 @@ def _count(n: float) -> str:
 
 def format_plan(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
 ) -> str:  # fmt: skip
+    """The plan table; `simulated` (`ttt plan --simulate`): {(parallel, ac, micro): simulated bytes with the
+    same margin} adds a "simulated" column (train/simulate.py), "-" on the rows not simulated."""
     active = bench.family.active_param_count(tier.model)
     params = f"{_count(n_params)} parameters"
     if active != n_params:
@@ -467,14 +478,18 @@ def format_plan(
         )
     out.append(
         f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
-        f"{'margin':>9}{'total':>9}  fits"
+        f"{'margin':>9}{'total':>9}" + (f"{'simulated':>11}" if simulated is not None else "") + "  fits"
     )
     for r in rows:
         fits = _fits(r, gpu_mem_gib)
+        sim = ""
+        if simulated is not None:
+            got = simulated.get((r.parallel, r.ac, r.micro_batch))
+            sim = f"{got / GiB:>10.1f}G" if got is not None else f"{'-':>11}"
         out.append(
             f"{r.parallel:<{w}}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
-            f"{r.total / GiB:>8.1f}G  {fits}"
+            f"{r.total / GiB:>8.1f}G{sim}  {fits}"
         )
     if best is None:
         out.append(

@@ -21,6 +21,11 @@ What is simulated and what is assumed, as the report says it:
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
+- The optimizer step's peak is counted, not traced: under FakeTensorMode some temporaries of the AdamW
+  step outlive their use (the tracker saw 3x the real step's transient on the tiny tier), so the simulator
+  takes the step's states, parameters and gradients as the tracker holds them after it, plus what a real
+  step measured on top (tests/test_simulate.py): one fp32 temporary per parameter under the foreach
+  implementation (its square roots of the second moments), none per-parameter (TP: `foreach=False`).
 - MoE routing is balanced (timetotrain/fakes.py): real routing skews expert loads, and a rank receiving more
   copies needs more activation memory than simulated.
 - Not simulated: DDP layouts (`dp=N`, `ep=N`): DDP's constructor checks parameter shapes across ranks in C++
@@ -50,12 +55,20 @@ class RankMemory:
     """Bytes of one simulated rank (one depth): at the peak by kind, and the steady states."""
 
     rank: int
-    peak: dict[str, int]  # kind -> bytes, at the moment of the peak
+    phases: dict[str, dict[str, int]]  # phase -> kind -> bytes, at that phase's peak
+    where: dict[str, str]  # phase -> the module its peak is reached in
     parameters: int  # this rank's parameters and buffers (shards, expert slices)
     gradients: int  # gradients when the optimizer starts
     optimizer: int  # optimizer states after its first step
-    where: str  # the module and phase of the peak
     empty: list[str] = field(default_factory=list)  # parameters this rank holds no rows of
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return self.phases[self.peak_phase]
 
     @property
     def total(self) -> int:
@@ -83,32 +96,36 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
     return out
 
 
+PHASES = ("forward", "backward", "optimizer step")
+
+
 def _tracker(model, opt, fsdp: bool):
-    """The tracker, recording where (module, phase) each new peak is reached."""
+    """The tracker, also keeping the peak of each phase (forward, backward, optimizer step): its snapshot
+    and where (module) it was reached. Per phase, because extrapolating over depth needs the same moment at
+    both depths; the overall peak may move from one phase to another as layers are added."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     base = FSDPMemTracker if fsdp else MemTracker
 
     class Tracker(base):
-        where = "before the step"
+        phase_peak: dict[str, tuple[int, dict, str]] = {}
 
         def _update_peak_stats(self, peak_state) -> None:
-            before = dict(self._peak_mem)
             super()._update_peak_stats(peak_state)
-            if self._peak_mem != before:
+            phase = (
+                "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
+            )
+            total = sum(d["Total"] for d in self._curr_mem_snap.values())
+            if total > self.phase_peak.get(phase, (-1,))[0]:
                 inner = sorted(self._mod_tracker.parents - {"Global"}, key=len)
-                phase = (
-                    "optimizer step"
-                    if self._in_opt
-                    else ("backward" if self._mod_tracker.is_bw else "forward")
-                )
-                self.where = f"{phase}, in {inner[-1] if inner else 'the step outside modules'}"
+                snap = {dev: dict(d) for dev, d in self._curr_mem_snap.items()}
+                self.phase_peak[phase] = (total, snap, inner[-1] if inner else "outside modules")
 
-    if fsdp:
-        return Tracker(model, opt)
-    t = Tracker()
-    t.track_external(model, opt)
+    t = Tracker(model, opt) if fsdp else Tracker()
+    t.phase_peak = {}
+    if not fsdp:
+        t.track_external(model, opt)
     return t
 
 
@@ -182,9 +199,15 @@ def simulate_rank(
             pre.remove()
             post.remove()
             grads, opt = _by_kind(seen["grads"]), _by_kind(seen["opt"])
-            peak = _by_kind(mt.get_tracker_snapshot("peak"))
+            phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
+            where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
+            if fake:  # (module docstring: the optimizer step's peak is counted from its states)
+                phases["optimizer step"] = dict(opt)
+                if tr.opt.defaults.get("foreach"):
+                    phases["optimizer step"]["optimizer"] += grads["gradients"]
+                where["optimizer step"] = "the optimizer (states + one fp32 temporary per parameter)"
             return RankMemory(
-                rank, peak, grads["parameters"], grads["gradients"], opt["optimizer"], mt.where,
+                rank, phases, where, grads["parameters"], grads["gradients"], opt["optimizer"],
                 _empty_shards(tr.bare),
             )  # fmt: skip
     finally:
@@ -231,10 +254,10 @@ def _combine(a: RankMemory, b: RankMemory, steps: float) -> RankMemory:
     def lin(x: int, y: int) -> int:
         return max(0, round(x + steps * (y - x)))
 
-    peak = {k: lin(a.peak[k], b.peak[k]) for k in KINDS}
+    phases = {p: {k: lin(a.phases[p][k], b.phases[p][k]) for k in KINDS} for p in b.phases if p in a.phases}
     return RankMemory(
-        a.rank, peak, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
-        lin(a.optimizer, b.optimizer), b.where, b.empty,
+        a.rank, phases, b.where, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
+        lin(a.optimizer, b.optimizer), b.empty,
     )  # fmt: skip
 
 
@@ -286,3 +309,82 @@ def _data_parallel(spec: str, world: int) -> int:
     from timetotrain.train import parallel
 
     return parallel.parse(spec, world, world_from="--gpus is").data_parallel
+
+
+def simulated_total(m: RankMemory, margin: float) -> float:
+    """What the plan table compares with its total: the simulated peak plus the same margin."""
+    return m.total + margin
+
+
+def fits_text(peak: float) -> str:
+    """Whether a peak fits devices of 80, 141 and 192 GiB, as `ttt plan` judges (margin, 90%)."""
+    G = 2**30
+    return ", ".join(
+        f"{g}: {'yes' if peak + 0.05 * g * G + G <= 0.9 * g * G else 'no'}" for g in (80, 141, 192)
+    )
+
+
+def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
+    """The report `ttt plan --simulate` prints below the plan table: per rank, by kind, beside the formula
+    (`est`, a memory.Estimate of the same layout, AC and micro-batch, or None)."""
+    G = 2**30
+    ranks = sorted(sim.ranks)
+    top = sim.most_loaded()
+    head = [f"rank {r}" + (" (most loaded)" if r == top.rank and len(ranks) > 1 else "") for r in ranks]
+    depth = (
+        f"{sim.layers[0]} and {sim.layers[1]} of its {sim.full_layers} layers simulated, every count extrapolated "
+        "linearly to the full depth (valid where the added layers are identical: see timetotrain/train/simulate.py)"
+        if sim.layers
+        else f"all {sim.full_layers} layers simulated"
+    )
+    accum = (
+        f"{min(sim.accum, 2)} of its {sim.accum} micro-batches run" if sim.accum > 1 else "one micro-batch"
+    )
+    out = [
+        f"simulated: {sim.bench} {sim.tier}, {sim.parallel} on {sim.world} ranks (fake process group, fake "
+        f"tensors), {sim.precision}, AC {'on' if sim.ac else 'off'}, micro-batch {sim.micro_batch} ({accum}); {depth}",
+    ]
+    w = max(14, *(len(h) + 2 for h in head))
+    out.append(f"{'':<30}" + "".join(f"{h:>{w}}" for h in head) + f"{'formula':>{w}}")
+
+    def row(label: str, values: list[float], formula: float | None = None) -> str:
+        f = f"{formula / G:>{w - 1}.2f}G" if formula is not None else f"{'':>{w}}"
+        return f"{label:<30}" + "".join(f"{v / G:>{w - 1}.2f}G" for v in values) + f
+
+    ms = [sim.ranks[r] for r in ranks]
+    out.append(row("parameters + buffers", [m.parameters for m in ms]))
+    out.append(row("gradients", [m.gradients for m in ms]))
+    out.append(row("optimizer states", [m.optimizer for m in ms]))
+    out.append(row("  states together", [m.parameters + m.gradients + m.optimizer for m in ms],
+                   est.states if est else None))  # fmt: skip
+    for phase in PHASES:
+        if not all(phase in m.phases for m in ms):
+            continue
+        where = ", ".join(f"rank {m.rank}: {m.where[phase]}" for m in ms)
+        out.append(f"peak of the {phase} ({where}):")
+        for kind, label in (
+            ("parameters", "parameters + buffers"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+            ("activations", "activations"), ("temporaries", "temporaries (backward)"),
+            ("gathered", "gathered (FSDP2 unsharded)"), ("other", "other"),
+        ):  # fmt: skip
+            if any(m.phases[phase][kind] for m in ms):
+                out.append(row("  " + label, [m.phases[phase][kind] for m in ms]))
+        out.append(row("  total", [sum(m.phases[phase].values()) for m in ms]))
+    formula = est.total - est.margin if est else None
+    out.append(row(f"peak ({top.peak_phase})", [m.total for m in ms], formula))
+    if est:
+        out.append(f"ratio simulated / formula (without its margin): {top.total / formula:.2f}")
+        caps = ", ".join(
+            f"{g} GB: {'yes' if top.total + 0.05 * g * 1e9 + G <= 0.9 * g * 1e9 else 'no'}"
+            for g in (80, 141, 192)
+        )
+        out.append(f"fits (peak + the plan's margin within 90% of the device) on {caps}")
+    empty = sorted({n for m in ms for n in m.empty})
+    if empty:
+        out.append(f"ranks holding no rows of: {', '.join(empty[:5])}" + (" ..." if len(empty) > 5 else ""))
+    out.append(f"simulation: {sim.seconds:.1f} s, peak RSS {sim.rss / G:.2f} GiB (this process)")
+    out.append(
+        "assumed: balanced MoE routing; not counted: allocator fragmentation, NCCL buffers, the CUDA context "
+        "(the plan's margin). Not validated on GPUs."
+    )
+    return "\n".join(out)
