@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
+from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.train import prepare
 from timetotrain.train.simulate import simulate, simulate_rank
@@ -52,6 +53,30 @@ def test_simulated_bytes_match_a_real_gloo_run(bench, spec, tmp_path):
             f, r = fake["phases"][phase], real["phases"][phase]
             assert abs(sum(f.values()) - sum(r.values())) <= 0.10 * sum(r.values()), (rank, phase, f, r)
             assert abs(f["activations"] - r["activations"]) <= 0.10 * max(r["activations"], 1), (rank, phase)
+
+
+def test_plan_simulate_adds_the_simulated_column_and_the_report(capsys):
+    main(["plan", "llama31_8b", "--tier", "tiny", "--gpus", "2", "--gpu-mem", "1", "--parallel", "fsdp=2",
+          "--precision", "fp32", "--simulate"])  # fmt: skip
+    out = capsys.readouterr().out
+    table, report = out.split("\nsimulated: ", 1)
+    assert "simulated" in table.splitlines()[1]
+    sim_row = next(ln for ln in table.splitlines() if ln.startswith("fsdp=2") and ln.split()[4] != "-")
+    assert sim_row.split()[6].endswith("G")  # the simulated column holds a size on the simulated row
+    assert "rank 0" in report and "rank 1" in report and "ratio simulated / formula" in report
+
+
+def test_layers_extrapolate_to_the_full_depth():
+    """A 4-layer tiny model simulated at 2 and 3 layers and extrapolated gives what the whole 4 layers give:
+    identical layers add identical bytes."""
+    b, t = prepare.resolve_tier("llama31_8b", "tiny", [])
+    t = dataclasses.replace(t, model=dataclasses.replace(t.model, n_layers=4))
+    whole = simulate(b, t, 2, "fsdp=2", precision="fp32").ranks[0]
+    extra = simulate(b, t, 2, "fsdp=2", layers=2, precision="fp32").ranks[0]
+    assert extra.parameters == whole.parameters and extra.optimizer == whole.optimizer
+    for phase in ("forward", "backward"):
+        a, w = sum(extra.phases[phase].values()), sum(whole.phases[phase].values())
+        assert abs(a - w) <= 0.02 * w, (phase, a, w)
 
 
 @pytest.mark.bad_input

@@ -273,7 +273,7 @@ def _cmd_plan(args) -> int:
     bf16, gpn = args.precision == "bf16", args.gpus_per_node
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn)
     larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)
-    sim = _simulate(args, bench, tier, rows) if args.simulate else None
+    sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
     show = plan_doc if args.json else format_plan
     extra = {"simulated": sim[0]} if sim else {}
     out = show(
@@ -287,18 +287,23 @@ def _cmd_plan(args) -> int:
     return 0 if best is not None else 1
 
 
-def _simulate(args, bench, tier, rows):
-    """`ttt plan --simulate`: ({(parallel, ac, micro): simulated peak + margin}, the report, as data)."""
+def _simulate(args, bench, tier, rows, best):
+    """`ttt plan --simulate`: ({(parallel, ac, micro): simulated peak + margin}, the report, as data). The
+    row simulated is the suggested one (its AC and micro-batch) when the layout fits, else AC as --ac says
+    at the tier's micro-batch."""
     import dataclasses
 
     from timetotrain.train.simulate import format_simulation, simulate
 
     if not args.parallel:
         raise UserError("--simulate needs --parallel: the layout to build (e.g. --parallel fsdp=8)")
-    sim = simulate(bench, tier, args.gpus, args.parallel, args.rank, args.layers, args.precision, args.ac)
-    est = next((r for r in rows if r.ac == args.ac and r.micro_batch == sim.micro_batch), None)
+    ac = args.ac or (best is not None and best.ac)
+    if best is not None and not args.ac:
+        tier = dataclasses.replace(tier, micro_batch_size=best.micro_batch)
+    sim = simulate(bench, tier, args.gpus, args.parallel, args.rank, args.layers, args.precision, ac)
+    est = next((r for r in rows if r.ac == ac and r.micro_batch == sim.micro_batch), None)
     top = sim.most_loaded()
-    key = (est.parallel, args.ac, sim.micro_batch) if est else None
+    key = (est.parallel, ac, sim.micro_batch) if est else None
     cells = {key: top.total + est.margin} if est else {}
     doc = {
         **dataclasses.asdict(sim),
@@ -513,7 +518,11 @@ def add_commands(sub) -> None:
         help="with --simulate: build N and N+1 layers (flux: N and N+3 blocks) and extrapolate linearly to the "
         "tier's depth (default: the full depth)",
     )
-    s.add_argument("--ac", action="store_true", help="with --simulate: activation checkpointing per block")
+    s.add_argument(
+        "--ac",
+        action="store_true",
+        help="with --simulate: activation checkpointing per block (default: as the suggestion has it, else off)",
+    )
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(

@@ -17,7 +17,8 @@ What is simulated and what is assumed, as the report says it:
   double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
   only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
   in both simulated models (L starts past them), gpt-oss alternates sliding and full attention, whose kept
-  tensors have the same shapes. Without `layers` the full depth runs.
+  tensors have the same shapes. L is at least two repeated layers (`depth_unit`): FSDP2's prefetch holds a
+  second gathered block, which one layer would not show. Without `layers` the full depth runs.
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
@@ -223,9 +224,11 @@ def _line(e: BaseException) -> str:
 def depth_unit(bench, tier) -> tuple[int, int]:
     """(the smallest simulated depth, the repeat unit) for extrapolation (module docstring)."""
     cfg = tier.model
-    if bench.family.with_layers is not None:  # flux: double:single as 1:2
-        return 3, 3
-    return getattr(cfg, "first_dense", 0) + 1, 1
+    # At least two repeated layers: FSDP2 holds the unsharded block it computes and the one it prefetches,
+    # so from one layer to two the peak gains a gathered block that later layers do not add again.
+    if bench.family.with_layers is not None:  # flux: double:single as 1:2, two double blocks at least
+        return 6, 3
+    return getattr(cfg, "first_dense", 0) + 2, 1
 
 
 @dataclass
@@ -283,19 +286,57 @@ def simulate(
     ranks = {}
     for r in sorted({rank, world - 1}):
         if depths is None:
-            ranks[r] = simulate_rank(bench, tier, world, spec, r, precision, ac)
+            ranks[r] = _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac)
             continue
         a, b = (
-            simulate_rank(bench, _with_layers(bench, tier, d), world, spec, r, precision, ac) for d in depths
+            _in_child(simulate_rank, bench, _with_layers(bench, tier, d), world, spec, r, precision, ac)
+            for d in depths
         )
         ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]))
-    prep_tier = tier
     local = tier.global_batch_size // _data_parallel(spec, world)
-    micro = min(prep_tier.micro_batch_size, local)
+    micro = min(tier.micro_batch_size, local)
     return Simulation(
         bench.name, tier.name, world, spec, precision, ac, depths, full, ranks, micro, local // micro,
-        time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        time.monotonic() - t0, _max_rss(),
     )  # fmt: skip
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+        conn.send((False, e if isinstance(e, UserError) else UserError(f"simulation failed: {_line(e)}")))
+    finally:
+        conn.close()
+
+
+def _in_child(fn, *args):
+    """`fn(*args)` in a forked child process. Each simulated rank needs a fresh torch.distributed: device
+    meshes of an earlier, destroyed fake process group stay cached in torch and resolve to groups that no
+    longer exist. Fork (not spawn) keeps the imports: a child starts in milliseconds."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        ok, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise UserError(f"the simulation's process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _max_rss() -> int:
+    """The largest resident set of this process and its simulation children (Linux reports KiB)."""
+    return 1024 * max(
+        resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
 
 
 def _depth(tier) -> int:
