@@ -20,7 +20,8 @@ from conftest import free_port
 from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.train import prepare
-from timetotrain.train.simulate import simulate, simulate_rank
+from timetotrain.train.simulate import _combine, _in_child, simulate, simulate_rank
+from timetotrain.train.synth import _with_layers
 
 pytestmark = pytest.mark.distributed
 
@@ -67,15 +68,17 @@ def test_plan_simulate_adds_the_simulated_column_and_the_report(capsys):
 
 
 def test_layers_extrapolate_to_the_full_depth():
-    """A 4-layer tiny model simulated at 2 and 3 layers and extrapolated gives what the whole 4 layers give:
-    identical layers add identical bytes."""
+    """Rank 0 of fsdp=2 at 3 and 4 tiny layers, extrapolated, gives what 5 layers give: identical layers add
+    identical bytes (what `--layers` relies on)."""
     b, t = prepare.resolve_tier("llama31_8b", "tiny", [])
-    t = dataclasses.replace(t, model=dataclasses.replace(t.model, n_layers=4))
-    whole = simulate(b, t, 2, "fsdp=2", precision="fp32").ranks[0]
-    extra = simulate(b, t, 2, "fsdp=2", layers=2, precision="fp32").ranks[0]
-    assert extra.parameters == whole.parameters and extra.optimizer == whole.optimizer
+    at = {
+        n: _in_child(simulate_rank, b, _with_layers(b, t, n), 2, "fsdp=2", 0, "fp32", False)
+        for n in (3, 4, 5)
+    }
+    extra = _combine(at[3], at[4], 2.0)
+    assert extra.parameters == at[5].parameters and extra.optimizer == at[5].optimizer
     for phase in ("forward", "backward"):
-        a, w = sum(extra.phases[phase].values()), sum(whole.phases[phase].values())
+        a, w = sum(extra.phases[phase].values()), sum(at[5].phases[phase].values())
         assert abs(a - w) <= 0.02 * w, (phase, a, w)
 
 

@@ -17,16 +17,17 @@ What is simulated and what is assumed, as the report says it:
   double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
   only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
   in both simulated models (L starts past them), gpt-oss alternates sliding and full attention, whose kept
-  tensors have the same shapes. L is at least two repeated layers (`depth_unit`): FSDP2's prefetch holds a
-  second gathered block, which one layer would not show. Without `layers` the full depth runs.
+  tensors have the same shapes. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
+  gathered blocks in the backward, which fewer layers would not show. Without `layers` the full depth runs.
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
 - The optimizer step's peak is counted, not traced: under FakeTensorMode some temporaries of the AdamW
   step outlive their use (the tracker saw 3x the real step's transient on the tiny tier), so the simulator
   takes the step's states, parameters and gradients as the tracker holds them after it, plus what a real
-  step measured on top (tests/test_simulate.py): one fp32 temporary per parameter under the foreach
-  implementation (its square roots of the second moments), none per-parameter (TP: `foreach=False`).
+  step measured on top (tests/test_simulate.py): one fp32 temporary per parameter of one foreach call under
+  the foreach implementation (its square roots of the second moments; DTensors and plain expert slices are
+  separate calls), none per-parameter (TP: `foreach=False`).
 - MoE routing is balanced (timetotrain/fakes.py): real routing skews expert loads, and a rank receiving more
   copies needs more activation memory than simulated.
 - Not simulated: DDP layouts (`dp=N`, `ep=N`): DDP's constructor checks parameter shapes across ranks in C++
@@ -130,6 +131,47 @@ def _tracker(model, opt, fsdp: bool):
     return t
 
 
+def _held(model, opt) -> tuple[int, int, int]:
+    """(parameter and buffer bytes, gradient bytes, optimizer-state bytes) this rank holds: local shards."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(b) for b in model.buffers())
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    states = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return params, grads, states
+
+
+def _foreach_temporary(model) -> int:
+    """The foreach AdamW step's transient: one fp32 tensor per parameter of one foreach call at a time, and
+    DTensors and plain tensors (expert slices) go to separate calls: the larger of the two."""
+    from torch.distributed.tensor import DTensor
+
+    sizes = [0, 0]
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sizes[isinstance(p.grad, DTensor)] += local.numel() * 4
+    return max(sizes)
+
+
+def _track_untracked(mt, model, fsdp: bool) -> None:
+    """Count as parameters what the tracker does not know: FSDPMemTracker follows the parameters FSDP2
+    manages, not the `ignored_params` (expert-parallel slices under `ep=N,fsdp=N`)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.tensor import DTensor
+
+    ref = _FSDPRefType.SHARDED_PARAM if fsdp else _MemRefType.PARAM
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.untyped_storage() not in mt._WINFO:
+            mt._update_and_maybe_create_winfos(local, ref)
+
+
 def _empty_shards(model) -> list[str]:
     from torch.distributed.tensor import DTensor
 
@@ -179,7 +221,10 @@ def simulate_rank(
 
             def snap(name: str):
                 def hook(*_) -> None:
-                    seen.setdefault(name, mt.get_tracker_snapshot())
+                    if name not in seen:
+                        seen[name] = mt.get_tracker_snapshot()
+                        seen[name + " bytes"] = _held(tr.bare, tr.opt)
+                        seen.setdefault("temporary", _foreach_temporary(tr.bare))
 
                 return hook
 
@@ -191,6 +236,7 @@ def simulate_rank(
                 return data.loss(model, mb)
 
             with mt:
+                _track_untracked(mt, tr.bare, prep.plan.fsdp > 1)
                 try:
                     tr.step(0, batch, accum, loss)
                 except (RuntimeError, ValueError, AssertionError, TypeError) as e:
@@ -199,17 +245,19 @@ def simulate_rank(
                     ) from e
             pre.remove()
             post.remove()
-            grads, opt = _by_kind(seen["grads"]), _by_kind(seen["opt"])
+            opt = _by_kind(seen["opt"])
+            # The steady figures counted from the tensors themselves (local shards and slices).
+            n_params, n_grads, _ = seen["grads bytes"]
+            n_opt = seen["opt bytes"][2]
             phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
             where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
             if fake:  # (module docstring: the optimizer step's peak is counted from its states)
                 phases["optimizer step"] = dict(opt)
                 if tr.opt.defaults.get("foreach"):
-                    phases["optimizer step"]["optimizer"] += grads["gradients"]
+                    phases["optimizer step"]["optimizer"] += seen["temporary"]
                 where["optimizer step"] = "the optimizer (states + one fp32 temporary per parameter)"
             return RankMemory(
-                rank, phases, where, grads["parameters"], grads["gradients"], opt["optimizer"],
-                _empty_shards(tr.bare),
+                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare),
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
@@ -224,11 +272,13 @@ def _line(e: BaseException) -> str:
 def depth_unit(bench, tier) -> tuple[int, int]:
     """(the smallest simulated depth, the repeat unit) for extrapolation (module docstring)."""
     cfg = tier.model
-    # At least two repeated layers: FSDP2 holds the unsharded block it computes and the one it prefetches,
-    # so from one layer to two the peak gains a gathered block that later layers do not add again.
-    if bench.family.with_layers is not None:  # flux: double:single as 1:2, two double blocks at least
-        return 6, 3
-    return getattr(cfg, "first_dense", 0) + 2, 1
+    # At least three repeated layers: in the backward FSDP2 holds up to three gathered blocks (the one it
+    # computes, the one it prefetches, the one whose gradients it is reducing), so below three layers each
+    # added layer adds a gathered block that later layers do not add again (seen on llama31_405b: 2 -> 3
+    # layers +0.74 GiB, 3 -> 4 -> 5 +0).
+    if bench.family.with_layers is not None:  # flux: double:single as 1:2, three double blocks at least
+        return 9, 3
+    return getattr(cfg, "first_dense", 0) + 3, 1
 
 
 @dataclass
