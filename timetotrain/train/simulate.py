@@ -22,6 +22,9 @@ What is simulated and what is assumed, as the report says it:
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
+- Steady state: the simulated step is the first, whose optimizer creates the AdamW moments in its step;
+  from the second step on they exist through the forward and the backward, so their bytes (measured after
+  the step) are added to those phases' peaks.
 - The optimizer step's peak is counted, not traced: under FakeTensorMode some temporaries of the AdamW
   step outlive their use (the tracker saw 3x the real step's transient on the tiny tier), so the simulator
   takes the step's states, parameters and gradients as the tracker holds them after it, plus what a real
@@ -251,6 +254,11 @@ def simulate_rank(
             n_opt = seen["opt bytes"][2]
             phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
             where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
+            # The step simulated is the first, whose AdamW moments appear in its optimizer step; from the
+            # second on they exist through the forward and the backward too: the steady state adds them.
+            for p in ("forward", "backward"):
+                if p in phases:
+                    phases[p]["optimizer"] += n_opt
             if fake:  # (module docstring: the optimizer step's peak is counted from its states)
                 phases["optimizer step"] = dict(opt)
                 if tr.opt.defaults.get("foreach"):
