@@ -6,8 +6,10 @@ Where the numbers come from (an estimate, not a measurement):
   it in (`Task.frozen_bytes`: 4 B fp32, or 2 B for a LoRA base kept in bf16 under bf16 compute; its fp32
   norm weights, 0.002% of 70B, are counted at 2 B too); divided by the shard count under FSDP, whole under
   DDP. bf16 compute adds the bf16 copies: under FSDP2 the unsharded bf16 parameters of about two blocks at
-  a time (the one computing and the one prefetched); under DDP autocast's cached bf16 copy of every fp32
-  weight (2 B per parameter; none for a base already stored in bf16).
+  a time (the one computing and the one prefetched) and of the root group (embedding, head, final norm:
+  gathered whole for the forward and the backward, in fp32 too; found by `ttt plan --simulate`); under DDP
+  autocast's cached bf16 copy of every fp32 weight (2 B per parameter; none for a base already stored in
+  bf16).
 - Activations: the model family's count of the elements autograd keeps per token for one block
   (`ModelFamily.activation_elements`; for a Llama block: RMSNorm keeps its input, the normalised values and
   the weighted output (3h, twice per block); SDPA keeps rotated q, k, v and its output (q h, k and v
