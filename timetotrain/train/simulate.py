@@ -410,11 +410,6 @@ def _data_parallel(spec: str, world: int) -> int:
     return parallel.parse(spec, world, world_from="--gpus is").data_parallel
 
 
-def simulated_total(m: RankMemory, margin: float) -> float:
-    """What the plan table compares with its total: the simulated peak plus the same margin."""
-    return m.total + margin
-
-
 def fits_text(peak: float) -> str:
     """Whether a peak fits devices of 80, 141 and 192 GiB, as `ttt plan` judges (margin, 90%)."""
     G = 2**30
