@@ -38,10 +38,10 @@ def test_activation_count_for_the_8b_block():
     cfg = REF.model
     # 9.5h + 3f elements per token per block at kv/heads = 1/4, and 4h per token for the head (see the module
     # docstring); once per micro-batch the fp32 head-weight gradient and one chunk of logits (fp32 plus two
-    # bf16 copies) of 1 GiB / (4 * vocab) rows.
+    # bf16 copies) of 512 rows (head_loss.chunk_rows: the same on every device).
     per_block = 9.5 * 4096 + 3 * 14336
     head = 4 * 4096 * 2
-    rows = (1 << 30) // (4 * 128_256)
+    rows = 512
     fixed = 128_256 * 4096 * 4 + rows * 128_256 * (4 + 4)
     assert activation_bytes(BENCH.family, cfg, 8192, 2, ac=False) == pytest.approx(
         8192 * (32 * per_block * 2 + head) + fixed

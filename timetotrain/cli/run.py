@@ -291,10 +291,45 @@ def _cmd_plan(args) -> int:
     bf16, gpn = args.precision == "bf16", args.gpus_per_node
     n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn)
     larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)
+    sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
     show = plan_doc if args.json else format_plan
-    out = show(bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger)
+    extra = {"simulated": sim[0]} if sim else {}
+    out = show(
+        bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger, **extra
+    )
+    if sim and args.json:
+        out["simulation"] = sim[2]
     print(strictjson.dumps(out, indent=2) if args.json else out)
+    if sim and not args.json:
+        print(sim[1])
     return 0 if best is not None else 1
+
+
+def _simulate(args, bench, tier, rows, best):
+    """`ttt plan --simulate`: ({(parallel, ac, micro): simulated peak + margin}, the report, as data). The
+    row simulated is the suggested one (its AC and micro-batch) when the layout fits, else AC as --ac says
+    at the tier's micro-batch."""
+    import dataclasses
+
+    from timetotrain.train.simulate import format_simulation, simulate
+
+    if not args.parallel:
+        raise UserError("--simulate needs --parallel: the layout to build (e.g. --parallel fsdp=8)")
+    ac = args.ac or (best is not None and best.ac)
+    if best is not None and not args.ac:
+        tier = dataclasses.replace(tier, micro_batch_size=best.micro_batch)
+    sim = simulate(bench, tier, args.gpus, args.parallel, args.rank, args.layers, args.precision, ac)
+    est = next((r for r in rows if r.ac == ac and r.micro_batch == sim.micro_batch), None)
+    top = sim.most_loaded()
+    key = (est.parallel, ac, sim.micro_batch) if est else None
+    cells = {key: top.total + est.margin} if est else {}
+    doc = {
+        **dataclasses.asdict(sim),
+        "most_loaded_rank": top.rank,
+        "peak_bytes": top.total,
+        "peak_phase": top.peak_phase,
+    }
+    return cells, format_simulation(sim, est, args.gpu_mem), doc
 
 
 def _add_scale_flags(s, precision_default: str | None) -> None:
@@ -504,6 +539,26 @@ def add_commands(sub) -> None:
     )
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")
+    s.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also build the --parallel layout for one rank of --gpus ranks and run one training step, under "
+        "torch's fake process group and fake tensors (no memory used), and report its bytes by kind beside "
+        "the estimate (timetotrain/train/simulate.py); adds a 'simulated' column",
+    )
+    s.add_argument("--rank", type=int, default=0, help="with --simulate: the rank to simulate (default 0)")
+    s.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="with --simulate: build N and N+1 layers (flux: N and N+3 blocks) and extrapolate linearly to the "
+        "tier's depth (default: the full depth)",
+    )
+    s.add_argument(
+        "--ac",
+        action="store_true",
+        help="with --simulate: activation checkpointing per block (default: as the suggestion has it, else off)",
+    )
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from timetotrain.fakes import host_sizes
 from timetotrain.models.common.moe import MoE
 
 # Marks expert-sharded Parameters with (experts in the full stack, first expert held); an attribute on the
@@ -158,7 +159,7 @@ class ExpertParallelDispatch:
             layer.tokens_per_expert.copy_(table.sum(0))
         mine = table[:, rank * local : (rank + 1) * local]  # [ep, L]: rows each source sends to my experts
         # to_rank[s][d]: rows source s sends to rank d. The one host sync of the layer: splits are lists.
-        to_rank = table.view(ep, ep, local).sum(-1).tolist()
+        to_rank = host_sizes(table.view(ep, ep, local).sum(-1), grouped.shape[0])
         send = to_rank[rank]
         recv = [to_rank[s][rank] for s in range(ep)]
 
@@ -207,21 +208,23 @@ def apply_expert_parallel(
     if ep == 1:
         return
     rank = dist.get_rank(group)
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError("apply_expert_parallel: the model has no MoE layers")
-    for moe in layers:
+    for name, moe in layers:
         if moe.dispatcher is not None:
             raise ValueError("apply_expert_parallel: expert parallelism is already applied")
         if moe.n_experts % ep:
-            raise ValueError(f"{moe.n_experts} experts do not split evenly over {ep} expert-parallel ranks")
+            raise ValueError(
+                f"{name}.experts.w1: {moe.n_experts} experts do not split evenly over {ep} expert-parallel ranks"
+            )
         local = moe.n_experts // ep
         lo = rank * local
-        for name in ("w1", "w2"):
-            full = getattr(moe.experts, name)
+        for w in ("w1", "w2"):
+            full = getattr(moe.experts, w)
             # A fresh Parameter (clone, not a view) so the full stack is freed and the optimizer sees [L, ...].
             shard = nn.Parameter(full.detach()[lo : lo + local].clone(), requires_grad=full.requires_grad)
-            setattr(moe.experts, name, shard)
+            setattr(moe.experts, w, shard)
         moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype)
     mark_expert_slices(model)
 

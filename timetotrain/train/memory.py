@@ -6,8 +6,10 @@ Where the numbers come from (an estimate, not a measurement):
   it in (`Task.frozen_bytes`: 4 B fp32, or 2 B for a LoRA base kept in bf16 under bf16 compute; its fp32
   norm weights, 0.002% of 70B, are counted at 2 B too); divided by the shard count under FSDP, whole under
   DDP. bf16 compute adds the bf16 copies: under FSDP2 the unsharded bf16 parameters of about two blocks at
-  a time (the one computing and the one prefetched); under DDP autocast's cached bf16 copy of every fp32
-  weight (2 B per parameter; none for a base already stored in bf16).
+  a time (the one computing and the one prefetched) and of the root group (embedding, head, final norm:
+  gathered whole for the forward and the backward, in fp32 too; found by `ttt plan --simulate`); under DDP
+  autocast's cached bf16 copy of every fp32 weight (2 B per parameter; none for a base already stored in
+  bf16).
 - Activations: the model family's count of the elements autograd keeps per token for one block
   (`ModelFamily.activation_elements`; for a Llama block: RMSNorm keeps its input, the normalised values and
   the weighted output (3h, twice per block); SDPA keeps rotated q, k, v and its output (q h, k and v
@@ -55,8 +57,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.train import parallel
@@ -84,7 +84,7 @@ def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int
     h = cfg.dim
     per_block = family.activation_elements(cfg) / tp  # elements per token, see the module docstring
     head = 4 * h * act_bytes
-    rows = chunk_rows(tokens, cfg.vocab_size, torch.device("cuda"))
+    rows = chunk_rows(tokens, cfg.vocab_size)
     # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
     chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
     head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
@@ -130,6 +130,8 @@ def estimate(
             copies = 2 * (fp32_weights - away)
     else:
         copies = 4 * 2 * block if sharded else 0
+    if sharded:
+        copies += _root_copies(family, cfg, bf16)
     if family.activation_bytes is not None:
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
@@ -148,6 +150,17 @@ def expert_params(family, cfg) -> tuple[float, int]:
     return skipped * cfg.n_experts / (cfg.n_experts - cfg.top_k), per_layer
 
 
+def _root_copies(family, cfg, bf16: bool) -> float:
+    """FSDP2's root group (the parameters outside `model.layers`: embedding, head, final norm) is gathered
+    whole for the forward and the backward, in the compute precision: calibrated against `ttt plan
+    --simulate` (llama31_8b fsdp=8 gathers 2.4 GiB at its peak, two blocks' copies are 0.8 GiB of it). A
+    family whose blocks are not all `block_params` (flux: two kinds) counts none here."""
+    if not hasattr(cfg, "n_layers"):
+        return 0.0
+    rest = family.param_count(cfg) - cfg.n_layers * family.block_params(cfg)
+    return (2 if bf16 else 4) * max(0.0, rest)
+
+
 def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimate:
     """tp x fsdp (module docstring): all parameters trainable, as in the pretraining tiers it serves."""
     family, cfg = bench.family, tier.model
@@ -156,7 +169,7 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimat
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
     states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
-    copies = (2 if bf16 else 4) * 2 * block / tp
+    copies = (2 if bf16 else 4) * 2 * block / tp + _root_copies(family, cfg, bf16)
     tokens = micro * bench.task.sample_items(tier)[1]
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     margin = 0.05 * gpu_mem_gib * GiB + GiB
@@ -371,7 +384,7 @@ def _fits(r: Estimate, gpu_mem_gib: float) -> str:
 
 def plan_doc(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
 ) -> dict:  # fmt: skip
     """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB). `larger` is
     `fits_from`'s answer when nothing fits."""
@@ -400,6 +413,11 @@ def plan_doc(
                 "activations_gib": r.activations / GiB,
                 "margin_gib": r.margin / GiB,
                 "total_gib": r.total / GiB,
+                **(
+                    {}
+                    if simulated is None
+                    else {"simulated_gib": _gib(simulated.get((r.parallel, r.ac, r.micro_batch)))}
+                ),
                 "fits": _fits(r, gpu_mem_gib),
             }
             for r in rows
@@ -425,6 +443,10 @@ def plan_doc(
     return doc
 
 
+def _gib(x: float | None) -> float | None:
+    return None if x is None else x / GiB
+
+
 def _fits_from_text(larger: tuple[int, Estimate] | None) -> str:
     if larger is None:
         return (
@@ -445,8 +467,10 @@ def _count(n: float) -> str:
 
 def format_plan(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
 ) -> str:  # fmt: skip
+    """The plan table; `simulated` (`ttt plan --simulate`): {(parallel, ac, micro): simulated bytes with the
+    same margin} adds a "simulated" column (train/simulate.py), "-" on the rows not simulated."""
     active = bench.family.active_param_count(tier.model)
     params = f"{_count(n_params)} parameters"
     if active != n_params:
@@ -469,14 +493,18 @@ def format_plan(
         )
     out.append(
         f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
-        f"{'margin':>9}{'total':>9}  fits"
+        f"{'margin':>9}{'total':>9}" + (f"{'simulated':>11}" if simulated is not None else "") + "  fits"
     )
     for r in rows:
         fits = _fits(r, gpu_mem_gib)
+        sim = ""
+        if simulated is not None:
+            got = simulated.get((r.parallel, r.ac, r.micro_batch))
+            sim = f"{got / GiB:>10.1f}G" if got is not None else f"{'-':>11}"
         out.append(
             f"{r.parallel:<{w}}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
-            f"{r.total / GiB:>8.1f}G  {fits}"
+            f"{r.total / GiB:>8.1f}G{sim}  {fits}"
         )
     if best is None:
         out.append(

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from timetotrain.errors import UserError
+from timetotrain.train import float8
 from timetotrain.train.embedding_parallel import shard_embeddings
 
 KINDS = ("dp", "fsdp", "ep", "tp")
@@ -138,20 +139,14 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     ep_group = None
     fsdp_mesh = None
     if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
-        from timetotrain.train import float8
-
         float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     if plan.tp > 1:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (plan.fsdp, plan.tp), mesh_dim_names=("fsdp", "tp"))
+        mesh = device_mesh(device.type, (plan.fsdp, plan.tp), ("fsdp", "tp"))
         styles = {}
         if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
-            from timetotrain.train.float8 import tensor_parallel_styles
-
-            styles = tensor_parallel_styles(device)
+            styles = float8.tensor_parallel_styles(device)
         family.tensor_parallel(model, mesh["tp"], **styles)
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
@@ -177,6 +172,9 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
             block.compile()
     if plan.fsdp > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
+            fsdp_mesh = device_mesh(device.type, (plan.fsdp,), ("fsdp",))
 
         # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.
         mp = MixedPrecisionPolicy(
@@ -219,6 +217,18 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     return model, ep_group
 
 
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """`init_device_mesh`, outside any fake-tensor mode. A mesh is host bookkeeping (the rank ids sit in a
+    tensor it reads back), so under `ttt plan --simulate`, which builds the model under FakeTensorMode, it
+    must still hold real ids (timetotrain/fakes.py); without a fake mode this is `init_device_mesh`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from timetotrain.fakes import real_host
+
+    with real_host():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
 def remark(model: nn.Module, plan: Plan) -> None:
     """Put back the marks the harness keeps on parameters, tensor parallelism's stacked layouts and expert
     parallelism's slices (with their gradient hooks), after anything that replaced the parameter objects:
@@ -243,17 +253,15 @@ def autocast_dtype(plan: Plan) -> torch.dtype | None:
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if enabled:
+    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation, under DDP.
+
+    FSDP2 reduce-scatters every micro-batch instead: skipping its sync keeps each block's unsharded fp32
+    gradient until the last micro-batch, a whole model's gradients on every rank (`ttt plan --simulate`
+    found it: +0.81 GiB per llama31_8b layer under fsdp=8, ~27 GiB per GPU; for llama31_405b under tp=8
+    it would be 4 B x 50.6 B parameters per TP rank, ~200 GB), which undoes the sharding. The sharded gradients accumulate in fp32 across micro-batches; the price is one
+    reduce-scatter per micro-batch (torchtitan makes the same choice)."""
+    if enabled or not hasattr(model, "no_sync"):  # not DDP: FSDP2 (above) or a single process
         yield
-    elif hasattr(model, "no_sync"):  # DDP
+    else:
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield

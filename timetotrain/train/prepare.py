@@ -43,11 +43,12 @@ def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark,
 def preflight(
     bench: Benchmark, tier: Tier, logdir: Path, parallel_spec: str | None, precision: str, ac: bool,
     compile: bool, micro_batch: int | None = None, micro_flag: str = "--set micro_batch_size",
-    device: str | None = None, seed: int | None = None,
+    device: str | None = None, seed: int | None = None, ranks: distributed.Dist | None = None,
 ) -> Prepared:  # fmt: skip
     """Checks that need no data: seed in range, the device present, log dir writable, parallel plan, batch
-    split."""
-    d = distributed.from_env()
+    split. `ranks`: this process's place in the job (default: torchrun's environment; `ttt plan --simulate`
+    names the rank it stands for)."""
+    d = ranks or distributed.from_env()
     check_seed(seed)
     sdpa.check()
     dev = resolve_device(device, d.local_rank)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from timetotrain.fakes import real_host
 from timetotrain.tasks.base import split_batch
 from timetotrain.train import parallel, schedule, sdpa
 from timetotrain.train.optim import build_optimizer, set_lr
@@ -142,7 +143,10 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
     initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
     none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
     family = bench.family
-    with torch.device("meta"):
+    with (
+        real_host(),
+        torch.device("meta"),
+    ):  # (timetotrain/fakes.py: a simulation's meta model stays real meta)
         model = family.build(tier.model)
     model.to_empty(device=device)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
@@ -175,10 +179,12 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     from timetotrain.train.shards import full_init
 
     family, task = bench.family, bench.task
-    with torch.device("meta"):
-        model = family.build(tier.model)
-    task.adapt_model(model, tier, None, plan.compute)
-    wrapped, ep_group = parallel.apply(model, plan, device, family)
+    # All of it on the meta device: under a simulation's fake mode it stays real meta (timetotrain/fakes.py).
+    with real_host():
+        with torch.device("meta"):
+            model = family.build(tier.model)
+        task.adapt_model(model, tier, None, plan.compute)
+        wrapped, ep_group = parallel.apply(model, plan, device, family)
     model.to_empty(device=device)
     parallel.remark(model, plan)  # to_empty made new Parameters: mark them (expert slices: scale their grads)
     with full_init():

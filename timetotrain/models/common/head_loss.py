@@ -40,19 +40,17 @@ IGNORE_INDEX = -100
 # Tokens per chunk. On a CPU the logits matmul needs about 512 rows to run near the matmul peak, and the
 # in-place softmax over those rows then still runs from the last-level cache (measured with bench/vs_hf.py:
 # the 20M config gains 4% from 128 to 512 rows and nothing beyond; the tiny tier is flat from 128 to 512).
-# A GPU is limited only by memory: 1 GiB of fp32 logits per chunk keeps the kernels large.
-_CPU_ROWS = 512
-_CPU_MAX_BYTES = 256 << 20
-_GPU_CHUNK_BYTES = 1 << 30
+# The same rule on every device: 512 rows of a 128k vocabulary are a 0.5 TFLOP matmul per chunk at d=4096,
+# large enough for a GPU, and a device-independent size is what lets `ttt plan --simulate` (which runs the
+# step on CPU fake tensors for a GPU) see the chunk the GPU run allocates. (Until 2026-12 a GPU took 1 GiB of
+# fp32 logits per chunk; the smaller chunk is not yet measured on a GPU.)
+_ROWS = 512
+_MAX_BYTES = 256 << 20
 
 
-def chunk_rows(n_tokens: int, vocab: int, device: torch.device) -> int:
-    """Tokens per chunk on `device` (see above), never more than `n_tokens` nor fewer than 16."""
-    if device.type == "cpu":
-        rows = min(_CPU_ROWS, _CPU_MAX_BYTES // (4 * vocab))
-    else:
-        rows = _GPU_CHUNK_BYTES // (4 * vocab)
-    return max(16, min(n_tokens, rows))
+def chunk_rows(n_tokens: int, vocab: int) -> int:
+    """Tokens per chunk (see above), never more than `n_tokens` nor fewer than 16."""
+    return max(16, min(n_tokens, _ROWS, _MAX_BYTES // (4 * vocab)))
 
 
 def linear_cross_entropy(
@@ -77,7 +75,7 @@ def linear_cross_entropy(
         raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    rows = rows or chunk_rows(h.shape[0], weight.shape[0], h.device)
+    rows = rows or chunk_rows(h.shape[0], weight.shape[0])
     grads = torch.is_grad_enabled()
     want = (grads and h.requires_grad, grads and weight.requires_grad)
     valid = y != IGNORE_INDEX

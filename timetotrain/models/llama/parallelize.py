@@ -27,10 +27,11 @@ from timetotrain.models.family import TP_STACKED_OVER
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: heads and FFN width must split evenly over the TP ranks."""
     problems = []
+    # Named by the tensors a column-wise cut would split unevenly (layers.*: every block).
     if cfg.n_kv_heads % tp:
-        problems.append(f"n_kv_heads {cfg.n_kv_heads}")
+        problems.append(f"n_kv_heads {cfg.n_kv_heads} (layers.*.attn.qkv.weight)")
     if cfg.ffn_dim % tp:
-        problems.append(f"ffn_dim {cfg.ffn_dim}")
+        problems.append(f"ffn_dim {cfg.ffn_dim} (layers.*.ffn.fc1.weight)")
     if problems:
         raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
 

@@ -13,7 +13,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
+from timetotrain.fakes import host_sizes, real_host
 from timetotrain.models.common.fused import swiglu
 
 
@@ -81,7 +83,7 @@ def _experts_grouped_mm(x, counts, w1, w2, probs):
 
 def _experts_loop(x, counts, w1, w2, probs):
     # One matmul pair per expert over its contiguous slice; `tolist` is the only host sync of the MoE layer.
-    sizes = counts.tolist()
+    sizes = host_sizes(counts, x.shape[0])
     xs = x.split(sizes)
     ps = probs.split(sizes) if probs is not None else [None] * len(sizes)
     outs = [
@@ -95,17 +97,32 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def grouped_mm_supported(device: torch.device, dtype: torch.dtype, dim: int, ffn_dim: int) -> bool:
+def grouped_mm_supported(
+    device: torch.device, dtype: torch.dtype, dim: int, ffn_dim: int, fake: bool = False
+) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward correctly here (probed once per key).
 
     Support differs by build and device (CUDA builds have wanted sm90+, bf16 and 16-byte-aligned rows; this
     CPU build takes fp32/bf16 but not fp64), so probing beats encoding the rules. The probe forces grad mode:
-    a first call from an eval under `no_grad`/`inference_mode` must not cache a spurious False.
+    a first call from an eval under `no_grad`/`inference_mode` must not cache a spurious False. `fake`: the
+    inputs are fake tensors (`ttt plan --simulate`), which run the op's meta kernel; it takes what CUDA takes
+    (bf16), so it is asked too, on meta tensors.
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if fake:
+        try:
+            with real_host():
+                a = torch.empty(4, dim, device="meta", dtype=dtype)
+                torch._grouped_mm(a, torch.empty(3, dim, 16, device="meta", dtype=dtype),
+                                  offs=torch.tensor([1, 1, 4], device="meta", dtype=torch.int32))  # fmt: skip
+        except RuntimeError:
+            return False
     try:
         with (
+            # The probe asks this machine's kernels: real tensors even under a fake-tensor mode (`ttt plan
+            # --simulate`, timetotrain/fakes.py), whose tensors hold no values to compare.
+            real_host(),
             torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast(device_type=device.type, enabled=False),
@@ -155,6 +172,6 @@ class GroupedExperts(nn.Module):
                 if torch.is_autocast_enabled(x.device.type)
                 else x.dtype
             )
-            use = grouped_mm_supported(x.device, dtype, self.w1.shape[2], self.w2.shape[2])
+            use = grouped_mm_supported(x.device, dtype, self.w1.shape[2], self.w2.shape[2], is_fake(x))
         fn = _experts_grouped_mm if use else _experts_loop
         return fn(x, counts, self.w1, self.w2, probs)

@@ -84,7 +84,13 @@ class GroupLimitedRouter(nn.Module):
                 # `compute_routing_scores_for_aux_loss`), not from the routing decision itself.
                 with torch.no_grad():
                     plain = scores.topk(self.top_k, dim=-1).indices
-                self.aux_loss = self.aux_coeff * sequence_aux_loss(scores, plain, seq_shape, self.top_k)
+                aux = self.aux_coeff * sequence_aux_loss(scores, plain, seq_shape, self.top_k)
+                # Inside a backward this forward is activation checkpointing's recomputation (computed all the
+                # same: it must save what the first forward saved), whose aux loss nobody backpropagates: kept
+                # on the module it would hold the recomputed block's graph until the next forward
+                # (`ttt plan --simulate` found ~9.9 GiB per deepseekv3_671b layer).
+                if torch._C._current_graph_task_id() == -1:
+                    self.aux_loss = aux
         return weights, experts
 
     @torch.no_grad()

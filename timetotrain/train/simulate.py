@@ -1,0 +1,484 @@
+"""`ttt plan --simulate`: one rank of an N-rank job built and stepped on this machine, with no memory used.
+
+The production path runs unchanged: `prepare.preflight` (the layout and batch checks of `ttt run`), the fake
+process group of torch (`backend="fake"`: every collective returns at once, this process is rank r of N) and,
+under FakeTensorMode (tensors with shape, dtype and device but no storage), `prepare.build` (meta model ->
+task adaptation -> `parallel.apply` -> `to_empty` -> init -> warm-up -> optimizer) and one `Training.step`
+(forward, backward, gradient clipping, optimizer, the loss all-reduce). torch's memory tracker
+(`torch.distributed._tools`: `FSDPMemTracker` under FSDP2, `MemTracker` otherwise) counts the bytes each
+tensor would hold, by kind, through that step. Where fake tensors cannot run ttt's code, the one seam is
+`timetotrain/fakes.py` (host bookkeeping kept real; routing assumed balanced).
+
+What is simulated and what is assumed, as the report says it:
+- The step: with gradient accumulation only the first two micro-batches run (`--micro-batches` in the
+  report): from the second on, each allocates what the one before did (the accumulated gradients exist from
+  the first), so the peak is reached by then; the loss of a shorter step is the same code.
+- Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers (unit: one layer; flux's
+  double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
+  only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
+  in both simulated models (L starts past them), gpt-oss alternates sliding and full attention, whose kept
+  tensors have the same shapes. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
+  gathered blocks in the backward, which fewer layers would not show. Without `layers` the full depth runs.
+- Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
+  may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
+  loaded". (No pipeline parallelism: every rank holds a part of every layer.)
+- Steady state: the simulated step is the first, whose optimizer creates the AdamW moments in its step;
+  from the second step on they exist through the forward and the backward, so their bytes (measured after
+  the step) are added to those phases' peaks.
+- The optimizer step's peak is counted, not traced: under FakeTensorMode some temporaries of the AdamW
+  step outlive their use (the tracker saw 3x the real step's transient on the tiny tier), so the simulator
+  takes the step's states, parameters and gradients as the tracker holds them after it, plus what a real
+  step measured on top (tests/test_simulate.py): one fp32 temporary per parameter of one foreach call under
+  the foreach implementation (its square roots of the second moments; DTensors and plain expert slices are
+  separate calls), none per-parameter (TP: `foreach=False`).
+- MoE routing is balanced (timetotrain/fakes.py): real routing skews expert loads, and a rank receiving more
+  copies needs more activation memory than simulated.
+- Not simulated: DDP layouts (`dp=N`, `ep=N`): DDP's constructor checks parameter shapes across ranks in C++
+  by reading their data, which fake tensors have none of. Allocator fragmentation, NCCL buffers and the
+  CUDA context are not tensors: `ttt plan`'s margin stands for them.
+"""
+
+from __future__ import annotations
+
+import resource
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from timetotrain.errors import UserError
+from timetotrain.train import distributed, prepare
+from timetotrain.train.synth import _with_layers
+
+KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "gathered", "other")
+
+
+@dataclass
+class RankMemory:
+    """Bytes of one simulated rank (one depth): at the peak by kind, and the steady states."""
+
+    rank: int
+    phases: dict[str, dict[str, int]]  # phase -> kind -> bytes, at that phase's peak
+    where: dict[str, str]  # phase -> the module its peak is reached in
+    parameters: int  # this rank's parameters and buffers (shards, expert slices)
+    gradients: int  # gradients when the optimizer starts
+    optimizer: int  # optimizer states after its first step
+    empty: list[str] = field(default_factory=list)  # parameters this rank holds no rows of
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak(self) -> dict[str, int]:
+        return self.phases[self.peak_phase]
+
+    @property
+    def total(self) -> int:
+        return sum(self.peak.values())
+
+
+def _kind(ref: str) -> str:
+    """The tracker's reference types (`_MemRefType`, `_FSDPRefType`) as the kinds the report prints."""
+    return {
+        "Parameter": "parameters", "Sharded Param": "parameters", "Buffer": "parameters",
+        "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+        "Optstate": "optimizer", "OptState": "optimizer",
+        "Activation": "activations", "Inputs": "activations",
+        "Temp": "temporaries",
+        "Unsharded Param": "gathered", "All Gather": "gathered", "Reduce Scatter": "gathered",
+    }.get(ref, "other")  # fmt: skip
+
+
+def _by_kind(snapshot: dict) -> dict[str, int]:
+    out = dict.fromkeys(KINDS, 0)
+    for dev_snap in snapshot.values():
+        for ref, nbytes in dev_snap.items():
+            if ref != "Total":
+                out[_kind(getattr(ref, "value", ref))] += nbytes
+    return out
+
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+def _tracker(model, opt, fsdp: bool):
+    """The tracker, also keeping the peak of each phase (forward, backward, optimizer step): its snapshot
+    and where (module) it was reached. Per phase, because extrapolating over depth needs the same moment at
+    both depths; the overall peak may move from one phase to another as layers are added."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    base = FSDPMemTracker if fsdp else MemTracker
+
+    class Tracker(base):
+        phase_peak: dict[str, tuple[int, dict, str]] = {}
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            phase = (
+                "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
+            )
+            total = sum(d["Total"] for d in self._curr_mem_snap.values())
+            if total > self.phase_peak.get(phase, (-1,))[0]:
+                inner = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+                snap = {dev: dict(d) for dev, d in self._curr_mem_snap.items()}
+                self.phase_peak[phase] = (total, snap, inner[-1] if inner else "outside modules")
+
+    t = Tracker(model, opt) if fsdp else Tracker()
+    t.phase_peak = {}
+    if not fsdp:
+        t.track_external(model, opt)
+    return t
+
+
+def _held(model, opt) -> tuple[int, int, int]:
+    """(parameter and buffer bytes, gradient bytes, optimizer-state bytes) this rank holds: local shards."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(b) for b in model.buffers())
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    states = sum(nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return params, grads, states
+
+
+def _foreach_temporary(model) -> int:
+    """The foreach AdamW step's transient: one fp32 tensor per parameter of one foreach call at a time, and
+    DTensors and plain tensors (expert slices) go to separate calls: the larger of the two."""
+    from torch.distributed.tensor import DTensor
+
+    sizes = [0, 0]
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sizes[isinstance(p.grad, DTensor)] += local.numel() * 4
+    return max(sizes)
+
+
+def _track_untracked(mt, model, fsdp: bool) -> None:
+    """Count as parameters what the tracker does not know: FSDPMemTracker follows the parameters FSDP2
+    manages, not the `ignored_params` (expert-parallel slices under `ep=N,fsdp=N`)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.tensor import DTensor
+
+    ref = _FSDPRefType.SHARDED_PARAM if fsdp else _MemRefType.PARAM
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.untyped_storage() not in mt._WINFO:
+            mt._update_and_maybe_create_winfos(local, ref)
+
+
+def _empty_shards(model) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.to_local().numel() == 0]
+
+
+def simulate_rank(
+    bench, tier, world: int, spec: str, rank: int, precision: str, ac: bool, fake: bool = True
+) -> RankMemory:  # fmt: skip
+    """Build rank `rank` of `world` for `tier` (already at the depth to simulate) and run one step, counting
+    its bytes. `fake=False` measures a real run instead, with the same tracker: this process is that rank of
+    a torchrun job (gloo), and the tensors are real (the check of the simulator, tests/test_simulate.py)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    prep = prepare.preflight(
+        bench, tier, Path(tempfile.gettempdir()), spec, precision, ac, False, device="cpu", seed=0,
+        ranks=distributed.Dist(rank=rank, world=world, local_rank=0),
+    )  # fmt: skip
+    if prep.plan.dp > 1:
+        raise UserError(
+            f"--simulate --parallel {spec}: DDP layouts (dp, ep without fsdp) cannot be simulated: DDP's "
+            "constructor reads parameter data, which fake tensors have none of; simulate fsdp or ep=N,fsdp=N"
+        )
+    if fake:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        prepare.start_device(prep, "cpu", seed=0)
+        micro = prep.tier.micro_batch_size
+        accum = min(prep.accum, 2)  # module docstring: the second micro-batch repeats the first's allocations
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            try:
+                tr = prepare.build(prep)
+            except (RuntimeError, ValueError, AssertionError, TypeError) as e:
+                raise UserError(
+                    f"--parallel {spec}: rank {rank} of {world} does not build: {_line(e)}"
+                ) from e
+            data = bench.task.synthetic(
+                prep.tier, micro * accum, torch.Generator().manual_seed(0), prep.device
+            )
+            batch = data.batch(0)
+            mt = _tracker(tr.bare, tr.opt, prep.plan.fsdp > 1)
+            seen: dict[str, dict] = {}
+
+            def snap(name: str):
+                def hook(*_) -> None:
+                    if name not in seen:
+                        seen[name] = mt.get_tracker_snapshot()
+                        seen[name + " bytes"] = _held(tr.bare, tr.opt)
+                        seen.setdefault("temporary", _foreach_temporary(tr.bare))
+
+                return hook
+
+            pre = tr.opt.register_step_pre_hook(snap("grads"))
+            post = tr.opt.register_step_post_hook(snap("opt"))
+
+            def loss(model, mb):
+                mt.reset_mod_stats()  # the trackers refuse a second forward of the root otherwise
+                return data.loss(model, mb)
+
+            with mt:
+                _track_untracked(mt, tr.bare, prep.plan.fsdp > 1)
+                try:
+                    tr.step(0, batch, accum, loss)
+                except (RuntimeError, ValueError, AssertionError, TypeError) as e:
+                    raise UserError(
+                        f"--parallel {spec}: rank {rank} of {world} fails its step: {_line(e)}"
+                    ) from e
+            pre.remove()
+            post.remove()
+            opt = _by_kind(seen["opt"])
+            # The steady figures counted from the tensors themselves (local shards and slices).
+            n_params, n_grads, _ = seen["grads bytes"]
+            n_opt = seen["opt bytes"][2]
+            phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
+            where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
+            # The step simulated is the first, whose AdamW moments appear in its optimizer step; from the
+            # second on they exist through the forward and the backward too: the steady state adds them.
+            for p in ("forward", "backward"):
+                if p in phases:
+                    phases[p]["optimizer"] += n_opt
+            if fake:  # (module docstring: the optimizer step's peak is counted from its states)
+                phases["optimizer step"] = dict(opt)
+                if tr.opt.defaults.get("foreach"):
+                    phases["optimizer step"]["optimizer"] += seen["temporary"]
+                where["optimizer step"] = "the optimizer (states + one fp32 temporary per parameter)"
+            return RankMemory(
+                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare),
+            )  # fmt: skip
+    finally:
+        distributed.teardown(barrier=not fake)
+
+
+def _line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (torch's name the tensor)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def depth_unit(bench, tier) -> tuple[int, int]:
+    """(the smallest simulated depth, the repeat unit) for extrapolation (module docstring)."""
+    cfg = tier.model
+    # At least three repeated layers: in the backward FSDP2 holds up to three gathered blocks (the one it
+    # computes, the one it prefetches, the one whose gradients it is reducing), so below three layers each
+    # added layer adds a gathered block that later layers do not add again (seen on llama31_405b: 2 -> 3
+    # layers +0.74 GiB, 3 -> 4 -> 5 +0).
+    if bench.family.with_layers is not None:  # flux: double:single as 1:2, three double blocks at least
+        return 9, 3
+    return getattr(cfg, "first_dense", 0) + 3, 1
+
+
+@dataclass
+class Simulation:
+    bench: str
+    tier: str
+    world: int
+    parallel: str
+    precision: str
+    ac: bool
+    layers: tuple[int, int] | None  # the two simulated depths (None: full depth)
+    full_layers: int
+    ranks: dict[int, RankMemory]  # rank -> extrapolated bytes (a RankMemory of the full depth)
+    micro_batch: int
+    accum: int
+    seconds: float
+    rss: int
+
+    def most_loaded(self) -> RankMemory:
+        return max(self.ranks.values(), key=lambda m: m.total)
+
+
+def _combine(a: RankMemory, b: RankMemory, steps: float) -> RankMemory:
+    """`a` + `steps` x (b - a), every count: linear in identical layers (module docstring)."""
+
+    def lin(x: int, y: int) -> int:
+        return max(0, round(x + steps * (y - x)))
+
+    phases = {p: {k: lin(a.phases[p][k], b.phases[p][k]) for k in KINDS} for p in b.phases if p in a.phases}
+    return RankMemory(
+        a.rank, phases, b.where, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
+        lin(a.optimizer, b.optimizer), b.empty,
+    )  # fmt: skip
+
+
+def simulate(
+    bench, tier, world: int, spec: str, rank: int = 0, layers: int | None = None, precision: str = "bf16",
+    ac: bool = False,
+) -> Simulation:  # fmt: skip
+    """Rank `rank` and the last rank of `world`, at the tier's depth or extrapolated from `layers`."""
+    if not 0 <= rank < world:
+        raise UserError(f"--rank {rank} must be in [0, {world - 1}] (--gpus {world})")
+    full = _depth(tier)
+    t0 = time.monotonic()
+    depths = None
+    if layers is not None:
+        least, unit = depth_unit(bench, tier)
+        if layers < least:
+            raise UserError(
+                f"--layers {layers}: simulate at least {least} layers here (the layers before them differ "
+                "from the repeated ones, so extrapolation needs them in)"
+            )
+        if layers + unit <= full:
+            depths = (layers, layers + unit)
+    ranks = {}
+    for r in sorted({rank, world - 1}):
+        if depths is None:
+            ranks[r] = _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac)
+            continue
+        a, b = (
+            _in_child(simulate_rank, bench, _with_layers(bench, tier, d), world, spec, r, precision, ac)
+            for d in depths
+        )
+        ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]))
+    local = tier.global_batch_size // _data_parallel(spec, world)
+    micro = min(tier.micro_batch_size, local)
+    return Simulation(
+        bench.name, tier.name, world, spec, precision, ac, depths, full, ranks, micro, local // micro,
+        time.monotonic() - t0, _max_rss(),
+    )  # fmt: skip
+
+
+def _child(conn, fn, args) -> None:
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
+        conn.send((False, e if isinstance(e, UserError) else UserError(f"simulation failed: {_line(e)}")))
+    finally:
+        conn.close()
+
+
+def _in_child(fn, *args):
+    """`fn(*args)` in a forked child process. Each simulated rank needs a fresh torch.distributed: device
+    meshes of an earlier, destroyed fake process group stay cached in torch and resolve to groups that no
+    longer exist. Fork (not spawn) keeps the imports: a child starts in milliseconds."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        ok, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise UserError(f"the simulation's process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _max_rss() -> int:
+    """The largest resident set of this process and its simulation children (Linux reports KiB)."""
+    return 1024 * max(
+        resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+
+
+def _depth(tier) -> int:
+    cfg = tier.model
+    if hasattr(cfg, "n_double"):
+        return cfg.n_double + cfg.n_single
+    return cfg.n_layers
+
+
+def _data_parallel(spec: str, world: int) -> int:
+    from timetotrain.train import parallel
+
+    return parallel.parse(spec, world, world_from="--gpus is").data_parallel
+
+
+def fits_text(peak: float) -> str:
+    """Whether a peak fits devices of 80, 141 and 192 GiB, as `ttt plan` judges (margin, 90%)."""
+    G = 2**30
+    return ", ".join(
+        f"{g}: {'yes' if peak + 0.05 * g * G + G <= 0.9 * g * G else 'no'}" for g in (80, 141, 192)
+    )
+
+
+def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
+    """The report `ttt plan --simulate` prints below the plan table: per rank, by kind, beside the formula
+    (`est`, a memory.Estimate of the same layout, AC and micro-batch, or None)."""
+    G = 2**30
+    ranks = sorted(sim.ranks)
+    top = sim.most_loaded()
+    head = [f"rank {r}" + (" (most loaded)" if r == top.rank and len(ranks) > 1 else "") for r in ranks]
+    depth = (
+        f"{sim.layers[0]} and {sim.layers[1]} of its {sim.full_layers} layers simulated, every count extrapolated "
+        "linearly to the full depth (valid where the added layers are identical: see timetotrain/train/simulate.py)"
+        if sim.layers
+        else f"all {sim.full_layers} layers simulated"
+    )
+    accum = (
+        f"{min(sim.accum, 2)} of its {sim.accum} micro-batches run" if sim.accum > 1 else "one micro-batch"
+    )
+    out = [
+        f"simulated: {sim.bench} {sim.tier}, {sim.parallel} on {sim.world} ranks (fake process group, fake "
+        f"tensors), {sim.precision}, AC {'on' if sim.ac else 'off'}, micro-batch {sim.micro_batch} ({accum}); {depth}",
+    ]
+    w = max(14, *(len(h) + 2 for h in head))
+    out.append(f"{'':<30}" + "".join(f"{h:>{w}}" for h in head) + f"{'formula':>{w}}")
+
+    def row(label: str, values: list[float], formula: float | None = None) -> str:
+        f = f"{formula / G:>{w - 1}.2f}G" if formula is not None else f"{'':>{w}}"
+        return f"{label:<30}" + "".join(f"{v / G:>{w - 1}.2f}G" for v in values) + f
+
+    ms = [sim.ranks[r] for r in ranks]
+    out.append(row("parameters + buffers", [m.parameters for m in ms]))
+    out.append(row("gradients", [m.gradients for m in ms]))
+    out.append(row("optimizer states", [m.optimizer for m in ms]))
+    out.append(row("  states together", [m.parameters + m.gradients + m.optimizer for m in ms],
+                   est.states if est else None))  # fmt: skip
+    for phase in PHASES:
+        if not all(phase in m.phases for m in ms):
+            continue
+        where = ", ".join(f"rank {m.rank}: {m.where[phase]}" for m in ms)
+        out.append(f"peak of the {phase} ({where}):")
+        for kind, label in (
+            ("parameters", "parameters + buffers"), ("gradients", "gradients"), ("optimizer", "optimizer"),
+            ("activations", "activations"), ("temporaries", "temporaries (backward)"),
+            ("gathered", "gathered (FSDP2 unsharded)"), ("other", "other"),
+        ):  # fmt: skip
+            if any(m.phases[phase][kind] for m in ms):
+                out.append(row("  " + label, [m.phases[phase][kind] for m in ms]))
+        out.append(row("  total", [sum(m.phases[phase].values()) for m in ms]))
+    formula = est.total - est.margin if est else None
+    out.append(row(f"peak ({top.peak_phase})", [m.total for m in ms], formula))
+    if est:
+        out.append(f"ratio simulated / formula (without its margin): {top.total / formula:.2f}")
+        caps = ", ".join(
+            f"{g} GB: {'yes' if top.total + 0.05 * g * 1e9 + G <= 0.9 * g * 1e9 else 'no'}"
+            for g in (80, 141, 192)
+        )
+        out.append(f"fits (peak + the plan's margin within 90% of the device) on {caps}")
+    empty = sorted({n for m in ms for n in m.empty})
+    if empty:
+        out.append(f"ranks holding no rows of: {', '.join(empty[:5])}" + (" ..." if len(empty) > 5 else ""))
+    out.append(f"simulation: {sim.seconds:.1f} s, peak RSS {sim.rss / G:.2f} GiB (this process)")
+    out.append(
+        "assumed: balanced MoE routing; not counted: allocator fragmentation, NCCL buffers, the CUDA context "
+        "(the plan's margin). Not validated on GPUs."
+    )
+    return "\n".join(out)
