@@ -14,8 +14,11 @@ same model build, optimizer, schedule and training step as a timed run, and writ
 Cache key: sha256 of the recipe (tier, optimizer, schedule, seed), the data files' checksums, and the torch
 and timetotrain versions. The same key means the same inputs; a second `ttt base` with the same key returns
 the cached folder after checking its weights against `base.json`. On one machine with the same thread count
-the weights are bitwise reproducible; across machines float reductions may differ, which is why the run that
-uses a base logs the sha256 of its weights (`ttt_init_checkpoint_sha256`), not just the key.
+the weights are bitwise reproducible; across machines float reductions may differ (ATen's kernel width, MKL's
+code path and thread count), which is why the run that uses a base logs the sha256 of its weights
+(`ttt_init_checkpoint_sha256`), not just the key, and why the tiers ship the bits this recipe made once
+(`suite.base.ShippedBase`, pinned by sha256): a run without `--init-checkpoint` loads them on every host
+(`check_init_base`), and `ttt base` says whether this host reproduced them.
 """
 
 from __future__ import annotations
