@@ -386,10 +386,11 @@ CASES = [
         "synth-graph",
     ),
     C(
-        "deepseekv3-tiny-without-its-base",
-        "run deepseekv3_671b --tier tiny --data {c4} --logdir {w}/logs",
-        "--init-checkpoint",
-        "ttt base deepseekv3_671b --tier tiny",
+        # without the flag the tier loads its shipped base (tests/test_shipped_bases.py)
+        "deepseekv3-tiny-base-not-a-folder",
+        "run deepseekv3_671b --tier tiny --data {c4} --logdir {w}/logs --init-checkpoint {w}/nope",
+        "--init-checkpoint {w}/nope",
+        "is not a folder",
     ),
     C(
         # any GBS from the floor takes the rules' LR (tests/test_reference_diff.py); one below it is refused

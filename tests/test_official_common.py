@@ -21,6 +21,7 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 from timetotrain import suite
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.train import loop, prepare
+from timetotrain.train.base_model import InitBase
 
 pytestmark = pytest.mark.e2e
 
@@ -76,8 +77,8 @@ def loop_log(bench_name: str, tier: str, logdir: Path, monkeypatch) -> Path:
     monkeypatch.setattr(task, "resolve", lambda *a, **k: SimpleNamespace(files=lambda: []))
     monkeypatch.setattr(task, "open", lambda tier, *a: _Data(tier, task.metric))
     monkeypatch.setattr(prepare, "build", lambda prep: _Training())
-    # Fine-tuning tiers refuse to start without the base `ttt base` makes; the stand-in model needs none.
-    monkeypatch.setattr(loop, "check_init_base", lambda *a: None)
+    # Fine-tuning tiers start from their shipped base; the stand-in model needs none.
+    monkeypatch.setattr(loop, "check_init_base", lambda *a: InitBase(None, None))
     monkeypatch.setattr(loop, "_telemetry", lambda *a: "")  # reads the model's MoE routers
     res = loop.run(loop.RunOptions(bench_name, tier, logdir, logdir, seed=7, echo=False))
     assert (res.status, res.exit_code) == ("success", 0), res.reason

@@ -333,7 +333,9 @@ def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
         else:
             assert code in (0, 1) and out.startswith(f"{name} reference: "), (name, code, err)
             assert ("torchrun --nproc_per_node 8 " in out) == (code == 0), name
-            assert code == 0 or "fits from " in out, name
+            # Not fitting, the plan names the GPU count that would, or says that no count would (a family
+            # without tensor parallelism whose sample outgrows every GPU: qwen35_397b_grpo's 65,536 tokens).
+            assert code == 0 or "fits from " in out or "nor on more GPUs" in out, name
     main(["plan", "rgat", "--gpus", "8", "--gpu-mem", "80"])
     assert "no memory model for the rgat family" in capsys.readouterr().err
 

@@ -21,7 +21,7 @@ from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.train import prepare
 from timetotrain.train.simulate import _combine, _in_child, simulate, simulate_rank
-from timetotrain.train.synth import _with_layers
+from timetotrain.train.synth import with_layers
 
 pytestmark = pytest.mark.distributed
 
@@ -72,7 +72,7 @@ def test_layers_extrapolate_to_the_full_depth():
     identical bytes (what `--layers` relies on)."""
     b, t = prepare.resolve_tier("llama31_8b", "tiny", [])
     at = {
-        n: _in_child(simulate_rank, b, _with_layers(b, t, n), 2, "fsdp=2", 0, "fp32", False)
+        n: _in_child(simulate_rank, b, with_layers(b, t, n), 2, "fsdp=2", 0, "fp32", False)
         for n in (3, 4, 5)
     }
     extra = _combine(at[3], at[4], 2.0)

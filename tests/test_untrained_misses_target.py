@@ -1,13 +1,17 @@
 """Every tiny tier needs training: its first evaluation comes after real steps, and the model it starts from
 misses the target by the margin `untrained.py` states. The from-scratch language-model tiers are evaluated
-here, freshly built, on the tier's own eval set; flux1 and rgat in their end-to-end tests (where their data is
-prepared), llama2_70b_lora's base in tests/test_lora_tiny.py."""
+here, freshly built, and the three tiers that start from a shipped base (llama2_70b_lora, deepseekv3_671b,
+llama31_405b) from that base, each on the tier's own eval set; flux1 and rgat in their end-to-end tests
+(where their data is prepared)."""
 
 import pytest
 import torch
+from conftest import require_file, shared_data_dir
 from untrained import assert_first_eval_after_training, assert_misses_target
 
+from timetotrain.data import c4, govreport
 from timetotrain.suite import get
+from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 
 TIERS = ["llama31_8b", "gpt_oss_20b", "deepseekv3_671b", "llama31_405b", "llama2_70b_lora", "flux1", "rgat"]
@@ -30,3 +34,47 @@ def test_untrained_model_misses_the_target(name, c4_prepared):
         assert_misses_target(bench, tier, data.evaluate(tr.model))
     finally:
         data.close()
+
+
+def starting_eval(bench, tier, data_dir) -> float:
+    """The tier's eval metric on the model its runs start from, before any step: the shipped base (LoRA's
+    adapters start at B = 0 and add nothing), cut or mapped to the tier's vocabulary as a run does."""
+    dev = torch.device("cpu")
+    base = shipped_base(tier.base)
+    tr = build_training(bench, tier, dev, 0, None, base)
+    data = bench.task.open(tier, bench.task.resolve(tier, data_dir, init_checkpoint=base), 0, 0, 1, dev)
+    try:
+        return data.evaluate(tr.model)
+    finally:
+        data.close()
+
+
+# Known gap (issue 29, measured 2026-12-01, docs/benchmarks/llama2_70b_lora.md "Tiny tier"): fine-tuning on
+# the fixture's ten reports gains 0.02-0.035 nats on the held-out summaries (5.2976 untrained), while the
+# margin asks for 0.26; no LR or base tried gets near it. The shipped base makes the untrained score the same
+# on every CPU (AVX2 and AVX-512 kernels agree to 2.4e-7), which was the margin's first reason. Strict: the
+# day the tier is re-tuned to meet the margin, this turns into a failure to remove the mark.
+@pytest.mark.xfail(strict=True, reason="LoRA tiny's gain on held-out summaries is ~0.03, the margin 0.26")
+def test_the_shipped_lora_base_misses_the_target(tmp_path):
+    tok = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    src = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    govreport.prepare_tiny(src, tok, tmp_path)
+    bench = get("llama2_70b_lora")
+    assert_misses_target(bench, bench.tier("tiny"), starting_eval(bench, bench.tier("tiny"), tmp_path))
+
+
+# Known gap (measured 2026-12-01, docs/benchmarks/deepseekv3_671b.md "Tiny tier"): the shipped base scores
+# 5.348 on the tier's 32 windows, 0.148 above the target 5.2 (2.8%); the margin asks 0.26, a target at or
+# below 5.093, about 40 steps past where the RCP's runs cross 5.2, which needs a new RCP.
+@pytest.mark.xfail(strict=True, reason="deepseekv3 tiny's base misses 5.2 by 2.8%, the margin is 5%")
+def test_the_shipped_deepseek_base_misses_the_target(c4_prepared):
+    bench = get("deepseekv3_671b")
+    assert_misses_target(bench, bench.tier("tiny"), starting_eval(bench, bench.tier("tiny"), c4_prepared))
+
+
+def test_the_shipped_405b_base_misses_the_target_on_mixtral_ids(c4_src, tmp_path):
+    tok = require_file(shared_data_dir() / "tokenizers" / "mixtral-8x22b" / "tokenizer.model")
+    for split in ("train", "validation"):
+        c4.prepare(c4_src, split, "mixtral", tmp_path, workers=2, tokenizer_model=tok)
+    bench = get("llama31_405b")
+    assert_misses_target(bench, bench.tier("tiny"), starting_eval(bench, bench.tier("tiny"), tmp_path))

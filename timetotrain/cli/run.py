@@ -269,6 +269,15 @@ def _cmd_base(args) -> int:
         f"eval loss {doc['eval_loss']:.4f}, weights sha256 {doc['weights_sha256'][:12]}…",
         file=sys.stderr,
     )
+    shipped = tier.base.shipped
+    if shipped is not None:  # the tier runs from the shipped bits; say whether this host reproduced them
+        same = doc["weights_sha256"] == shipped.weights_sha256
+        print(
+            f"the tier's shipped base {shipped.name}: {'the same weights, bit for bit' if same else 'other bits'}"
+            + ("" if same else f" (it pins {shipped.weights_sha256[:12]}…; another CPU or thread count rounds "
+               "the recipe differently; `ttt run` without --init-checkpoint uses the shipped one)"),
+            file=sys.stderr,
+        )  # fmt: skip
     print(folder)  # stdout: the folder alone, for `--init-checkpoint "$(ttt base ...)"`
     return 0
 
@@ -568,7 +577,10 @@ def add_commands(sub) -> None:
         "timetotrain/train/base_model.py) on --data and writes a Hugging Face folder (config.json,\n"
         "model.safetensors, base.json, and vocab_table.npy when the vocabulary is narrowed) into the\n"
         "cache, keyed by the sha256 of the recipe and the data; prints the folder on stdout. A second call\n"
-        "with the same inputs returns the cached folder at once. Pass it to `ttt run --init-checkpoint`.",
+        "with the same inputs returns the cached folder at once. The tiers ship the base this recipe made\n"
+        "(pinned by sha256) and run from it on every host; `ttt base` remakes it and says whether this\n"
+        "CPU gave the same bits (another CPU family or thread count may round differently). Pass its\n"
+        "folder to `ttt run --init-checkpoint` to run from the base you made.",
         epilog="example:\n  ttt data prepare c4 --src ../shared/data/c4/en --split train --tokenizer llama2 "
         "--tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/c4-llama2\n"
         "  (and --split validation)\n"

@@ -308,7 +308,7 @@ class Suite:
             raise UserError(f"{who}: `{' '.join(cmd[2:])}` failed (exit {res.returncode}); see above")
 
     def base_for(self, bench, tier) -> Path | None:
-        if tier.base is None:
+        if tier.base is None or tier.base.shipped is not None:  # none, or the run loads the shipped one
             return None
         rec = tier.base
         data = self.prepare(rec.benchmark, rec.pretraining, f"{bench.name} {tier.name} base")

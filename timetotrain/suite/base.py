@@ -70,16 +70,42 @@ class Tier:
         return total - (self.warmup_steps if self.decay_steps_exclude_warmup else 0)
 
 
+# The shipped bases: package data (pyproject.toml), safetensors weights and their Hugging Face config.
+BASES = Path(__file__).parent / "bases"
+
+
+@dataclass(frozen=True)
+class ShippedBase:
+    """A base `ttt base` made once, shipped inside the package (`suite/bases/<name>/`) and pinned here by
+    the sha256 of every file a run reads. Float reductions round differently on other CPUs (ATen's
+    vectorized softmax at AVX2 and AVX-512 width, MKL's GEMM by thread count and code path), so the recipe
+    rerun elsewhere gives other weights, and a target set a few hundredths under one host's base is met
+    untrained on another. The tier therefore loads these bits on every host; the recipe stays the record
+    of how they were made (docs/benchmarks/llama2_70b_lora.md, "Tiny tier")."""
+
+    name: str  # the folder under suite/bases/, versioned (`<benchmark>-tiny-v<N>`): new bits, new name
+    sha256: tuple[tuple[str, str], ...]  # (file name, sha256) for each file of the folder a run reads
+
+    @property
+    def folder(self) -> Path:
+        return BASES / self.name
+
+    @property
+    def weights_sha256(self) -> str:
+        return dict(self.sha256)["model.safetensors"]
+
+
 @dataclass(frozen=True)
 class BaseRecipe:
     """How a tier's base model is made off the clock (`ttt base`, train/base_model.py): a pretraining tier
     of an unlisted benchmark, trained for its `max_steps` from a fixed seed, then saved in Hugging Face
-    format. The run that fine-tunes it names the folder with `--init-checkpoint`; its sha256 is logged."""
+    format. A run loads the `shipped` copy unless `--init-checkpoint` names another; its sha256 is logged."""
 
     benchmark: Benchmark
     tier: str
     seed: int
     data_hint: str  # how to prepare the data it pretrains on, for the error when --data is wrong
+    shipped: ShippedBase | None = None  # the recipe's output as made once and shipped (None: make it)
 
     @property
     def pretraining(self) -> Tier:
@@ -235,7 +261,16 @@ class Benchmark:
 
 
 def base_recipe(
-    of: str, *, task: Task, family: ModelFamily, optimizer, schedule: str, seed: int, data_hint: str, **fields
+    of: str,
+    *,
+    task: Task,
+    family: ModelFamily,
+    optimizer,
+    schedule: str,
+    seed: int,
+    data_hint: str,
+    shipped: ShippedBase | None = None,
+    **fields,
 ) -> BaseRecipe:
     """The base of `of`'s tiny tier: a pretraining tier (`fields`: model, data, batch sizes, LR, steps and
     eval cadence) of an unlisted benchmark named `<of>_base`. It has no target: `ttt base` runs it to its
@@ -253,7 +288,7 @@ def base_recipe(
         schedule=schedule,
         listed=False,
     )
-    return BaseRecipe(benchmark=bench, tier="tiny", seed=seed, data_hint=data_hint)
+    return BaseRecipe(benchmark=bench, tier="tiny", seed=seed, data_hint=data_hint, shipped=shipped)
 
 
 def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:

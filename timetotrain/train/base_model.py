@@ -14,8 +14,11 @@ same model build, optimizer, schedule and training step as a timed run, and writ
 Cache key: sha256 of the recipe (tier, optimizer, schedule, seed), the data files' checksums, and the torch
 and timetotrain versions. The same key means the same inputs; a second `ttt base` with the same key returns
 the cached folder after checking its weights against `base.json`. On one machine with the same thread count
-the weights are bitwise reproducible; across machines float reductions may differ, which is why the run that
-uses a base logs the sha256 of its weights (`ttt_init_checkpoint_sha256`), not just the key.
+the weights are bitwise reproducible; across machines float reductions may differ (ATen's kernel width, MKL's
+code path and thread count), which is why the run that uses a base logs the sha256 of its weights
+(`ttt_init_checkpoint_sha256`), not just the key, and why the tiers ship the bits this recipe made once
+(`suite.base.ShippedBase`, pinned by sha256): a run without `--init-checkpoint` loads them on every host
+(`check_init_base`), and `ttt base` says whether this host reproduced them.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -181,6 +186,9 @@ def make_base(
             "seconds": round(time.monotonic() - t0, 1),
             "device": str(dev),
             "threads": torch.get_num_threads(),
+            # What the bits depend on besides the inputs (the kernels ATen and MKL pick for this CPU).
+            "cpu": _cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__,
             "data": str(data_dir.resolve()),
             "weights_sha256": sha256_file(partial / WEIGHTS),
@@ -203,6 +211,16 @@ def make_base(
     return folder, doc, False
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _base_progress(what: str, done: int, total: int, loss: float, t_steps: float) -> str:
     """`ttt base`'s line: the step, its loss, the time so far and what is left (steps left x the mean step
     time so far)."""
@@ -216,25 +234,67 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def check_init_base(bench, tier, folder: Path | None) -> str | None:
-    """Preflight of a run's base: a tier with a base recipe needs `--init-checkpoint` from `ttt base` for that
-    recipe; a `ttt base` folder is checked against its `base.json`. Returns the weights' sha256 to log (None
-    for a checkpoint not made by `ttt base`, whose hash would take minutes to compute at 70B)."""
+class InitBase(NamedTuple):
+    """Where a run's starting weights come from: the folder, the sha256 to log (None for a checkpoint not
+    made by `ttt base`, whose hash would take minutes to compute at 70B), the shipped base's name when the
+    tier's own was used, and a note for the user (a base of this recipe other than the shipped one)."""
+
+    folder: Path | None
+    sha256: str | None
+    shipped: str | None = None
+    note: str | None = None
+
+
+def shipped_base(recipe: BaseRecipe) -> Path:
+    """The shipped folder of `recipe`, each pinned file checked against its sha256 before anything parses
+    it: a missing or changed file is refused (the package was damaged or edited)."""
+    s = recipe.shipped
+    for name, want in s.sha256:
+        path = s.folder / name
+        got = sha256_file(path) if path.is_file() else None
+        if got != want:
+            found = "is missing" if got is None else f"has sha256 {got[:12]}…"
+            raise UserError(
+                f"{path} {found}, the shipped base {s.name} pins {want[:12]}…: reinstall timetotrain, or pass "
+                f"a base you made with `ttt base` as --init-checkpoint"
+            )
+    return s.folder
+
+
+def check_init_base(bench, tier, folder: Path | None) -> InitBase:
+    """Preflight of a run's base. A tier with a base recipe starts from its shipped base (checked against
+    the pinned sha256s) unless `--init-checkpoint` names another; without a shipped base it needs the
+    folder `ttt base` made. A `ttt base` folder is checked against its `base.json`."""
     recipe = tier.base
     if folder is None:
+        if recipe is not None and recipe.shipped is not None:
+            return InitBase(shipped_base(recipe), recipe.shipped.weights_sha256, recipe.shipped.name)
         if recipe is not None:
             raise UserError(
                 f"{bench.name} --tier {tier.name} fine-tunes a base model: make it with `ttt base {bench.name} "
                 f"--tier {tier.name} --data DIR` ({recipe.data_hint}) and pass the folder it prints with "
                 "--init-checkpoint"
             )
-        return None
+        return InitBase(None, None)
     doc = read_base(folder)
     if doc is None:
-        return None
+        return InitBase(folder, None)
     if recipe is not None and (doc.get("benchmark"), doc.get("tier")) != (recipe.benchmark.name, recipe.tier):
         raise UserError(
             f"--init-checkpoint {folder} is the base of {doc.get('benchmark')} {doc.get('tier')}, this tier needs "
             f"{recipe.benchmark.name} {recipe.tier}: run `ttt base {bench.name} --tier {tier.name}`"
         )
-    return verify_base(folder)["weights_sha256"]
+    sha = verify_base(folder)["weights_sha256"]
+    return InitBase(folder, sha, note=_differs(recipe, sha))
+
+
+def _differs(recipe: BaseRecipe | None, sha: str) -> str | None:
+    """A note when a base of the recipe is not the shipped one: the tier's target and RCP were set on the
+    shipped bits, and this host (or thread count) rounded the recipe differently."""
+    if recipe is None or recipe.shipped is None or sha == recipe.shipped.weights_sha256:
+        return None
+    return (
+        f"note: this base (sha256 {sha[:12]}…) is not the shipped {recipe.shipped.name} "
+        f"({recipe.shipped.weights_sha256[:12]}…), on whose bits the tier's target and RCP were set; another "
+        "CPU or thread count rounds the recipe differently. Leave out --init-checkpoint to use the shipped one."
+    )

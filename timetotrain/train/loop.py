@@ -121,13 +121,16 @@ def run(opts: RunOptions) -> RunResult:
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
     check_rules(bench, tier)
-    # A `ttt base` folder's weights are hashed against its base.json before anything parses them.
-    base_sha = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
-    if opts.init_checkpoint is not None:
+    # The tier's shipped base (against its pinned sha256s), or a `ttt base` folder (against its base.json),
+    # is hashed before anything parses it.
+    base = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
+    if base.folder is not None:
         from timetotrain.train.checkpoint import check_init_source
 
-        check_init_source(opts.init_checkpoint, bench.family, tier.model)
-        prep.init_checkpoint = Path(opts.init_checkpoint)
+        check_init_source(base.folder, bench.family, tier.model)
+        prep.init_checkpoint = base.folder
+    if base.note and d.main:
+        print(f"ttt: {base.note}", file=sys.stderr)
     if opts.save_checkpoint is not None:
         _check_save_target(Path(opts.save_checkpoint))
     res = task.resolve(
@@ -183,10 +186,12 @@ def run(opts: RunOptions) -> RunResult:
             }
             if opts.max_steps is not None:
                 extra["ttt_max_steps"] = opts.max_steps
-            if prep.init_checkpoint is not None:
+            if base.shipped is not None:  # by name, not by its path inside this installation
+                extra["ttt_init_base"] = base.shipped
+            elif prep.init_checkpoint is not None:
                 extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
-            if base_sha is not None:
-                extra["ttt_init_checkpoint_sha256"] = base_sha
+            if base.sha256 is not None:
+                extra["ttt_init_checkpoint_sha256"] = base.sha256
             if opts.config is not None:
                 extra["ttt_config"] = opts.config
             prepare.log_init_keys(log, prep, opts.org, opts.platform, extra)

@@ -50,7 +50,7 @@ import torch
 
 from timetotrain.errors import UserError
 from timetotrain.train import distributed, prepare
-from timetotrain.train.synth import _with_layers
+from timetotrain.train.synth import with_layers
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "gathered", "other")
 
@@ -347,7 +347,7 @@ def simulate(
             ranks[r] = _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac)
             continue
         a, b = (
-            _in_child(simulate_rank, bench, _with_layers(bench, tier, d), world, spec, r, precision, ac)
+            _in_child(simulate_rank, bench, with_layers(bench, tier, d), world, spec, r, precision, ac)
             for d in depths
         )
         ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]))
