@@ -102,9 +102,9 @@ def synth(bench: str, tier: str, layers: int, *, compile: bool, precision: str, 
 
 
 def _layered(bench, tier, layers):
-    from timetotrain.train.synth import _with_layers
+    from timetotrain.train.synth import with_layers
 
-    return _with_layers(bench, tier, layers)
+    return with_layers(bench, tier, layers)
 
 
 def extrapolate(sweep: list[dict], bench: str, tier: str, full_layers: int) -> dict:

@@ -72,8 +72,7 @@ def test_layers_extrapolate_to_the_full_depth():
     identical bytes (what `--layers` relies on)."""
     b, t = prepare.resolve_tier("llama31_8b", "tiny", [])
     at = {
-        n: _in_child(simulate_rank, b, with_layers(b, t, n), 2, "fsdp=2", 0, "fp32", False)
-        for n in (3, 4, 5)
+        n: _in_child(simulate_rank, b, with_layers(b, t, n), 2, "fsdp=2", 0, "fp32", False) for n in (3, 4, 5)
     }
     extra = _combine(at[3], at[4], 2.0)
     assert extra.parameters == at[5].parameters and extra.optimizer == at[5].optimizer
