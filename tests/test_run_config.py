@@ -70,7 +70,7 @@ def test_dry_run_text_and_the_closed_rule_verdict(tmp_path, capsys, monkeypatch)
         ('tier = "tiny"\nbatch = 3\n', "unknown key 'batch'"),
         ('tier = "tiny"\ndata = \n', "not valid TOML"),
         ('tier = "tiny"\nmax-steps = "ten"\n', "max-steps = 'ten': expected an integer"),
-        ('tier = "tiny"\nprecision = "fp8"\n', "choose one of fp32, bf16"),
+        ('tier = "tiny"\nprecision = "fp4"\n', "precision = 'fp4': choose one of"),
         ('tier = "tiny"\nac = "yes"\n', "ac = 'yes': expected true or false"),
         ('tier = "tiny"\ndata = 4\n', "expected a string"),
         ('tier = "tiny"\nset = 3\n', "set must be a table"),
