@@ -113,7 +113,9 @@ def test_optional_imports_are_extras_and_say_so_when_missing():
         if extra is None:
             continue
         assert _name(req) in extras.get(extra, set()), f"{req} is not in the extra {extra!r}"
-        assert (path, m) in guarded, f"{path.relative_to(ROOT)}: import {m} outside a try (an optional module)"
+        assert (path, m) in guarded, (
+            f"{path.relative_to(ROOT)}: import {m} outside a try (an optional module)"
+        )
         text = path.read_text()
         # Either the message names the extra, or the figure it serves is skipped (NVML: energy, clocks).
         assert f"timetotrain[{extra}]" in text or extra == "nvml", (
