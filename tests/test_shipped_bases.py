@@ -7,6 +7,8 @@ import json
 import shutil
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from timetotrain.errors import UserError
 from timetotrain.suite import base as suite_base
@@ -25,7 +27,10 @@ def test_the_tier_runs_from_its_pinned_shipped_base(name):
     files = {p.name for p in folder.iterdir()}
     # Weights as safetensors only (nothing a loader would unpickle), every file but the description pinned.
     assert files == {name for name, _ in shipped.sha256} | {base_model.BASE_JSON}
-    assert {"model.safetensors", "config.json"} <= files
+    assert "config.json" in files and (
+        "model.safetensors" in files or "model.safetensors.index.json" in files
+    )
+    assert all(p.stat().st_size < 5_000_000 for p in folder.iterdir())  # no file over 5 MB in the repository
     assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files)
     assert shipped.name.startswith(f"{name}-tiny-v")
     # base.json is the record `ttt base` wrote when it made these bits: this recipe, these weights.
@@ -33,7 +38,7 @@ def test_the_tier_runs_from_its_pinned_shipped_base(name):
     assert (doc["benchmark"], doc["tier"], doc["seed"]) == (tier.base.benchmark.name, "tiny", tier.base.seed)
     assert doc["weights_sha256"] == shipped.weights_sha256
     assert doc["steps"] == tier.base.pretraining.max_steps
-    # A few MB each: package data, not a download.
+    # A few MB in all: package data, not a download.
     assert sum(p.stat().st_size for p in folder.iterdir()) < 16 * 2**20
     # A run without --init-checkpoint resolves it, and logs it by name with its sha256.
     got = base_model.check_init_base(bench, tier, None)
@@ -49,7 +54,7 @@ def test_a_tampered_shipped_base_is_refused_in_one_line(damage, tmp_path, monkey
     shipped = tier.base.shipped
     copy = tmp_path / shipped.name
     shutil.copytree(shipped.folder, copy)
-    weights = copy / "model.safetensors"
+    weights = copy / shipped.sha256[0][0]  # the first weights file
     if damage == "flip":
         data = bytearray(weights.read_bytes())
         data[-1] ^= 1  # one bit of one weight
@@ -79,6 +84,7 @@ def test_a_base_of_other_bits_runs_with_a_note(tmp_path):
     tier = bench.tier("tiny")
     other = tmp_path / "other"
     shutil.copytree(tier.base.shipped.folder, other)
+    _join(other, other / "model.safetensors")
     data = bytearray((other / "model.safetensors").read_bytes())
     data[-1] ^= 1
     (other / "model.safetensors").write_bytes(bytes(data))
@@ -88,3 +94,23 @@ def test_a_base_of_other_bits_runs_with_a_note(tmp_path):
     got = base_model.check_init_base(bench, tier, other)
     assert got.folder == other and got.shipped is None and got.sha256 == doc["weights_sha256"]
     assert "is not the shipped" in got.note and tier.base.shipped.name in got.note
+
+
+def _join(folder, out):
+    """The shards of a shipped base written as one file, the way `ttt base` writes its weights."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(folder / shard, "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(tensors) == set(index["weight_map"])
+    save_file(tensors, out, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", TIERS)
+def test_the_shards_are_the_bits_ttt_base_made(name, tmp_path):
+    """Shipped as shards under 5 MB a file, joined they are byte for byte the `model.safetensors` that
+    `ttt base` wrote (its sha256 in base.json and in the run logs)."""
+    shipped = get(name).tier("tiny").base.shipped
+    _join(shipped.folder, tmp_path / "model.safetensors")
+    assert base_model.sha256_file(tmp_path / "model.safetensors") == shipped.weights_sha256

@@ -85,6 +85,11 @@ class ShippedBase:
 
     name: str  # the folder under suite/bases/, versioned (`<benchmark>-tiny-v<N>`): new bits, new name
     sha256: tuple[tuple[str, str], ...]  # (file name, sha256) for each file of the folder a run reads
+    # The weights' identity: the sha256 of the one `model.safetensors` that `ttt base` writes (what it
+    # compares a remade base with, and what a run logs). A base over 4 MiB ships as Hugging Face shards
+    # under 5 MB a file; joined again they give those very bytes (tests/test_shipped_bases.py). Empty: the
+    # folder holds that one file, pinned in `sha256`.
+    weights: str = ""
 
     @property
     def folder(self) -> Path:
@@ -92,7 +97,7 @@ class ShippedBase:
 
     @property
     def weights_sha256(self) -> str:
-        return dict(self.sha256)["model.safetensors"]
+        return self.weights or dict(self.sha256)["model.safetensors"]
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,14 @@ TINY_BASE = base_recipe(
     # Made once by this recipe (2-core Xeon, AVX-512 kernels, 2 threads, torch 2.13.0+cpu) and shipped:
     # runs load these bits on every host (another CPU rounds the recipe into other weights).
     shipped=ShippedBase("deepseekv3_671b-tiny-v1", (
-        ("model.safetensors", "dca73f95c72bbcf53f35ec92bbcc3d64a1d17b1480c2d478d0dd77f9472d0010"),
+        ("model-00001-of-00004.safetensors", "50c7bbce7cc5017a1848dc45c7c0ba18ed8f91a8a6681ea15adbe2e1184f64ff"),
+        ("model-00002-of-00004.safetensors", "8b1f0f94a62e565c5d1399fdc3dbd11f1d152bae8aebf536bc0869cfa98158ee"),
+        ("model-00003-of-00004.safetensors", "733497d962eaf106ac9312cc6d01d49894be0153326a5082eb6fc537f922257a"),
+        ("model-00004-of-00004.safetensors", "9e11c9058fec963849d08dd0cf80bd7823ecf03492ea87931a500eca7dbde2c4"),
+        ("model.safetensors.index.json", "62012ab2aaf653829569baf5a248262e6efed381964bc1ce9069c821e98b1ba3"),
         ("config.json", "31652ca07847d3f077d4de3854d71627aff01f1491d33f65de3341035b416e91"),
         ("vocab_table.npy", "c50d2370311415fdaabc5d645e858df6b5280f4ed9f07c8a3244e9efc433fe35"),
-    )),
+    ), weights="dca73f95c72bbcf53f35ec92bbcc3d64a1d17b1480c2d478d0dd77f9472d0010"),
 )  # fmt: skip
 
 TINY = Tier(

@@ -83,10 +83,12 @@ TINY_BASE = base_recipe(
     # Made once by this recipe (2-core Xeon, AVX-512 kernels, 2 threads, torch 2.13.0+cpu) and shipped:
     # runs load these bits on every host (another CPU rounds the recipe into other weights).
     shipped=ShippedBase("llama2_70b_lora-tiny-v1", (
-        ("model.safetensors", "f3c6ae0080e0e860b340d51791921da0830b6ddfe97e321f6bb911de2e2ba91c"),
+        ("model-00001-of-00002.safetensors", "cab51d737ac0100c0326239d0d86f420d4297c8271d33932d621e5bc9f1106ca"),
+        ("model-00002-of-00002.safetensors", "2061f8e6bfcf7ea1803621f9c7d1aaabf5c92db59e3a8fe081ef4c623db73e0f"),
+        ("model.safetensors.index.json", "56edade0167b81645204bf2d9c63030fcb3707ed822808ff15fab62ecbe6572f"),
         ("config.json", "2be527cee61c73ba9787b4c418ab89dc21a3e58c4a307bd02ce861cbb95efbfa"),
         ("vocab_table.npy", "bfebdb740fd9c228322b1e4ad9375ea0f31a5a29efcd877c2b1ff1abd4b17135"),
-    )),
+    ), weights="f3c6ae0080e0e860b340d51791921da0830b6ddfe97e321f6bb911de2e2ba91c"),
 )  # fmt: skip
 
 # Tiny: LoRA as the reference (rank 16, alpha 32, dropout 0.1 on qkv and the output projection), with the
