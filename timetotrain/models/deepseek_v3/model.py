@@ -37,8 +37,6 @@ mode (the benchmark's metric) it is the LM loss alone.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +45,7 @@ from timetotrain.models.common.decoder import Block, Decoder
 from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import RMSNORM_SAVED, FeedForward, RMSNorm, apply_rope
 from timetotrain.models.common.moe import GroupLimitedRouter, MoE
+from timetotrain.models.common.moe.telemetry import expert_load
 from timetotrain.models.deepseek_v3.config import DeepSeekV3Config
 from timetotrain.models.deepseek_v3.hf import hf_export, hf_mapping
 from timetotrain.models.family import ModelFamily
@@ -332,18 +331,10 @@ def activation_elements(cfg: DeepSeekV3Config) -> float:
 def telemetry(model: DeepSeekV3) -> tuple[dict, str]:
     """Tokens routed to each expert in the last training forward per MoE layer, the load spread, and each
     router's balancing bias."""
-    per_layer = model.tokens_per_expert().tolist()
-    totals = [sum(col) for col in zip(*per_layer, strict=True)]
-    mean = statistics.fmean(totals)
-    cv = statistics.pstdev(totals) / mean if mean else 0.0
+    figures, line = expert_load(model.tokens_per_expert().tolist())
     bias = torch.stack([r.bias for r in model.routers()]).tolist()
-    spread = max(max(b) - min(b) for b in bias)
-    figures = {
-        "ttt_tokens_per_expert": per_layer,
-        "ttt_expert_load": {"min": min(totals), "max": max(totals), "cv": cv},
-        "ttt_router_bias": bias,
-    }
-    return figures, f"  experts min {min(totals)} max {max(totals)} CV {cv:.2f} bias spread {spread:.4f}"
+    figures["ttt_router_bias"] = bias
+    return figures, f"{line} bias spread {max(max(b) - min(b) for b in bias):.4f}"
 
 
 FAMILY = ModelFamily(

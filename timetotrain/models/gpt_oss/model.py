@@ -33,8 +33,6 @@ assembly of the blocks, and the sizes and FLOPs; `config.py` the configuration.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from timetotrain.models.common.decoder import Decoder
@@ -45,6 +43,7 @@ from timetotrain.models.common.layers import (
     attention_saved_elements,
 )
 from timetotrain.models.common.moe import MoE, TopKRouter
+from timetotrain.models.common.moe.telemetry import expert_load
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.gpt_oss.config import GptOssConfig
 
@@ -127,15 +126,7 @@ def activation_elements(cfg: GptOssConfig) -> float:
 
 def telemetry(model: GptOss) -> tuple[dict, str]:
     """Tokens routed to each expert in the last training forward: per layer, and the load spread."""
-    per_layer = model.tokens_per_expert().tolist()
-    totals = [sum(col) for col in zip(*per_layer, strict=True)]
-    mean = statistics.fmean(totals)
-    cv = statistics.pstdev(totals) / mean if mean else 0.0
-    figures = {
-        "ttt_tokens_per_expert": per_layer,
-        "ttt_expert_load": {"min": min(totals), "max": max(totals), "cv": cv},
-    }
-    return figures, f"  experts min {min(totals)} max {max(totals)} CV {cv:.2f}"
+    return expert_load(model.tokens_per_expert().tolist())
 
 
 FAMILY = ModelFamily(

@@ -16,7 +16,6 @@ first real token, padding positions masked as keys and zeroed at the linear laye
 from __future__ import annotations
 
 import math
-import statistics
 
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from torch import nn
 from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import FeedForward, rope_tables
 from timetotrain.models.common.moe import MoE, TopKRouter
+from timetotrain.models.common.moe.telemetry import expert_load
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.qwen3_5_moe.attention import CenteredRMSNorm, GatedAttention, KVCache
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
@@ -324,15 +324,7 @@ def activation_elements(cfg: Qwen35MoeConfig) -> float:
 
 def telemetry(model: Qwen35Moe) -> tuple[dict, str]:
     """Tokens routed to each expert in the last training forward per layer, and the load spread."""
-    per_layer = model.tokens_per_expert().tolist()
-    totals = [sum(col) for col in zip(*per_layer, strict=True)]
-    mean = statistics.fmean(totals)
-    cv = statistics.pstdev(totals) / mean if mean else 0.0
-    figures = {
-        "ttt_tokens_per_expert": per_layer,
-        "ttt_expert_load": {"min": min(totals), "max": max(totals), "cv": cv},
-    }
-    return figures, f"  experts min {min(totals)} max {max(totals)} CV {cv:.2f}"
+    return expert_load(model.tokens_per_expert().tolist())
 
 
 FAMILY = ModelFamily(
