@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from timetotrain.models import qwen3_5_moe as q
+from timetotrain.models.common.sampling import sample_next
 from timetotrain.models.qwen3_5_moe.deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from timetotrain.models.qwen3_5_moe.generate import _sample, generate
+from timetotrain.models.qwen3_5_moe.generate import generate
 from timetotrain.models.qwen3_5_moe.hf import hf_config_kwargs, hf_export, hf_mapping
 from timetotrain.models.qwen3_5_moe.model import block_activation_elements
 from timetotrain.train.checkpoint import load_hf_checkpoint
@@ -184,12 +185,12 @@ def test_chunked_equals_recurrent_delta_rule():
 def test_top_p_keeps_the_nucleus():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).log_softmax(-1).repeat(400, 1)
     probs = logits.softmax(-1)[0]  # 0.64, 0.24, 0.09, 0.03
-    tokens, lp = _sample(logits, 1.0, 0.8, torch.Generator().manual_seed(0))
+    tokens, lp = sample_next(logits, 1.0, 0.8, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1}  # 0.64 < 0.8 <= 0.64 + 0.24
     torch.testing.assert_close(lp, probs.log()[tokens])  # the untruncated distribution's log-probabilities
-    tokens, _ = _sample(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
+    tokens, _ = sample_next(logits, 1.0, 0.5, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0}  # the first token is always kept
-    tokens, _ = _sample(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    tokens, _ = sample_next(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
     assert set(tokens.tolist()) == {0, 1, 2, 3}
 
 

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from timetotrain.models.common.sampling import sample_next
+
 Generate = Callable[..., tuple[list[list[int]], list[torch.Tensor]]]
 
 
@@ -35,25 +37,6 @@ class RolloutEngine(Protocol):
     ) -> tuple[list[list[int]], list[torch.Tensor]]:
         """(completions, fp32 log-probabilities `[len]` of each completion's tokens), in prompt order; a
         completion ends after `eos_id` (kept) or at `max_new_tokens`."""
-
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float, generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens `[B]`, log_softmax(logits / T) at them) from `logits` `[B, V]`: greedy at T = 0, else nucleus
-    sampling at top_p (the most probable token always kept) with torch.multinomial from `generator`."""
-    logits = logits.float()
-    if temperature == 0:
-        tok = logits.argmax(-1)
-        return tok, logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
-    logp = (logits / temperature).log_softmax(-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        p_sorted, order = probs.sort(-1, descending=True)
-        p_sorted = p_sorted.masked_fill(p_sorted.cumsum(-1) - p_sorted >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, p_sorted)
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
 @torch.no_grad()

@@ -20,24 +20,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens `[B]`, their log-probabilities `[B]`) from next-token `logits` `[B, V]` (module docstring)."""
-    logits = logits.float()
-    if temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        return tokens, logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-    logp = (logits / temperature).log_softmax(dim=-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more probable tokens
-        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+from timetotrain.models.common.sampling import sample_next
 
 
 @torch.no_grad()
@@ -95,7 +78,7 @@ def _decode(model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, ge
     live = torch.arange(B)  # the original index of each row still in the cache
     done = torch.zeros(B, dtype=torch.bool)  # all_steps: rows past their EOS, whose new tokens are dropped
     for step in range(max_new_tokens):
-        tokens, lp = _sample(logits, temperature, top_p, generator)
+        tokens, lp = sample_next(logits, temperature, top_p, generator)
         tokens_cpu, lp_cpu = tokens.cpu(), lp.cpu()
         for j, b in enumerate(live.tolist()):
             if done[b]:
