@@ -15,7 +15,7 @@ from timetotrain.suite import base as suite_base
 from timetotrain.suite import get
 from timetotrain.train import base_model
 
-TIERS = ["llama2_70b_lora", "deepseekv3_671b", "llama31_405b"]
+TIERS = ["llama2_70b_lora", "deepseekv3_671b", "llama31_405b", "qwen35_397b_grpo"]
 
 
 @pytest.mark.parametrize("name", TIERS)

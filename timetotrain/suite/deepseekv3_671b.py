@@ -114,8 +114,10 @@ TINY_MODEL = DeepSeekV3Config(
 
 _TINY_DATA = LMData(256, TRAIN_PREFIXES, VAL_PREFIXES, vocab_keep=4095)
 # The reference's skip scaled with the batch (GBS 16 = 16,384 / 1,024): 42 + 24 // 16 = step 43, as the
-# reference's 43 at its RCP sizes; the reference first evaluates at ~91% of its mean steps to target (43 of
-# ~47), and so does this tier (43 of ~48, docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
+# reference's 43 at its RCP sizes. The reference first evaluates at ~91% of its mean steps to target (43 of
+# ~47); this tier, since its target moved to 5.09 for the margin, at about half of its (43 of ~84): the
+# formula is kept, the evaluations before convergence cost time, not correctness
+# (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
 TINY_START_EVAL = (42, 24)
 
 # The base, pretrained off the clock by `ttt base` with the same loss (LM + MTP + aux) and bias updates.
@@ -150,10 +152,12 @@ TINY = Tier(
     eval_every_samples=16,  # every step (from step 43), as the reference
     # 32 fixed windows (the first in document order), not the reference's fresh draw per evaluation: drawn
     # afresh, the base's loss on 32 windows has a standard deviation of 0.047 over 20 draws, some 18 steps
-    # of this tier's progress near the target (0.0026 a step), where the reference's 1,024 x 4,096 tokens
-    # vary by less than one of its steps (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
+    # of this tier's progress near 5.2 (0.0026 a step; 14 near 5.09), where the reference's 1,024 x 4,096
+    # tokens vary by less than one of its steps (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
     eval_samples=32,
-    target=5.2,
+    # 5% under the shipped base's 5.3478 (tests/untrained.py's margin: at most 5.093); seed 1000 reaches it
+    # after 90 steps (docs/benchmarks/deepseekv3_671b.md, "Tiny tier").
+    target=5.09,
     runs=10,
     division="open",
     description="2 CPU cores, minutes; continued pretraining from a base made by `ttt base`",
