@@ -128,3 +128,12 @@ def test_synth_dry_run_says_steps_layers_and_builds_nothing(tmp_path, capsys, mo
     assert main(["synth", "llama31_405b", "--tier", "reference", "--dry-run"]) == 0
     assert "1 layer(s) (the tier's synth default)" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_estimates_embedding_tables_as_ttt_plan_does(capsys):
+    """dlrm_dcnv2's memory is its tables' (train/embedding_memory.py), not the block formula's: the dry run
+    gives ttt plan's figure for the most loaded rank instead of an internal error's name."""
+    code, doc = _dry(capsys, "dlrm_dcnv2", "--tier", "reference")
+    plan = doc["plan"]
+    assert code == 0 and plan["memory_per_rank_gib"] > 100  # 26 B fp32 rows + Adagrad state on one process
+    assert "tables" in plan["memory_per_rank_gib_reason"]

@@ -15,7 +15,7 @@ from timetotrain import strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.suite.base import SETTABLE, apply_overrides, setting
-from timetotrain.train import distributed, memory, parallel, synth
+from timetotrain.train import distributed, embedding_memory, memory, parallel, synth
 
 # The options shown besides the tier's settings (the rest only shape the output of the command).
 _SKIP = {"set", "json", "quiet", "dry_run", "config", "func", "command", "config_doc", "sources", "steps",
@@ -140,6 +140,11 @@ def _plan(bench, tier, args) -> dict:
     kind = "fsdp" if p.fsdp > 1 and p.ep == 1 else "ep,fsdp" if p.fsdp > 1 else "ep" if p.ep > 1 else "dp"
     if p.tp > 1:
         doc["memory_per_rank_gib_reason"] = "tensor-parallel layouts: see ttt plan"
+        return doc
+    if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM), as ttt plan does
+        per = embedding_memory.per_rank(bench, tier, d.world, 1e9)
+        doc["memory_per_rank_gib"] = round(per["ranks"][per["worst_rank"]]["total"] / memory.GiB, 3)
+        doc["memory_per_rank_gib_reason"] = "ttt plan's estimate for the most loaded rank's tables"
         return doc
     try:
         est = memory.estimate(bench, tier, 0, d.world, 0.0, kind, args.ac, micro, args.precision == "bf16")
