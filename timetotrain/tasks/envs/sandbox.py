@@ -84,6 +84,12 @@ exec(compile(tests, "tests.py", "exec"), scope)
 """
 
 
+# `unshare --fork` passes its child's death by a signal on by raising that signal on itself; for SIGKILL
+# and SIGXCPU (the CPU, memory and file-size limits) that step fails with this line and exit 1 instead.
+_UNSHARE_SIGNALLED = "unshare: sigprocmask unblock failed"
+LIMIT_KILL = "killed by a resource limit (CPU time, memory or file size)"
+
+
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
@@ -280,6 +286,8 @@ class CodeRunner(Environment):
             why = "timeout"
         elif res.returncode < 0:
             why = f"killed by {signal.Signals(-res.returncode).name}"
+        elif _UNSHARE_SIGNALLED in res.stderr:
+            why = LIMIT_KILL
         else:
             why = f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1][:200] if res.stderr.strip() else ''}"
         return Outcome(0.0, why, res.seconds)
