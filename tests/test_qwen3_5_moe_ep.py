@@ -110,7 +110,7 @@ def results(tmp_path_factory):
     single = [_run(one, rank) for rank in range(WORLD)]
     q.FAMILY.init(one, torch.Generator().manual_seed(INIT_SEED))
     init = {n: p.detach() for n, p in one.named_parameters()}
-    return single, init, [torch.load(root / f"rank{r}.pt") for r in range(WORLD)]
+    return single, init, [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 def test_sharded_init_equals_one_process(results):
