@@ -374,7 +374,7 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
         choices=["fp32", "bf16", "fp8"],
         default=precision_default,
         help="bf16: autocast (DDP) or bf16 parameters with fp32 master weights and fp32 reduce (FSDP2); "
-        "fp8: torchao float8 block linears (--set fp8_recipe=tensorwise|rowwise|rowwise_with_gw_hp), "
+        "fp8: torchao float8 block linears (--set fp8_recipe=tensorwise|rowwise|rowwise_with_gw_hp, or MXFP8: mxfp8|mxfp8_with_gw_hp), "
         "the rest bf16 on GPU, fp32 on CPU; needs pip install 'timetotrain[fp8]'"
         + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
     )
