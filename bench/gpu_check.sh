@@ -19,7 +19,9 @@
 # What it measures, one JSON line per figure appended to OUT_DIR/records.jsonl as each is measured (see
 # bench/gpu_probe.py): llama31_8b at reference width, 4 layers, compiled bf16, float8 tensorwise and rowwise,
 # eager; the fused head+loss before/after at the 8B shape; SDPA backends at the 8B and gpt_oss_20b attention
-# shapes; a 2/4/8-layer depth sweep extrapolated to 32 layers; gpt_oss_20b at 2 layers. MFU in both FLOP
+# shapes; gpt_oss_20b's sliding window, mask path vs torch's native windowed kernel; the MoE experts' cast
+# once per step vs per micro-batch; MXFP8 (on sm90: its one-line refusal); a 2/4/8-layer depth sweep
+# extrapolated to 32 layers; gpt_oss_20b at 2 layers. MFU in both FLOP
 # conventions (causal half: ours; full square: torchtitan / NeMo <= 25.07). A run cut short keeps its records;
 # a figure that fails is a record too. Then a table of them.
 #
@@ -66,6 +68,13 @@ for line in open(sys.argv[1]):
               f"x{r['speedup']:.2f}  max rel diff {r['max_rel_diff']}")
     elif r["kind"] == "attention":
         print(f"{name:<52} {r['fwd_bwd_ms']:8.2f} ms fwd+bwd  {r['tflops_causal']:7.1f} TFLOP/s (causal)")
+    elif r["kind"] == "window":
+        native = (f"native {r['native_fwd_bwd_ms']:8.2f} ms  x{r['speedup']:.2f}  max |diff| {r['max_abs_diff']}"
+                  if "native_fwd_bwd_ms" in r else r.get("native", ""))
+        print(f"{name:<52} mask {r['mask_fwd_bwd_ms']:8.2f} ms  {native}  check {r['native_window_works']}")
+    elif r["kind"] == "moe_cast":
+        print(f"{name:<52} per-micro-batch cast {r['per_micro_batch_cast_s']*1e3:8.1f} ms  per-step "
+              f"{r['per_step_cast_s']*1e3:8.1f} ms  x{r['speedup']:.2f}  grad diff {r['max_abs_grad_diff']}")
     else:
         print(f"{name:<52} {json.dumps({k: v for k, v in r.items() if k not in ('kind', 'name')})}")
 EOF

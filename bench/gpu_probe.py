@@ -11,6 +11,14 @@ Figures (all bf16 unless named; `ttt synth` on random tokens at the reference wi
   head_loss  the fused head + loss at the 8B shape, fp32-buffer path vs bf16-logits path (bench/head_loss.py).
   attention  SDPA forward + backward per backend (cuDNN, FlashAttention-2, memory-efficient) at the 8B and
              gpt_oss_20b attention shapes (causal, GQA).
+  window     gpt_oss_20b's sliding-window layer, forward + backward: the mask path (band blocks, repeated
+             K/V) vs torch's native windowed kernel (`varlen_attn`, window (W, 0)), their largest
+             differences, and whether the run-time check (`layers.native_window_works`) takes it. CPU
+             smoke: the mask path only (torch 2.13 has no CPU kernel), the native side a record saying so.
+  moe_cast   the MoE experts' bf16 cast once per step vs once per micro-batch (bench/moe_cast.py) at
+             gpt_oss_20b's expert width, 4 micro-batches.
+  mxfp8      `--set fp8_recipe=mxfp8` on this device: on sm90 (H200) the one-line refusal (MXFP8 GEMMs
+             need 10.0+); on a CPU (smoke) the emulated recipe's synth run.
 MFU in two FLOP conventions, both labelled: `mfu_causal` (ours: attention counts the causal half the
 kernels compute) and `mfu_full_square` (torchtitan and NeMo <= 25.07: the full T x T square). Float8 runs
 are reported against the dense bf16 peak ("bf16-equivalent MFU"), as torchtitan reports them.
@@ -37,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/head_loss.py, 
 
 # Imported in `main`, after the first record: on a bare machine a missing wheel is then a record, not a
 # traceback before any output.
-suite = head_loss_bench = None
+suite = head_loss_bench = moe_cast_bench = None
 
 
 class Records:
@@ -169,6 +177,64 @@ def attention(
             "fwd_bwd_ms": dt * 1e3, "tflops_causal": flops / dt / 1e12}  # fmt: skip
 
 
+def window(heads: int, kv: int, head_dim: int, seq: int, W: int, device: torch.device, reps: int) -> dict:
+    """The windowed layer's attention, forward + backward, mask path vs native kernel (module docstring)."""
+    from timetotrain.models.common import layers
+
+    dtype = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def t(h):  # [B, T, H, D], as the attention layer holds q, k, v before its transpose
+        return torch.randn(1, seq, h, head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+
+    q, k, v = t(heads), t(kv), t(kv)
+    grp = heads // kv
+    n = seq // W
+    blocks = layers.band_blocks_mask(n, W, device) if seq >= 4 * W and seq % W == 0 else None
+    square = None if blocks is not None else layers.sliding_window_mask(seq, W, device)
+
+    def mask_path():
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        kt, vt = kt.repeat_interleave(grp, 1), vt.repeat_interleave(grp, 1)
+        if blocks is not None:
+            out = layers.windowed_attention(qt, kt, vt, blocks)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=square)
+        return out.transpose(1, 2)
+
+    def native_path():
+        return layers.native_windowed_attention(q, k, v, W)
+
+    def timed(fn):
+        out = fn()
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            o = fn()
+            torch.autograd.grad(o.float().square().sum(), (q, k, v))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps, out.detach(), grads
+
+    rec = {"shape": {"heads": heads, "kv_heads": kv, "head_dim": head_dim, "seq": seq, "window": W},
+           "mask_path": "band blocks" if blocks is not None else "[T, T] mask"}  # fmt: skip
+    ms, mo, mg = timed(mask_path)
+    rec["mask_fwd_bwd_ms"] = ms * 1e3
+    rec["native_window_works"] = layers.native_window_works(device, dtype, heads, kv, head_dim)
+    if device.type != "cuda" or layers._varlen_attn() is None:
+        rec["native"] = "unavailable: torch's varlen_attn has no kernel on " + device.type
+        return rec
+    ns, no, ng = timed(native_path)
+    rec["native_fwd_bwd_ms"] = ns * 1e3
+    rec["speedup"] = ms / ns
+    rec["max_abs_diff"] = {"out": (no.float() - mo.float()).abs().max().item(),
+                           **{f"d{n}": (a.float() - b.float()).abs().max().item()
+                              for n, a, b in zip("qkv", ng, mg, strict=True)}}  # fmt: skip
+    return rec
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -179,7 +245,11 @@ def main(argv=None) -> int:
         "--budget-s", type=float, default=480.0, help="skip what is left after this (default 8 min)"
     )
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on the CPU: the script end to end")
-    p.add_argument("--only", default="", help="comma-separated kinds to run (synth, head_loss, attention)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated kinds to run (synth, head_loss, attention, window, moe_cast, mxfp8)",
+    )
     a = p.parse_args(argv)
     out = Path(a.out)
     rec = Records(out / "records.jsonl", a.budget_s)
@@ -196,9 +266,10 @@ def main(argv=None) -> int:
         ao = torchao.__version__
     except ImportError:
         ao = None
-    global suite, head_loss_bench
+    global suite, head_loss_bench, moe_cast_bench
     try:
         import head_loss as head_loss_bench
+        import moe_cast as moe_cast_bench
 
         from timetotrain import suite
     except ImportError as e:
@@ -218,8 +289,16 @@ def main(argv=None) -> int:
     common = dict(device=device.type, steps=steps, warmup=warmup, gbs=gbs, out=out / "synth")
     min_synth = 0 if smoke else 45  # seconds a compiled synth needs at least (compile + steps)
 
-    def s(name, bench="llama31_8b", layers=base_layers, compile=True, precision="bf16", recipe=None):
-        if wanted("synth"):
+    def s(
+        name,
+        bench="llama31_8b",
+        layers=base_layers,
+        compile=True,
+        precision="bf16",
+        recipe=None,
+        want="synth",
+    ):
+        if wanted(want):
             prec = "fp32" if smoke and precision == "bf16" else precision
             if smoke:  # toy sizes on a CPU: fp32 and eager whatever the GPU item is; the name says so
                 name = name.replace("_compiled", "") + "_smoke"
@@ -261,6 +340,26 @@ def main(argv=None) -> int:
                         cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seq, backend, device, 2 if smoke else 10
                     ),
                 )  # fmt: skip
+    if wanted("window"):
+        cfg = suite.get("gpt_oss_20b").tier(tier).model
+        seq = 256 if smoke else suite.get("gpt_oss_20b").tier(tier).data.seq_len
+        W = 32 if smoke else cfg.sliding_window
+        rec.item(
+            "window", "gptoss20b_window",
+            lambda: window(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, seq, W, device, 2 if smoke else 10),
+        )  # fmt: skip
+    if wanted("moe_cast"):
+        shape = (128, 128, 8, 2, 64, 4, 1) if smoke else (2880, 2880, 32, 4, 4096, 4, 1)
+        rec.item(
+            "moe_cast",
+            "gptoss20b_experts",
+            lambda: moe_cast_bench.measure(*shape, device, reps=2 if smoke else 3),
+        )
+    if wanted("mxfp8"):
+        if smoke:  # the emulated recipe end to end
+            s("llama8b_1L_mxfp8", layers=1, compile=False, precision="fp8", recipe="mxfp8", want="mxfp8")
+        else:  # sm90: expected to be the one-line refusal (a failed record holds it)
+            s(f"llama8b_{base_layers}L_mxfp8_compiled", precision="fp8", recipe="mxfp8", want="mxfp8")
     for d in depths:
         if d not in results:
             results[d] = s(f"llama8b_{d}L_compiled", layers=d)

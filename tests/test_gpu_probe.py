@@ -42,3 +42,17 @@ def test_a_spent_budget_skips_and_still_reports(tmp_path):
     synth = [r for r in recs if r["kind"] in ("synth", "extrapolated")]
     assert synth and all(r["status"] == "skipped" for r in synth)
     assert recs[-1]["kind"] == "done"
+
+
+def test_cpu_smoke_of_the_window_cast_and_mxfp8_records(tmp_path):
+    """The records issue 26's later items add: the sliding window (mask path measured; the native kernel,
+    absent on a CPU, said so), the experts' once-per-step cast (gradients equal), MXFP8 (emulated here)."""
+    assert probe().main(["--cpu-smoke", "--out", str(tmp_path), "--only", "window,moe_cast,mxfp8"]) == 0
+    recs = records(tmp_path)
+    assert [r["kind"] for r in recs] == ["env", "window", "moe_cast", "synth", "done"]
+    assert all(r.get("status", "ok") == "ok" for r in recs), recs
+    window, cast, mx = recs[1], recs[2], recs[3]
+    assert window["mask_fwd_bwd_ms"] > 0 and window["native_window_works"] is False
+    assert window["native"].startswith("unavailable") and "native_fwd_bwd_ms" not in window
+    assert cast["max_abs_grad_diff"] == 0.0 and cast["casts_saved_per_step"] == 3
+    assert (mx["precision"], mx["fp8_recipe"]) == ("fp8", "mxfp8") and mx["tokens_per_s"] > 0

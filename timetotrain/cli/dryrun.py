@@ -147,7 +147,9 @@ def _plan(bench, tier, args) -> dict:
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate for the most loaded rank's tables"
         return doc
     try:
-        est = memory.estimate(bench, tier, 0, d.world, 0.0, kind, args.ac, micro, args.precision == "bf16")
+        fp8 = memory.fp8_model(bench, tier) if args.precision == "fp8" else None
+        bf16 = args.precision in ("bf16", "fp8")
+        est = memory.estimate(bench, tier, 0, d.world, 0.0, kind, args.ac, micro, bf16, fp8=fp8)
         doc["memory_per_rank_gib"] = round((est.total - est.margin) / memory.GiB, 3)
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate, without its margin"
     except Exception as e:  # a family ttt plan does not model (rgat): say so, never fail the dry run

@@ -285,24 +285,44 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import fits_from, format_plan, plan, plan_doc
+    from timetotrain.train.memory import fits_from, format_plan, fp8_model, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
+    if args.precision != "fp8" and "fp8_recipe" in tier.user_set:
+        raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
+    if args.precision == "fp8" and args.simulate:
+        raise UserError(
+            "--simulate models --precision bf16 or fp32 only (torchao's float8 tensors do not run under its "
+            "fake process group yet); drop --simulate or use --precision bf16"
+        )
     if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM)
         from timetotrain.train.embedding_memory import format_per_rank, per_rank
 
         if args.parallel and not args.parallel.startswith("dp="):
             raise UserError(f"--parallel {args.parallel!r}: a model with embedding tables runs dp=N only")
+        if args.precision == "fp8":
+            raise UserError(
+                f"--precision fp8: {bench.name} has no block linears to train in float8; use bf16"
+            )
         doc = per_rank(bench, tier, args.gpus, args.gpu_mem)
         print(strictjson.dumps(doc, indent=2) if args.json else format_per_rank(doc))
         return 0 if doc["fits"] else 1
-    bf16, gpn = args.precision == "bf16", args.gpus_per_node
-    n, rows, best = plan(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn)
-    larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)
+    fp8 = fp8_model(bench, tier) if args.precision == "fp8" else None
+    if fp8 and args.gpus > 1:
+        from timetotrain.train.float8 import check_mx_parallel
+
+        check_mx_parallel(fp8.recipe, args.parallel or f"on --gpus {args.gpus}")
+    bf16, gpn = args.precision in ("bf16", "fp8"), args.gpus_per_node
+    n, rows, best = plan(
+        bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16=bf16, gpus_per_node=gpn, fp8=fp8
+    )
+    larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
     sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
     show = plan_doc if args.json else format_plan
     extra = {"simulated": sim[0]} if sim else {}
+    if fp8:
+        extra["fp8"] = fp8
     out = show(
         bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger, **extra
     )
@@ -354,7 +374,7 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
         choices=["fp32", "bf16", "fp8"],
         default=precision_default,
         help="bf16: autocast (DDP) or bf16 parameters with fp32 master weights and fp32 reduce (FSDP2); "
-        "fp8: torchao float8 block linears (--set fp8_recipe=tensorwise|rowwise|rowwise_with_gw_hp), "
+        "fp8: torchao float8 block linears (--set fp8_recipe=tensorwise|rowwise|rowwise_with_gw_hp, or MXFP8: mxfp8|mxfp8_with_gw_hp), "
         "the rest bf16 on GPU, fp32 on CPU; needs pip install 'timetotrain[fp8]'"
         + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
     )
@@ -541,10 +561,12 @@ def add_commands(sub) -> None:
     )
     s.add_argument(
         "--precision",
-        choices=["bf16", "fp32"],
+        choices=["bf16", "fp32", "fp8"],
         default="bf16",
         help="the compute precision the estimate assumes: bf16 (default: 2-byte activations and bf16 copies "
-        "of the weights beside the fp32 master weights) or fp32 (4-byte activations)",
+        "of the weights beside the fp32 master weights), fp32 (4-byte activations) or fp8 (torchao float8 "
+        "block linears, --set fp8_recipe=...: no bf16 copies of them, float8 FSDP2 gathers under tensorwise, "
+        "activations as bf16)",
     )
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
     s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")

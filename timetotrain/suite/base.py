@@ -133,7 +133,8 @@ SETTABLE = (
     "fp8_recipe",
 )
 
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # train/float8.py applies them
+# train/float8.py applies them; the last two: MXFP8 (torchao's MX training, CUDA 10.0+ or emulated on a CPU)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp")
 
 
 @dataclass(frozen=True)

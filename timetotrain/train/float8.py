@@ -16,7 +16,14 @@ layer). Everything float8 does not cover computes in `Plan.high`: bf16 on CUDA (
 Recipes (`--set fp8_recipe=`): `tensorwise` (one scale per tensor; under FSDP2 the weights are all-gathered
 in float8, torchao's `enable_fsdp_float8_all_gather`, with their scales precomputed once per step),
 `rowwise` (one scale per row, e4m3 forward and e5m2 backward), `rowwise_with_gw_hp` (rowwise, the weight
-gradient GEMM left in high precision).
+gradient GEMM left in high precision). MXFP8 (`mxfp8`, `mxfp8_with_gw_hp`: e4m3 elements with one power-of-two
+e8m0 scale per 32 consecutive elements, RCEIL rounding of the scales): torchao 0.18's MX training tensor
+(`torchao.prototype.moe_training`, `MXFP8TrainingOpConfig`) on the block linears and on the MoE experts'
+stacked weights (its grouped MXFP8 GEMM), with its real kernels on CUDA compute capability 10.0+ (Blackwell)
+and its emulation (operands rounded to MXFP8 as the kernels round them, the product then in bf16/fp32) on a
+CPU; other GPUs are refused. Two limits of torchao 0.18 shape what converts: its linear override drops the
+bias (`F.linear(x, w, b)` returns `x @ w.T`), so only bias-free linears become MXFP8; and its emulated
+grouped GEMM writes bf16, so on a CPU the experts' outputs are bf16 in an otherwise fp32 model.
 
 MoE experts (`models/common/moe/experts.py`, stacked weights through `torch._grouped_mm`) need a grouped
 float8 GEMM (`torch._scaled_grouped_mm`): where it runs, torchao's grouped-GEMM training tensor (rowwise)
@@ -37,8 +44,10 @@ from torch import nn
 
 from timetotrain.errors import UserError
 
-# `torch._scaled_mm` wants both GEMM dimensions of every operand divisible by 16.
+# `torch._scaled_mm` wants both GEMM dimensions of every operand divisible by 16; MX scales cover 32 elements.
 ALIGN = 16
+MX_ALIGN = 32
+MX_RECIPES = ("mxfp8", "mxfp8_with_gw_hp")
 _ADAPTERS = ("lora_A", "lora_B")
 _NO_GROUPED = (
     "--precision fp8: the MoE experts need a grouped float8 GEMM (torch._scaled_grouped_mm), which this "
@@ -46,14 +55,21 @@ _NO_GROUPED = (
 )
 
 
-def check_device(device: torch.device) -> None:
-    """One line where this device cannot train in float8, or torchao is missing; nothing otherwise."""
+def is_mx(recipe: str) -> bool:
+    return recipe in MX_RECIPES
+
+
+def check_device(device: torch.device, recipe: str = "tensorwise") -> None:
+    """One line where this device cannot train in float8 (with `recipe`), or torchao is missing."""
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
         raise UserError(
             "--precision fp8 needs torchao: pip install 'timetotrain[fp8]' (or pip install torchao)"
         ) from None
+    if is_mx(recipe):
+        _check_mx(device, recipe)
+        return
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
@@ -64,6 +80,39 @@ def check_device(device: torch.device) -> None:
             )
     elif not scaled_mm_works(device):
         raise UserError(f"--precision fp8: torch._scaled_mm does not run on {device.type}; use fp32 or bf16")
+
+
+def _check_mx(device: torch.device, recipe: str) -> None:
+    try:
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig  # noqa: F401
+    except ImportError:
+        raise UserError(
+            f"--set fp8_recipe={recipe} needs torchao's MX training (torchao.prototype.moe_training, torchao "
+            ">= 0.18): pip install -U 'timetotrain[fp8]'"
+        ) from None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (10, 0):
+            name = torch.cuda.get_device_name(device)
+            raise UserError(
+                f"--set fp8_recipe={recipe}: {name} (compute capability {major}.{minor}) has no MXFP8 GEMMs "
+                "(torchao's MX kernels need 10.0+: Blackwell); use fp8_recipe=tensorwise or rowwise"
+            )
+    elif device.type != "cpu":
+        raise UserError(
+            f"--set fp8_recipe={recipe} runs on CUDA 10.0+ (torchao's kernels) or emulated on a CPU, not on "
+            f"{device.type}; use fp8_recipe=tensorwise"
+        )
+
+
+def check_mx_parallel(recipe: str, spec: str | None) -> None:
+    """The MX recipes run in one process: torchao's MX tensor under DDP, FSDP2, TP or EP is not tested here."""
+    if is_mx(recipe):
+        raise UserError(
+            f"--set fp8_recipe={recipe} with --parallel {spec}: MXFP8 runs in one process here (torchao's MX "
+            "training tensor is not yet tested under DDP, FSDP2, TP or EP); drop --parallel or use "
+            "fp8_recipe=tensorwise or rowwise"
+        )
 
 
 @functools.cache
@@ -95,19 +144,21 @@ def grouped_float8_works(device: torch.device) -> bool:
         return False
 
 
-def check_model(model_cfg, device: torch.device) -> None:
-    """Preflight (before any log line): a MoE model's experts need a grouped float8 GEMM on `device`. Read
-    from the config (`n_experts`, as the MoE families name it): building even on the meta device imports
-    seconds' worth of modules. `convert` checks the built model again."""
-    if getattr(model_cfg, "n_experts", 0) and not grouped_float8_works(device):
+def check_model(model_cfg, device: torch.device, recipe: str = "tensorwise") -> None:
+    """Preflight (before any log line): a MoE model's experts need a grouped float8 GEMM on `device` (the
+    MX recipes bring their own, emulated on a CPU). Read from the config (`n_experts`, as the MoE families
+    name it): building even on the meta device imports seconds' worth of modules. `convert` checks the
+    built model again."""
+    if getattr(model_cfg, "n_experts", 0) and not is_mx(recipe) and not grouped_float8_works(device):
         raise UserError(_NO_GROUPED)
 
 
-def _refuse(model: nn.Module, device: torch.device) -> None:
+def _refuse(model: nn.Module, device: torch.device, recipe: str) -> None:
     experts = _expert_modules(model)
-    if experts and not grouped_float8_works(device):
+    if experts and not is_mx(recipe) and not grouped_float8_works(device):
         raise UserError(_NO_GROUPED)
-    if not experts and not any(_converts(m, n) for n, m in model.named_modules()):
+    keep = converter(recipe)
+    if not experts and not any(keep(m, n) for n, m in model.named_modules()):
         raise UserError("--precision fp8: this model has no block linears to train in float8; use bf16")
 
 
@@ -129,12 +180,29 @@ def linear_config(recipe: str, fsdp: bool, device: torch.device):
     return Float8LinearConfig.from_recipe_name(recipe)
 
 
-def _converts(module: nn.Module, fqn: str) -> bool:
+def converts(module: nn.Module, fqn: str) -> bool:
+    """Whether the float8 recipes convert this linear (module docstring)."""
     if not isinstance(module, nn.Linear):
         return False
     if not fqn.startswith("layers.") or fqn.rsplit(".", 1)[-1] in _ADAPTERS:
         return False
     return module.in_features % ALIGN == 0 and module.out_features % ALIGN == 0
+
+
+def mx_converts(module: nn.Module, fqn: str) -> bool:
+    """Whether the MX recipes convert this linear: a float8 one without a bias (torchao 0.18's MX linear
+    drops it) whose dimensions hold whole 32-element scale blocks."""
+    return (
+        converts(module, fqn)
+        and module.bias is None
+        and module.in_features % MX_ALIGN == 0
+        and module.out_features % MX_ALIGN == 0
+    )
+
+
+def converter(recipe: str):
+    """The linear filter of `recipe` (`ttt plan` counts with it too)."""
+    return mx_converts if is_mx(recipe) else converts
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -146,14 +214,38 @@ def _expert_modules(model: nn.Module) -> list[nn.Module]:
 def convert(model: nn.Module, recipe: str, fsdp: bool, device: torch.device) -> int:
     """Swap the block linears of `model` for float8 ones (module docstring), in place, on any device
     including meta. Returns how many were converted; a model with none is refused (nothing would change)."""
+    _refuse(model, device, recipe)
+    experts = _expert_modules(model)
+    if is_mx(recipe):
+        return _convert_mx(model, experts, recipe, device)
     from torchao.float8 import convert_to_float8_training
 
-    _refuse(model, device)
-    experts = _expert_modules(model)
-    names = [n for n, m in model.named_modules() if _converts(m, n)]
-    convert_to_float8_training(model, module_filter_fn=_converts, config=linear_config(recipe, fsdp, device))
+    names = [n for n, m in model.named_modules() if converts(m, n)]
+    convert_to_float8_training(model, module_filter_fn=converts, config=linear_config(recipe, fsdp, device))
     if experts:
         _convert_experts(experts)
+    return len(names)
+
+
+def mx_config(recipe: str, device: torch.device):
+    """torchao's MX training configuration: its kernels on CUDA (10.0+, `check_device`), emulated on a CPU."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    kernels = KernelPreference.EMULATED if device.type == "cpu" else KernelPreference.AUTO
+    return MXFP8TrainingOpConfig(kernel_preference=kernels, wgrad_with_hp=recipe == "mxfp8_with_gw_hp")
+
+
+def _convert_mx(model: nn.Module, experts: list[nn.Module], recipe: str, device: torch.device) -> int:
+    """The MX training tensor on the bias-free block linears' weights and the experts' stacks: it
+    intercepts `linear` and `torch._grouped_mm` (which the experts are then told to take)."""
+    from torchao.quantization import quantize_
+
+    names = [n for n, m in model.named_modules() if mx_converts(m, n)]
+    ids = {id(m) for m in experts}
+    quantize_(model, mx_config(recipe, device), filter_fn=lambda m, fqn: mx_converts(m, fqn) or id(m) in ids)
+    for module in experts:
+        module.use_grouped_mm = True
     return len(names)
 
 
@@ -201,7 +293,10 @@ def after_optimizer_step(model: nn.Module):
 
 
 def converted(model: nn.Module) -> list[str]:
-    """Names of the float8 linears of `model` (tests, reports)."""
+    """Names of the float8 (or MXFP8) linears of `model` (tests, reports)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    def mx(m):
+        return isinstance(m, nn.Linear) and type(m.weight.data).__name__ == "MXFP8TrainingWeightWrapperTensor"
+
+    return [n for n, m in model.named_modules() if isinstance(m, Float8Linear) or mx(m)]

@@ -46,6 +46,22 @@ Where the numbers come from (an estimate, not a measurement):
   copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
   under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing).
+- `--precision fp8` (train/float8.py; facts from torchao 0.18's float8 training code): the block linears
+  that float8 converts (`float8.converts`, counted on the model built on the meta device) keep their fp32
+  master weight, gradient and Adam moments (states as under bf16), and everything else computes in bf16
+  as under `--precision bf16`. What changes is the copies: a float8 linear casts its weight straight to
+  float8 inside its GEMM (`matmul_with_hp_or_float8_args`), never through autocast, so on one device or
+  under DDP it has no cached bf16 copy (its float8 weights, 1 B/param, exist one GEMM at a time: one
+  block's worth counted); under FSDP2 the tensorwise recipe all-gathers those weights in float8
+  (`WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`): the two unsharded blocks' linears take 1 B
+  per parameter instead of 2; the rowwise recipes gather bf16 (2 B). Activations are those of bf16:
+  torchao saves each float8 linear's high-precision input and weight for the backward
+  (`ctx.save_for_backward(input_hp, weight_hp_t)`, all three recipes) and casts them to float8 again
+  there; its float8 operands are transient. MoE experts (torchao's grouped-GEMM recipe, CUDA sm90+) are
+  counted as under bf16. A model with no linear to convert is refused, as `ttt run` refuses it. The MX
+  recipes (`mxfp8*`) count as rowwise: torchao's MX tensor casts to bf16 before FSDP2's all-gather
+  (`fsdp_pre_all_gather`) and saves the high-precision input and weight as well; one GPU only (`ttt run`
+  refuses --parallel with them).
 - Launch: one torchrun on one node when --gpus fits in `--gpus-per-node`, else the same torchrun on every
   node with a c10d rendezvous and its sbatch form (README "Scale-out"). When nothing fits, `fits_from`
   plans the larger worlds `ttt run` could take (whole nodes, a divisor of the global batch times a TP
@@ -63,6 +79,57 @@ from timetotrain.train import parallel
 
 GiB = 2**30
 HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """`--precision fp8` for the estimate (module docstring): torchao's recipe, the parameters of the
+    float8 linears, and the blocks (`model.layers`) they sit in."""
+
+    recipe: str
+    linear_params: int
+    blocks: int
+
+    @property
+    def per_block(self) -> float:
+        return self.linear_params / max(1, self.blocks)
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes per float8-linear parameter FSDP2 all-gathers: float8 under tensorwise, else bf16."""
+        return 1 if self.recipe == "tensorwise" else 2  # rowwise, MX: bf16
+
+    def label(self) -> str:
+        return f"fp8 {self.recipe} block linears + bf16"
+
+
+def fp8_model(bench, tier) -> Fp8:
+    """What `--precision fp8` converts in `tier`'s model, counted on the meta device (seconds at 405B)."""
+    import torch
+
+    from timetotrain.train.float8 import converter
+
+    _check_supported(bench, tier)
+    with torch.device("meta"):
+        model = bench.family.build(tier.model)
+    keep = converter(tier.fp8_recipe)
+    n = sum(m.weight.numel() for name, m in model.named_modules() if keep(m, name))
+    if n == 0:
+        raise UserError(
+            f"--precision fp8: {bench.name} has no block linears to train in float8; plan it with --precision bf16"
+        )
+    return Fp8(tier.fp8_recipe, n, len(model.layers))
+
+
+def _fp8_saving(fp8: Fp8 | None, sharded: bool, fp32_linears: bool, tp: int = 1) -> float:
+    """Bytes of copies float8 saves against bf16 (module docstring); negative where it adds some."""
+    if fp8 is None:
+        return 0.0
+    if sharded:  # two unsharded blocks' linears, gathered in float8 (tensorwise) instead of bf16
+        return 2 * (2 - fp8.gather_bytes) * fp8.per_block / tp
+    # No autocast copy of a float8 linear (of an fp32 weight: a bf16 LoRA base has none either way), and
+    # one block's float8 weights in flight.
+    return (2 * fp8.linear_params if fp32_linears else 0) - fp8.per_block
 
 
 @dataclass(frozen=True)
@@ -97,11 +164,12 @@ def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int
 
 def estimate(
     bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool,
-    tp: int = 1,
+    tp: int = 1, fp8: Fp8 | None = None,
 ):  # fmt: skip
+    """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`."""
     family, cfg = bench.family, tier.model
     if tp > 1:
-        return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp)
+        return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8)
     sharded = kind in ("fsdp", "ep,fsdp")
     shards = gpus if sharded else 1
     trainable, frozen = bench.task.param_counts(family, tier)
@@ -128,6 +196,7 @@ def estimate(
             copies = 2 * 2 * block + 2 * (2 * layer_experts / gpus if ac else local)
         else:
             copies = 2 * (fp32_weights - away)
+        copies -= _fp8_saving(fp8, sharded, frozen == 0 or frozen_bytes == 4)
     else:
         copies = 4 * 2 * block if sharded else 0
     if sharded:
@@ -161,7 +230,7 @@ def _root_copies(family, cfg, bf16: bool) -> float:
     return (2 if bf16 else 4) * max(0.0, rest)
 
 
-def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimate:
+def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None) -> Estimate:
     """tp x fsdp (module docstring): all parameters trainable, as in the pretraining tiers it serves."""
     family, cfg = bench.family, tier.model
     fsdp = gpus // tp
@@ -169,7 +238,11 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp) -> Estimat
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
     states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
-    copies = (2 if bf16 else 4) * 2 * block / tp + _root_copies(family, cfg, bf16)
+    copies = (
+        (2 if bf16 else 4) * 2 * block / tp
+        + _root_copies(family, cfg, bf16)
+        - _fp8_saving(fp8, True, True, tp)
+    )
     tokens = micro * bench.task.sample_items(tier)[1]
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     margin = 0.05 * gpu_mem_gib * GiB + GiB
@@ -235,7 +308,7 @@ def _check_experts(cfg, spec: str, ep: int) -> None:
 
 def plan(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None,
 ):  # fmt: skip
     """All candidate configurations with their estimates, and the suggested one (or None if none fits).
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
@@ -253,7 +326,7 @@ def plan(
 
     def rows_of(kind: str, local: int, tp: int = 1) -> list[Estimate]:
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
-        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp)
+        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8)
                 for ac in (False, True) for m in micros]  # fmt: skip
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
@@ -315,7 +388,7 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
 
 def fits_from(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None,
 ) -> tuple[int, Estimate] | None:  # fmt: skip
     """When nothing fits on --gpus: the smallest larger world size on which the same estimates suggest a
     layout (of the kind --parallel names, grown with the world; else the default candidates), with that
@@ -333,7 +406,7 @@ def fits_from(
             continue
         spec = _spec_at(kind, given, w)
         try:
-            _, _, best = plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node)
+            _, _, best = plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node, fp8)
         except UserError:  # this world splits neither the batch nor the experts: try the next one
             continue
         if best is not None:
@@ -341,12 +414,14 @@ def fits_from(
     return None
 
 
-def launch(bench, tier, best: Estimate, gpus: int, gpus_per_node: int = 8, bf16: bool = True) -> dict:
+def launch(
+    bench, tier, best: Estimate, gpus: int, gpus_per_node: int = 8, bf16: bool = True, fp8: Fp8 | None = None
+) -> dict:
     """The launch line of a suggestion: one torchrun on one node, or the same torchrun on every node with
     a c10d rendezvous (README "Scale-out"), and that line under Slurm."""
     nodes = max(1, gpus // gpus_per_node) if gpus > gpus_per_node else 1
     per_node = gpus // nodes
-    run = f"-m timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {suggested_flags(best, bf16)}"
+    run = f"-m timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {suggested_flags(best, bf16, fp8)}"
     doc = {"nodes": nodes, "gpus_per_node": per_node}
     if nodes == 1:
         doc["command"] = f"torchrun --nproc_per_node {per_node} {run}"
@@ -370,10 +445,12 @@ def _tp_of(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
 
-def suggested_flags(best: Estimate, bf16: bool = True) -> str:
+def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None) -> str:
     """The `ttt run` flags of a suggested configuration, in the precision it was estimated for."""
-    precision = "bf16" if bf16 else "fp32"
+    precision = "fp8" if fp8 else "bf16" if bf16 else "fp32"
     flags = f"--parallel {best.parallel} --precision {precision} --set micro_batch_size={best.micro_batch}"
+    if fp8 and fp8.recipe != "tensorwise":
+        flags += f" --set fp8_recipe={fp8.recipe}"
     return flags + (" --ac" if best.ac else "")
 
 
@@ -384,7 +461,7 @@ def _fits(r: Estimate, gpu_mem_gib: float) -> str:
 
 def plan_doc(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None, fp8: Fp8 | None = None,
 ) -> dict:  # fmt: skip
     """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB). `larger` is
     `fits_from`'s answer when nothing fits."""
@@ -401,7 +478,8 @@ def plan_doc(
         "gpus_per_node": gpus_per_node,
         "nodes": check_nodes(gpus, gpus_per_node),
         "gpu_mem_gib": gpu_mem_gib,
-        "precision": "bf16" if bf16 else "fp32",
+        "precision": "fp8" if fp8 else "bf16" if bf16 else "fp32",
+        **({"fp8_recipe": fp8.recipe, "fp8_linear_parameters": fp8.linear_params} if fp8 else {}),
         "headroom": HEADROOM,
         "rows": [
             {
@@ -437,8 +515,8 @@ def plan_doc(
             "ac": best.ac,
             "micro_batch": best.micro_batch,
             "total_gib": best.total / GiB,
-            "run_flags": suggested_flags(best, bf16),
-            "launch": launch(bench, tier, best, gpus, gpus_per_node, bf16),
+            "run_flags": suggested_flags(best, bf16, fp8),
+            "launch": launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8),
         }
     return doc
 
@@ -467,7 +545,7 @@ def _count(n: float) -> str:
 
 def format_plan(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
-    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None,
+    larger: tuple[int, Estimate] | None = None, simulated: dict | None = None, fp8: Fp8 | None = None,
 ) -> str:  # fmt: skip
     """The plan table; `simulated` (`ttt plan --simulate`): {(parallel, ac, micro): simulated bytes with the
     same margin} adds a "simulated" column (train/simulate.py), "-" on the rows not simulated."""
@@ -480,9 +558,20 @@ def format_plan(
     w = max([14] + [len(r.parallel) + 2 for r in rows])  # (ep=256,fsdp=256)
     out = [
         f"{bench.name} {tier.name}: {params}, {per}"
-        f"GBS {tier.global_batch_size}, {gpus} GPU{'' if gpus == 1 else 's'} x {gpu_mem_gib:g} GiB, {'bf16' if bf16 else 'fp32'} compute, "
+        f"GBS {tier.global_batch_size}, {gpus} GPU{'' if gpus == 1 else 's'} x {gpu_mem_gib:g} GiB, {fp8.label() if fp8 else 'bf16' if bf16 else 'fp32'} compute, "
         "fp32 master weights",
     ]
+    if fp8:
+        gather = "float8 (1 B/param)" if fp8.gather_bytes == 1 else "bf16 (rowwise and MX recipes)"
+        out.append(
+            f"fp8: {_count(fp8.linear_params)} parameters in float8 linears: no autocast bf16 copy of them; "
+            f"FSDP2 gathers them in {gather}; activations as bf16 (torchao saves the bf16 inputs)"
+        )
+        if hasattr(tier.model, "n_experts"):
+            out.append(
+                "fp8 MoE experts: counted as bf16; they need CUDA sm90+ (torch._scaled_grouped_mm), elsewhere "
+                "ttt run refuses --precision fp8 for this model"
+            )
     trainable, frozen = bench.task.param_counts(bench.family, tier)
     if frozen:  # say what the states column charges, since most of the model carries no optimizer state
         frozen_bytes = bench.task.frozen_bytes(tier, bf16)
@@ -492,7 +581,7 @@ def format_plan(
             "only: no gradient, no optimizer state)"
         )
     out.append(
-        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'bf16 copies':>13}{'activations':>13}"
+        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'fp8+bf16 cp' if fp8 else 'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}" + (f"{'simulated':>11}" if simulated is not None else "") + "  fits"
     )
     for r in rows:
@@ -511,7 +600,7 @@ def format_plan(
             f"suggestion: nothing fits on {gpus} GPU{'' if gpus == 1 else 's'}; {_fits_from_text(larger)}"
         )
     else:
-        how = launch(bench, tier, best, gpus, gpus_per_node, bf16)
+        how = launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8)
         out.append(
             f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
             f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):"

@@ -57,8 +57,10 @@ def preflight(
     if precision == "fp8":
         from timetotrain.train.float8 import check_device, check_model
 
-        check_model(tier.model, dev)  # first: it needs no torchao, whose import takes seconds
-        check_device(dev)
+        check_model(
+            tier.model, dev, tier.fp8_recipe
+        )  # first: it needs no torchao, whose import takes seconds
+        check_device(dev, tier.fp8_recipe)
         # What float8 does not cover: bf16 where it is fast (GPUs), fp32 on CPUs (DESIGN: no fast bf16).
         fp8 = {"fp8_recipe": tier.fp8_recipe, "high": "bf16" if dev.type == "cuda" else "fp32"}
     elif "fp8_recipe" in tier.user_set:
@@ -66,6 +68,10 @@ def preflight(
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
+    if precision == "fp8" and plan.world > 1:
+        from timetotrain.train.float8 import check_mx_parallel
+
+        check_mx_parallel(tier.fp8_recipe, parallel_spec)
     local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
     # an error, not "the default".

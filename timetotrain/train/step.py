@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from timetotrain.fakes import real_host
+from timetotrain.models.common import weight_cast
 from timetotrain.tasks.base import split_batch
 from timetotrain.train import parallel, schedule, sdpa
 from timetotrain.train.optim import build_optimizer, set_lr
@@ -30,8 +31,12 @@ def train_step(
     # One autocast context for the whole step, not one per micro-batch: autocast caches the bf16 copy of
     # each fp32 weight it casts until its outermost context exits, so every weight is cast once per step
     # instead of once per micro-batch (the cache holds those copies, 2 bytes per parameter, meanwhile).
-    # The backward runs with autocast off, as it did outside the per-micro-batch contexts.
-    with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
+    # The backward runs with autocast off, as it did outside the per-micro-batch contexts. The weights
+    # autocast does not see (the MoE experts' stacks) are cast once per step the same way (weight_cast).
+    with (
+        torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None),
+        weight_cast.cached(),
+    ):
         for i, mb in enumerate(split_batch(batch, accum)):
             with parallel.grad_sync(model, i == accum - 1), sdpa.priority(dev):
                 loss = loss_fn(model, mb) / accum

@@ -20,8 +20,10 @@ from torch import nn
 from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import (
     Attention,
+    NativeWindow,
     RMSNorm,
     band_blocks_mask,
+    native_window_works,
     rope_tables,
     sliding_window_mask,
 )
@@ -66,6 +68,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg, make_ffn, window_of=None, qk_norm_eps: float | None = None, make_attn=None):
         super().__init__()
+        self._plain_attention = make_attn is None  # `Attention`, which takes a `NativeWindow`
         if make_attn is None:
 
             def make_attn(layer: int) -> nn.Module:
@@ -107,14 +110,23 @@ class Decoder(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def window_mask(self, seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    def window_mask(
+        self, seq_len: int, window: int | None, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor | NativeWindow | None:
         """The band mask of a windowed layer; None (the causal kernel) where the band is the whole triangle.
+
+        Where torch's native windowed kernel runs and equals the mask path on this device for the attention
+        dtype `dtype` (`layers.native_window_works`: CUDA, bf16/fp16), a `NativeWindow` instead: no mask,
+        no repeated K/V. Elsewhere (CPUs, fp32) the masks below.
 
         From 4 windows on (and a whole number of them) the band is computed in blocks of W queries
         (`layers.windowed_attention`: O(T * 2W) instead of a masked T x T square); shorter sequences, where
         the square costs at most twice the blocks, keep the plain `[T, T]` mask."""
         if window is None or seq_len <= window + 1:
             return None
+        c = self.cfg
+        if self._plain_attention and native_window_works(device, dtype, c.n_heads, c.n_kv_heads, c.head_dim):
+            return NativeWindow(window)
         key = (seq_len, window, device)
         if key not in self._window_masks:
             if seq_len >= 4 * window and seq_len % window == 0:
@@ -131,8 +143,11 @@ class Decoder(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.embed(tokens)
+        # The dtype attention computes in: autocast's where it is on, else the activations'.
+        dev = tokens.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         for block in self.layers:
-            x = block(x, cos, sin, self.window_mask(T, block.window, tokens.device))
+            x = block(x, cos, sin, self.window_mask(T, block.window, tokens.device, dtype))
         return self.norm(x)
 
     def forward(

@@ -17,6 +17,7 @@ tensor-parallel column sharding map onto them without reshuffling):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -163,6 +164,82 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.reshape(B, H, T, D)
 
 
+@dataclass(frozen=True)
+class NativeWindow:
+    """What `Decoder.window_mask` hands a windowed layer instead of a mask where torch's native windowed
+    kernel runs (`native_window_works`): the band `i - window <= j <= i` itself."""
+
+    window: int
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def native_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Sliding-window attention by torch's `varlen_attn` (FlashAttention with a window): `q` `[B, T, H, D]`,
+    `k`/`v` `[B, T, H_kv, D]` (GQA in the kernel, no repeated K/V), each sample one sequence; window
+    `(W, 0)` = keys `i - W .. i`, the band of `sliding_window_mask` (Megatron's `(window, 0)`). Returns
+    `[B, T, H, D]`. CUDA only (torch 2.13 has no CPU kernel), so `native_window_works` guards every use."""
+    B, T, H, D = q.shape
+    cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)
+    out = _varlen_attn()(
+        q.reshape(B * T, H, D), k.reshape(B * T, k.shape[2], D), v.reshape(B * T, v.shape[2], D),
+        cu, cu, T, T, window_size=(window, 0), enable_gqa=k.shape[2] != H,
+    )  # fmt: skip
+    return out.view(B, T, H, D)
+
+
+@functools.cache
+def native_window_works(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """Whether `native_windowed_attention` runs here and equals the mask path (forward and input
+    gradients, at the dtype's tolerance) on a small random case: checked once per key on the device
+    itself, so a kernel whose window means something else, or that is missing (CPUs, pre-Ampere GPUs,
+    fp32), leaves the layer on the mask path."""
+    if device.type != "cuda" or _varlen_attn() is None or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return window_kernel_agrees(device, dtype, heads, kv_heads, head_dim)
+
+
+def window_kernel_agrees(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> bool:
+    """`native_window_works`'s comparison, on whatever kernel `_varlen_attn` returns (tests give it one)."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
+            gen = torch.Generator(device=device).manual_seed(0)
+            B, T, W = 2, 96, 16
+
+            def rand(h):
+                return torch.randn(
+                    B, T, h, head_dim, device=device, dtype=dtype, generator=gen
+                ).requires_grad_()
+
+            q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+            out = native_windowed_attention(q, k, v, W)
+            grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+            g = heads // kv_heads
+            qr, kr, vr = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(
+                qr, kr.repeat_interleave(g, 1), vr.repeat_interleave(g, 1),
+                attn_mask=sliding_window_mask(T, W, device),
+            ).transpose(1, 2)  # fmt: skip
+            ref_grads = torch.autograd.grad(ref.square().sum(), (qr, kr, vr))
+            ok = torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2)
+            for a, b in zip(grads, ref_grads, strict=True):
+                b = b.transpose(1, 2)
+                ok = ok and torch.allclose(a.float(), b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+            return bool(ok)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
 def sliding_window_mask(seq_len: int, window: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean `[T, T]` SDPA mask, True = attend: the band `i - window <= j <= i` (Megatron `(window, 0)`)."""
     i = torch.arange(seq_len, device=device).unsqueeze(1)
@@ -207,7 +284,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`x` `[B, T, dim]`; `cos`/`sin` `[T, head_dim // 2]`; `mask` None for full causal attention, else a
-        boolean `[T, T]` mask (True = attend) or the `[T / W, W, 2W]` blocks of a sliding-window band."""
+        boolean `[T, T]` mask (True = attend), the `[T / W, W, 2W]` blocks of a sliding-window band, or a
+        `NativeWindow` (the band by torch's windowed kernel, where `native_window_works`)."""
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_kv_heads, self.group + 2, self.head_dim)
         if self.q_norm is None:
@@ -218,6 +296,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(mask, NativeWindow):
+            out = native_windowed_attention(q, k, v, mask.window)
+            return self.proj(out.reshape(B, T, self.n_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is not None:
             # Repeat KV rather than `enable_gqa`: on CUDA the memory-efficient kernel takes an arbitrary mask

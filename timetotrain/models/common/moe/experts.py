@@ -16,6 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from timetotrain.fakes import host_sizes, real_host
+from timetotrain.models.common import weight_cast
 from timetotrain.models.common.fused import swiglu
 
 
@@ -72,9 +73,10 @@ def _swiglu(h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
 
 def _experts_grouped_mm(x, counts, w1, w2, probs):
     if torch.is_autocast_enabled(x.device.type):
-        # `_grouped_mm` is not an autocast op; cast as autocast would cast a linear.
+        # `_grouped_mm` is not an autocast op; cast as autocast would cast a linear, the weights once per
+        # step where the step caches them (common/weight_cast.py).
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        x, w1, w2 = x.to(dtype), weight_cast.cast(w1, dtype), weight_cast.cast(w2, dtype)
     offsets = counts.cumsum(0).to(torch.int32)
     h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
     a = _swiglu(h, probs)
@@ -84,6 +86,11 @@ def _experts_grouped_mm(x, counts, w1, w2, probs):
 def _experts_loop(x, counts, w1, w2, probs):
     # One matmul pair per expert over its contiguous slice; `tolist` is the only host sync of the MoE layer.
     sizes = host_sizes(counts, x.shape[0])
+    if torch.is_autocast_enabled(x.device.type) and weight_cast.active():
+        # Within a step: the whole stack once per step (common/weight_cast.py) instead of autocast casting
+        # each active expert's slice (a view, which its cache skips) every micro-batch.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        w1, w2 = weight_cast.cast(w1, dtype), weight_cast.cast(w2, dtype)
     xs = x.split(sizes)
     ps = probs.split(sizes) if probs is not None else [None] * len(sizes)
     outs = [
