@@ -37,12 +37,14 @@ kernel: for numerics and tests, not for speed) and tensorwise is emulated (`line
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 
 from timetotrain.errors import UserError
+from timetotrain.models.common.moe.experts import GroupedExperts
 
 # `torch._scaled_mm` wants both GEMM dimensions of every operand divisible by 16; MX scales cover 32 elements.
 ALIGN = 16
@@ -170,8 +172,6 @@ def linear_config(recipe: str, fsdp: bool, device: torch.device):
     kernel's, the product then taken in fp32): CPU `torch._scaled_mm` with scalar scales runs a per-element
     path, 20 s for one 4096x128x384 GEMM here (measured, torch 2.13), against 0.12 s with rowwise scales,
     which therefore run the real kernel."""
-    import dataclasses
-
     from torchao.float8 import Float8LinearConfig
 
     if recipe == "tensorwise":
@@ -206,8 +206,6 @@ def converter(recipe: str):
 
 
 def _expert_modules(model: nn.Module) -> list[nn.Module]:
-    from timetotrain.models.common.moe.experts import GroupedExperts
-
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 

@@ -14,7 +14,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train import distributed, parallel, sdpa
+from timetotrain.train import distributed, float8, parallel, sdpa
 from timetotrain.train.device import platform_name
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -55,12 +55,8 @@ def preflight(
     logdir = check_writable(logdir)
     fp8 = {}
     if precision == "fp8":
-        from timetotrain.train.float8 import check_device, check_model
-
-        check_model(
-            tier.model, dev, tier.fp8_recipe
-        )  # first: it needs no torchao, whose import takes seconds
-        check_device(dev, tier.fp8_recipe)
+        float8.check_model(tier.model, dev, tier.fp8_recipe)  # first: it needs no torchao (seconds to import)
+        float8.check_device(dev, tier.fp8_recipe)
         # What float8 does not cover: bf16 where it is fast (GPUs), fp32 on CPUs (DESIGN: no fast bf16).
         fp8 = {"fp8_recipe": tier.fp8_recipe, "high": "bf16" if dev.type == "cuda" else "fp32"}
     elif "fp8_recipe" in tier.user_set:
@@ -69,9 +65,7 @@ def preflight(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
     if precision == "fp8" and plan.world > 1:
-        from timetotrain.train.float8 import check_mx_parallel
-
-        check_mx_parallel(tier.fp8_recipe, parallel_spec)
+        float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
     # an error, not "the default".
