@@ -82,6 +82,19 @@ class RunData(ABC):
         GRPO samples the rollouts, scores them and computes advantages here. Default: unchanged."""
         return batch
 
+    # The MLPerf log key of the figures `step_figures` makes once per step (GRPO: `ttt_rollout_stats`), or None.
+    step_key: str | None = None
+
+    def step_sums(self) -> torch.Tensor | None:
+        """This rank's sums over the batch just prepared (a 1-d device tensor), summed over ranks in the step's
+        one collective with its loss (`Training.step`), so that logging them costs no host sync of its own;
+        None when the task logs no per-step figures."""
+        return None
+
+    def step_figures(self, sums: list[float]) -> dict[str, float]:
+        """The value logged under `step_key` from the global sums (`step_sums` added over every rank)."""
+        raise NotImplementedError(f"{type(self).__name__} logs no per-step figures")
+
     def figures(self) -> dict[str, float]:
         """Figures of the data pipeline itself for `ttt synth` (e.g. a graph sampler's subgraphs/s), by
         name; most data has none."""

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from timetotrain.data import arithmetic
 from timetotrain.errors import UserError
+from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
@@ -74,6 +75,34 @@ class GRPOData:
     digits: int = 2  # operand digits of the arithmetic problems
     kind: str = "add"  # which problems (data/arithmetic.py): "add" or "reverse"
     logprob_error_threshold: float | None = LOGPROB_ERROR_THRESHOLD
+
+
+# What `_Rollouts.step_sums` adds up over a step's rollouts, in this order (all ranks' sums are added).
+ROLLOUT_SUMS = (
+    "reward",
+    "completion_tokens",
+    "zero_std_groups",
+    "truncated",
+    "dropped",
+    "groups",
+    "rollouts",
+)
+
+
+def rollout_figures(sums: list[float]) -> dict[str, float]:
+    """The `ttt_rollout_stats` of a step from its global ROLLOUT_SUMS: over the global batch, the mean reward,
+    the mean completion length (tokens), and the fractions of zero-std groups (all rewards equal: advantage 0,
+    no gradient), of rollouts cut at the length cap and of rollouts dropped from the update (cut, or a
+    logprob error)."""
+    s = dict(zip(ROLLOUT_SUMS, sums, strict=True))
+    rollouts, groups = max(s["rollouts"], 1.0), max(s["groups"], 1.0)
+    return {
+        "reward": s["reward"] / rollouts,
+        "completion_tokens": s["completion_tokens"] / rollouts,
+        "zero_std_groups": s["zero_std_groups"] / groups,
+        "truncated": s["truncated"] / rollouts,
+        "dropped": s["dropped"] / rollouts,
+    }
 
 
 class _Resolved:
@@ -168,6 +197,7 @@ class _Rollouts(RunData):
         n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1).double()
         if self.world > 1:
             dist.all_reduce(n)
+        self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
         return {
             "tokens": tokens,
             "mask": mask,
@@ -177,6 +207,29 @@ class _Rollouts(RunData):
             "norm": n.float().expand(B).clone(),
             "rows": torch.full((B,), float(B), device=self.device),
         }
+
+    step_key = ROLLOUT_STATS_KEY
+    _sums: torch.Tensor | None = None  # of the batch `prepare` made last
+
+    def _rollout_sums(self, rewards, completions, truncated, sample_mask) -> torch.Tensor:
+        """This rank's sums of what a GRPO user watches per step (ROLLOUT_SUMS): rewards, completion tokens, groups
+        whose rewards are all equal (advantage 0: no gradient), rollouts cut at the length cap, rollouts out of
+        the update (cut, or a logprob error), groups, rollouts. The host's figures are known already; the
+        dropped count stays on the device (no sync)."""
+        g = rewards.view(-1, self.G)
+        host = torch.tensor(
+            [float(rewards.sum()), float(sum(len(c) for c in completions)),
+             float((g == g[:, :1]).all(1).sum()), float(truncated.sum())],
+        )  # fmt: skip
+        dropped = (sample_mask == 0).sum().reshape(1).to(torch.float32)
+        shape = torch.tensor([float(g.shape[0]), float(rewards.numel())])
+        return torch.cat([host.to(self.device), dropped, shape.to(self.device)])
+
+    def step_sums(self) -> torch.Tensor | None:
+        return self._sums
+
+    def step_figures(self, sums: list[float]) -> dict[str, float]:
+        return rollout_figures(sums)
 
     def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         """This micro-batch's share of the global token-level loss, scaled so that the harness's mean over
