@@ -206,3 +206,18 @@ def test_the_reference_tier_refuses_a_forbidden_override(override, needle):
 def test_the_reference_tier_does_not_run_here(tmp_path):
     with pytest.raises(UserError, match="R2E-Gym SWE agent"):
         BENCH.task.resolve(Q.REFERENCE, tmp_path)
+
+
+def test_a_sharded_model_decodes_in_lockstep_and_a_whole_one_does_not():
+    """Under FSDP2 or expert parallelism a forward is a collective: the engine then runs every decode step on
+    every rank (the family's `all_steps`); a whole model stops when its rows have ended."""
+    from timetotrain.train.parallel import forwards_are_collective
+
+    seen = []
+    engine = TorchRollout(lambda model, prompts, **kw: seen.append(kw.get("all_steps", False)) or ([[1]], []))
+    m = _model()
+    assert not forwards_are_collective(m)
+    for lockstep in (False, True):
+        engine.generate(m, [[1]], max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=0, generator=None,
+                        lockstep=lockstep)  # fmt: skip
+    assert seen == [False, True]

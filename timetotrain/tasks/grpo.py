@@ -35,6 +35,7 @@ from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
+from timetotrain.train.parallel import forwards_are_collective
 from timetotrain.train.policy_gradient import (
     LOGPROB_ERROR_THRESHOLD,
     TIS_MAX,
@@ -165,6 +166,18 @@ class _Rollouts(RunData):
 
     @torch.no_grad()
     def prepare(self, model, batch: Batch) -> Batch:
+        """`rollouts`, then the token-level mean's denominator summed over every rank."""
+        out = self.rollouts(model, batch)
+        n = out["norm"][:1].double()
+        if self.world > 1:
+            dist.all_reduce(n)
+        out["norm"] = n.float().expand(out["norm"].shape[0]).clone()
+        return out
+
+    @torch.no_grad()
+    def rollouts(self, model, batch: Batch) -> Batch:
+        """This rank's rollouts of `batch` as loss-ready rows (module docstring), with `norm` this rank's own
+        valid-token count: no collective here, except the forwards of a sharded model (made in lockstep)."""
         model = _unwrap(model)
         step = int(batch["step"][0])
         prompts = batch["prompt"].tolist()
@@ -172,6 +185,7 @@ class _Rollouts(RunData):
         completions, gen_lps = self.engine.generate(
             model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.train_temperature,
             top_p=self.d.train_top_p, eos_id=arithmetic.EOS, generator=self._generator(1, step),
+            lockstep=forwards_are_collective(model),
         )  # fmt: skip
         rewards = self._rewards(problems, completions)
         self.last_reward = float(rewards.mean())
@@ -194,9 +208,7 @@ class _Rollouts(RunData):
         if self.d.logprob_error_threshold is not None:
             prev = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
             sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, self.d.logprob_error_threshold)
-        n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1).double()
-        if self.world > 1:
-            dist.all_reduce(n)
+        n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1)
         self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
         return {
             "tokens": tokens,
@@ -258,6 +270,7 @@ class _Rollouts(RunData):
                 completions, _ = self.engine.generate(
                     model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.val_temperature,
                     top_p=self.d.val_top_p, eos_id=arithmetic.EOS, generator=self._generator(2, 0),
+                    lockstep=forwards_are_collective(model),
                 )  # fmt: skip
             rewards = self._rewards(problems, completions).view(-1, k)
             solved = float((rewards > 0).any(1).sum())
