@@ -285,7 +285,7 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import fits_from, format_plan, plan, plan_doc
+    from timetotrain.train.memory import fits_from, format_plan, nothing_fits, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
@@ -303,6 +303,8 @@ def _cmd_plan(args) -> int:
     sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
     show = plan_doc if args.json else format_plan
     extra = {"simulated": sim[0]} if sim else {}
+    if best is None and larger is None:  # no world fits: say why, in numbers, and what would be needed
+        extra["why"] = nothing_fits(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn)
     out = show(
         bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger, **extra
     )

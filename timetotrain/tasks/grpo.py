@@ -32,6 +32,7 @@ import torch.distributed as dist
 from timetotrain.data import arithmetic
 from timetotrain.errors import UserError
 from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
+from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
@@ -409,10 +410,31 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
+    # `loss` and the logprob check take `token_logprobs` of the model's whole logits (no chunked head).
+    full_logits = True
+
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, chunked: bool = False) -> dict[str, float]:
+        """A GPU's phases beside the step, each with the model states resident: the decode of its `rows`
+        rollouts at once (each row's cache at the full sequence length), and the logprob check's no-grad
+        forward (the whole logits of its rows: compute-precision logits, their fp32 copy and log-softmax;
+        `chunked`: one chunk of rows at a time)."""
+        d, V = tier.data, tier.model.vocab_size
+        phases = {}
+        if family.decode_state_bytes is not None:
+            phases["the rollouts' decode"] = rows * family.decode_state_bytes(
+                tier.model, d.seq_len, act_bytes
+            )
+        if d.logprob_error_threshold is not None:
+            tokens = chunk_rows(rows * d.seq_len, V) if chunked else rows * d.seq_len
+            phases["the logprob check"] = tokens * V * (act_bytes + 4 + 4)
+        return phases
+
     def plan_note(self, tier) -> str | None:
         return (
-            "the estimate is the training step's; the rollouts' KV cache and DeltaNet state (colocated decode, "
-            f"{tier.global_batch_size} rollouts of up to {tier.data.max_new_tokens:,} tokens) come on top of it"
+            "activations: the largest of the training step (whole logits: GRPO's per-token log-probabilities "
+            "are not the chunked head), the rollouts' decode (each GPU's rollouts at once, KV cache and DeltaNet "
+            f"state at {tier.data.seq_len:,} tokens) and the logprob check's forward (whole logits, no grad); the "
+            "prefill's own logits and a no-grad forward's block temporaries are not counted"
         )
 
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:
