@@ -423,3 +423,20 @@ def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
     _, rows, _ = plan(bench, ref, 64, 141, None)
     ac_rows = [r for r in rows if r.ac and r.micro_batch == 1]
     assert ac_rows and all(r.peak == "the logprob check" for r in ac_rows)
+
+
+def test_grpo_whole_logits_kept_are_the_fp32_log_softmax():
+    """What autograd keeps of GRPO's head (`token_logprobs` of the whole logits, bf16 autocast on CPU): the fp32
+    log-softmax, 4 B per token and vocabulary entry, the part of the plan's 14 B that lives through the
+    backward (the rest are the backward's own gradients); the head's input is the block stack's output."""
+    from timetotrain.train.policy_gradient import token_logprobs
+
+    T, d, V = 64, 32, 1000
+    head = torch.nn.Linear(d, V, bias=False)
+    h = torch.randn(1, T, d, requires_grad=True)
+    tokens = torch.randint(0, V, (1, T))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, _ = _saved_bytes(lambda: token_logprobs(head(h), tokens), head)
+    # The fp32 log-softmax, the bf16 casts of the input and of the weight (the latter a bf16 copy, its own
+    # column of the plan), gather's index.
+    assert kept == T * V * 4 + T * d * 2 + V * d * 2 + T * 8
