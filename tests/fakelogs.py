@@ -29,9 +29,11 @@ def tier_log(
     start_ms: int = T0,
     gbs: int | None = None,
     curve=None,
+    steps=None,
 ) -> Path:
     """A run of `tier` that reaches the target at sample `converge_at` (None: never, then aborted) and
-    whose run_start -> run_stop takes `minutes`."""
+    whose run_start -> run_stop takes `minutes`; `steps`, a list of (samples_count, train_loss, figures or
+    None), adds the per-step lines the loop writes (figures: GRPO's `ttt_rollout_stats`)."""
     from timetotrain import suite
 
     bench = suite.get(benchmark)
@@ -88,6 +90,21 @@ def tier_log(
     lines.append(_line(start_ms, "INTERVAL_START", "run_start"))
     stop = start_ms + round(minutes * 60_000)
     lines.append(_line(start_ms + 1, "INTERVAL_START", "block_start", samples_count=0))
+    for k, (at, loss, figures) in enumerate(steps or []):
+        lines.append(
+            _line(start_ms + 1, "POINT_IN_TIME", "train_loss", loss, step_num=k + 1, samples_count=at)
+        )
+        if figures is not None:
+            lines.append(
+                _line(
+                    start_ms + 1,
+                    "POINT_IN_TIME",
+                    "ttt_rollout_stats",
+                    figures,
+                    step_num=k + 1,
+                    samples_count=at,
+                )
+            )
     for k, (s, v) in enumerate(zip(points, values, strict=True)):
         ts = start_ms + 1 + round((stop - start_ms - 2) * (k + 1) / len(points))
         lines.append(_line(ts - 1, "INTERVAL_END", "block_stop", samples_count=s))
@@ -101,6 +118,16 @@ def tier_log(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def grpo_steps(seed: int, n: int = 20, gbs: int = 64) -> list[tuple[int, float, dict]]:
+    """n made-up GRPO steps: a falling loss and a rising reward, different for every seed."""
+    return [
+        (gbs * (k + 1), 0.05 - 0.01 * k - 0.05 * seed,
+         {"reward": round(0.05 + 0.02 * k + 0.1 * seed, 6), "completion_tokens": 4.5, "zero_std_groups": 0.25,
+          "truncated": 0.1, "dropped": 0.1})
+        for k in range(n)
+    ]  # fmt: skip
 
 
 def rcp_only_log(

@@ -99,6 +99,19 @@ def test_prepare_makes_loss_ready_rows_from_the_groups():
     for row, m_row, keep in zip(out["tokens"][:, 1:], out["mask"], out["sample_mask"], strict=True):
         completion = row[m_row.bool()].tolist()
         assert keep == float(completion[-1] == arithmetic.EOS)
+    # The step's rollout figures (logged as ttt_rollout_stats), against the rows by hand.
+    done = [row[m_row.bool()].tolist() for row, m_row in zip(out["tokens"][:, 1:], out["mask"], strict=True)]
+    ended = torch.tensor([float(c[-1] == arithmetic.EOS) for c in done])
+    rewards = torch.tensor([float(arithmetic.decode(c)[:1] in tuple("02468")) for c in done]) * ended
+    fig = data.step_figures(data.step_sums().tolist())
+    zero_std = (rewards.view(-1, G) == rewards.view(-1, G)[:, :1]).all(1)
+    assert torch.equal(zero_std, (adv == 0).all(1))  # those groups, and only those, have no gradient
+    assert fig == pytest.approx(
+        {"reward": rewards.mean().item(), "completion_tokens": out["mask"].sum().item() / len(done),
+         "zero_std_groups": zero_std.float().mean().item(), "truncated": 1 - ended.mean().item(),
+         "dropped": 1 - out["sample_mask"].mean().item()}
+    )  # fmt: skip
+    assert 0 < fig["reward"] < 1 and 0 < fig["zero_std_groups"] < 1
 
 
 def test_micro_batches_and_their_gradients_add_up_to_the_whole_batch():
@@ -193,3 +206,18 @@ def test_the_reference_tier_refuses_a_forbidden_override(override, needle):
 def test_the_reference_tier_does_not_run_here(tmp_path):
     with pytest.raises(UserError, match="R2E-Gym SWE agent"):
         BENCH.task.resolve(Q.REFERENCE, tmp_path)
+
+
+def test_a_sharded_model_decodes_in_lockstep_and_a_whole_one_does_not():
+    """Under FSDP2 or expert parallelism a forward is a collective: the engine then runs every decode step on
+    every rank (the family's `all_steps`); a whole model stops when its rows have ended."""
+    from timetotrain.train.parallel import forwards_are_collective
+
+    seen = []
+    engine = TorchRollout(lambda model, prompts, **kw: seen.append(kw.get("all_steps", False)) or ([[1]], []))
+    m = _model()
+    assert not forwards_are_collective(m)
+    for lockstep in (False, True):
+        engine.generate(m, [[1]], max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=0, generator=None,
+                        lockstep=lockstep)  # fmt: skip
+    assert seen == [False, True]

@@ -20,6 +20,8 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain import suite
 from timetotrain.mlperf.compliance import check_log
+from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
+from timetotrain.tasks.grpo import rollout_figures
 from timetotrain.train import loop, prepare
 from timetotrain.train.base_model import InitBase
 
@@ -40,18 +42,25 @@ class _Data:
 
     loss = None
 
-    def __init__(self, tier, metric):
+    def __init__(self, tier, metric, on_policy):
         # At the target, or just past it where the target must be passed (qwen35_397b_grpo: `value > target`).
         past = math.inf if metric.higher_is_better else -math.inf
         self.value = math.nextafter(tier.target, past) if metric.strict else tier.target
         # An epoch of five eval intervals: eval points in epochs are then fractions, as in real runs.
         self.samples_per_epoch = 5 * tier.eval_every_samples if metric.unit == "epochs" else None
+        self.step_key = ROLLOUT_STATS_KEY if on_policy else None
 
     def batch(self, step):
         return {}
 
     def prepare(self, model, batch):  # an on-policy task's rollouts (GRPO)
         return batch
+
+    def step_sums(self):  # GRPO's per-step rollout figures, logged beside train_loss (ttt_rollout_stats)
+        return torch.tensor([16.0, 160.0, 2.0, 1.0, 1.0, 4.0, 32.0]) if self.step_key else None
+
+    def step_figures(self, sums):
+        return rollout_figures(sums)
 
     def evaluate(self, model, autocast=None):
         return self.value
@@ -67,15 +76,15 @@ class _Training:
     def sched(step):
         return 0.0
 
-    def step(self, step, batch, accum, loss_fn, stop_vote=False):
-        return torch.tensor([2.0, 0.0])
+    def step(self, step, batch, accum, loss_fn, stop_vote=False, sums=None):
+        return torch.cat([torch.tensor([2.0, 0.0]), torch.zeros(0) if sums is None else sums])
 
 
 def loop_log(bench_name: str, tier: str, logdir: Path, monkeypatch) -> Path:
     """A run of `tier` through `train.loop.run` with stand-in model and data."""
     task = suite.get(bench_name).task
     monkeypatch.setattr(task, "resolve", lambda *a, **k: SimpleNamespace(files=lambda: []))
-    monkeypatch.setattr(task, "open", lambda tier, *a: _Data(tier, task.metric))
+    monkeypatch.setattr(task, "open", lambda tier, *a: _Data(tier, task.metric, task.on_policy))
     monkeypatch.setattr(prepare, "build", lambda prep: _Training())
     # Fine-tuning tiers start from their shipped base; the stand-in model needs none.
     monkeypatch.setattr(loop, "check_init_base", lambda *a: InitBase(None, None))
@@ -105,6 +114,8 @@ def test_the_loop_log_of_every_tier_passes_the_official_common_rules(logs, bench
     log = logs(bench, tier)
     keys = {r["key"] for r in mllog(log)}
     assert {"eval_accuracy", "block_start", "run_stop"} <= keys  # an eval point was logged
+    # GRPO's per-step rollout figures are ttt keys of ours, which no official rule may reject.
+    assert (ROLLOUT_STATS_KEY in keys) == suite.get(bench).task.on_policy
     assert official_errors(log, ruleset, tier) == []
     verdict = check_log(log, ruleset)  # and `ttt check` agrees
     assert verdict.ok, verdict.output

@@ -18,6 +18,7 @@ from timetotrain.train.memory import (
     fits_from,
     format_plan,
     launch,
+    nothing_fits,
     plan,
     plan_doc,
 )
@@ -333,9 +334,11 @@ def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
         else:
             assert code in (0, 1) and out.startswith(f"{name} reference: "), (name, code, err)
             assert ("torchrun --nproc_per_node 8 " in out) == (code == 0), name
-            # Not fitting, the plan names the GPU count that would, or says that no count would (a family
-            # without tensor parallelism whose sample outgrows every GPU: qwen35_397b_grpo's 65,536 tokens).
-            assert code == 0 or "fits from " in out or "nor on more GPUs" in out, name
+            # Not fitting, the plan names the GPU count that would, or why no count would, with what is
+            # needed (qwen35_397b_grpo's 65,536-token sample: test_grpo_reference_says_what_one_sample_needs).
+            assert (
+                code == 0 or "fits from " in out or ("nor on more GPUs: on " in out and "needed: " in out)
+            ), name
     main(["plan", "rgat", "--gpus", "8", "--gpu-mem", "80"])
     assert "no memory model for the rgat family" in capsys.readouterr().err
 
@@ -361,3 +364,79 @@ def test_plan_json_carries_nodes_launch_and_fits_from(capsys):
     assert f"fits from {w} GPUs" in doc["suggestion_reason"]
     assert main(["plan", "llama31_8b", "--gpus", "8", "--gpu-mem", "80", "--gpus-per-node", "0"]) == 2
     assert capsys.readouterr().err.strip() == "ttt: error: --gpus-per-node 0 must be at least 1"
+
+
+def test_grpo_reference_says_what_one_sample_needs(capsys):
+    """qwen35_397b_grpo reference on H200s (141 GiB): no world `ttt run` can take fits, and the plan says why in
+    the estimate's own numbers. At 256 GPUs (GBS 256: one rollout per GPU) the smallest layout's one 65,536-token
+    sample keeps the whole logits (GRPO's per-token log-probabilities read them whole) beside the checkpointed
+    blocks; what it would take is the sequence split over GPUs, and the plan names the degree."""
+    bench = get("qwen35_397b_grpo")
+    ref = bench.tier("reference")
+    cfg, T = ref.model, ref.data.seq_len
+    assert fits_from(bench, ref, 8, 141, None) is None
+    _, rows, best = plan(bench, ref, 256, 141, None)
+    assert best is None
+    r = min(rows, key=lambda e: e.total)
+    assert (r.ac, r.micro_batch, r.peak) == (True, 1, "the training step")
+    # Whole logits (14 B an element: the kept fp32 log-softmax, its gradient in and out, the bf16 gradient)
+    # against the chunked head's one chunk: the difference is the logits' share.
+    chunked = activation_bytes(bench.family, cfg, T, 2, True)
+    whole = activation_bytes(bench.family, cfg, T, 2, True, full_logits=True)
+    assert r.activations == whole and whole - chunked > T * cfg.vocab_size * 13
+    cap = 0.9 * 141 * GiB
+    fixed = r.states + r.compute_copies + r.margin
+    need = -(-r.activations // (cap - fixed))
+    why = nothing_fits(bench, ref, 8, 141, None)
+    assert f"on 256 GPUs, the most `ttt run` takes for GBS {ref.global_batch_size}" in why
+    assert f"needs ~{r.activations / GiB:,.0f} GiB of activations (the training step)" in why
+    assert f"context parallelism of at least {need:.0f} (or tensor parallelism)" in why and need > 1
+    # Read in chunks, the step would still need the sequence split (the blocks alone outgrow the GPU).
+    assert f"~{chunked / GiB:,.0f} GiB (the training step), still context parallelism of 2" in why
+    assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "141"]) == 1
+    assert why in capsys.readouterr().out
+    # The memory it names fits: a plan on such GPUs suggests that layout.
+    more = float(why.rsplit("GPUs with ~", 1)[1].split(" GiB")[0].replace(",", "")) + 1
+    assert plan(bench, ref, 256, more, None)[2] is not None
+
+
+def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
+    """A GPU decodes its share of the rollouts at once (KV cache of the full-attention layers, fp32 DeltaNet
+    state and conv window of the others, at the full sequence length each) and runs the logprob check's
+    no-grad forward over whole logits: both by hand from the config."""
+    bench = get("qwen35_397b_grpo")
+    ref = bench.tier("reference")
+    c, T = ref.model, ref.data.seq_len
+    full = sum(c.is_full_attention(i) for i in range(c.n_layers))
+    row = full * 2 * c.n_kv_heads * c.head_dim * T * 2
+    row += (
+        (c.n_layers - full)
+        * 4
+        * (c.lin_v_heads * c.lin_k_dim * c.lin_v_dim + c.conv_dim * (c.conv_kernel - 1))
+    )
+    phases = bench.task.plan_phases(bench.family, ref, 4, 2)
+    assert phases == {
+        "the rollouts' decode": 4 * row,
+        "the logprob check": 4 * T * c.vocab_size * (2 + 4 + 4),
+    }
+    # At 64 GPUs each holds 4 rollouts: the check's whole logits of all 4 outgrow one sample's step.
+    _, rows, _ = plan(bench, ref, 64, 141, None)
+    ac_rows = [r for r in rows if r.ac and r.micro_batch == 1]
+    assert ac_rows and all(r.peak == "the logprob check" for r in ac_rows)
+
+
+def test_grpo_whole_logits_kept_are_the_fp32_log_softmax():
+    """What autograd keeps of GRPO's head (`token_logprobs` of the whole logits, bf16 autocast on CPU): the fp32
+    log-softmax, 4 B per token and vocabulary entry, the part of the plan's 14 B that lives through the
+    backward (the rest are the backward's own gradients); the head's input is the block stack's output."""
+    from timetotrain.train.policy_gradient import token_logprobs
+
+    T, d, V = 64, 32, 1000
+    head = torch.nn.Linear(d, V, bias=False)
+    h = torch.randn(1, T, d, requires_grad=True)
+    tokens = torch.randint(0, V, (1, T))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, _ = _saved_bytes(lambda: token_logprobs(head(h), tokens), head)
+    # The fp32 log-softmax, the bf16 casts of the input and of the weight (the latter a bf16 copy, its own
+    # column of the plan), gather's index.
+    assert kept == T * V * 4 + T * d * 2 + V * d * 2 + T * 8

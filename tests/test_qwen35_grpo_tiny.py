@@ -70,6 +70,18 @@ def test_the_tiny_tier_reaches_its_target_and_its_log_passes_6_1(problems, tmp_p
     gbs = TINY.global_batch_size
     assert [x["metadata"]["samples_count"] for x in evals] == [gbs * (10 + 5 * k) for k in range(len(evals))]
     assert [x["value"] for x in recs if x["key"] == "num_generations_per_prompt"] == [8]
+
+    # Every step logs its rollouts' figures beside its loss, at the same step and samples_count.
+    def at(key):
+        return [(x["metadata"]["step_num"], x["metadata"]["samples_count"]) for x in recs if x["key"] == key]
+
+    stats = [x for x in recs if x["key"] == "ttt_rollout_stats"]
+    assert (
+        at("ttt_rollout_stats") == at("train_loss")
+        and len(stats) == evals[-1]["metadata"]["samples_count"] // gbs
+    )
+    rewards = [x["value"]["reward"] for x in stats]
+    assert all(0 <= r <= 1 for r in rewards) and sum(rewards[-10:]) > sum(rewards[:10])  # GRPO raised it
     check = ttt("check", str(log), "--ruleset", "6.1.0", "--json")
     assert json.loads(check.stdout)["ok"], check.stdout
 

@@ -136,6 +136,14 @@ def test_sampled_logprobs_equal_a_full_forward(pair):
         want = (logits / 0.8).log_softmax(-1).gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
         torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
     assert any(len(c) < 30 for c in got)  # some row stopped at EOS, so the row-dropping path ran
+    # Every step run (`all_steps`, ranks in lockstep under FSDP or EP): the same draws, so the same completions.
+    every, lp_every = generate(
+        ours, prompts, max_new_tokens=30, temperature=0.8, top_p=0.9, eos_id=eos,
+        generator=torch.Generator().manual_seed(4), all_steps=True,
+    )  # fmt: skip
+    assert every == got
+    for a, b in zip(lp_every, logprobs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_batched_rows_do_not_depend_on_each_other(pair):

@@ -6,10 +6,12 @@ import shutil
 import numpy as np
 import pytest
 from conftest import require, require_file, shared_data_dir
-from fakelogs import curve_log, rcp_only_log, tier_log, tiny_runs, ttt_main
+from fakelogs import curve_log, grpo_steps, rcp_only_log, tier_log, tiny_runs, ttt_main
 
 from timetotrain import report, suite
 from timetotrain.mlperf import rcp
+from timetotrain.mlperf.results import find_groups, parse_log
+from timetotrain.report import html
 from timetotrain.suite import official
 
 
@@ -205,3 +207,45 @@ def test_systems_sharing_a_benchmark_get_plots_named_by_system(tmp_path):
     assert {s.system: p.name for s, p in zip(rep.scores, rep.plots, strict=True)}["box-a"].endswith(
         "box_a.png"
     )
+
+
+def test_a_grpo_run_gets_its_reward_curve_beside_train_loss(tmp_path):
+    """GRPO logs carry a per-step `ttt_rollout_stats` beside `train_loss`: the report draws both, per run,
+    in `<name>-training.png` and in the HTML page's training chart, with the values the logs hold."""
+    logs = tmp_path / "logs" / "qwen35_397b_grpo" / "tiny"
+    gbs = suite.get("qwen35_397b_grpo").tier("tiny").global_batch_size
+    for i in range(2):
+        tier_log(
+            logs / f"result_{i}.txt", 100 + i, 640, 0.4, benchmark="qwen35_397b_grpo", steps=grpo_steps(i)
+        )
+    tiny_runs(tmp_path / "logs" / "llama31_8b" / "tiny", n=1)  # no per-step lines: no training plot
+    rep = report.make_report(tmp_path / "logs", tmp_path / "r")
+    by_bench = {s.benchmark: t for s, t in zip(rep.scores, rep.training_plots, strict=True)}
+    assert by_bench["llama31_8b"] is None
+    png = by_bench["qwen35_397b_grpo"]
+    assert png.name == "qwen35_397b_grpo-tiny-training.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"![{png.name}]({png.name})" in rep.summary.read_text()
+    # Two panels, each with both runs' lines: the default cycle's first colour (run 0) in each half,
+    # above the legend.
+    img = require("matplotlib.image").imread(png)[:-80, :, :3]
+    half = img.shape[1] // 2
+    rgb = np.array([0x1F, 0x77, 0xB4]) / 255
+    hits = np.abs(img - rgb).max(axis=-1) < 0.04
+    assert hits[:, :half].sum() > 200 and hits[:, half:].sum() > 200
+    # The parsed series are the logged values, at their samples_count.
+    steps = parse_log(logs / "result_1.txt").steps
+    assert steps["reward"] == [(float(s), f["reward"]) for s, _, f in grpo_steps(1)]
+    assert steps["train_loss"] == [(float(s), loss) for s, loss, _ in grpo_steps(1)]
+    assert steps["zero_std_groups"][0] == (float(gbs), 0.25)
+    # The page's training chart (tests/test_report_html.py draws it): train_loss and reward side by side,
+    # one trace per run in each.
+    groups = {g.benchmark: g for g in find_groups(tmp_path / "logs")}
+    assert html.training_figure(groups["llama31_8b"]) is None
+    fig = html.training_figure(groups["qwen35_397b_grpo"])
+    lay = fig["layout"]
+    assert "train_loss" in lay["yaxis"]["title"]["text"] and "reward" in lay["yaxis2"]["title"]["text"]
+    assert lay["xaxis"]["domain"][1] < lay["xaxis2"]["domain"][0]
+    rewards = [t for t in fig["data"] if t["yaxis"] == "y2"]
+    assert [t["name"] for t in rewards] == [f"result_{i} (seed {100 + i})" for i in range(2)]
+    assert rewards[1]["y"] == [f["reward"] for _, _, f in grpo_steps(1)]
+    assert rewards[1]["x"] == [s for s, _, _ in grpo_steps(1)]

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from fakelogs import T0, tier_log, tiny_runs, ttt_main
+from fakelogs import T0, grpo_steps, tier_log, tiny_runs, ttt_main
 
 from timetotrain.report import html as report_html
 
 pytestmark = pytest.mark.e2e
 
 CHROMIUM = "/usr/bin/chromium"
+GRPO = "chart-qwen35_397b_grpo-tiny-timetotrain-test_box"
 # No network at all: every host resolves to nothing and any proxy use fails.
 NO_NET = ["--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9", "--no-proxy-server=false"]
 
@@ -31,8 +32,9 @@ def artifacts_dir() -> Path:
 
 
 def two_benchmarks(root: Path) -> None:
-    """10 llama31_8b and 10 gpt_oss_20b tiny runs (one aborted, so one log fails compliance), and two
-    `ttt synth` summaries: llama31_8b (tokens) and flux1 (images, 2 ranks)."""
+    """10 llama31_8b and 10 gpt_oss_20b tiny runs (one aborted, so one log fails compliance), 3
+    qwen35_397b_grpo tiny runs with per-step lines (train_loss, the rollouts' reward), and two `ttt synth`
+    summaries: llama31_8b (tokens) and flux1 (images, 2 ranks)."""
     tiny_runs(root / "llama31_8b" / "tiny", n=10, aborted=(2,))
     for i in range(10):
         tier_log(
@@ -43,6 +45,11 @@ def two_benchmarks(root: Path) -> None:
             benchmark="gpt_oss_20b",
             start_ms=T0 + i * 600_000,
         )
+    for i in range(3):
+        tier_log(
+            root / "qwen35_397b_grpo" / "tiny" / f"result_{i}.txt", 500 + i, 640, 0.5, benchmark="qwen35_397b_grpo",
+            start_ms=T0 + i * 600_000, steps=grpo_steps(i),
+        )  # fmt: skip
     synth = root / "synth" / "llama31_8b" / "tiny"
     synth.mkdir(parents=True)
     doc = {"benchmark": "llama31_8b", "tier": "tiny", "item": "tokens", "tokens_per_s": 12345.6,
@@ -90,7 +97,7 @@ def test_page_is_self_contained_and_small(tmp_path, capsys):
     assert text.count("Plotly.newPlot") == 1 and "FAIL" in text and "PASS" in text
     figs = page_figures(text)
     assert set(figs) == {"chart-llama31_8b-tiny-timetotrain-test_box", "chart-gpt_oss_20b-tiny-timetotrain-test_box",
-                         "chart-synth-llama31_8b", "chart-synth-flux1"}  # fmt: skip
+                         GRPO, GRPO + "-training", "chart-synth-llama31_8b", "chart-synth-flux1"}  # fmt: skip
     llama = figs["chart-llama31_8b-tiny-timetotrain-test_box"]["data"]
     names = [t["name"] for t in llama]
     assert sum(n.startswith("result_") for n in names) == 10
@@ -117,7 +124,7 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
     # --virtual-time-budget lets the page's scripts run to the end before the DOM is dumped.
     dumped = chromium("--virtual-time-budget=20000", "--dump-dom", url)
     dom = dumped.stdout
-    assert 'data-charts-drawn="4"' in dom, dumped.stderr[-2000:]
+    assert 'data-charts-drawn="6"' in dom, dumped.stderr[-2000:]
     charts = chart_segments(dom)
     for cid in ("chart-llama31_8b-tiny-timetotrain-test_box", "chart-gpt_oss_20b-tiny-timetotrain-test_box"):
         seg = charts[cid]
@@ -127,6 +134,11 @@ def test_page_draws_in_headless_chromium_without_network(tmp_path):
         assert expected >= 11 and seg.count("trace scatter") == expected, cid
         assert len(re.findall(r'class="legendtext"[^>]*>result_\d+ \(seed', seg)) == 10, cid
         assert "target " in seg
+    # GRPO's per-step chart: train_loss and the reward side by side, a line per run in each.
+    seg = charts[GRPO + "-training"]
+    assert seg.count("trace scatter") == 2 * 3 and len(figs[GRPO + "-training"]["data"]) == 6
+    assert "train_loss" in seg and "reward (mean over" in seg
+    assert len(re.findall(r'class="legendtext"[^>]*>result_\d+ \(seed', seg)) == 3  # one entry per run
     for cid in (
         "chart-synth-llama31_8b",
         "chart-synth-flux1",

@@ -129,7 +129,9 @@ def test_score_package_report_skip_partial_logs_with_a_note(tmp_path, capsys, mo
         # The report finds its logs as score and package do (run for real below); its plots would only
         # add seconds. What is checked for the report is the note.
         find_groups(root)
-        return types.SimpleNamespace(plots=[], summary="summary.md", scores_json="scores.json")
+        return types.SimpleNamespace(
+            plots=[], training_plots=[], summary="summary.md", scores_json="scores.json"
+        )
 
     monkeypatch.setattr(timetotrain.report, "make_report", report_without_plots)
     root = tmp_path / "logs"

@@ -81,6 +81,9 @@ def test_wandb_gets_loss_lr_eval_and_expert_load_offline(tmp_path, monkeypatch):
     t.on_event("run_start", None, None)
     t.on_event("train_loss", 5.5, {"step_num": 1, "samples_count": 16})
     t.on_event("train_loss", 5.25, {"step_num": 2, "samples_count": 32})
+    t.on_event(
+        "ttt_rollout_stats", {"reward": 0.25, "zero_std_groups": 0.5}, {"step_num": 2, "samples_count": 32}
+    )
     t.on_event("ttt_expert_load", {"min": 3, "max": 9, "cv": 0.5}, {"samples_count": 320})
     t.on_event("ttt_tokens_per_expert", [[1, 2], [3, 4]], {"samples_count": 320})
     t.on_event("eval_accuracy", 5.1, {"samples_count": 320})
@@ -91,6 +94,7 @@ def test_wandb_gets_loss_lr_eval_and_expert_load_offline(tmp_path, monkeypatch):
     first, second = run.logged[0], run.logged[1]
     assert first[1] == 1 and first[0]["train_loss"] == 5.5 and first[0]["lr"] == pytest.approx(1e-3)
     assert second[0]["lr"] == pytest.approx(2e-3) and second[0]["tokens_per_s"] > 0
+    assert ({"rollouts/reward": 0.25, "rollouts/zero_std_groups": 0.5}, 2) in run.logged  # GRPO, per step
     assert ({"expert_load/min": 3.0, "expert_load/max": 9.0, "expert_load/cv": 0.5}, 20) in run.logged
     assert ({"tokens_per_expert/0": 4.0, "tokens_per_expert/1": 6.0}, 20) in run.logged
     assert ({"eval_accuracy": 5.1}, 20) in run.logged

@@ -105,7 +105,7 @@ def _cmd_report(args) -> int:
     _warn_problems(Path(args.dir))
     with writing("--out", args.out):
         rep = make_report(_existing_dir(args.dir, "DIR"), Path(args.out), args.ruleset)
-    for p in rep.plots:
+    for p in rep.plots + [t for t in rep.training_plots if t is not None]:
         print(f"plot: {p}")
     print(f"summary: {rep.summary}")
     print(f"scores: {rep.scores_json}")

@@ -285,7 +285,7 @@ def _cmd_base(args) -> int:
 def _cmd_plan(args) -> int:
     from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import fits_from, format_plan, fp8_model, plan, plan_doc
+    from timetotrain.train.memory import fits_from, format_plan, fp8_model, nothing_fits, plan, plan_doc
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
@@ -323,6 +323,8 @@ def _cmd_plan(args) -> int:
     extra = {"simulated": sim[0]} if sim else {}
     if fp8:
         extra["fp8"] = fp8
+    if best is None and larger is None:  # no world fits: say why, in numbers, and what would be needed
+        extra["why"] = nothing_fits(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
     out = show(
         bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger, **extra
     )

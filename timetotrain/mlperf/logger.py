@@ -120,7 +120,7 @@ class _FileHandler(logging.Handler):
 class _EchoFilter(logging.Filter):
     """Per-step keys go to the file only; the console would drown in them."""
 
-    QUIET = {"train_loss", "tracked_stats"}
+    QUIET = {"train_loss", "tracked_stats", "ttt_rollout_stats"}
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -27,6 +28,9 @@ TOKEN = ":::MLLOG "
 _RESULT_RE = re.compile(r"^result_(.*)\.txt$")
 NOT_CONVERGED = 1e9  # the official RCP checker's stand-in for a run that did not converge
 SYNTHETIC = "synthetic"  # the ttt_mode `ttt synth` logs
+# Per-step keys of ours whose value is a dict of figures (tasks/grpo.py: the rollouts of each step).
+ROLLOUT_STATS_KEY = "ttt_rollout_stats"
+STEP_KEYS = (ROLLOUT_STATS_KEY,)
 
 
 @dataclass
@@ -41,6 +45,9 @@ class RunLog:
     run_stop_ms: float | None = None
     status: str | None = None  # of the last run_stop, as the RCP checker reads it
     evals: list[tuple[float, float]] = field(default_factory=list)  # (samples or epoch, metric)
+    # Per-step training figures by name, each [(samples_count, value)]: `train_loss`, and each field of a
+    # dict-valued per-step key of ours (STEP_KEYS: GRPO's `ttt_rollout_stats` gives `reward`, ...).
+    steps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     # samples/epoch of the last eval line before the last run_stop, when that run_stop says success
     converge_point: float | None = None
     # The batch size as the RCP checker (and the summarizer's GBS column) reads it: the value of the
@@ -143,6 +150,8 @@ def parse_log(path: Path) -> RunLog:
                 last_point = point
                 if key in ("eval_accuracy", "eval_error") and isinstance(value, int | float):
                     log.evals.append((point, float(value)))
+        if key == "train_loss" or key in STEP_KEYS:
+            _step_figures(log.steps, key, value, meta)
         if key == "seed":
             log.seed_lines.append((meta.get("file"), meta.get("lineno"), value))
         elif key == "run_start":
@@ -152,6 +161,23 @@ def parse_log(path: Path) -> RunLog:
             log.status = meta.get("status")
             log.converge_point = last_point if log.status == "success" else None
     return log
+
+
+def _step_figures(steps: dict, key: str, value, meta: dict) -> None:
+    """A per-step line's numbers, at its `samples_count`; a line without one, or a value that is not a
+    finite number (a log is untrusted), adds nothing."""
+    at = meta.get("samples_count")
+    fields = {key: value} if key == "train_loss" else value if isinstance(value, dict) else {}
+    for name, v in fields.items():
+        if isinstance(name, str) and _finite(v) and _finite(at):
+            steps.setdefault(name, []).append((float(at), float(v)))
+
+
+def _finite(v) -> bool:
+    try:
+        return _is_number(v) and math.isfinite(v)
+    except OverflowError:  # an integer beyond any float
+        return False
 
 
 def _eval_point(bench, meta: dict):

@@ -26,7 +26,12 @@ All of them take the family's config dataclass (a tier's `model`):
   `TP_STACKED_OVER` on modules whose weight stacks two sub-tensors (train/tensor_parallel.py); None means
   `--parallel tp` is refused for the family;
 - `tensor_parallel_check(cfg, tp)`: optional, the plan's own shape check without a model (a UserError
-  naming what does not divide), which `ttt plan` asks before it estimates a TP layout.
+  naming what does not divide), which `ttt plan` asks before it estimates a TP layout;
+- `peak_block_elements(cfg)`: optional, for a stack of unlike blocks (qwen3_5_moe's hybrid layers), the
+  largest block's `activation_elements`: activation checkpointing recomputes one block at a time, so the
+  largest one is the peak (None: `activation_elements`, the blocks being alike);
+- `decode_state_bytes(cfg, capacity, act_bytes)`: optional, the bytes one sequence's decode state holds at
+  `capacity` tokens (KV cache, recurrent state), for `ttt plan` of a task that decodes (GRPO's rollouts).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class ModelFamily:
     with_layers: Callable[[Any, int], Any] | None = None
     tensor_parallel: Callable[[Any, Any], None] | None = None
     tensor_parallel_check: Callable[[Any, int], None] | None = None
+    peak_block_elements: Callable[[Any], float] | None = None
+    decode_state_bytes: Callable[[Any, int, int], float] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`ttt report DIR --html`: one self-contained HTML page of a tree of results.
 
 The page holds the score table, one interactive chart per system x benchmark (every run's eval curve with
-hover values, the target and the RCP marks as their own traces), the compliance verdict of every log with
+hover values, the target and the RCP marks as their own traces) and, where the logs have per-step lines, a
+chart of those beside one another (train_loss; the reward of GRPO runs), the compliance verdict of every log with
 the official checker's message, and per benchmark a table and a chart (throughput, MFU, peak memory, each
 on its own axis with its unit) of the `ttt synth` summaries found under DIR.
 Charts are Plotly figures; plotly.js is inlined once, so the page needs no network and no server.
@@ -24,9 +25,11 @@ from timetotrain.report.plots import (
     RCP_MEAN_COLOR,
     RCP_MIN_COLOR,
     RUNS_COLOR,
+    TRAINING_PANELS,
     metric_label,
     point_label,
     target_of,
+    training_panels,
 )
 from timetotrain.report.summary import _slug
 from timetotrain.suite import official
@@ -39,7 +42,7 @@ th { background: #f2f2f2; }
 td.pass { color: #006400; font-weight: 600; } td.fail { color: #b00020; font-weight: 600; }
 td.pending { color: #8a6d00; font-weight: 600; }
 pre { white-space: pre-wrap; margin: 0; font-size: 0.85em; }
-.chart { width: 100%; height: 520px; } .chart.synth { height: 420px; }
+.chart { width: 100%; height: 520px; } .chart.synth { height: 420px; } .chart.training { height: 440px; }
 """
 
 
@@ -132,6 +135,54 @@ def group_figure(group: ResultGroup, score: Score) -> dict:
         "margin": {"t": 50, "l": 90, "r": 20},
     }
     return {"data": traces, "layout": layout}
+
+
+def training_figure(group: ResultGroup) -> dict | None:
+    """The Plotly figure of the group's per-step curves, one panel per series side by side (train_loss, and
+    the reward of GRPO runs: plots.TRAINING_PANELS), one trace per run and panel; None when no log has one."""
+    panels = training_panels(group)
+    if not panels:
+        return None
+    width, gap = 1.0 / len(panels), 0.08 if len(panels) > 1 else 0.0
+    data, layout = [], {}
+    for k, name in enumerate(panels):
+        x, y = ("x", "y") if k == 0 else (f"x{k + 1}", f"y{k + 1}")
+        for i, lg in enumerate(group.logs):
+            pts = lg.steps.get(name, [])
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "name": plotly(f"{lg.path.stem} (seed {lg.seed})"),
+                    "legendgroup": f"run{i}",  # one legend entry per run toggles it in every panel
+                    "showlegend": k == 0,
+                    "x": [_round(v) for v, _ in pts],
+                    "y": [_round(v) for _, v in pts],
+                    "xaxis": x,
+                    "yaxis": y,
+                    "line": {"width": 1.2},
+                    "hovertemplate": f"{plotly(lg.path.name)}<br>{name} %{{y:.5g}} at %{{x:,}}<extra></extra>",
+                }
+            )
+        lo, hi = k * width, (k + 1) * width
+        layout["xaxis" + x[1:]] = {
+            "domain": [lo + (gap / 2 if k else 0), hi - (gap / 2 if k < len(panels) - 1 else 0)],
+            "anchor": y,
+            "title": {"text": "training samples"},
+        }
+        layout["yaxis" + y[1:]] = {
+            "anchor": x,
+            "title": {"text": TRAINING_PANELS[name], "font": {"size": 11}},
+        }
+    layout.update(
+        {
+            "title": {"text": plotly(f"{group.benchmark} tier {group.tier}: per step")},
+            "hovermode": "closest",
+            "legend": {"orientation": "h", "y": -0.2},
+            "margin": {"t": 50, "l": 70, "r": 20},
+        }
+    )
+    return {"data": data, "layout": layout}
 
 
 def _score_table(rows: list[tuple[Score, str]]) -> str:
@@ -360,10 +411,14 @@ def render(root: Path, ruleset: str = RULESET) -> str:
         used.add(anchor)
         rows.append((s, anchor))
         figures[f"chart-{anchor}"] = group_figure(g, s)
+        training = training_figure(g)
+        if training is not None:
+            figures[f"chart-{anchor}-training"] = training
         body += [
             f"<h2 id='{anchor}'>{_e(g.benchmark)} ({_e(g.tier)}): {_e(g.submitter)} / {_e(g.system)}</h2>",
             f"<p>{_e(_rel(g.folder, Path(root)))}</p>",
             f"<div id='chart-{anchor}' class='chart'></div>",
+            *([f"<div id='chart-{anchor}-training' class='chart training'></div>"] if training else []),
             _runs_table(g, s, ruleset, Path(root)),
             f"<p>{_e(rcp_line(s.rcp))}</p>",
             *(f"<p>{_e(n)}</p>" for n in s.notes),

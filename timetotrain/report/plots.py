@@ -171,3 +171,56 @@ def _zoom_limits(ax, group: ResultGroup, target: float | None, marks: list[float
         pad = 0.08 * (max(ys) - min(ys) or abs(max(ys)) or 1.0)
         ax.set_ylim(min(ys) - pad, max(ys) + pad)
     ax.set_xlim(x0, x1)
+
+
+# What a training panel shows, by series name (RunLog.steps): its axis label. train_loss first, then the
+# per-step figures of GRPO's rollouts (`ttt_rollout_stats`) that a run is judged by.
+TRAINING_PANELS = {
+    "train_loss": "train_loss (the step's mean training loss)",
+    "reward": "reward (mean over the step's rollouts, ttt_rollout_stats)",
+}
+
+
+def training_panels(group: ResultGroup) -> list[str]:
+    """The TRAINING_PANELS some log of the group has a series for, in their order."""
+    return [name for name in TRAINING_PANELS if any(lg.steps.get(name) for lg in group.logs)]
+
+
+def plot_training(group: ResultGroup, path: Path, staged: fileio.Staged | None = None) -> Path | None:
+    """The per-step curves of every run against training samples, one panel per series (train_loss, and
+    beside it the reward for GRPO runs); None, and no file, when no log has a per-step series."""
+    panels = training_panels(group)
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), dpi=100, squeeze=False)
+    for ax, name in zip(axes[0], panels, strict=True):
+        for lg in group.logs:
+            pts = lg.steps.get(name, [])
+            xs, ys = zip(*pts, strict=True) if pts else ((), ())
+            ax.plot(xs, ys, linewidth=1.0, label=mpl(f"{lg.path.stem} (seed {lg.seed})"))
+        ax.set_xlabel("training samples")
+        ax.set_ylabel(TRAINING_PANELS[name])
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    fig.suptitle(
+        mpl(f"{group.benchmark} tier {group.tier}: {group.submitter} / {group.system}: per step"), fontsize=11
+    )
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    ncol = 5
+    rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.02 + 0.05 * rows, 1, 1))
+    for ax in axes[0]:
+        _thin_x_ticks(fig, ax)
+    try:
+        with fileio.atomic_write(path, "wb") if staged is None else staged.open(path) as f:
+            fig.savefig(f, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    return path

@@ -1,14 +1,16 @@
 """`ttt report`: a picture per benchmark and a markdown summary of a tree of result logs.
 
 summary.md holds the score table of `ttt score` with a section per system x benchmark (every value from a
-log escaped: `markup.md`); scores.json its machine-readable form; one PNG per group (see plots.py).
+log escaped: `markup.md`); scores.json its machine-readable form; one PNG per group (see plots.py), and a
+second, `<name>-training.png`, of the per-step curves (train_loss; the reward of GRPO runs) where the logs
+have them.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from timetotrain import fileio
@@ -17,7 +19,7 @@ from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import find_groups
 from timetotrain.mlperf.score import Score, rcp_line, score_group, to_json
-from timetotrain.report.plots import plot_group
+from timetotrain.report.plots import plot_group, plot_training
 
 
 @dataclass
@@ -26,6 +28,8 @@ class Report:
     scores_json: Path
     plots: list[Path]
     scores: list[Score]
+    # Per group, its per-step curves (plots.plot_training), or None where its logs have none.
+    training_plots: list[Path | None] = field(default_factory=list)
 
 
 def _slug(*parts: str) -> str:
@@ -40,7 +44,9 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
 
 
-def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
+def summary_markdown(
+    scores: list[Score], plots: list[Path], training: list[Path | None] | None = None
+) -> str:
     lines = [
         "# Results",
         "",
@@ -62,13 +68,15 @@ def summary_markdown(scores: list[Score], plots: list[Path]) -> str:
             f"{md(rcp)} | {_fmt(s.rcp.rcp_mean, ',.1f')} | {_fmt(s.rcp.rcp_min, ',.1f')} | [{p.name}]({p.name}) |"
         )
     lines += ["", "## Details", ""]
-    for s, p in zip(scores, plots, strict=True):
+    for s, p, t in zip(scores, plots, training or [None] * len(plots), strict=True):
         lines += [
             f"### {md(s.benchmark)} ({md(s.tier)}) - {md(s.submitter)} / {md(s.system)}",
             "",
             f"![{p.name}]({p.name})",
             "",
         ]
+        if t is not None:
+            lines += [f"![{t.name}]({t.name})", ""]
         lines += [
             "| run | seed | minutes | status | samples to converge | compliant |",
             "|---|---|---|---|---|---|",
@@ -92,7 +100,7 @@ def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out} cannot be created ({e.strerror}): pass a writable folder") from e
-    scores, plots, used = [], [], set()
+    scores, plots, training, used = [], [], [], set()
     # A benchmark x tier that more than one group holds names every one of its plots by submitter and
     # system, so a plot's name does not depend on which folder happened to sort first.
     shared = Counter((g.benchmark, g.tier) for g in groups)
@@ -106,11 +114,13 @@ def make_report(root: Path, out: Path, ruleset: str = RULESET) -> Report:
             else:
                 name = _slug(g.benchmark, g.tier, g.submitter, g.system)
             k = 2  # the same submitter and system in two folders: numbered in folder order
-            while name in used:
+            # A name is taken with its training plot's, so no group's plot is another's `-training` one.
+            while name in used or f"{name}-training" in used:
                 name, k = f"{name}-{k}", k + 1
-            used.add(name)
+            used.update((name, f"{name}-training"))
             plots.append(plot_group(g, s, out / f"{name}.png", staged))
+            training.append(plot_training(g, out / f"{name}-training.png", staged))
             scores.append(s)
-        staged.write_text(summary, summary_markdown(scores, plots))
+        staged.write_text(summary, summary_markdown(scores, plots, training))
         staged.write_text(scores_json, to_json(scores) + "\n")
-    return Report(summary, scores_json, plots, scores)
+    return Report(summary, scores_json, plots, scores, training)

@@ -82,6 +82,19 @@ class RunData(ABC):
         GRPO samples the rollouts, scores them and computes advantages here. Default: unchanged."""
         return batch
 
+    # The MLPerf log key of the figures `step_figures` makes once per step (GRPO: `ttt_rollout_stats`), or None.
+    step_key: str | None = None
+
+    def step_sums(self) -> torch.Tensor | None:
+        """This rank's sums over the batch just prepared (a 1-d device tensor), summed over ranks in the step's
+        one collective with its loss (`Training.step`), so that logging them costs no host sync of its own;
+        None when the task logs no per-step figures."""
+        return None
+
+    def step_figures(self, sums: list[float]) -> dict[str, float]:
+        """The value logged under `step_key` from the global sums (`step_sums` added over every rank)."""
+        raise NotImplementedError(f"{type(self).__name__} logs no per-step figures")
+
     def figures(self) -> dict[str, float]:
         """Figures of the data pipeline itself for `ttt synth` (e.g. a graph sampler's subgraphs/s), by
         name; most data has none."""
@@ -210,6 +223,17 @@ class Task(ABC):
     def plan_note(self, tier) -> str | None:
         """A line `ttt plan` adds about what its memory estimate leaves out and why, or None."""
         return None
+
+    # The loss reads whole `[tokens, vocab]` logits (GRPO's per-token log-probabilities), not the fused
+    # chunked head of `models/common/head_loss.py`: `ttt plan` counts them whole.
+    full_logits: bool = False
+
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, chunked: bool = False) -> dict[str, float]:
+        """`ttt plan`: the bytes per GPU of the task's own phases beside the training step's activations (GRPO:
+        the rollouts' decode, the log-probability check), by name, for the `rows` samples of one GPU; the
+        plan takes the largest of these and the step. `chunked`: as if logits were read a chunk at a time
+        (what a chunked head would leave, which the plan reports where nothing fits). Default: none."""
+        return {}
 
     def data_name(self, tier) -> str | None:
         """The name of the tier's prepared data (its cache folder), known without a source folder: the

@@ -31,9 +31,12 @@ import torch.distributed as dist
 
 from timetotrain.data import arithmetic
 from timetotrain.errors import UserError
+from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
+from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
+from timetotrain.train.parallel import forwards_are_collective
 from timetotrain.train.policy_gradient import (
     LOGPROB_ERROR_THRESHOLD,
     TIS_MAX,
@@ -74,6 +77,34 @@ class GRPOData:
     digits: int = 2  # operand digits of the arithmetic problems
     kind: str = "add"  # which problems (data/arithmetic.py): "add" or "reverse"
     logprob_error_threshold: float | None = LOGPROB_ERROR_THRESHOLD
+
+
+# What `_Rollouts.step_sums` adds up over a step's rollouts, in this order (all ranks' sums are added).
+ROLLOUT_SUMS = (
+    "reward",
+    "completion_tokens",
+    "zero_std_groups",
+    "truncated",
+    "dropped",
+    "groups",
+    "rollouts",
+)
+
+
+def rollout_figures(sums: list[float]) -> dict[str, float]:
+    """The `ttt_rollout_stats` of a step from its global ROLLOUT_SUMS: over the global batch, the mean reward,
+    the mean completion length (tokens), and the fractions of zero-std groups (all rewards equal: advantage 0,
+    no gradient), of rollouts cut at the length cap and of rollouts dropped from the update (cut, or a
+    logprob error)."""
+    s = dict(zip(ROLLOUT_SUMS, sums, strict=True))
+    rollouts, groups = max(s["rollouts"], 1.0), max(s["groups"], 1.0)
+    return {
+        "reward": s["reward"] / rollouts,
+        "completion_tokens": s["completion_tokens"] / rollouts,
+        "zero_std_groups": s["zero_std_groups"] / groups,
+        "truncated": s["truncated"] / rollouts,
+        "dropped": s["dropped"] / rollouts,
+    }
 
 
 class _Resolved:
@@ -136,6 +167,18 @@ class _Rollouts(RunData):
 
     @torch.no_grad()
     def prepare(self, model, batch: Batch) -> Batch:
+        """`rollouts`, then the token-level mean's denominator summed over every rank."""
+        out = self.rollouts(model, batch)
+        n = out["norm"][:1].double()
+        if self.world > 1:
+            dist.all_reduce(n)
+        out["norm"] = n.float().expand(out["norm"].shape[0]).clone()
+        return out
+
+    @torch.no_grad()
+    def rollouts(self, model, batch: Batch) -> Batch:
+        """This rank's rollouts of `batch` as loss-ready rows (module docstring), with `norm` this rank's own
+        valid-token count: no collective here, except the forwards of a sharded model (made in lockstep)."""
         model = _unwrap(model)
         step = int(batch["step"][0])
         prompts = batch["prompt"].tolist()
@@ -143,6 +186,7 @@ class _Rollouts(RunData):
         completions, gen_lps = self.engine.generate(
             model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.train_temperature,
             top_p=self.d.train_top_p, eos_id=arithmetic.EOS, generator=self._generator(1, step),
+            lockstep=forwards_are_collective(model),
         )  # fmt: skip
         rewards = self._rewards(problems, completions)
         self.last_reward = float(rewards.mean())
@@ -165,9 +209,8 @@ class _Rollouts(RunData):
         if self.d.logprob_error_threshold is not None:
             prev = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
             sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, self.d.logprob_error_threshold)
-        n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1).double()
-        if self.world > 1:
-            dist.all_reduce(n)
+        n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1)
+        self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
         return {
             "tokens": tokens,
             "mask": mask,
@@ -177,6 +220,29 @@ class _Rollouts(RunData):
             "norm": n.float().expand(B).clone(),
             "rows": torch.full((B,), float(B), device=self.device),
         }
+
+    step_key = ROLLOUT_STATS_KEY
+    _sums: torch.Tensor | None = None  # of the batch `prepare` made last
+
+    def _rollout_sums(self, rewards, completions, truncated, sample_mask) -> torch.Tensor:
+        """This rank's sums of what a GRPO user watches per step (ROLLOUT_SUMS): rewards, completion tokens, groups
+        whose rewards are all equal (advantage 0: no gradient), rollouts cut at the length cap, rollouts out of
+        the update (cut, or a logprob error), groups, rollouts. The host's figures are known already; the
+        dropped count stays on the device (no sync)."""
+        g = rewards.view(-1, self.G)
+        host = torch.tensor(
+            [float(rewards.sum()), float(sum(len(c) for c in completions)),
+             float((g == g[:, :1]).all(1).sum()), float(truncated.sum())],
+        )  # fmt: skip
+        dropped = (sample_mask == 0).sum().reshape(1).to(torch.float32)
+        shape = torch.tensor([float(g.shape[0]), float(rewards.numel())])
+        return torch.cat([host.to(self.device), dropped, shape.to(self.device)])
+
+    def step_sums(self) -> torch.Tensor | None:
+        return self._sums
+
+    def step_figures(self, sums: list[float]) -> dict[str, float]:
+        return rollout_figures(sums)
 
     def loss(self, model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         """This micro-batch's share of the global token-level loss, scaled so that the harness's mean over
@@ -205,6 +271,7 @@ class _Rollouts(RunData):
                 completions, _ = self.engine.generate(
                     model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.val_temperature,
                     top_p=self.d.val_top_p, eos_id=arithmetic.EOS, generator=self._generator(2, 0),
+                    lockstep=forwards_are_collective(model),
                 )  # fmt: skip
             rewards = self._rewards(problems, completions).view(-1, k)
             solved = float((rewards > 0).any(1).sum())
@@ -343,10 +410,31 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
+    # `loss` and the logprob check take `token_logprobs` of the model's whole logits (no chunked head).
+    full_logits = True
+
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, chunked: bool = False) -> dict[str, float]:
+        """A GPU's phases beside the step, each with the model states resident: the decode of its `rows`
+        rollouts at once (each row's cache at the full sequence length), and the logprob check's no-grad
+        forward (the whole logits of its rows: compute-precision logits, their fp32 copy and log-softmax;
+        `chunked`: one chunk of rows at a time)."""
+        d, V = tier.data, tier.model.vocab_size
+        phases = {}
+        if family.decode_state_bytes is not None:
+            phases["the rollouts' decode"] = rows * family.decode_state_bytes(
+                tier.model, d.seq_len, act_bytes
+            )
+        if d.logprob_error_threshold is not None:
+            tokens = chunk_rows(rows * d.seq_len, V) if chunked else rows * d.seq_len
+            phases["the logprob check"] = tokens * V * (act_bytes + 4 + 4)
+        return phases
+
     def plan_note(self, tier) -> str | None:
         return (
-            "the estimate is the training step's; the rollouts' KV cache and DeltaNet state (colocated decode, "
-            f"{tier.global_batch_size} rollouts of up to {tier.data.max_new_tokens:,} tokens) come on top of it"
+            "activations: the largest of the training step (whole logits: GRPO's per-token log-probabilities "
+            "are not the chunked head), the rollouts' decode (each GPU's rollouts at once, KV cache and DeltaNet "
+            f"state at {tier.data.seq_len:,} tokens) and the logprob check's forward (whole logits, no grad); the "
+            "prefill's own logits and a no-grad forward's block temporaries are not counted"
         )
 
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:

@@ -233,17 +233,28 @@ def run(opts: RunOptions) -> RunResult:
                     batch = fetch.next()
                     if task.on_policy:  # rollouts from the weights of this step (GRPO)
                         batch = data.prepare(tr.bare, batch)
-                    loss = tr.step(step, batch, accum, data.loss, stop_vote=aborter.caught is not None)
+                    loss = tr.step(
+                        step,
+                        batch,
+                        accum,
+                        data.loss,
+                        stop_vote=aborter.caught is not None,
+                        sums=data.step_sums(),
+                    )
                     step += 1
                     items_done += items_per_step
                     if pending is not None:
-                        reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
+                        reason = _report(
+                            log, live, *pending, items_done, item_name, t_run0, last_eval, gbs, data
+                        )
                         if reason:
                             break
                     pending = (step, loss)
                     on_cadence = task.eval_due(tier, step)
                     if on_cadence or step == stop_after:
-                        reason = _report(log, live, *pending, items_done, item_name, t_run0, last_eval, gbs)
+                        reason = _report(
+                            log, live, *pending, items_done, item_name, t_run0, last_eval, gbs, data
+                        )
                         if reason:
                             break
                         pending = None
@@ -374,16 +385,22 @@ def _telemetry(bench, model, log, point: dict) -> str:
     return text
 
 
-def _report(log, live, step, loss_t, items_done, item_name, t0, last_eval, gbs) -> str:
-    """Log a step's loss; returns why the run must stop ('' to go on). Every rank reads the same reduced
-    values, so every rank takes the same decision at the same step."""
-    loss, votes = loss_t.tolist()
-    log.event("train_loss", loss, metadata={"step_num": step, "samples_count": step * gbs})
+def _report(log, live, step, loss_t, items_done, item_name, t0, last_eval, gbs, data) -> str:
+    """Log a step's loss, and the task's per-step figures (read in the same host transfer); returns why the
+    run must stop ('' to go on). Every rank reads the same reduced values, so every rank takes the same
+    decision at the same step."""
+    loss, votes, *sums = loss_t.tolist()
+    point = {"step_num": step, "samples_count": step * gbs}
+    log.event("train_loss", loss, metadata=point)
+    figures = data.step_figures(sums) if sums else {}
+    if figures:
+        log.event(data.step_key, figures, metadata=point)
     if live:
         rate = items_done / max(time.monotonic() - t0, 1e-9)
         ev = f"{last_eval:.4f}" if last_eval is not None else "-"
+        more = "".join(f"  {k} {v:.3g}" for k, v in list(figures.items())[:1])
         live.update(
-            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}  {rate:,.0f} {item_name}/s  last eval {ev}"
+            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}{more}  {rate:,.0f} {item_name}/s  last eval {ev}"
         )
     if votes > 0:
         return "stopped by a signal"

@@ -21,7 +21,14 @@ Where the numbers come from (an estimate, not a measurement):
   hidden states (h) per token, plus, once per micro-batch, the fp32 head-weight gradient and one chunk of
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
-  its recomputation.
+  its recomputation (of unlike blocks the largest: `ModelFamily.peak_block_elements`, qwen3_5_moe's DeltaNet).
+  A task whose loss reads whole logits (`Task.full_logits`: GRPO's per-token log-probabilities) has them
+  counted whole instead of one chunk: the kept fp32 log-softmax and, in the backward, its fp32 gradient in
+  and out and the bf16 gradient (14 B per token and vocabulary entry).
+- A task's own phases beside the step (`Task.plan_phases`: GRPO's rollout decode, each GPU's rollouts at
+  once with their KV cache and recurrent state at the full sequence length, and its logprob check, a
+  no-grad forward over whole logits): the activations column holds the largest of these and the step's
+  (`Estimate.peak` names it), the model states being resident through all of them.
   A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
   flux (models/flux/) counts what each double and single MMDiT block keeps per token of the joint
   sequence, with its fp32 parts, plus the embedders, final layer and loss per sample; tests/test_plan.py
@@ -65,7 +72,9 @@ Where the numbers come from (an estimate, not a measurement):
 - Launch: one torchrun on one node when --gpus fits in `--gpus-per-node`, else the same torchrun on every
   node with a c10d rendezvous and its sbatch form (README "Scale-out"). When nothing fits, `fits_from`
   plans the larger worlds `ttt run` could take (whole nodes, a divisor of the global batch times a TP
-  degree) in order and names the first that fits.
+  degree) in order and names the first that fits; when none does, `nothing_fits` says why in the numbers
+  of the largest such world (one sample per data-parallel rank) and what would be needed: the sequence
+  split over GPUs (context parallelism, activations / c) or tensor parallelism, or a larger device.
 """
 
 from __future__ import annotations
@@ -141,25 +150,56 @@ class Estimate:
     compute_copies: float
     activations: float
     margin: float
+    # What the activations column holds: the training step's, or a task phase's that is larger
+    # (`Task.plan_phases`: GRPO's rollout decode or logprob check).
+    peak: str = "the training step"
 
     @property
     def total(self) -> float:
         return self.states + self.compute_copies + self.activations + self.margin
 
 
-def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1) -> float:
+def activation_bytes(
+    family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1, full_logits: bool = False
+) -> float:
     h = cfg.dim
     per_block = family.activation_elements(cfg) / tp  # elements per token, see the module docstring
+    # Under checkpointing one block is recomputed at a time: of unlike blocks, the largest is the peak.
+    peak = (family.peak_block_elements or family.activation_elements)(cfg) / tp
     head = 4 * h * act_bytes
-    rows = chunk_rows(tokens, cfg.vocab_size)
-    # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
-    chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
-    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
+    if full_logits:
+        # `Task.full_logits`: the fp32 log-softmax of every token's logits, kept for the backward, and there
+        # its fp32 gradient in and out and, in bf16, the gradient cast for the head's matmul; fp32 dW.
+        head_fixed = cfg.vocab_size * cfg.dim * 4 + tokens * cfg.vocab_size * (
+            12 + (2 if act_bytes < 4 else 0)
+        )
+    else:
+        rows = chunk_rows(tokens, cfg.vocab_size)
+        # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
+        chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
+        head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
     if ac:
-        body = cfg.n_layers * h / tp * act_bytes + per_block * act_bytes
+        body = cfg.n_layers * h / tp * act_bytes + peak * act_bytes
     else:
         body = cfg.n_layers * per_block * act_bytes
     return tokens * (body + head) + head_fixed
+
+
+MARGIN_SHARE = 0.05  # of the device, plus 1 GiB: allocator, NCCL buffers, workspaces (module docstring)
+
+
+def _margin(gpu_mem_gib: float) -> float:
+    return MARGIN_SHARE * gpu_mem_gib * GiB + GiB
+
+
+def _peak(
+    bench, tier, step_bytes: float, rows: int, act_bytes: int, chunked: bool = False
+) -> tuple[float, str]:
+    """The step's activations, or the task's larger phase (`Task.plan_phases`), with its name."""
+    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes, chunked)
+    phases = {"the training step": step_bytes, **more}
+    name = max(phases, key=phases.get)
+    return phases[name], name
 
 
 def estimate(
@@ -205,10 +245,11 @@ def estimate(
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
         tokens = micro * bench.task.sample_items(tier)[1]
-        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
-    margin = 0.05 * gpu_mem_gib * GiB + GiB
+        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, full_logits=bench.task.full_logits)
+    act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
+    margin = _margin(gpu_mem_gib)
     label = f"ep={gpus},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
-    return Estimate(label, ac, micro, states, copies, act, margin)
+    return Estimate(label, ac, micro, states, copies, act, margin, peak)
 
 
 def expert_params(family, cfg) -> tuple[float, int]:
@@ -244,9 +285,10 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
         - _fp8_saving(fp8, True, True, tp)
     )
     tokens = micro * bench.task.sample_items(tier)[1]
-    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
-    margin = 0.05 * gpu_mem_gib * GiB + GiB
-    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin)
+    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
+    act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
+    margin = _margin(gpu_mem_gib)
+    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak)
 
 
 def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
@@ -395,6 +437,16 @@ def fits_from(
     suggestion; None when none does. Only worlds `ttt run` could take are tried: the batch splits over the
     data-parallel ranks (a divisor of the global batch, times a TP degree of 1, 2, 4 or 8) and the world is
     whole nodes of --gpus-per-node (or fits in one), so the search is a few dozen plans, not a scan."""
+    for w, (_, _, best) in _larger_plans(
+        bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8
+    ):
+        if best is not None:
+            return w, best
+    return None
+
+
+def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8=None):
+    """(world, plan) of every world above `gpus` that `ttt run` could take, in increasing order (`fits_from`)."""
     gbs = tier.global_batch_size
     given = parallel.parse(parallel_spec, gpus, world_from="--gpus is") if parallel_spec else None
     kind = _kind(given) if given is not None else ""
@@ -406,12 +458,62 @@ def fits_from(
             continue
         spec = _spec_at(kind, given, w)
         try:
-            _, _, best = plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node, fp8)
+            yield w, plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node, fp8)
         except UserError:  # this world splits neither the batch nor the experts: try the next one
             continue
-        if best is not None:
-            return w, best
-    return None
+
+
+def nothing_fits(
+    bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None,
+) -> str:  # fmt: skip
+    """Why no world fits (when `fits_from` found none), in numbers: the smallest estimate on the largest world
+    `ttt run` could take (one sample per data-parallel rank at most), its activations against what the
+    device leaves beside the states, bf16 copies and margin, and what would be needed: the sequence split
+    over that many GPUs (context parallelism: activations / c), and for a task whose loss reads whole logits
+    (`Task.full_logits`) what a chunked head would leave."""
+    plans = list(_larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))
+    if not plans:
+        plans = [(gpus, plan(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))]
+    w, (_, rows, _) = plans[-1]
+    r = min(rows, key=lambda e: e.total)
+    cap = HEADROOM * gpu_mem_gib * GiB
+    fixed = r.states + r.compute_copies + r.margin
+    item, per_sample = bench.task.sample_items(tier)
+    head = (
+        f"on {w} GPUs, the most `ttt run` takes for GBS {tier.global_batch_size}, the smallest layout "
+        f"({r.parallel}, activation checkpointing {'on' if r.ac else 'off'}, micro-batch {r.micro_batch}) "
+        f"for one sample of {per_sample:,} {item} needs ~{r.activations / GiB:,.0f} GiB of "
+        f"activations ({r.peak}) beside ~{fixed / GiB:,.0f} GiB of states, bf16 copies and margin, over the "
+        f"{cap / GiB:,.0f} GiB usable ({HEADROOM:.0%} of {gpu_mem_gib:g} GiB)"
+    )
+    if fixed >= cap:
+        return f"nor on more GPUs: {head}; the states alone exceed it: use GPUs with more memory"
+
+    def split(act: float) -> int:
+        return math.ceil(act / (cap - fixed))
+
+    need = (
+        f"needed: the sequence split over GPUs, context parallelism of at least {split(r.activations)} (or "
+        f"tensor parallelism), which timetotrain does not have for the {bench.family.name} family"
+    )
+    if bench.task.full_logits and family_decoder(bench):
+        tokens = r.micro_batch * per_sample
+        act = activation_bytes(bench.family, tier.model, tokens, 2 if bf16 else 4, r.ac, full_logits=False)
+        act, what = _peak(bench, tier, act, tier.global_batch_size // w, 2 if bf16 else 4, chunked=True)
+        need += (
+            "; were the logits read a chunk at a time (a chunked log-probability head, not written: the loss and "
+            f"the logprob check read them whole) ~{act / GiB:,.0f} GiB ({what}), "
+            + (f"still context parallelism of {split(act)}" if act > cap - fixed else "which would fit")
+        )
+    # The device on which this estimate fits, its margin growing with it.
+    total = (r.states + r.compute_copies + r.activations + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
+    return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
+
+
+def family_decoder(bench) -> bool:
+    """A decoder whose activations `activation_bytes` counts (not a family with its own count: flux)."""
+    return bench.family.activation_bytes is None
 
 
 def launch(
@@ -462,6 +564,7 @@ def _fits(r: Estimate, gpu_mem_gib: float) -> str:
 def plan_doc(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
     larger: tuple[int, Estimate] | None = None, simulated: dict | None = None, fp8: Fp8 | None = None,
+    why: str | None = None,
 ) -> dict:  # fmt: skip
     """`ttt plan --json`: what format_plan prints, as data (bytes per GPU in GiB). `larger` is
     `fits_from`'s answer when nothing fits."""
@@ -489,6 +592,7 @@ def plan_doc(
                 "states_gib": r.states / GiB,
                 "compute_copies_gib": r.compute_copies / GiB,
                 "activations_gib": r.activations / GiB,
+                "activations_of": r.peak,  # the training step, or a task phase (GRPO: the rollouts, the logprob check)
                 "margin_gib": r.margin / GiB,
                 "total_gib": r.total / GiB,
                 **(
@@ -503,7 +607,7 @@ def plan_doc(
         "suggestion": None,
     }
     if best is None:
-        doc["suggestion_reason"] = f"nothing fits within 90% of the device; {_fits_from_text(larger)}"
+        doc["suggestion_reason"] = f"nothing fits within 90% of the device; {_fits_from_text(larger, why)}"
         doc["fits_from"] = None
         if larger is not None:
             w, r = larger
@@ -525,9 +629,9 @@ def _gib(x: float | None) -> float | None:
     return None if x is None else x / GiB
 
 
-def _fits_from_text(larger: tuple[int, Estimate] | None) -> str:
+def _fits_from_text(larger: tuple[int, Estimate] | None, why: str | None = None) -> str:
     if larger is None:
-        return (
+        return why or (
             "nor on more GPUs (any count of whole nodes that splits the global batch, up to 8 GPUs a sample): "
             "use GPUs with more memory"
         )
@@ -546,6 +650,7 @@ def _count(n: float) -> str:
 def format_plan(
     bench, tier, n_params, rows, best, gpus, gpu_mem_gib, bf16: bool = True, gpus_per_node: int = 8,
     larger: tuple[int, Estimate] | None = None, simulated: dict | None = None, fp8: Fp8 | None = None,
+    why: str | None = None,
 ) -> str:  # fmt: skip
     """The plan table; `simulated` (`ttt plan --simulate`): {(parallel, ac, micro): simulated bytes with the
     same margin} adds a "simulated" column (train/simulate.py), "-" on the rows not simulated."""
@@ -597,7 +702,7 @@ def format_plan(
         )
     if best is None:
         out.append(
-            f"suggestion: nothing fits on {gpus} GPU{'' if gpus == 1 else 's'}; {_fits_from_text(larger)}"
+            f"suggestion: nothing fits on {gpus} GPU{'' if gpus == 1 else 's'}; {_fits_from_text(larger, why)}"
         )
     else:
         how = launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8)

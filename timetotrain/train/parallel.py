@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from timetotrain.errors import UserError
 from timetotrain.train import float8
 from timetotrain.train.embedding_parallel import shard_embeddings
+from timetotrain.train.expert_parallel import is_expert_sharded
 
 KINDS = ("dp", "fsdp", "ep", "tp")
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -242,6 +244,13 @@ def remark(model: nn.Module, plan: Plan) -> None:
         from timetotrain.train.expert_parallel import mark_expert_slices
 
         mark_expert_slices(model)
+
+
+def forwards_are_collective(model: nn.Module) -> bool:
+    """Whether a forward of `model` calls collectives: FSDP2- or TP-sharded parameters (DTensors) or expert
+    slices (all-to-alls). Then every rank must make the same number of forwards: a decode loop may not stop
+    early on one rank (rollout.RolloutEngine's `lockstep`)."""
+    return any(isinstance(p, DTensor) or is_expert_sharded(p) for p in model.parameters())
 
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:

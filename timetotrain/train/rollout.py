@@ -34,9 +34,12 @@ class RolloutEngine(Protocol):
         top_p: float,
         eos_id: int | None,
         generator: torch.Generator | None,
+        lockstep: bool = False,
     ) -> tuple[list[list[int]], list[torch.Tensor]]:
         """(completions, fp32 log-probabilities `[len]` of each completion's tokens), in prompt order; a
-        completion ends after `eos_id` (kept) or at `max_new_tokens`."""
+        completion ends after `eos_id` (kept) or at `max_new_tokens`. `lockstep`: the model's forwards are
+        collectives (FSDP2's all-gathers, expert all-to-alls), so every rank must make the same number of
+        them, whenever its own rows end."""
 
 
 @torch.no_grad()
@@ -91,8 +94,14 @@ class TorchRollout:
     def __init__(self, generate: Generate = naive_generate):
         self._generate = generate
 
-    def generate(self, model, prompt_ids, *, max_new_tokens, temperature, top_p, eos_id, generator):
+    def generate(
+        self, model, prompt_ids, *, max_new_tokens, temperature, top_p, eos_id, generator, lockstep=False
+    ):
+        # In lockstep every rank decodes all `max_new_tokens` steps (the family's `all_steps`: the same
+        # completions, finished rows' new tokens dropped). A vote across ranks at each step would stop once
+        # every rank is done; it is not written, as the model's decode holds no collective of its own.
+        steps = {"all_steps": True} if lockstep else {}
         return self._generate(
             model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            eos_id=eos_id, generator=generator,
+            eos_id=eos_id, generator=generator, **steps,
         )  # fmt: skip

@@ -79,9 +79,18 @@ class Training:
     after_opt_step: object = None  # called after each optimizer step (float8 scales under FSDP2), or None
     _votes: torch.Tensor | None = None
 
-    def step(self, step: int, batch: dict, accum: int, loss_fn, stop_vote: bool = False) -> torch.Tensor:
-        """Returns [global mean loss, number of ranks voting to stop] as one device tensor, reduced in a
-        single collective so every rank sees the same values and takes the same decision."""
+    def step(
+        self,
+        step: int,
+        batch: dict,
+        accum: int,
+        loss_fn,
+        stop_vote: bool = False,
+        sums: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns [global mean loss, number of ranks voting to stop, *sums over ranks] as one device tensor,
+        reduced in a single collective so every rank sees the same values and takes the same decision;
+        `sums` are the task's per-step figures of this rank (`RunData.step_sums`), carried along for free."""
         set_lr(self.opt, self.sched(step))
         loss = train_step(
             self.model, self.opt, batch, accum, loss_fn, self.clip, self.params, self.autocast, self.ep_group,
@@ -97,6 +106,8 @@ class Training:
         if self._votes is None:  # made once: a fresh device scalar every step would be a host-to-device copy
             self._votes = torch.tensor([0.0, 1.0], device=loss.device)
         out = torch.stack([loss / self.world, self._votes[int(stop_vote)]])
+        if sums is not None:
+            out = torch.cat([out, sums.to(out.dtype)])
         if self.world > 1:
             dist.all_reduce(out)  # SUM (gloo has no AVG): the loss was pre-divided
         return out

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from timetotrain.errors import UserError
+from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
 
 
 class Trackers:
@@ -78,6 +79,8 @@ class Trackers:
             self.scalars(values, step)
         elif key == "eval_accuracy":
             self.scalars({"eval_accuracy": float(value)}, self._step_of(md))
+        elif key == ROLLOUT_STATS_KEY and isinstance(value, dict):  # GRPO: reward, completion length, ...
+            self.scalars({f"rollouts/{k}": float(v) for k, v in value.items()}, int(md.get("step_num", 0)))
         elif key == "ttt_expert_load" and isinstance(value, dict):
             self.scalars({f"expert_load/{k}": float(v) for k, v in value.items()}, self._step_of(md))
         elif key == "ttt_tokens_per_expert" and isinstance(value, list):

@@ -39,8 +39,9 @@ def generate(
     """Completions of every prompt (module docstring): (token lists, fp32 log-probabilities `[len]` per token, on
     the CPU), in the order of `prompt_ids`. Repeat a prompt G times in `prompt_ids` for G generations of it.
     `pad_id`: the token id the padding columns hold (any valid id: they are masked). `all_steps`: run all
-    `max_new_tokens` steps over every row, finished or not (the results are the same): under expert parallelism
-    every rank must make the same number of forwards, whatever its own rows do."""
+    `max_new_tokens` steps over every row, finished or not (the results are the same: only unfinished rows are
+    sampled, so `generator` draws what it draws without `all_steps`): under expert parallelism or FSDP every
+    rank must make the same number of forwards, whatever its own rows do."""
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise ValueError("generate needs at least one prompt, and every prompt at least one token")
     if max_new_tokens < 1:
@@ -78,7 +79,15 @@ def _decode(model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, ge
     live = torch.arange(B)  # the original index of each row still in the cache
     done = torch.zeros(B, dtype=torch.bool)  # all_steps: rows past their EOS, whose new tokens are dropped
     for step in range(max_new_tokens):
-        tokens, lp = sample_next(logits, temperature, top_p, generator)
+        if all_steps and bool(done.any()):
+            # Only the unfinished rows are sampled, in order, as the early-stopping path samples its live rows.
+            todo = (~done).nonzero().squeeze(1).to(device)
+            tokens = torch.full((B,), pad_id, dtype=torch.long, device=device)
+            lp = torch.zeros(B, device=device)
+            if len(todo):
+                tokens[todo], lp[todo] = sample_next(logits[todo], temperature, top_p, generator)
+        else:
+            tokens, lp = sample_next(logits, temperature, top_p, generator)
         tokens_cpu, lp_cpu = tokens.cpu(), lp.cpu()
         for j, b in enumerate(live.tolist()):
             if done[b]:

@@ -322,6 +322,25 @@ def activation_elements(cfg: Qwen35MoeConfig) -> float:
     return (n_full * full + (cfg.n_layers - n_full) * linear) / cfg.n_layers
 
 
+def peak_block_elements(cfg: Qwen35MoeConfig) -> float:
+    """The larger of the two kinds of block: what one block's recomputation holds under activation checkpointing."""
+    kinds = [cfg.is_full_attention(i) for i in range(cfg.n_layers)]
+    return max(block_activation_elements(cfg, full) for full in set(kinds))
+
+
+def decode_state_bytes(cfg: Qwen35MoeConfig, capacity: int, act_bytes: int) -> float:
+    """One row's decode cache at `capacity` tokens: each full-attention layer's K and V (`kv` heads of `head_dim`,
+    in the compute precision), each DeltaNet layer's fp32 state (`lin_v_heads` x d_k x d_v) and conv window."""
+    n_full = cfg.n_full_layers()
+    kv = n_full * 2 * cfg.n_kv_heads * cfg.head_dim * capacity * act_bytes
+    state = (
+        (cfg.n_layers - n_full)
+        * 4
+        * (cfg.lin_v_heads * cfg.lin_k_dim * cfg.lin_v_dim + cfg.conv_dim * (cfg.conv_kernel - 1))
+    )
+    return float(kv + state)
+
+
 def telemetry(model: Qwen35Moe) -> tuple[dict, str]:
     """Tokens routed to each expert in the last training forward per layer, and the load spread."""
     return expert_load(model.tokens_per_expert().tolist())
@@ -336,6 +355,8 @@ FAMILY = ModelFamily(
     flops_per_token=flops_per_token,
     block_params=block_params,
     activation_elements=activation_elements,
+    peak_block_elements=peak_block_elements,
+    decode_state_bytes=decode_state_bytes,
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
