@@ -20,7 +20,8 @@
 # bench/gpu_probe.py): llama31_8b at reference width, 4 layers, compiled bf16, float8 tensorwise and rowwise,
 # eager; the fused head+loss before/after at the 8B shape; SDPA backends at the 8B and gpt_oss_20b attention
 # shapes; gpt_oss_20b's sliding window, mask path vs torch's native windowed kernel; the MoE experts' cast
-# once per step vs per micro-batch; MXFP8 (on sm90: its one-line refusal); a 2/4/8-layer depth sweep
+# once per step vs per micro-batch; MXFP8 (on sm90: its one-line refusal); compile coverage per model
+# family (graph breaks, eager vs compiled step at the tiny configs); a 2/4/8-layer depth sweep
 # extrapolated to 32 layers; gpt_oss_20b at 2 layers. MFU in both FLOP
 # conventions (causal half: ours; full square: torchtitan / NeMo <= 25.07). A run cut short keeps its records;
 # a figure that fails is a record too. Then a table of them.
@@ -72,6 +73,10 @@ for line in open(sys.argv[1]):
         native = (f"native {r['native_fwd_bwd_ms']:8.2f} ms  x{r['speedup']:.2f}  max |diff| {r['max_abs_diff']}"
                   if "native_fwd_bwd_ms" in r else r.get("native", ""))
         print(f"{name:<52} mask {r['mask_fwd_bwd_ms']:8.2f} ms  {native}  check {r['native_window_works']}")
+    elif r["kind"] == "compile_coverage":
+        print(f"{name:<52} graphs {r['graphs']} breaks {r['breaks']}  eager {r['eager_step_s']*1e3:8.1f} ms  "
+              f"compiled ({r['backend']}) {r['compiled_step_s']*1e3:8.1f} ms  x{r['speedup']:.2f}  "
+              f"eager outside: {', '.join(r['eager_outside'])}")
     elif r["kind"] == "moe_cast":
         print(f"{name:<52} per-micro-batch cast {r['per_micro_batch_cast_s']*1e3:8.1f} ms  per-step "
               f"{r['per_step_cast_s']*1e3:8.1f} ms  x{r['speedup']:.2f}  grad diff {r['max_abs_grad_diff']}")

@@ -19,6 +19,11 @@ Figures (all bf16 unless named; `ttt synth` on random tokens at the reference wi
              gpt_oss_20b's expert width, 4 micro-batches.
   mxfp8      `--set fp8_recipe=mxfp8` on this device: on sm90 (H200) the one-line refusal (MXFP8 GEMMs
              need 10.0+); on a CPU (smoke) the emulated recipe's synth run.
+  compile_coverage  per model family at its tiny config (bench/compile_coverage.py): graphs and graph
+             breaks of each kind of block (`torch._dynamo.explain`, bf16), what stays eager outside the
+             blocks, and one micro-batch's forward + backward eager vs with every block compiled as
+             `--compile` does (inductor, bf16). CPU smoke: the same counts; the times fp32 with the
+             `aot_eager` backend (no C++ compile), which says the record runs, not what compile gains.
 MFU in two FLOP conventions, both labelled: `mfu_causal` (ours: attention counts the causal half the
 kernels compute) and `mfu_full_square` (torchtitan and NeMo <= 25.07: the full T x T square). Float8 runs
 are reported against the dense bf16 peak ("bf16-equivalent MFU"), as torchtitan reports them.
@@ -45,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/head_loss.py, 
 
 # Imported in `main`, after the first record: on a bare machine a missing wheel is then a record, not a
 # traceback before any output.
-suite = head_loss_bench = moe_cast_bench = None
+suite = head_loss_bench = moe_cast_bench = compile_coverage_bench = None
 
 
 class Records:
@@ -235,6 +240,22 @@ def window(heads: int, kv: int, head_dim: int, seq: int, W: int, device: torch.d
     return rec
 
 
+def compile_coverage(family: str, device: torch.device) -> dict:
+    """One family's record (module docstring): its blocks' graph counts and breaks, then eager vs compiled."""
+    cc = compile_coverage_bench
+    bench = cc.FAMILIES[family]
+    cov = cc.coverage(bench, torch.bfloat16, device.type)
+    if device.type == "cuda":
+        times = cc.step_times(bench, device.type, torch.bfloat16, batch=2, steps=5, warmup=3)
+    else:  # the smoke: fp32, no inductor (its C++ compile would take minutes on a small CPU)
+        times = cc.step_times(
+            bench, device.type, torch.float32, batch=1, steps=1, warmup=1, backend="aot_eager"
+        )
+    graphs = sum(b["graphs"] for b in cov["blocks"].values())
+    breaks = sum(b["breaks"] for b in cov["blocks"].values())
+    return {**cov, "graphs": graphs, "breaks": breaks, **times}
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -248,7 +269,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated kinds to run (synth, head_loss, attention, window, moe_cast, mxfp8)",
+        help="comma-separated kinds to run (synth, head_loss, attention, window, moe_cast, mxfp8, "
+        "compile_coverage)",
+    )
+    p.add_argument(
+        "--families", default="", help="compile_coverage: comma-separated model families (default: all)"
     )
     a = p.parse_args(argv)
     out = Path(a.out)
@@ -266,8 +291,9 @@ def main(argv=None) -> int:
         ao = torchao.__version__
     except ImportError:
         ao = None
-    global suite, head_loss_bench, moe_cast_bench
+    global suite, head_loss_bench, moe_cast_bench, compile_coverage_bench
     try:
+        import compile_coverage as compile_coverage_bench
         import head_loss as head_loss_bench
         import moe_cast as moe_cast_bench
 
@@ -371,6 +397,12 @@ def main(argv=None) -> int:
         s("gptoss20b_2L_compiled", bench="gpt_oss_20b", layers=2)
     else:
         s("gptoss20b_1L_eager", bench="gpt_oss_20b", layers=1, compile=False)
+    if wanted("compile_coverage"):
+        families = [f for f in a.families.split(",") if f] or list(compile_coverage_bench.FAMILIES)
+        for fam in families:
+            rec.item(
+                "compile_coverage", fam, lambda fam=fam: compile_coverage(fam, device), 0 if smoke else 60
+            )
     rec.write("done", "probe", records=str(rec.path))
     return 0
 

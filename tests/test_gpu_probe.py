@@ -56,3 +56,17 @@ def test_cpu_smoke_of_the_window_cast_and_mxfp8_records(tmp_path):
     assert window["native"].startswith("unavailable") and "native_fwd_bwd_ms" not in window
     assert cast["max_abs_grad_diff"] == 0.0 and cast["casts_saved_per_step"] == 3
     assert (mx["precision"], mx["fp8_recipe"]) == ("fp8", "mxfp8") and mx["tokens_per_s"] > 0
+
+
+def test_cpu_smoke_of_the_compile_coverage_record(tmp_path):
+    """Per family: its blocks' graph counts and breaks, what stays eager, eager vs compiled step time (the
+    smoke compiles with `aot_eager`, fp32; tests/test_compile_coverage.py pins every family's counts)."""
+    argv = ["--cpu-smoke", "--out", str(tmp_path), "--only", "compile_coverage", "--families", "llama"]
+    assert probe().main(argv) == 0
+    recs = records(tmp_path)
+    assert [r["kind"] for r in recs] == ["env", "compile_coverage", "done"]
+    cov = recs[1]
+    assert cov["status"] == "ok", cov
+    assert (cov["graphs"], cov["breaks"]) == (1, 0) and cov["eager_outside"] == ["embed", "norm", "head"]
+    assert cov["backend"] == "aot_eager" and cov["eager_step_s"] > 0 and cov["compiled_step_s"] > 0
+    assert cov["loss_abs_diff"] <= 1e-5  # fp32: the compiled blocks compute what the eager ones do

@@ -31,7 +31,8 @@ def real_host():
 def host_sizes(counts: torch.Tensor, rows: int) -> list:
     """`counts.tolist()` (one host sync). Fake `counts` (shape `[n]` or `[m, n]`): `rows` split evenly over
     the last dimension, the same for every leading index."""
-    if not is_fake(counts):
+    # Compiled, Dynamo's tensors are fake only while it traces (and asking would break the graph once more).
+    if torch.compiler.is_compiling() or not is_fake(counts):
         return counts.tolist()
     n = counts.shape[-1]
     even = [rows // n + (i < rows % n) for i in range(n)]

@@ -24,6 +24,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Te
     """`out` = `x` rotated pairwise between its two halves: (x1 c - x2 s, x2 c + x1 s); `out` may be strided."""
     x1, x2 = x.chunk(2, dim=-1)
     o1, o2 = out.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():
+        # Dynamo breaks the graph at an `out=` into a strided view; compiled, the same products are copied
+        # into the halves, which inductor fuses into the one kernel that writes them.
+        o1.copy_(torch.addcmul(x1 * cos, x2, sin, value=-1))
+        o2.copy_(torch.addcmul(x2 * cos, x1, sin))
+        return
     torch.mul(x1, cos, out=o1)
     o1.addcmul_(x2, sin, value=-1)
     torch.mul(x2, cos, out=o2)
@@ -78,6 +84,9 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         gate, up = x.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # no `out=` into the strided halves (a graph break): see `_rotate`
+            dgate = torch.ops.aten.silu_backward(grad * up, gate)
+            return torch.cat([dgate, grad * torch.nn.functional.silu(gate)], dim=-1)
         dx = torch.empty_like(x)
         dgate, dup = dx.chunk(2, dim=-1)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=dgate)

@@ -155,6 +155,15 @@ def grouped_mm_supported(
         return False
 
 
+@torch.compiler.assume_constant_result
+def grouped_mm_compiles(device: torch.device, dtype: torch.dtype, dim: int, ffn_dim: int) -> bool:
+    """`grouped_mm_supported` for a compiled call: Dynamo runs this once per key while tracing and keeps the
+    answer as a constant (calling the cached probe itself would break the graph). Tracing runs the op's meta
+    kernel on fake tensors, which wants bf16 where this CPU build's kernel takes fp32 too, so both are asked."""
+    runs = grouped_mm_supported(device, dtype, dim, ffn_dim)
+    return runs and grouped_mm_supported(device, dtype, dim, ffn_dim, fake=True)
+
+
 class GroupedExperts(nn.Module):
     """`n_experts` SwiGLU FFNs, stacked: `w1` `[E, 2*ffn, dim]` (gate rows, then up), `w2` `[E, dim, ffn]`.
 
@@ -179,6 +188,10 @@ class GroupedExperts(nn.Module):
                 if torch.is_autocast_enabled(x.device.type)
                 else x.dtype
             )
-            use = grouped_mm_supported(x.device, dtype, self.w1.shape[2], self.w2.shape[2], is_fake(x))
+            key = (x.device, dtype, self.w1.shape[2], self.w2.shape[2])
+            if torch.compiler.is_compiling():
+                use = grouped_mm_compiles(*key)
+            else:
+                use = grouped_mm_supported(*key, is_fake(x))
         fn = _experts_grouped_mm if use else _experts_loop
         return fn(x, counts, self.w1, self.w2, probs)

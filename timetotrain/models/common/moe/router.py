@@ -89,7 +89,9 @@ class GroupLimitedRouter(nn.Module):
                 # same: it must save what the first forward saved), whose aux loss nobody backpropagates: kept
                 # on the module it would hold the recomputed block's graph until the next forward
                 # (`ttt plan --simulate` found ~9.9 GiB per deepseekv3_671b layer).
-                if torch._C._current_graph_task_id() == -1:
+                # Compiled, the forward is traced once and a checkpointed block recomputes inside the
+                # compiled backward, never here (and asking autograd's state would break the graph).
+                if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
                     self.aux_loss = aux
         return weights, experts
 
