@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.train import distributed, prepare
 from timetotrain.train.synth import with_layers
@@ -208,7 +209,11 @@ def simulate_rank(
         prepare.start_device(prep, "cpu", seed=0)
         micro = prep.tier.micro_batch_size
         accum = min(prep.accum, 2)  # module docstring: the second micro-batch repeats the first's allocations
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+            fakes.global_shapes_untracked() if fake else contextlib.nullcontext(),
+            fakes.gpu_attention() if fake else contextlib.nullcontext(),
+        ):
             try:
                 tr = prepare.build(prep)
             except (RuntimeError, ValueError, AssertionError, TypeError) as e:
