@@ -59,6 +59,10 @@ class ModelFamily:
     with_layers: Callable[[Any, int], Any] | None = None
     tensor_parallel: Callable[[Any, Any], None] | None = None
     tensor_parallel_check: Callable[[Any, int], None] | None = None
+    # Parameters outside `model.layers` (FSDP2's root group), routed experts in or out: for a family whose
+    # layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks). None: the total less
+    # n_layers blocks.
+    root_params: Callable[[Any, bool], int] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:
