@@ -37,9 +37,9 @@ is the mean of the rank losses over the `dp` data-parallel ranks):
   the copies it processed: its local grad is the SUM over the EP group of the rank-loss gradients, i.e. `ep`
   times its share of the global-mean gradient. `apply_expert_parallel` therefore registers a hook that
   divides expert gradients by `ep` (exact for power-of-two `ep`). With `ep == dp` (EP over the data-parallel
-  ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` the expert
-  grads must additionally be AVERAGED over the `edp` ranks that hold the same slice (sum / ep / edp = the
-  mean over all dp ranks).
+  ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` (the hybrid
+  `ep=E,fsdp=N`, built under FSDP2 only) the expert grads are additionally AVERAGED over the `edp` ranks
+  that hold the same slice (`average_expert_replicas`: sum / ep / edp = the mean over all dp ranks).
 
 So the caller keeps DDP for the replicated parameters and hides the expert slices from it
 (`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor

@@ -301,6 +301,11 @@ def plan(
         if moe and gpus > 1 and tier.model.n_experts % gpus == 0:
             kinds += ["ep", "ep,fsdp"]  # after dp and fsdp: a tie goes to the layout without all-to-all
         rows = [] if gbs % gpus else [r for k in kinds for r in rows_of(k, gbs // gpus)]
+        hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
+        if rows and moe and tier.model.n_experts % gpus and hybrid > 1:
+            # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
+            # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
+            rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
             for t in _tp_degrees(tier.model, gpus, gpus_per_node):
