@@ -1,9 +1,10 @@
-"""The reference tiers at their recommended layouts, simulated (`ttt plan --simulate`): per-rank peak beside
-`ttt plan`'s formula, whether it fits 80/141/192 GiB devices, and what each simulation cost (wall time and
-peak RSS of its own process). One process per layout, one after another (the machine may be shared: the
-wall times it prints are then inflated). Prints the markdown table of docs/scale.md.
+"""The reference tiers on 8 to 8,192 GPUs: `ttt plan`'s suggestion for each GPU count and device size (the
+formula), and the layouts that matter simulated (`ttt plan --simulate`): per-rank peak beside the formula,
+whether it fits 80/141/192 GiB devices, and what each simulation cost (wall time and peak RSS of its own
+processes). One process per plan or simulation, one after another (the machine may be shared: the wall
+times it prints are then inflated). Prints the two markdown tables of docs/scale.md.
 
-    python bench/simulate_scale.py [--only NAME ...]
+    python bench/simulate_scale.py [--only NAME ...] [--gpus N ...] [--no-grid] [--no-simulate] [--json FILE]
 """
 
 from __future__ import annotations
@@ -11,54 +12,102 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
-# (benchmark, gpus, --parallel, --layers, extra --set)
+BENCHES = ["llama31_8b", "gpt_oss_20b", "llama2_70b_lora", "flux1", "llama31_405b", "deepseekv3_671b",
+           "dlrm_dcnv2", "qwen35_397b_grpo"]  # fmt: skip
+GPUS = (8, 64, 256, 1024)
+MEMS = (80, 141, 192)
+
+# Simulated: (benchmark, gpus, --gpu-mem whose suggestion (AC, micro-batch) is simulated, --parallel,
+# --layers, extra --set). Where nothing fits the simulation runs AC as `--ac` says (here: off) at the tier's
+# micro-batch.
 LAYOUTS = [
-    ("llama31_8b", 8, "fsdp=8", 3, []),
-    ("gpt_oss_20b", 8, "ep=8,fsdp=8", 3, []),
-    ("llama2_70b_lora", 8, "fsdp=8", 3, []),
-    ("flux1", 8, "fsdp=8", 9, []),
-    ("llama31_405b", 256, "tp=8,fsdp=32", 3, []),
-    ("llama31_405b", 1024, "tp=8,fsdp=128", 3, []),
+    ("llama31_8b", 8, 80, "fsdp=8", 3, []),
+    ("gpt_oss_20b", 8, 80, "ep=8,fsdp=8", 3, []),
+    ("llama2_70b_lora", 8, 80, "fsdp=8", 3, []),
+    ("flux1", 8, 80, "fsdp=8", 9, []),
+    ("flux1", 64, 80, "fsdp=64", 9, []),
+    ("llama31_405b", 256, 80, "tp=8,fsdp=32", 3, []),
+    ("llama31_405b", 1024, 80, "tp=8,fsdp=128", 3, []),
     # 8,192 GPUs = 1,024 TP groups: the global batch must split over them (a multiple of 1,152 and 1,024).
-    ("llama31_405b", 8192, "tp=8,fsdp=1024", 3, ["global_batch_size=9216"]),
-    ("deepseekv3_671b", 64, "ep=64,fsdp=64", 6, []),
-    ("deepseekv3_671b", 256, "ep=256,fsdp=256", 6, []),
-    ("deepseekv3_671b", 1024, "ep=1024,fsdp=1024", 6, []),
-    ("deepseekv3_671b", 8192, "ep=8192,fsdp=8192", 6, []),
+    ("llama31_405b", 8192, 80, "tp=8,fsdp=1024", 3, ["global_batch_size=9216"]),
+    ("deepseekv3_671b", 256, 141, "ep=256,fsdp=256", 6, []),
+    ("deepseekv3_671b", 256, 80, "ep=64,fsdp=256", 6, []),
+    ("deepseekv3_671b", 1024, 80, "ep=256,fsdp=1024", 6, []),
+    ("deepseekv3_671b", 1024, 80, "ep=64,fsdp=1024", 6, []),
+    # The reference evaluates 1,024 sequences: under EP every rank must take part, so they must split over
+    # the 8,192 ranks (ttt has no empty-batch eval rank); the training step does not depend on it.
+    ("deepseekv3_671b", 8192, 80, "ep=256,fsdp=8192", 6, ["eval_samples=8192"]),
 ]
 
 G = 2**30
 
 
-def run(bench: str, gpus: int, spec: str, layers: int, sets: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "timetotrain", "plan", bench, "--gpus", str(gpus), "--gpu-mem", "80",
-           "--parallel", spec, "--simulate", "--layers", str(layers), "--json"]  # fmt: skip
+def _run(cmd: list[str]) -> tuple[int, str, str, float, float]:
+    """(exit code, stdout, stderr, wall seconds, peak RSS of the process in GiB). Output goes to files, so
+    that waiting with `os.wait4` (which gives the child's own resource usage) cannot block on a full pipe."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.monotonic() - t0
+        out.seek(0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), out.read(), err.read(), wall, usage.ru_maxrss * 1024 / G
+
+
+def _plan(bench: str, gpus: int, mem: int, extra: list[str]) -> tuple[int, str, str, float, float]:
+    cmd = [sys.executable, "-m", "timetotrain", "plan", bench, "--gpus", str(gpus), "--gpu-mem", str(mem),
+           "--json", *extra]  # fmt: skip
+    return _run(cmd)
+
+
+def _last_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if "warning" not in ln.lower()]
+    return (lines or ["?"])[-1].removeprefix("ttt: error: ")
+
+
+def grid_cell(bench: str, gpus: int, mem: int) -> str:
+    """`ttt plan`'s suggestion (formula only) in a few words."""
+    rc, out, err, _, _ = _plan(bench, gpus, mem, [])
+    if rc not in (0, 1) or not out.strip():  # (1: nothing fits, the plan printed)
+        line = _last_line(err)
+        split = re.search(r"global_batch_size (\d+) (is not divisible by|does not split over)", line)
+        return f"GBS {int(split.group(1)):,} does not split" if split else "- (" + line + ")"
+    doc = json.loads(out)
+    if "worst_rank" in doc:  # DLRM: the embedding plan (train/embedding_memory.py), one layout
+        worst = next(r for r in doc["ranks"] if r["rank"] == doc["worst_rank"])
+        return f"{doc['parallel']}: {worst['total'] / G:.0f} GiB" + ("" if doc["fits"] else " (does not fit)")
+    s = doc.get("suggestion")
+    if s is None:
+        ff = doc.get("fits_from")
+        return "nothing fits" + (f" (from {ff['gpus']:,} GPUs)" if ff else "")
+    return f"{s['parallel']}{', AC' if s['ac'] else ''}, mb {s['micro_batch']}: {s['total_gib']:.0f} GiB"
+
+
+def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list[str]) -> dict:
+    extra = ["--parallel", spec, "--simulate", "--layers", str(layers)]
     for s in sets:
-        cmd += ["--set", s]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - t0
-    out, err = proc.stdout.read(), proc.stderr.read()
-    row = {"bench": bench, "gpus": gpus, "parallel": spec, "layers": layers, "wall_s": wall,
-           "rss_gib": usage.ru_maxrss * 1024 / G, "sets": sets}  # fmt: skip
-    if os.waitstatus_to_exitcode(status) not in (0, 1) or not out.strip():
-        row["error"] = (err.strip().splitlines() or ["?"])[-1]
+        extra += ["--set", s]
+    rc, out, err, wall, rss = _plan(bench, gpus, mem, extra)
+    row = {"bench": bench, "gpus": gpus, "mem": mem, "parallel": spec, "layers": layers, "wall_s": wall,
+           "rss_gib": rss, "sets": sets}  # fmt: skip
+    if rc not in (0, 1) or not out.strip():
+        row["error"] = _last_line(err)
         return row
     doc = json.loads(out)
     sim = doc["simulation"]
     ranks = sim["ranks"]
-    top = (
-        ranks[str(sim["most_loaded_rank"])]
-        if str(sim["most_loaded_rank"]) in ranks
-        else ranks[sim["most_loaded_rank"]]
-    )
+    top = ranks.get(str(sim["most_loaded_rank"])) or ranks[sim["most_loaded_rank"]]
     row["peak_gib"] = sim["peak_bytes"] / G
     row["phase"] = sim["peak_phase"]
+    row["ac"] = sim["ac"]
+    row["micro"] = sim["micro_batch"]
     row["states_gib"] = (top["parameters"] + top["gradients"] + top["optimizer"]) / G
     est = next((r for r in doc["rows"] if r.get("simulated_gib") is not None), None)
     if est is not None:
@@ -71,35 +120,53 @@ def run(bench: str, gpus: int, spec: str, layers: int, sets: list[str]) -> dict:
 
 
 def fits(peak_gib: float) -> str:
-    return "/".join("yes" if peak_gib + 0.05 * g + 1 <= 0.9 * g else "no" for g in (80, 141, 192))
+    return "/".join("yes" if peak_gib + 0.05 * g + 1 <= 0.9 * g else "no" for g in MEMS)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--no-grid", action="store_true", help="skip the formula grid")
+    ap.add_argument("--no-simulate", action="store_true", help="skip the simulations")
+    ap.add_argument("--json", default=None, help="also write the simulated rows here")
+    ap.add_argument(
+        "--gpus", type=int, nargs="*", default=None, help="simulate only the rows of these GPU counts"
+    )
     args = ap.parse_args()
+    chosen = [b for b in BENCHES if not args.only or b in args.only]
+    if not args.no_grid:
+        print("| benchmark | GPUs | " + " | ".join(f"{m} GiB" for m in MEMS) + " |")
+        print("|---|---|" + "---|" * len(MEMS))
+        for bench in chosen:
+            for gpus in GPUS:
+                cells = [grid_cell(bench, gpus, m) for m in MEMS]
+                print(f"| {bench} | {gpus:,} | " + " | ".join(cells) + " |", flush=True)
+        print()
+    if args.no_simulate:
+        return
     rows = []
     print(
-        "| benchmark | GPUs | layout | layers simulated | per-rank peak | phase | formula | ratio | fits 80/141/192 | RSS | wall |"
+        "| benchmark | GPUs | layout | AC, micro-batch | layers simulated | per-rank peak | phase | formula | ratio "
+        "| fits 80/141/192 | RSS | wall |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for bench, gpus, spec, layers, sets in LAYOUTS:
-        if args.only and bench not in args.only:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bench, gpus, mem, spec, layers, sets in LAYOUTS:
+        if bench not in chosen or (args.gpus and gpus not in args.gpus):
             continue
-        r = run(bench, gpus, spec, layers, sets)
+        r = simulate(bench, gpus, mem, spec, layers, sets)
         rows.append(r)
         lay = f"{layers}+{3 if bench == 'flux1' else 1}"
+        label = spec + (" (" + ", ".join(sets) + ")" if sets else "")
         if "error" in r:
-            print(
-                f"| {bench} | {gpus:,} | {spec} | - | does not build: {r['error']} | | | | | {r['rss_gib']:.2f} GiB | {r['wall_s']:.0f} s |",
-                flush=True,
-            )
+            print(f"| {bench} | {gpus:,} | {label} | | - | does not build: {r['error']} | | | | | "
+                  f"{r['rss_gib']:.2f} GiB | {r['wall_s']:.0f} s |", flush=True)  # fmt: skip
             continue
         f = r.get("formula_gib")
         ratio = f"{r['peak_gib'] / f:.2f}" if f else "-"
-        print(f"| {bench} | {gpus:,} | {spec}{' (' + ', '.join(sets) + ')' if sets else ''} | {lay} | {r['peak_gib']:.1f} GiB | {r['phase']} | "
-              f"{f:.1f} GiB | {ratio} | {fits(r['peak_gib'])} | {r['rss_gib']:.2f} GiB | {r['wall_s']:.0f} s |", flush=True)  # fmt: skip
+        formula = f"{f:.1f} GiB" if f else "-"
+        print(f"| {bench} | {gpus:,} | {label} | {'on' if r['ac'] else 'off'}, {r['micro']} | {lay} | "
+              f"{r['peak_gib']:.1f} GiB | {r['phase']} | {formula} | {ratio} | {fits(r['peak_gib'])} | "
+              f"{r['rss_gib']:.2f} GiB | {r['wall_s']:.0f} s |", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

@@ -261,9 +261,11 @@ def test_parse_ep_with_fsdp():
         True,
     )
     assert plan.describe().startswith("fsdp=4, ep=4")
+    hybrid = parallel.parse("ep=2,fsdp=4", 4)  # the expert-data-parallel hybrid (tests/test_ep_hybrid.py)
+    assert (hybrid.ep, hybrid.fsdp, hybrid.world, hybrid.data_parallel) == (2, 4, 4, 4)
     for spec, world, needle in [
-        ("ep=2,fsdp=4", 4, "ep must equal fsdp .* use ep=N,fsdp=N"),
-        ("ep=4,fsdp=2", 2, "ep must equal fsdp"),
+        ("ep=3,fsdp=4", 4, "ep must divide fsdp .* a multiple of E"),
+        ("ep=4,fsdp=2", 2, "ep must divide fsdp"),
         ("ep=2,fsdp=2,dp=2", 4, "hybrid dp x fsdp"),
         ("ep=2,tp=2,fsdp=2", 4, "tp combines with fsdp only"),
     ]:

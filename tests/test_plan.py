@@ -323,6 +323,26 @@ def test_moe_benchmarks_get_ep_rows_by_default():
     assert not any(r.parallel.startswith("ep") for r in plan(BENCH, REF, 8, 80, None)[1])  # dense: none
 
 
+def test_more_gpus_than_experts_get_the_expert_data_parallel_hybrid():
+    """DeepSeek-V3's 256 experts on 1,024 GPUs: ep=256,fsdp=1024 (train/parallel.py), 1/256 of the experts
+    and 1/1024 of the rest on each GPU; suggested on 80 GiB, where nothing else fits."""
+    from timetotrain.train.memory import expert_params
+
+    ds = get("deepseekv3_671b")
+    tier = ds.tier("reference")
+    _, rows, best = plan(ds, tier, 1024, 80, None)
+    hybrid = [r for r in rows if r.parallel == "ep=256,fsdp=1024"]
+    experts, _ = expert_params(ds.family, tier.model)
+    n = ds.family.param_count(tier.model)
+    assert hybrid and all(
+        r.states == pytest.approx(16 * ((n - experts) / 1024 + experts / 256)) for r in hybrid
+    )
+    assert best is not None and best.parallel == "ep=256,fsdp=1024"
+    _, given, _ = plan(ds, tier, 256, 80, "ep=64,fsdp=256")
+    assert {r.parallel for r in given} == {"ep=64,fsdp=256"}
+    assert given[0].states == pytest.approx(16 * ((n - experts) / 256 + experts / 64))
+
+
 def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
     for name in suite.names():
         code = main(["plan", name, "--gpus", "8", "--gpu-mem", "80"])

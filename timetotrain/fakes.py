@@ -11,6 +11,18 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
 - `host_sizes(counts, rows)`: the one host read of routing results, as the split sizes the MoE expert loop
   and the expert-parallel all-to-all need. A fake tensor holds no values, so the simulation assumes balanced
   routing (the rows split evenly): what `ttt plan`'s formula counts too. A real tensor is read as it is.
+- `global_shapes_untracked()`: DTensor derives an op's output shape by running the op once on fake tensors of
+  the GLOBAL shape (`ShardingPropagator._propagate_tensor_meta_non_cached`), in the active fake mode if there
+  is one. Under the simulator that is ours, below the memory tracker, which then counts tensors no rank ever
+  allocates: at the first FSDP2 gradient clip of flux1 fsdp=8, 8x the gradient shards (11 GiB at the
+  reference shape, `ttt plan --simulate` read it as a forward peak). A real run's propagation uses a fresh
+  fake mode the tracker does not see; this makes the simulation's do the same.
+- `gpu_attention()`: the simulation runs on the CPU device, whose SDPA has no fused kernel for a value head
+  dim unlike the query's (DeepSeek-V3's MLA: 192 and 128) and falls back to the math path, which keeps the
+  heads x T x T scores in fp32 (45 GiB at the reference shape, micro-batch 2). A GPU runs such a call in
+  a fused kernel (torch's CUDA memory-efficient or cuDNN attention take unequal head dims) that keeps only
+  the output and the log-sum-exp. Under fake tensors this sends those calls to the memory-efficient
+  kernel's own op, whose fake implementation gives the GPU's shapes; a real tensor is not touched.
 """
 
 from __future__ import annotations
@@ -37,3 +49,59 @@ def host_sizes(counts: torch.Tensor, rows: int) -> list:
     n = counts.shape[-1]
     even = [rows // n + (i < rows % n) for i in range(n)]
     return even if counts.dim() == 1 else [list(even) for _ in range(counts.shape[0])]
+
+
+class _OutsideOurFakeMode:
+    """A re-entrant context that hides the active fake mode (`unset_fake_temporarily`, as `real_host`)."""
+
+    def __init__(self) -> None:
+        self._entered: list = []
+
+    def __enter__(self) -> None:
+        cm = unset_fake_temporarily()
+        cm.__enter__()
+        self._entered.append(cm)
+
+    def __exit__(self, *exc):
+        return self._entered.pop().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def global_shapes_untracked():
+    """DTensor's shape propagation outside our fake mode (module docstring). It enters
+    `ShardingPropagator._fake_mode_lock` (a no-op context by default) before it looks for a fake mode; that
+    context, swapped for the time of the simulation, hides ours, so the propagation makes its own."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    before = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _OutsideOurFakeMode()
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = before
+
+
+@contextlib.contextmanager
+def gpu_attention():
+    """SDPA calls of unequal head dims counted as a GPU's fused kernel keeps them (module docstring). It
+    swaps `torch.nn.functional.scaled_dot_product_attention` for the time of the simulation (a function
+    mode would not reach the recomputation of activation checkpointing in the backward)."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def fused(
+        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        if is_fake(query) and query.shape[-1] != value.shape[-1] and attn_mask is None and not enable_gqa:
+            out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, True, dropout_p, is_causal, scale=scale
+            )
+            return out
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa

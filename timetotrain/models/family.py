@@ -66,6 +66,10 @@ class ModelFamily:
     tensor_parallel_check: Callable[[Any, int], None] | None = None
     peak_block_elements: Callable[[Any], float] | None = None
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
+    # Parameters outside `model.layers` (FSDP2's root group), routed experts in or out: for a family whose
+    # layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks). None: the total less
+    # n_layers blocks.
+    root_params: Callable[[Any, bool], int] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -37,9 +37,9 @@ is the mean of the rank losses over the `dp` data-parallel ranks):
   the copies it processed: its local grad is the SUM over the EP group of the rank-loss gradients, i.e. `ep`
   times its share of the global-mean gradient. `apply_expert_parallel` therefore registers a hook that
   divides expert gradients by `ep` (exact for power-of-two `ep`). With `ep == dp` (EP over the data-parallel
-  ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` the expert
-  grads must additionally be AVERAGED over the `edp` ranks that hold the same slice (sum / ep / edp = the
-  mean over all dp ranks).
+  ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` (the hybrid
+  `ep=E,fsdp=N`, built under FSDP2 only) the expert grads are additionally AVERAGED over the `edp` ranks
+  that hold the same slice (`average_expert_replicas`: sum / ep / edp = the mean over all dp ranks).
 
 So the caller keeps DDP for the replicated parameters and hides the expert slices from it
 (`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor
@@ -143,9 +143,11 @@ class ExpertParallelDispatch:
 
     def __init__(
         self, group: dist.ProcessGroup | None, ep: int, rank: int, local: int,
-        compute_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None, replicas: dist.ProcessGroup | None = None,
     ):  # fmt: skip
         self.group, self.ep, self.rank, self.local = group, ep, rank, local
+        # The ranks holding the same slice in the other expert-parallel groups (`ep=E,fsdp=N`, E < N), or None.
+        self.replicas = replicas
         # Autocast dtype for the expert matmuls (None: whatever autocast state the caller runs under).
         self.compute_dtype = compute_dtype
 
@@ -195,11 +197,14 @@ class ExpertParallelDispatch:
 
 
 def apply_expert_parallel(
-    model: nn.Module, group: dist.ProcessGroup | None = None, compute_dtype: torch.dtype | None = None
-) -> None:
+    model: nn.Module, group: dist.ProcessGroup | None = None, compute_dtype: torch.dtype | None = None,
+    replicas: dist.ProcessGroup | None = None,
+) -> None:  # fmt: skip
     """Shard the experts of every `MoE` in `model` over `group` (default: all ranks), in place; works on a
     model on the meta device too. `compute_dtype`: run the expert matmuls under autocast to it (bf16 under
-    FSDP2, which casts only the parameters it manages).
+    FSDP2, which casts only the parameters it manages). `replicas`: the ranks of the other expert-parallel
+    groups holding the same slices (the hybrid `ep=E,fsdp=N`), whose gradients `average_expert_replicas`
+    averages.
 
     A group of one rank leaves the model as it is. Raises if a layer's expert count is not a multiple of
     the group size or EP was already applied.
@@ -225,8 +230,27 @@ def apply_expert_parallel(
             # A fresh Parameter (clone, not a view) so the full stack is freed and the optimizer sees [L, ...].
             shard = nn.Parameter(full.detach()[lo : lo + local].clone(), requires_grad=full.requires_grad)
             setattr(moe.experts, w, shard)
-        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype)
+        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype, replicas)
     mark_expert_slices(model)
+
+
+@torch.no_grad()
+def average_expert_replicas(model: nn.Module) -> None:
+    """Under `ep=E,fsdp=N` (E < N): average every expert slice's gradient over the N / E ranks that hold the
+    same slice, so that it is the mean over all N data-parallel ranks (module docstring: each group's
+    gradient is already the mean over its E ranks). Once per optimizer step, after the last micro-batch's
+    backward, in module order on every rank (a gradient hook would run in each rank's own autograd order,
+    which differs where a rank receives no rows). gloo has no AVG: a sum, then a division. Without
+    replicas it does nothing."""
+    for moe in model.modules():
+        dispatch = getattr(moe, "dispatcher", None) if isinstance(moe, MoE) else None
+        if not isinstance(dispatch, ExpertParallelDispatch) or dispatch.replicas is None:
+            continue
+        n = dist.get_world_size(dispatch.replicas)
+        for p in (moe.experts.w1, moe.experts.w2):
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dispatch.replicas)
+                p.grad.div_(n)
 
 
 def mark_expert_slices(model: nn.Module) -> None:
@@ -316,17 +340,33 @@ def clip_grad_norm_ep(
 
     params = [p for p in params if p.grad is not None]
     fsdp = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    wider = None  # FSDP2's group when it is wider than the expert-parallel one (`ep=E,fsdp=N`, E < N)
     for g in fsdp[:1]:
-        if dist.get_world_size(group) != g.device_mesh.size() or len(g.placements) != 1:
-            raise ValueError("clip_grad_norm_ep: FSDP2 must shard over exactly the expert-parallel group")
+        if len(g.placements) != 1 or g.device_mesh.size() % dist.get_world_size(group):
+            raise ValueError(
+                "clip_grad_norm_ep: FSDP2 must shard over the expert-parallel group or a multiple"
+            )
+        if g.device_mesh.size() != dist.get_world_size(group):
+            wider = g.device_mesh.get_group()
     replicated = [p.grad for p in params if not is_expert_sharded(p) and not isinstance(p.grad, DTensor)]
-    sharded = [p.grad for p in params if is_expert_sharded(p)] + [g.to_local() for g in fsdp]
+    experts = [p.grad for p in params if is_expert_sharded(p)]
+    sharded = experts + [g.to_local() for g in fsdp]
     device = params[0].grad.device if params else torch.device("cpu")
     zero = torch.zeros((), device=device, dtype=torch.float32)
     rep = torch.nn.utils.get_total_norm(replicated, foreach=foreach) if replicated else zero
-    shard_sq = torch.nn.utils.get_total_norm(sharded, foreach=foreach) ** 2 if sharded else zero.clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(shard_sq, group=group)
+    if wider is None:
+        shard_sq = torch.nn.utils.get_total_norm(sharded, foreach=foreach) ** 2 if sharded else zero.clone()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(shard_sq, group=group)
+    else:
+        # One sum over FSDP2's N ranks: each expert slice is held (averaged, equal) by N / E of them, so it
+        # counts 1 / (N / E) per holder; every FSDP2 shard element sits on one rank.
+        local = [g.to_local() for g in fsdp]
+        shard_sq = torch.nn.utils.get_total_norm(local, foreach=foreach) ** 2 if local else zero.clone()
+        if experts:
+            copies = dist.get_world_size(wider) // dist.get_world_size(group)
+            shard_sq = shard_sq + torch.nn.utils.get_total_norm(experts, foreach=foreach) ** 2 / copies
+        dist.all_reduce(shard_sq, group=wider)
     total = (rep**2 + shard_sq).sqrt()
     if fsdp:
         # DTensor gradients take no plain-tensor factor: scale the local shards (as clip_grads_with_norm_).

@@ -52,7 +52,9 @@ Where the numbers come from (an estimate, not a measurement):
   parts 1/N (the states of `fsdp=N`), but FSDP2 gathers a block without its experts, and the experts' bf16
   copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
   under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
-  (balanced routing).
+  (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
+  by --parallel) holds 1/E of the
+  experts and 1/N of the rest.
 - `--precision fp8` (train/float8.py; facts from torchao 0.18's float8 training code): the block linears
   that float8 converts (`float8.converts`, counted on the model built on the meta device) keep their fp32
   master weight, gradient and Adam moments (states as under bf16), and everything else computes in bf16
@@ -84,6 +86,7 @@ from dataclasses import dataclass
 
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
+from timetotrain.models.common.layers import RMSNORM_SAVED
 from timetotrain.train import parallel
 
 GiB = 2**30
@@ -178,11 +181,24 @@ def activation_bytes(
         # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
         chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
         head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
+    # Multi-token prediction (DeepSeek-V3, `mtp_layers` depths): each depth is one more block outside
+    # `model.layers`, which activation checkpointing does not wrap, so it keeps all its activations; before it
+    # its two input norms (3h each), the concatenation its projection reads (2h) and the block's input (h);
+    # after it a second pass through the final norm, the head and the fused loss (4h per token, and that
+    # loss's own fp32 head-weight gradient and logits chunk, computed in the forward). Found by `ttt plan
+    # --simulate` (deepseekv3_671b, AC on: 11 GiB per GPU the formula had not counted).
+    # Under checkpointing the backward frees the MTP depths before it recomputes any main block: the larger
+    # of the two is what is held at once.
+    mtp = (
+        getattr(cfg, "mtp_layers", 0)
+        * (per_block + (2 * RMSNORM_SAVED + 3) * h + head / act_bytes)
+        * act_bytes
+    )
     if ac:
-        body = cfg.n_layers * h / tp * act_bytes + peak * act_bytes
+        body = cfg.n_layers * h / tp * act_bytes + max(peak * act_bytes, mtp)
     else:
-        body = cfg.n_layers * per_block * act_bytes
-    return tokens * (body + head) + head_fixed
+        body = cfg.n_layers * per_block * act_bytes + mtp
+    return tokens * (body + head) + head_fixed * (1 + getattr(cfg, "mtp_layers", 0))
 
 
 MARGIN_SHARE = 0.05  # of the device, plus 1 GiB: allocator, NCCL buffers, workspaces (module docstring)
@@ -204,10 +220,13 @@ def _peak(
 
 def estimate(
     bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool,
-    tp: int = 1, fp8: Fp8 | None = None,
+    tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None,
 ):  # fmt: skip
-    """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`."""
+    """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`. `ep`: the
+    expert-parallel degree of an `ep` kind (default: all GPUs); below --gpus under FSDP2 (`ep=E,fsdp=N`) each
+    slice of 1/E of the experts is held by N/E GPUs."""
     family, cfg = bench.family, tier.model
+    ep = ep or gpus
     if tp > 1:
         return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8)
     sharded = kind in ("fsdp", "ep,fsdp")
@@ -221,9 +240,11 @@ def estimate(
     layer_experts = 0
     if kind.startswith("ep"):
         experts, layer_experts = expert_params(family, cfg)
-        away = experts * (1 - 1 / gpus)
+        away = experts * (1 - 1 / ep)
         if kind == "ep":
             states -= 16 * away
+        else:  # the experts split over ep GPUs, not over the shards
+            states += 16 * experts * (1 / ep - 1 / gpus)
         block -= layer_experts  # FSDP2 gathers a block without its (ignored) expert slices
     if bf16:
         # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
@@ -233,14 +254,14 @@ def estimate(
             # The local expert slices' autocast copies, kept for the backward: of every layer, or with
             # checkpointing of the two blocks in flight, as FSDP2's gathered ones.
             local = experts - away
-            copies = 2 * 2 * block + 2 * (2 * layer_experts / gpus if ac else local)
+            copies = 2 * 2 * block + 2 * (2 * layer_experts / ep if ac else local)
         else:
             copies = 2 * (fp32_weights - away)
         copies -= _fp8_saving(fp8, sharded, frozen == 0 or frozen_bytes == 4)
     else:
         copies = 4 * 2 * block if sharded else 0
     if sharded:
-        copies += _root_copies(family, cfg, bf16)
+        copies += _root_copies(family, cfg, bf16, experts=not kind.startswith("ep"))
     if family.activation_bytes is not None:
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
@@ -248,7 +269,7 @@ def estimate(
         act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, full_logits=bench.task.full_logits)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
-    label = f"ep={gpus},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
+    label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
     return Estimate(label, ac, micro, states, copies, act, margin, peak)
 
 
@@ -260,11 +281,15 @@ def expert_params(family, cfg) -> tuple[float, int]:
     return skipped * cfg.n_experts / (cfg.n_experts - cfg.top_k), per_layer
 
 
-def _root_copies(family, cfg, bf16: bool) -> float:
-    """FSDP2's root group (the parameters outside `model.layers`: embedding, head, final norm) is gathered
-    whole for the forward and the backward, in the compute precision: calibrated against `ttt plan
-    --simulate` (llama31_8b fsdp=8 gathers 2.4 GiB at its peak, two blocks' copies are 0.8 GiB of it). A
-    family whose blocks are not all `block_params` (flux: two kinds) counts none here."""
+def _root_copies(family, cfg, bf16: bool, experts: bool = True) -> float:
+    """FSDP2's root group (the parameters outside `model.layers`: embedding, head, final norm; DeepSeek-V3's
+    MTP modules, less their routed experts under expert parallelism: `experts`) is gathered whole for the
+    forward and the backward, in the compute precision: calibrated against `ttt plan --simulate` (llama31_8b
+    fsdp=8 gathers 2.4 GiB at its peak, two blocks' copies are 0.8 GiB of it; deepseekv3_671b ep=256,fsdp=256
+    4.5 GiB, of which the root group is 4.1 GiB). A family whose blocks are not all `block_params` says its
+    own count (`ModelFamily.root_params`) or, without one (flux: two kinds of block), counts none here."""
+    if family.root_params is not None:
+        return (2 if bf16 else 4) * family.root_params(cfg, experts)
     if not hasattr(cfg, "n_layers"):
         return 0.0
     rest = family.param_count(cfg) - cfg.n_layers * family.block_params(cfg)
@@ -366,9 +391,9 @@ def plan(
     n = bench.family.param_count(tier.model)
     gbs = tier.global_batch_size
 
-    def rows_of(kind: str, local: int, tp: int = 1) -> list[Estimate]:
+    def rows_of(kind: str, local: int, tp: int = 1, ep: int | None = None) -> list[Estimate]:
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
-        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8)
+        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep)
                 for ac in (False, True) for m in micros]  # fmt: skip
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
@@ -385,13 +410,18 @@ def plan(
             _check_experts(tier.model, parallel_spec, given.ep)
         if kind == "tp":
             _check_tensor_parallel(bench.family, tier, parallel_spec, given.tp)
-        rows = rows_of(kind, local, given.tp)
+        rows = rows_of(kind, local, given.tp, given.ep if kind.startswith("ep") else None)
     else:
         kinds = ["dp", "fsdp"]
         moe = hasattr(tier.model, "n_experts")
         if moe and gpus > 1 and tier.model.n_experts % gpus == 0:
             kinds += ["ep", "ep,fsdp"]  # after dp and fsdp: a tie goes to the layout without all-to-all
         rows = [] if gbs % gpus else [r for k in kinds for r in rows_of(k, gbs // gpus)]
+        hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
+        if rows and moe and tier.model.n_experts % gpus and hybrid > 1:
+            # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
+            # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
+            rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
             for t in _tp_degrees(tier.model, gpus, gpus_per_node):
@@ -425,7 +455,9 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
         return None
     if kind == "tp":
         return f"tp={given.tp},fsdp={world // given.tp}"
-    return f"ep={world},fsdp={world}" if kind == "ep,fsdp" else f"{kind}={world}"
+    if kind == "ep,fsdp":  # a hybrid keeps its expert-parallel degree; ep=N,fsdp=N grows with the world
+        return f"ep={given.ep if given.ep < given.fsdp else world},fsdp={world}"
+    return f"{kind}={world}"
 
 
 def fits_from(

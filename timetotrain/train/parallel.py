@@ -9,9 +9,11 @@ same N ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`, DDP for t
 `ep=N,fsdp=N` does the same with FSDP2 sharding the rest (attention, router, shared experts, embedding,
 head) over those N ranks. There the expert slices are `ignored_params` of `fully_shard`: FSDP2 neither
 shards, gathers, casts nor reduces them (expert_parallel.py gives them their gradient scale), and under
-bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep` must equal the degree of
-the data-parallel kind it is combined with (a hybrid of expert and data replicas, `dp = ep * edp`, is not
-built). Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we
+bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep=E,fsdp=N` with E < N (E
+dividing N) is the expert-data-parallel hybrid: the ranks form an (N/E, E) mesh, consecutive E ranks are an
+expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) hold it
+replicated and average its gradients (`expert_parallel.average_expert_replicas`, once per step), and FSDP2
+still shards the rest over all N. Under DDP `ep` must equal the data-parallel degree. Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we
 need.
 """
 
@@ -99,10 +101,10 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
         if degrees["ep"] > 1 and degrees["fsdp"] > 1:
-            if degrees["ep"] != degrees["fsdp"]:
+            if degrees["fsdp"] % degrees["ep"]:
                 raise UserError(
-                    f"--parallel {spec!r}: ep must equal fsdp (the experts are split over the same ranks "
-                    "FSDP2 shards the rest over); use ep=N,fsdp=N"
+                    f"--parallel {spec!r}: ep must divide fsdp (the experts are split over groups of ep of "
+                    "the ranks FSDP2 shards the rest over); use ep=E,fsdp=N with N a multiple of E"
                 )
         elif degrees["ep"] > 1:
             degrees["dp"] = degrees["dp"] if degrees["dp"] > 1 else world
@@ -157,12 +159,17 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
 
         from timetotrain.train.expert_parallel import apply_expert_parallel
 
-        # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
-        ep_group = dist.new_group(list(range(plan.ep)))
+        replicas = None
+        if plan.ep == plan.world:
+            # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
+            ep_group = dist.new_group(list(range(plan.ep)))
+        else:  # ep=E,fsdp=N (module docstring): rank r is expert rank r % E of group r // E
+            mesh = device_mesh(device.type, (plan.world // plan.ep, plan.ep), ("replica", "ep"))
+            ep_group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
         # FSDP2 casts only the parameters it manages to bf16; the expert slices it ignores compute under
         # autocast instead (DDP runs the whole forward under autocast already).
         bf16_experts = plan.compute == "bf16" and plan.fsdp > 1
-        apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None)
+        apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
     blocks = model.layers
     if plan.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -33,6 +33,13 @@ What is simulated and what is assumed, as the report says it:
   separate calls), none per-parameter (TP: `foreach=False`).
 - MoE routing is balanced (timetotrain/fakes.py): real routing skews expert loads, and a rank receiving more
   copies needs more activation memory than simulated.
+- A GPU's attention kernels: the simulation runs on the CPU device, whose SDPA falls back to the math path
+  (H x T x T scores kept in fp32) where query and value head dims differ (DeepSeek-V3's MLA); those calls
+  are counted as the GPU's memory-efficient kernel keeps them (output and log-sum-exp, timetotrain/fakes.py).
+  Equal head dims take the CPU's flash kernel, which keeps what a GPU's flash kernel keeps.
+- DTensor's shape propagation (it runs each op once on global-shaped fake tensors) happens outside the
+  tracked fake mode, as in a real run (timetotrain/fakes.py): before, the first FSDP2 gradient clip showed
+  world-size times the gradient shards.
 - Not simulated: DDP layouts (`dp=N`, `ep=N`): DDP's constructor checks parameter shapes across ranks in C++
   by reading their data, which fake tensors have none of. Allocator fragmentation, NCCL buffers and the
   CUDA context are not tensors: `ttt plan`'s margin stands for them.
@@ -48,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.train import distributed, prepare
 from timetotrain.train.synth import with_layers
@@ -208,7 +216,11 @@ def simulate_rank(
         prepare.start_device(prep, "cpu", seed=0)
         micro = prep.tier.micro_batch_size
         accum = min(prep.accum, 2)  # module docstring: the second micro-batch repeats the first's allocations
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with (
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
+            fakes.global_shapes_untracked() if fake else contextlib.nullcontext(),
+            fakes.gpu_attention() if fake else contextlib.nullcontext(),
+        ):
             try:
                 tr = prepare.build(prep)
             except (RuntimeError, ValueError, AssertionError, TypeError) as e:

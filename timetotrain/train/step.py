@@ -43,6 +43,10 @@ def train_step(
                 with torch.autocast(dev, enabled=False):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+    if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
+        from timetotrain.train.expert_parallel import average_expert_replicas
+
+        average_expert_replicas(model)
     if clip is not None:
         if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
             from timetotrain.train.tensor_parallel import clip_grad_norm_tp

@@ -287,6 +287,18 @@ def _count(cfg: DeepSeekV3Config, active: bool) -> int:
     return layers + mtp_extra + 2 * cfg.vocab_size * cfg.dim + cfg.dim
 
 
+def root_params(cfg: DeepSeekV3Config, experts: bool = True) -> int:
+    """Parameters outside `model.layers`: embedding, head, final norm and the MTP modules (each a block of its
+    own, a MoE one, with its projection and norms): what FSDP2's root group gathers whole. Without the MTP
+    blocks' routed experts when `experts` is False (expert parallelism keeps them out of FSDP2)."""
+    mtp = sum(
+        _attention_params(cfg) + _ffn_params(cfg, i, cfg.n_experts if experts else 0) + _layer_norms(cfg)
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers)
+    )
+    mtp += cfg.mtp_layers * (2 * cfg.dim * cfg.dim + 3 * cfg.dim)  # eh_proj, enorm, hnorm, norm
+    return mtp + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
 def param_count(cfg: DeepSeekV3Config) -> int:
     """All trainable parameters: embedding, head, final norm, every layer and MTP module with all experts."""
     return _count(cfg, active=False)
@@ -348,6 +360,7 @@ FAMILY = ModelFamily(
         _attention_params(cfg) + _ffn_params(cfg, cfg.n_layers - 1, cfg.n_experts) + _layer_norms(cfg)
     ),
     activation_elements=activation_elements,
+    root_params=root_params,
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
