@@ -56,7 +56,9 @@ def _prepare_for(args) -> int:
     tier = bench.tier(args.tier)
     src = Path(args.src)
     if not src.is_dir():
-        raise UserError(f"--src {src} is not a folder: pass the folder of raw sources (as ../shared/data)")
+        raise UserError(
+            f"--src {src} is not a folder: pass the folder of raw sources (`ttt data download fixtures --out DIR`)"
+        )
     recipe = bench.task.data_recipe(tier, src)
     if recipe is None:
         raise UserError(
@@ -334,7 +336,8 @@ def add_commands(sub) -> None:
         "its data_<rank>_<idx>.parquet files), import those encodings bit for bit, keys and stored eval timesteps "
         "included, with empty_encodings/ from beside --src or --empty-encodings (see data/flux_mlcommons.py). "
         "--for BENCH --tier T --src DIR --out DIR: whatever that tier reads, made from a folder of raw sources "
-        "laid out as ../shared/data by the recipe its task declares (the one `ttt suite --data SRC` runs).",
+        "laid out as `ttt data download fixtures` writes them, by the recipe its task declares (the one `ttt suite "
+        "--data SRC` runs).",
     )
     s.add_argument(
         "dataset", nargs="?", choices=["c4", "govreport", "flux"], help="dataset to prepare (or --for)"
@@ -344,7 +347,8 @@ def add_commands(sub) -> None:
         dest="for_bench",
         metavar="BENCH",
         help="prepare what benchmark BENCH's --tier reads from --src, a folder of raw sources laid out as "
-        "../shared/data, by the recipe its task declares (the one `ttt suite --data SRC` runs)",
+        "`ttt data download fixtures` writes them, by the recipe its task declares (the one `ttt suite --data "
+        "SRC` runs)",
     )
     s.add_argument(
         "--src",
