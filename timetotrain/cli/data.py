@@ -271,7 +271,16 @@ def _download_fixtures(args) -> int:
         raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
     out = Path(args.out)
     with raise_on_signals(), writing("--out", out):
-        written, notes = fixtures.build(out, args.mirror, only)
+        try:
+            written, notes = fixtures.build(out, args.mirror, only)
+        except UserError as e:
+            if args.mirror or "download failed" not in str(e):
+                raise
+            # The first thing an offline host meets: say what it can do besides trying again.
+            raise UserError(
+                f"{e}, or, where this host cannot reach GitHub, pass --mirror URL|DIR (a copy holding the same "
+                "<owner>/<repo>/<commit>/<path> files; docs/getting-started.md)"
+            ) from e
     for note in notes:
         print(f"ttt: note: {note}", file=sys.stderr)
     total = sum(f.stat().st_size for f in written)
@@ -313,7 +322,11 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--split", choices=["train", "validation"], default="train", help="c4 split (default train)"
     )
-    s.add_argument("--mirror", metavar="URL|DIR", help="c4: a mirror instead of the hub")
+    s.add_argument(
+        "--mirror",
+        metavar="URL|DIR",
+        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>)",
+    )
     s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
     s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
     s.add_argument(
