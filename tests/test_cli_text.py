@@ -97,3 +97,14 @@ def test_help_points_at_data_a_user_has():
     helps = list(_texts(build_parser()))
     assert not [h.splitlines()[0] for h in helps if "shared/data" in h]
     assert any("ttt data download fixtures --out sources" in h for h in helps)
+
+
+def test_one_thread_reads_as_a_word(monkeypatch):
+    import torch
+
+    from timetotrain.train import synth
+
+    monkeypatch.setattr(synth, "measure_cpu_peak", lambda: 1.0)  # the figure is not what is checked here
+    for n, words in ((1, "1 thread,"), (2, "2 threads,")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        assert f"matmul peak, {words} pid" in synth._peak(torch.device("cpu"))[1]

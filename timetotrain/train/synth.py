@@ -395,7 +395,8 @@ def _peak(device: torch.device) -> tuple[float, str]:
             )
         return known
     threads = torch.get_num_threads()
-    return measure_cpu_peak(), f"measured fp32 matmul peak, {threads} threads, pid {os.getpid()}"
+    counted = f"{threads} thread" + ("" if threads == 1 else "s")
+    return measure_cpu_peak(), f"measured fp32 matmul peak, {counted}, pid {os.getpid()}"
 
 
 def _figure(value: float) -> str:
