@@ -1179,3 +1179,26 @@ def test_set_global_batch_size_at_405b_tiny_keeps_the_tiers_own_schedule():
     ref = bench.tier("reference")
     r = apply_overrides(bench, ref, [f"global_batch_size={2 * ref.global_batch_size}"])
     assert r.lr == 2 * ref.lr and r.warmup_steps == ref.warmup_steps // 2
+
+
+@pytest.mark.parametrize(("name", "gbs"), [("llama31_8b", 32), ("gpt_oss_20b", 64), ("llama2_70b_lora", 32)])
+def test_set_global_batch_size_at_a_tiny_tier_keeps_its_lr_and_warmup(name, gbs):
+    """The RCP table (LR and warmup per GBS) is the reference's: at llama31_8b tiny, `--set
+    global_batch_size=32` (docs/getting-started.md's run config) gave the 8B model's LR 8e-4 and 128 warmup
+    steps in place of the tier's 3e-3 and 20. A tiny tier keeps its own; the reference still takes the RCP's."""
+    from timetotrain.suite import get
+    from timetotrain.suite.base import apply_overrides
+
+    bench = get(name)
+    tiny = bench.tier("tiny")
+    t = apply_overrides(bench, tiny, [f"global_batch_size={gbs}"])
+    assert (t.global_batch_size, t.lr, t.end_lr, t.warmup_steps) == (
+        gbs,
+        tiny.lr,
+        tiny.end_lr,
+        tiny.warmup_steps,
+    )
+    rcp = bench.rcp_hparams[gbs]
+    assert (rcp.lr, rcp.warmup_steps) != (tiny.lr, tiny.warmup_steps)  # so the check above can fail
+    r = apply_overrides(bench, bench.tier("reference"), [f"global_batch_size={gbs}"])
+    assert (r.lr, r.warmup_steps) == (rcp.lr, rcp.warmup_steps)

@@ -33,6 +33,17 @@ def test_counts_read_as_words(tmp_path, capsys):
     tiny_runs(tmp_path / "llama31_8b" / "tiny", n=1)
     text = format_text(score_tree(tmp_path))
     assert "note: 1 run is too few for an olympic mean" in text and "1 runs" not in text
+    out = tmp_path / "pkg"
+    assert (
+        main(["package", "--org", "O", "--system", "s", "--results", str(tmp_path), "--out", str(out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "llama31_8b: 1 result file, the package checker wants exactly 10" in printed
+    script = next(out.rglob("run_and_time.sh")).read_text()
+    assert (
+        "# Reproduces the llama31_8b run of results/s/llama31_8b/" in script
+        and "1 result files" not in printed
+    )
     assert main(["plan", "llama31_8b", "--tier", "tiny", "--gpus", "1", "--gpu-mem", "8"]) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert ", 1 GPU x 8 GiB, " in head and re.search(r": \d+\.\d\d M parameters", head)
@@ -70,3 +81,30 @@ def test_a_log_of_another_ruleset_gets_one_note(tmp_path, capsys):
         "pass --ruleset 5.1.0 for that round's rules"
     )
     assert err == f"note: {note}\n"
+
+
+def _texts(p: argparse.ArgumentParser):
+    yield p.format_help()
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sp in a.choices.values():
+                yield from _texts(sp)
+
+
+def test_help_points_at_data_a_user_has():
+    """`../shared/data` is this project's development folder; a user of the package has the folder
+    `ttt data download fixtures` writes. Every command's help (and its examples) names that one."""
+    helps = list(_texts(build_parser()))
+    assert not [h.splitlines()[0] for h in helps if "shared/data" in h]
+    assert any("ttt data download fixtures --out sources" in h for h in helps)
+
+
+def test_one_thread_reads_as_a_word(monkeypatch):
+    import torch
+
+    from timetotrain.train import synth
+
+    monkeypatch.setattr(synth, "measure_cpu_peak", lambda: 1.0)  # the figure is not what is checked here
+    for n, words in ((1, "1 thread,"), (2, "2 threads,")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        assert f"matmul peak, {words} pid" in synth._peak(torch.device("cpu"))[1]

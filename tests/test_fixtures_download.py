@@ -163,3 +163,16 @@ def test_a_changed_source_is_one_line_and_removed(tmp_path, mirror, capsys):
         "--only imagenet: not a fixture; choose from c4, cc12m, coco_mini, govreport, tokenizers"
         in capsys.readouterr().err
     )
+
+
+def test_an_offline_host_is_told_about_mirror(tmp_path, capsys, monkeypatch):
+    """Without network the first download fails; the line says what to do besides trying again."""
+    from timetotrain.data import download
+
+    monkeypatch.setattr(fx, "RAW", "http://127.0.0.1:9")  # nothing listens: refused at once
+    monkeypatch.setattr(download, "RETRIES", 0)
+    assert main(["data", "download", "fixtures", "--out", str(tmp_path / "s"), "--only", "govreport"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ttt: error: http://127.0.0.1:9/OpenLMLab/LEval/") and len(err.splitlines()) == 1
+    assert "run the command again to resume, or, where this host cannot reach GitHub, pass --mirror" in err
+    assert not list((tmp_path / "s").rglob("*.jsonl"))

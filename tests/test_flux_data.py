@@ -5,6 +5,7 @@ and bad input."""
 import io
 import json
 import tarfile
+import warnings
 
 import numpy as np
 import pytest
@@ -59,14 +60,18 @@ def test_reader_pairs_in_order():
     assert pairs[0].key == "000000003" and pairs[0].caption and pairs[0].image.size == (512, 512)
 
 
-def test_standin_prepare_of_the_fixtures(tmp_path):
+def test_standin_prepare_of_the_fixtures(tmp_path, capsys):
     out = tmp_path / "enc"
     info = flux_prepare.prepare([require_file(COCO)], "validation", standin(), out, select="tiny")
     assert info["samples"] == 51 and info["skips"].count == 0
+    # Into a pipe the last line says what was written (it said "16 samples encoded", the first batch).
+    assert capsys.readouterr().err.splitlines()[-1] == "flux validation: 51 samples encoded, 0 skipped"
     info = flux_prepare.prepare([require_file(CC12M), COCO], "train", standin(), out, select="tiny")
     assert info["samples"] == 82  # 32 CC12M + 50 COCO train2017
     shapes = shapes_of(TINY.model)
-    split = enc.EncodedSplit(out, "train", shapes)
+    with warnings.catch_warnings():  # torch's "not writable" warning reached every run's stderr
+        warnings.simplefilter("error")
+        split = enc.EncodedSplit(out, "train", shapes)
     assert split.keys[:2] == ["000000003", "000000004"] and split.keys[-1].startswith("0000")
     assert split.arrays["vae_mean"].dtype == np.uint16 and split.dtypes["vae_mean"] == "bfloat16"
     man = json.loads((out / "train" / "manifest.json").read_text())

@@ -96,3 +96,13 @@ def test_synth_measures_rollouts_and_training_apart(tmp_path):
         roll["rollout_tokens"] > 0 and roll["rollout_tokens_per_s"] > 0 and roll["training_tokens_per_s"] > 0
     )
     assert 0 < roll["generation_share_of_step"] < 1
+    # What the terminal shows (the README promises the two rates and the share there, not only in the JSON).
+    from timetotrain.train.synth import format_table
+
+    summary = json.loads(r.stdout)
+    lines = dict(line.split("  ", 1) for line in format_table(summary).splitlines())
+    assert lines["rollout tokens/s"].strip().startswith(f"{roll['rollout_tokens_per_s']:,.0f} (")
+    assert lines["training tokens/s"].strip().startswith(f"{roll['training_tokens_per_s']:,.0f} (")
+    assert lines["generation share"].strip().startswith(f"{roll['generation_share_of_step']:.1%}")
+    reward = summary["data_figures"]["train_reward_mean"]
+    assert lines["train_reward_mean"].strip() == f"{reward:.4g}"  # not rounded to one decimal

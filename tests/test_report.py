@@ -142,6 +142,14 @@ def test_epoch_benchmark_plot_shows_target_and_unrounded_rcp_marks(tmp_path, mon
     assert any(
         len(set(line.get_ydata())) == 1 and line.get_ydata()[0] == 0.72 for line in full.get_lines()
     )  # the target is drawn, not only listed
+    # The tables count in epochs too: a run's 0.78 epochs is not "1" and the RCP mean is not "0.8".
+    from timetotrain.report.html import render
+
+    first = s.runs[0].samples_to_converge
+    assert 0.7 < first < 0.9
+    for text in ((tmp_path / "r" / "summary.md").read_text(), render(tmp_path / "logs", "5.1.0")):
+        assert f"{first:.3f} epochs" in text and f"{s.rcp.rcp_mean:.4f} epochs" in text
+        assert f"{s.samples_to_converge:.4f} epochs" in text and "samples to converge" not in text
 
 
 def _drawn_figures(monkeypatch) -> list:

@@ -22,13 +22,13 @@ EXIT_USAGE = 2
 EPILOG = """\
 examples:
   ttt list
-  ttt data prepare c4 --src ../shared/data/c4/en --split train --out data/c4
-  ttt data prepare c4 --src ../shared/data/c4/en --split validation --out data/c4
-  ttt data prepare govreport --src ../shared/data/govreport/gov_report.validation.scrolls_format.jsonl --select tiny --split train --tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/govreport
+  ttt data download fixtures --out sources   # the tiny tiers' raw data (9 MB; --mirror URL|DIR offline)
+  ttt data prepare c4 --src sources/c4/en --split train --out data/c4
+  ttt data prepare c4 --src sources/c4/en --split validation --out data/c4
+  ttt data prepare --for llama2_70b_lora --tier tiny --src sources --out data/govreport-tiny
   ttt run llama31_8b --tier tiny --data data/c4 --logdir logs
-  ttt base llama2_70b_lora --tier tiny --data data/c4-llama2   # a fine-tuning tier's base, cached
   ttt check logs/llama31_8b/tiny/result_0.txt
-  ttt suite --tier tiny --runs 1 --data ../shared/data --out suite-tiny   # every benchmark, one scorecard
+  ttt suite --tier tiny --runs 1 --data sources --out suite-tiny   # every benchmark, one scorecard
 """
 
 

@@ -56,7 +56,9 @@ def _prepare_for(args) -> int:
     tier = bench.tier(args.tier)
     src = Path(args.src)
     if not src.is_dir():
-        raise UserError(f"--src {src} is not a folder: pass the folder of raw sources (as ../shared/data)")
+        raise UserError(
+            f"--src {src} is not a folder: pass the folder of raw sources (`ttt data download fixtures --out DIR`)"
+        )
     recipe = bench.task.data_recipe(tier, src)
     if recipe is None:
         raise UserError(
@@ -269,7 +271,16 @@ def _download_fixtures(args) -> int:
         raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
     out = Path(args.out)
     with raise_on_signals(), writing("--out", out):
-        written, notes = fixtures.build(out, args.mirror, only)
+        try:
+            written, notes = fixtures.build(out, args.mirror, only)
+        except UserError as e:
+            if args.mirror or "download failed" not in str(e):
+                raise
+            # The first thing an offline host meets: say what it can do besides trying again.
+            raise UserError(
+                f"{e}, or, where this host cannot reach GitHub, pass --mirror URL|DIR (a copy holding the same "
+                "<owner>/<repo>/<commit>/<path> files; docs/getting-started.md)"
+            ) from e
     for note in notes:
         print(f"ttt: note: {note}", file=sys.stderr)
     total = sum(f.stat().st_size for f in written)
@@ -311,7 +322,11 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--split", choices=["train", "validation"], default="train", help="c4 split (default train)"
     )
-    s.add_argument("--mirror", metavar="URL|DIR", help="c4: a mirror instead of the hub")
+    s.add_argument(
+        "--mirror",
+        metavar="URL|DIR",
+        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>)",
+    )
     s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
     s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
     s.add_argument(
@@ -334,7 +349,8 @@ def add_commands(sub) -> None:
         "its data_<rank>_<idx>.parquet files), import those encodings bit for bit, keys and stored eval timesteps "
         "included, with empty_encodings/ from beside --src or --empty-encodings (see data/flux_mlcommons.py). "
         "--for BENCH --tier T --src DIR --out DIR: whatever that tier reads, made from a folder of raw sources "
-        "laid out as ../shared/data by the recipe its task declares (the one `ttt suite --data SRC` runs).",
+        "laid out as `ttt data download fixtures` writes them, by the recipe its task declares (the one `ttt suite "
+        "--data SRC` runs).",
     )
     s.add_argument(
         "dataset", nargs="?", choices=["c4", "govreport", "flux"], help="dataset to prepare (or --for)"
@@ -344,7 +360,8 @@ def add_commands(sub) -> None:
         dest="for_bench",
         metavar="BENCH",
         help="prepare what benchmark BENCH's --tier reads from --src, a folder of raw sources laid out as "
-        "../shared/data, by the recipe its task declares (the one `ttt suite --data SRC` runs)",
+        "`ttt data download fixtures` writes them, by the recipe its task declares (the one `ttt suite --data "
+        "SRC` runs)",
     )
     s.add_argument(
         "--src",

@@ -179,7 +179,7 @@ def add_commands(sub) -> None:
             "`ttt synth` logs and unfinished result_<k>.txt.partial under DIR are skipped, with a note.\n"
             "Nothing under DIR is modified. Exit 1 when a benchmark has no valid score."
         ),
-        epilog="examples:\n  ttt score logs\n  ttt score ../shared/data/mlperf_results_v5.1 --ruleset 5.1.0 --json",
+        epilog="examples:\n  ttt score logs\n  ttt score training_results_v5.1/AMD --ruleset 5.1.0 --json",
     )
     s.add_argument("dir", metavar="DIR", help="folder with result_<k>.txt files (searched recursively)")
     s.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON')

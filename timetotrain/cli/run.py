@@ -605,8 +605,9 @@ def add_commands(sub) -> None:
         "(pinned by sha256) and run from it on every host; `ttt base` remakes it and says whether this\n"
         "CPU gave the same bits (another CPU family or thread count may round differently). Pass its\n"
         "folder to `ttt run --init-checkpoint` to run from the base you made.",
-        epilog="example:\n  ttt data prepare c4 --src ../shared/data/c4/en --split train --tokenizer llama2 "
-        "--tokenizer-model ../shared/data/tokenizers/llama2/tokenizer.model --out data/c4-llama2\n"
+        epilog="example (sources/: `ttt data download fixtures --out sources`):\n"
+        "  ttt data prepare c4 --src sources/c4/en --split train --tokenizer llama2 "
+        "--tokenizer-model sources/tokenizers/llama2/tokenizer.model --out data/c4-llama2\n"
         "  (and --split validation)\n"
         "  ttt base llama2_70b_lora --tier tiny --data data/c4-llama2",
         formatter_class=argparse.RawDescriptionHelpFormatter,

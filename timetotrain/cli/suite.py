@@ -63,11 +63,12 @@ def add_commands(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Run every benchmark that has --tier (or those of --only), --runs each with distinct seeds,\n"
-            "into OUT/<benchmark>/<tier>/result_<k>.txt. Data is prepared from --data SRC (a folder laid\n"
-            "out as ../shared/data: c4/en, govreport/, tokenizers/) into a cache, or taken from the cache,\n"
-            "or from --data BENCH=DIR; a tier that fine-tunes a base of ours gets it from `ttt base`\n"
-            "(cached). Prints each benchmark's ETA, then one table: runs converged, `ttt check` verdicts,\n"
-            "score and RCP verdict (also OUT/scorecard.json).\n\n"
+            "into OUT/<benchmark>/<tier>/result_<k>.txt. Data is prepared from --data SRC (raw sources laid\n"
+            "out as `ttt data download fixtures` writes them: c4/en, govreport/, tokenizers/, ...) into a\n"
+            "cache, or taken from the cache, or from --data BENCH=DIR; a tier that starts from a base of\n"
+            "ours runs from the copy the package ships (else from one `ttt base` makes, cached). Prints\n"
+            "each benchmark's ETA, then one table: runs converged, `ttt check` verdicts, score and RCP\n"
+            "verdict (also OUT/scorecard.json).\n\n"
             "Resumable: the seeds are kept in OUT/suite.json and a run whose result file exists is not run\n"
             "again, so a suite stopped with Ctrl-C and started again finishes what is left. A run a signal\n"
             "stopped is no result: its log is kept as result_<k>.txt.signalled (never scored) and its seed\n"
@@ -75,7 +76,8 @@ def add_commands(sub) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  ttt suite --tier tiny --runs 1 --data ../shared/data --out suite-tiny\n"
+            "  ttt data download fixtures --out sources\n"
+            "  ttt suite --tier tiny --runs 1 --data sources --out suite-tiny\n"
             "  ttt suite --tier tiny --only llama31_8b,gpt_oss_20b --runs 3 --out suite-tiny"
         ),
     )

@@ -275,8 +275,8 @@ class Suite:
             found = cached(self.cache, name) if name else None
             if found is None:
                 raise UserError(
-                    f"{who}: no data: pass --data SRC (a folder with c4/en, govreport/ and tokenizers/, as "
-                    f"../shared/data) or --data {bench.name}=DIR (a prepared folder)"
+                    f"{who}: no data: pass --data SRC (raw sources: `ttt data download fixtures --out SRC`) "
+                    f"or --data {bench.name}=DIR (a prepared folder)"
                 )
             return found
         recipe = recipe_for(bench, tier, src)
@@ -442,8 +442,8 @@ class Suite:
             name = b.task.data_name(t)
             if name is None or cached(self.cache, name) is None:
                 raise UserError(
-                    f"{bench.name} {tier.name}: no data: pass --data SRC (a folder with c4/en, govreport/ and "
-                    f"tokenizers/, as ../shared/data) or --data {bench.name}=DIR (a prepared folder)"
+                    f"{bench.name} {tier.name}: no data: pass --data SRC (raw sources: `ttt data download "
+                    f"fixtures --out SRC`) or --data {bench.name}=DIR (a prepared folder)"
                 )
 
 

@@ -111,7 +111,7 @@ def check(folder: Path, digits: int, kind: str, verify: bool = True) -> list[Pat
     if not."""
     folder = Path(folder)
     man = folder / MANIFEST
-    hint = "make it with `ttt data prepare --for qwen35_397b_grpo --tier tiny --src ../shared/data --out DIR`"
+    hint = "make it with `ttt data prepare --for qwen35_397b_grpo --tier tiny --src sources --out DIR`"
     if not man.is_file():
         raise UserError(f"--data {folder} has no {MANIFEST}: {hint}")
     try:

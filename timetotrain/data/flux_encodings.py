@@ -70,8 +70,11 @@ def to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 def to_tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
-    """The stored array as a tensor of its logical dtype (bfloat16 reinterpreted from its bits)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    """The stored array as a tensor of its logical dtype (bfloat16 reinterpreted from its bits). A read-only
+    array (a slice of the mapped file) is copied: torch does not take one without a warning that the user
+    then sees on every run, and every caller copies it into float32 anyway."""
+    a = np.ascontiguousarray(a)
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
 

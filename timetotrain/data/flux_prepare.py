@@ -75,6 +75,8 @@ def prepare(tars: list[Path], split: str, encoders, out: Path, select: str = "al
             pending = []
     if pending:
         flush(pending)
+    if keys:  # the count that was written, also where the last unforced update was skipped (a pipe)
+        line.update(f"flux {split}: {len(keys):,} samples encoded, {skips.count} skipped", force=True)
     line.close()
     if not keys:
         names = ", ".join(str(t) for t in tars)

@@ -206,7 +206,8 @@ def _group_notes(g: ResultGroup, desc: dict) -> list[str]:
     notes = []
     need = required_runs(g.benchmark, g.tier)
     if need is not None and need != len(g.logs):
-        notes.append(f"{g.benchmark}: {len(g.logs)} result files, the package checker wants exactly {need}")
+        files = f"{len(g.logs)} result file" + ("" if len(g.logs) == 1 else "s")
+        notes.append(f"{g.benchmark}: {files}, the package checker wants exactly {need}")
     if g.tier != "reference":
         notes.append(
             f"{g.benchmark}: tier {g.tier} logs are not closed MLPerf results; the official checker "
@@ -454,7 +455,14 @@ def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -
     data = first.keys.get("ttt_data")
     head = [
         "#!/usr/bin/env bash",
-        comment(f"Reproduces the {len(ordered)} {g.benchmark} runs of results/{system}/{g.benchmark}/: one"),
+        comment(
+            (
+                f"Reproduces the {len(ordered)} {g.benchmark} runs"
+                if len(ordered) > 1
+                else f"Reproduces the {g.benchmark} run"
+            )
+            + f" of results/{system}/{g.benchmark}/: one"
+        ),
         comment("`ttt run` per result_<i>.txt, with the seed and inputs that run logged, in the same order."),
         comment(
             "  DATA    folder prepared by `ttt data prepare`"

@@ -195,6 +195,16 @@ def _num(v, fmt: str = ",.0f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def point(value: float | None, benchmark: str, olympic: bool = False) -> str:
+    """A convergence point in the unit the RCP checker counts for `benchmark`: "3,840 samples" (a run's),
+    "3,840.0 samples" (a mean), "0.489 epochs", not an epoch count rounded to 0 or 0.5; "-" when none."""
+    if value is None:
+        return "-"
+    unit = official.eval_unit(benchmark)
+    spec = (",.1f" if olympic else ",.0f") if unit == official.SAMPLES else (",.4f" if olympic else ",.3f")
+    return f"{value:{spec}} {unit}"
+
+
 def format_text(scores: list[Score]) -> str:
     out = []
     for s in scores:

@@ -20,7 +20,7 @@ from timetotrain.errors import UserError
 from timetotrain.markup import plotly
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, find_groups, official_compliance, synthetic_logs
-from timetotrain.mlperf.score import Score, rcp_line, score_group
+from timetotrain.mlperf.score import Score, point, rcp_line, score_group
 from timetotrain.report.plots import (
     RCP_MEAN_COLOR,
     RCP_MIN_COLOR,
@@ -188,7 +188,7 @@ def training_figure(group: ResultGroup) -> dict | None:
 def _score_table(rows: list[tuple[Score, str]]) -> str:
     out = [
         "<table id='scores'><tr><th>submitter</th><th>system</th><th>benchmark</th><th>tier</th>"
-        "<th>runs converged</th><th>compliant runs</th><th>score (min)</th><th>samples to converge</th>"
+        "<th>runs converged</th><th>compliant runs</th><th>score (min)</th><th>to converge (olympic)</th>"
         "<th>RCP</th><th>RCP mean</th><th>RCP min</th></tr>"
     ]
     for s, anchor in rows:
@@ -199,9 +199,9 @@ def _score_table(rows: list[tuple[Score, str]]) -> str:
             f"<tr><td>{_e(s.submitter)}</td><td>{_e(s.system)}</td>"
             f"<td><a href='#{anchor}'>{_e(s.benchmark)}</a></td><td>{_e(s.tier)}</td>"
             f"<td>{conv}/{len(s.runs)}</td><td>{ok}/{len(s.runs)}</td>"
-            f"<td>{_fmt(s.score_minutes, '.4f')}</td><td>{_fmt(s.samples_to_converge, ',.1f')}</td>"
-            f"<td class='{cls}'>{_e(rcp)}</td><td>{_fmt(s.rcp.rcp_mean, ',.1f')}</td>"
-            f"<td>{_fmt(s.rcp.rcp_min, ',.1f')}</td></tr>"
+            f"<td>{_fmt(s.score_minutes, '.4f')}</td><td>{point(s.samples_to_converge, s.benchmark, True)}</td>"
+            f"<td class='{cls}'>{_e(rcp)}</td><td>{point(s.rcp.rcp_mean, s.benchmark, True)}</td>"
+            f"<td>{point(s.rcp.rcp_min, s.benchmark, True)}</td></tr>"
         )
     out.append("</table>")
     return "\n".join(out)
@@ -210,7 +210,7 @@ def _score_table(rows: list[tuple[Score, str]]) -> str:
 def _runs_table(group: ResultGroup, s: Score, ruleset: str, root: Path) -> str:
     out = [
         "<table class='runs'><tr><th>log</th><th>seed</th><th>minutes</th><th>status</th>"
-        "<th>samples to converge</th><th>compliance (official checker)</th></tr>"
+        "<th>to converge</th><th>compliance (official checker)</th></tr>"
     ]
     for lg, r in zip(group.logs, s.runs, strict=True):
         if r.compliant:
@@ -221,7 +221,7 @@ def _runs_table(group: ResultGroup, s: Score, ruleset: str, root: Path) -> str:
             verdict = f"<td class='fail'>FAIL<pre>{_e(message.strip() or r.problem)}</pre></td>"
         out.append(
             f"<tr><td>{_e(_rel(lg.path, root))}</td><td>{_e(r.seed)}</td><td>{_fmt(r.minutes, '.3f')}</td>"
-            f"<td>{_e(r.status or '-')}</td><td>{_fmt(r.samples_to_converge, ',.0f')}</td>{verdict}</tr>"
+            f"<td>{_e(r.status or '-')}</td><td>{point(r.samples_to_converge, s.benchmark)}</td>{verdict}</tr>"
         )
     out.append("</table>")
     return "\n".join(out)

@@ -18,7 +18,7 @@ from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import find_groups
-from timetotrain.mlperf.score import Score, rcp_line, score_group, to_json
+from timetotrain.mlperf.score import Score, point, rcp_line, score_group, to_json
 from timetotrain.report.plots import plot_group, plot_training
 
 
@@ -55,7 +55,7 @@ def summary_markdown(
         "(reference tiers) or timetotrain's RCP files (other tiers).",
         "",
         "| submitter | system | benchmark | tier | compliant runs | score (min) | CV time | "
-        "samples to converge | CV samples | RCP | RCP mean | RCP min | plot |",
+        "to converge (olympic) | CV to converge | RCP | RCP mean | RCP min | plot |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s, p in zip(scores, plots, strict=True):
@@ -64,8 +64,9 @@ def summary_markdown(
         lines.append(
             f"| {md(s.submitter)} | {md(s.system)} | {md(s.benchmark)} | {md(s.tier)} | {ok}/{len(s.runs)} | "
             f"{_fmt(s.score_minutes, '.4f')} | {_pct(s.cv_minutes)} | "
-            f"{_fmt(s.samples_to_converge, ',.1f')} | {_pct(s.cv_samples)} | "
-            f"{md(rcp)} | {_fmt(s.rcp.rcp_mean, ',.1f')} | {_fmt(s.rcp.rcp_min, ',.1f')} | [{p.name}]({p.name}) |"
+            f"{point(s.samples_to_converge, s.benchmark, olympic=True)} | {_pct(s.cv_samples)} | {md(rcp)} | "
+            f"{point(s.rcp.rcp_mean, s.benchmark, olympic=True)} | {point(s.rcp.rcp_min, s.benchmark, olympic=True)} | "
+            f"[{p.name}]({p.name}) |"
         )
     lines += ["", "## Details", ""]
     for s, p, t in zip(scores, plots, training or [None] * len(plots), strict=True):
@@ -78,14 +79,14 @@ def summary_markdown(
         if t is not None:
             lines += [f"![{t.name}]({t.name})", ""]
         lines += [
-            "| run | seed | minutes | status | samples to converge | compliant |",
+            "| run | seed | minutes | status | to converge | compliant |",
             "|---|---|---|---|---|---|",
         ]
         for r in s.runs:
             ok = "yes" if r.compliant else f"no: {r.problem}"
             lines.append(
                 f"| {md(r.file)} | {md(r.seed)} | {_fmt(r.minutes, '.3f')} | {md(r.status or '-')} | "
-                f"{_fmt(r.samples_to_converge, ',.0f')} | {md(ok)} |"
+                f"{point(r.samples_to_converge, s.benchmark)} | {md(ok)} |"
             )
         lines += ["", md(rcp_line(s.rcp)), ""]
         lines += [f"- {md(n)}" for n in s.notes]

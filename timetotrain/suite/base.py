@@ -322,7 +322,7 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
     if gbs is not None and follows_gbs_rule(bench, tier):
         for key, value in bench.gbs_hparams(gbs).items():
             changes.setdefault(key, value)
-    rcp = bench.rcp_hparams.get(gbs) if gbs is not None else None
+    rcp = bench.rcp_hparams.get(gbs) if gbs is not None and follows_rcp_table(bench, tier) else None
     if rcp is not None:
         changes.setdefault("lr", rcp.lr)
         changes.setdefault("warmup_steps", rcp.warmup_steps)
@@ -352,6 +352,15 @@ def follows_gbs_rule(bench: Benchmark, tier: Tier) -> bool:
     if bench.gbs_hparams is None:
         return False
     return all(getattr(tier, k) == v for k, v in bench.gbs_hparams(tier.global_batch_size).items())
+
+
+def follows_rcp_table(bench: Benchmark, tier: Tier) -> bool:
+    """Whether `tier` runs the LR and warmup of `bench.rcp_hparams` at its own GBS (every reference tier
+    does), so that a new GBS takes that RCP's values. The table is the reference's: at llama31_8b tiny,
+    `--set global_batch_size=32` took the 8B model's 8e-4 and 128 warmup steps in place of the tier's 3e-3
+    and 20 (`tests/test_bad_input.py`)."""
+    rcp = bench.rcp_hparams.get(tier.global_batch_size)
+    return rcp is not None and (tier.lr, tier.warmup_steps) == (rcp.lr, rcp.warmup_steps)
 
 
 def _parse(key: str, raw: str, kind: type):

@@ -98,7 +98,7 @@ TINY_BASE = base_recipe(
     ),
     schedule="warmup_constant",
     seed=0,
-    data_hint="the problems: `ttt data prepare --for qwen35_397b_grpo --tier tiny --src ../shared/data --out DIR`",
+    data_hint="the problems: `ttt data prepare --for qwen35_397b_grpo --tier tiny --src sources --out DIR`",
     model=TINY_MODEL,
     data=AnswerData(DIGITS, TRAIN_PROBLEMS, VAL_PROBLEMS, kind=KIND),
     global_batch_size=32,

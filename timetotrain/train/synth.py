@@ -395,7 +395,13 @@ def _peak(device: torch.device) -> tuple[float, str]:
             )
         return known
     threads = torch.get_num_threads()
-    return measure_cpu_peak(), f"measured fp32 matmul peak, {threads} threads, pid {os.getpid()}"
+    counted = f"{threads} thread" + ("" if threads == 1 else "s")
+    return measure_cpu_peak(), f"measured fp32 matmul peak, {counted}, pid {os.getpid()}"
+
+
+def _figure(value: float) -> str:
+    """A data figure: a reward of 0.5625 is not "0.6"; a count keeps its thousands separators."""
+    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
 
 
 def format_table(s: dict) -> str:
@@ -422,7 +428,15 @@ def format_table(s: dict) -> str:
                    else s["energy_scope"]),
         ("loss", loss),
     ]  # fmt: skip
-    rows += [(name, f"{value:,.1f}") for name, value in s.get("data_figures", {}).items()]
+    rows += [(name, _figure(value)) for name, value in s.get("data_figures", {}).items()]
+    if "rollout" in s:  # on-policy tasks: generation and training timed apart
+        r = s["rollout"]
+        rows += [
+            ("rollout tokens/s", f"{r['rollout_tokens_per_s']:,.0f} ({r['rollout_tokens']:,} tokens generated"
+                                 f" in {r['rollout_seconds']:.2f} s, engine {r['engine']})"),
+            ("training tokens/s", f"{r['training_tokens_per_s']:,.0f} (the step less its rollouts)"),
+            ("generation share", f"{r['generation_share_of_step']:.1%} of the timed wall clock"),
+        ]  # fmt: skip
     w = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
     if len(s.get("per_rank", [])) > 1:
