@@ -156,13 +156,10 @@ class Estimate:
     # What the activations column holds: the training step's, or a task phase's that is larger
     # (`Task.plan_phases`: GRPO's rollout decode or logprob check).
     peak: str = "the training step"
-    # With one micro-batch per step the gradients are made as the backward frees the activations, so the
-    # two are never all held at once: the smaller of them is counted once, not twice (`one_pass_overlap`).
-    overlap: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.compute_copies + self.activations + self.margin - self.overlap
+        return self.states + self.compute_copies + self.activations + self.margin
 
 
 def activation_bytes(
@@ -273,24 +270,7 @@ def estimate(
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
-    grads = 4 * trainable / shards
-    if kind.startswith("ep"):
-        grads += -4 * away if kind == "ep" else 4 * experts * (1 / ep - 1 / gpus)
-    overlap = one_pass_overlap(tier.global_batch_size // gpus, micro, grads, act, peak)
-    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
-
-
-def one_pass_overlap(local: int, micro: int, grads: float, act: float, peak: str) -> float:
-    """What `Estimate.total` counts once instead of twice when a step is one micro-batch (`local` samples per
-    data-parallel rank, all in one micro-batch): the backward makes the gradients (this rank's `grads` bytes,
-    FSDP2's reduced shards or DDP's buckets) while it frees the activations (`act`), so the peak is about the
-    larger of the two, not their sum (with more micro-batches the first one's gradients are held through the
-    next ones' activations). Found by `ttt plan --simulate`: deepseekv3_671b on 8,192 GPUs, one micro-batch
-    of 2, the formula 15% over the simulated peak with 9.7 GiB of expert gradients counted beside the
-    backward's start. A task phase outside the step (GRPO's decode) holds no gradients: no overlap there."""
-    if local != micro or peak != "the training step":
-        return 0.0
-    return min(grads, act)
+    return Estimate(label, ac, micro, states, copies, act, margin, peak)
 
 
 def expert_params(family, cfg) -> tuple[float, int]:
@@ -333,10 +313,7 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
-    overlap = one_pass_overlap(
-        tier.global_batch_size // fsdp, micro, states / 4, act, peak
-    )  # grads: 4 of 16 B
-    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak, overlap)
+    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak)
 
 
 def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
@@ -533,7 +510,7 @@ def nothing_fits(
     w, (_, rows, _) = plans[-1]
     r = min(rows, key=lambda e: e.total)
     cap = HEADROOM * gpu_mem_gib * GiB
-    fixed = r.states + r.compute_copies + r.margin - r.overlap
+    fixed = r.states + r.compute_copies + r.margin
     item, per_sample = bench.task.sample_items(tier)
     head = (
         f"on {w} GPUs, the most `ttt run` takes for GBS {tier.global_batch_size}, the smallest layout "
@@ -562,7 +539,7 @@ def nothing_fits(
             + (f"still context parallelism of {split(act)}" if act > cap - fixed else "which would fit")
         )
     # The device on which this estimate fits, its margin growing with it.
-    total = (r.states + r.compute_copies + r.activations - r.overlap + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
+    total = (r.states + r.compute_copies + r.activations + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
     return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
 
 
@@ -649,8 +626,6 @@ def plan_doc(
                 "activations_gib": r.activations / GiB,
                 "activations_of": r.peak,  # the training step, or a task phase (GRPO: the rollouts, the logprob check)
                 "margin_gib": r.margin / GiB,
-                # one micro-batch per step: gradients and activations counted once (`one_pass_overlap`)
-                "overlap_gib": r.overlap / GiB,
                 "total_gib": r.total / GiB,
                 **(
                     {}
@@ -782,11 +757,6 @@ def format_plan(
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
     )
     out.append("timetotrain/train/memory.py); allocator fragmentation and NCCL buffers can add 5-10%.")
-    if any(r.overlap for r in rows):
-        out.append(
-            "rows whose step is one micro-batch: the total counts the gradients and the activations' peak once "
-            "(the backward makes one as it frees the other), so it is less than the columns' sum."
-        )
     hook = bench.family.activation_bytes
     if hook is not None:
         out.append(
