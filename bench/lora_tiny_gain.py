@@ -1,6 +1,7 @@
 """How much fine-tuning on the GovReport fixture can lower llama2_70b_lora tiny's held-out summary loss.
 
     python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --mode lora --lr 1e-3 --steps 100
+    python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --mode lora+head --lr 5e-4 --steps 100
     python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --write data/gov-full   # for `ttt run`
 
 The tier's `tests/untrained.py` margin asks fine-tuning to gain 5% of the target over the shipped base
@@ -12,9 +13,13 @@ trainable weights can gain, from the shipped base, in one process:
   packs each document's whole text (the reference's layout: labels on every training token, packed without
   resets), `pieces:A-B` cuts each report into consecutive pieces, each with its summary;
 * `--mode lora`: the tier's adapters (rank 16, alpha 32, dropout 0.1, qkv + o); `full`: every weight of the
-  base; `head`: the output head and norms only. AdamW (weight decay 1e-4), clip 0.3, cosine from `--lr` to 0
-  over `--steps` (HF's cosine: with --steps 100 the tier's own schedule), batches of 8 in the tier's
-  seeded order;
+  base; `head`: the output head and norms only; `lora+head`: the tier's adapters plus one more of the same
+  rank, alpha and dropout on the output head (`--head-dropout` overrides its dropout), the base frozen;
+* the head adapter adds `scale * B(A(dropout(h)))` to the logits (A drawn from `--seed`, B zero): the fused
+  head loss reads one weight, so it gets `[W | B]` and the hidden states `[h | scale * A(dropout(h))]`,
+  whose product is those logits (a bench-only wrapper, not the tier's code);
+* AdamW (weight decay 1e-4), clip 0.3, cosine from `--lr` to 0 over `--steps` (HF's cosine: with --steps
+  100 the tier's own schedule), batches of 8 in the tier's seeded order;
 * prints the held-out loss (the tier's metric: the mean over validation blocks of each block's mean summary
   cross-entropy) before training and every 10 steps, with the last batch's training loss.
 
@@ -89,11 +94,39 @@ def write(out: Path, split: str, ids, labels, src: Path, tok, spec: str) -> None
     govreport._save(out, split, ids, labels, info)
 
 
+class _HeadAdapter(torch.nn.Module):
+    """`head` plus a LoRA adapter, as the fused head loss sees it: `weight` is `[W | B]`."""
+
+    def __init__(self, head: torch.nn.Linear, rank: int, alpha: float, dropout: float, generator):
+        super().__init__()
+        self.base, self.scale = head, alpha / rank
+        self.lora_A = torch.nn.Linear(head.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, head.out_features, bias=False)
+        torch.nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+        torch.nn.init.zeros_(self.lora_B.weight)
+        self.dropout = torch.nn.Dropout(dropout)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.base.weight, self.lora_B.weight], 1)
+
+    def widen(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, self.lora_A(self.dropout(h)) * self.scale], -1)
+
+
+def add_head_adapter(model, rank: int, alpha: float, dropout: float, seed: int) -> None:
+    head = _HeadAdapter(model.head, rank, alpha, dropout, torch.Generator().manual_seed(seed))
+    model.head = head
+    hidden = model.hidden
+    model.hidden = lambda tokens: head.widen(hidden(tokens))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train", default="trunc:0-9")
     ap.add_argument("--val", default="trunc:10-12")
-    ap.add_argument("--mode", choices=("lora", "full", "head"), default="lora")
+    ap.add_argument("--mode", choices=("lora", "full", "head", "lora+head"), default="lora")
+    ap.add_argument("--head-dropout", type=float, default=None, help="the head adapter's dropout")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1000)
@@ -119,7 +152,12 @@ def main() -> None:
     base, dev = shipped_base(tier.base), torch.device("cpu")
     model = build_training(bench, tier, dev, args.seed, None, base).model
     data = bench.task.open(tier, bench.task.resolve(tier, out, init_checkpoint=base), args.seed, 0, 1, dev)
-    if args.mode != "lora":
+    if args.mode == "lora+head":
+        d = tier.data
+        add_head_adapter(
+            model, d.rank, d.alpha, d.dropout if args.head_dropout is None else args.head_dropout, args.seed
+        )
+    elif args.mode != "lora":
         for name, p in model.named_parameters():
             p.requires_grad = args.mode == "full" or "head" in name or "norm" in name
     params = [p for p in model.parameters() if p.requires_grad]
