@@ -52,7 +52,7 @@ def test_bash_completes_commands_benchmarks_tiers_and_flags(capsys, tmp_path):
         "ttt run llama31_8b --dry": "--dry-run",
         "ttt data prepare --for gpt": "gpt_oss_20b",
         "ttt data ''": "download prepare synth-graph synth-criteo",
-        "ttt plan x --precision ''": "bf16 fp32",
+        "ttt plan x --precision ''": "bf16 fp32 fp8",
         "ttt rcp build --ti": "--tier",
     }
     lines = [f"source {f}"]

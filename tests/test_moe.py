@@ -152,7 +152,9 @@ def test_router_topk_then_softmax():
 
 def test_router_runs_in_fp32_under_autocast():
     torch.manual_seed(2)
-    router = Router(16, 8, 2).bfloat16()
+    router = Router(16, 8, 2)
+    torch.nn.init.normal_(router.weight)  # the module leaves it uninitialized (the family's init fills it)
+    router = router.bfloat16()
     x = torch.randn(10, 16, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         probs, _ = router(x)

@@ -31,7 +31,10 @@ All of them take the family's config dataclass (a tier's `model`):
   largest block's `activation_elements`: activation checkpointing recomputes one block at a time, so the
   largest one is the peak (None: `activation_elements`, the blocks being alike);
 - `decode_state_bytes(cfg, capacity, act_bytes)`: optional, the bytes one sequence's decode state holds at
-  `capacity` tokens (KV cache, recurrent state), for `ttt plan` of a task that decodes (GRPO's rollouts).
+  `capacity` tokens (KV cache, recurrent state), for `ttt plan` of a task that decodes (GRPO's rollouts);
+- `root_params(cfg, experts)`: optional, the parameters outside `model.layers` (FSDP2's root group), for a
+  family whose layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks); None: the
+  total less `n_layers` blocks.
 """
 
 from __future__ import annotations
@@ -66,9 +69,6 @@ class ModelFamily:
     tensor_parallel_check: Callable[[Any, int], None] | None = None
     peak_block_elements: Callable[[Any], float] | None = None
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
-    # Parameters outside `model.layers` (FSDP2's root group), routed experts in or out: for a family whose
-    # layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks). None: the total less
-    # n_layers blocks.
     root_params: Callable[[Any, bool], int] | None = None
 
 
