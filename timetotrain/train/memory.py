@@ -88,6 +88,7 @@ from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
 from timetotrain.train import parallel
+from timetotrain.train.float8 import converter
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -118,8 +119,6 @@ class Fp8:
 def fp8_model(bench, tier) -> Fp8:
     """What `--precision fp8` converts in `tier`'s model, counted on the meta device (seconds at 405B)."""
     import torch
-
-    from timetotrain.train.float8 import converter
 
     _check_supported(bench, tier)
     with torch.device("meta"):

@@ -27,9 +27,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from timetotrain.errors import UserError
+from timetotrain.fakes import real_host
 from timetotrain.train import float8
 from timetotrain.train.embedding_parallel import shard_embeddings
-from timetotrain.train.expert_parallel import is_expert_sharded
+from timetotrain.train.expert_parallel import (
+    apply_expert_parallel,
+    ignore_experts_in_ddp,
+    is_expert_sharded,
+    mark_expert_slices,
+)
+from timetotrain.train.tensor_parallel import mark_stacked
 
 KINDS = ("dp", "fsdp", "ep", "tp")
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -157,8 +164,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     if plan.ep > 1:
         import torch.distributed as dist
 
-        from timetotrain.train.expert_parallel import apply_expert_parallel
-
         replicas = None
         if plan.ep == plan.world:
             # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
@@ -192,8 +197,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # Expert slices differ per rank and are complete: FSDP2 must neither shard nor reduce them.
         ignored = None
         if ep_group is not None:
-            from timetotrain.train.expert_parallel import is_expert_sharded
-
             ignored = {p for p in model.parameters() if is_expert_sharded(p)}
         for block in blocks:
             fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
@@ -205,8 +208,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if ep_group is not None:
-            from timetotrain.train.expert_parallel import ignore_experts_in_ddp
-
             # Each rank holds different experts: DDP must neither broadcast nor average them.
             ignore_experts_in_ddp(model)
         # A model some of whose parameters cannot reach the loss (R-GAT's last layer into node types other
@@ -232,8 +233,6 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     must still hold real ids (timetotrain/fakes.py); without a fake mode this is `init_device_mesh`."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from timetotrain.fakes import real_host
-
     with real_host():
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
@@ -244,12 +243,8 @@ def remark(model: nn.Module, plan: Plan) -> None:
     FSDP2's sharding and its lazy initialisation at the first forward, `to_empty`. Idempotent, so it is
     called after each such step."""
     if plan.tp > 1:
-        from timetotrain.train.tensor_parallel import mark_stacked
-
         mark_stacked(model)
     if plan.ep > 1:
-        from timetotrain.train.expert_parallel import mark_expert_slices
-
         mark_expert_slices(model)
 
 

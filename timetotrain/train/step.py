@@ -13,8 +13,12 @@ import torch.distributed as dist
 from timetotrain.fakes import real_host
 from timetotrain.models.common import weight_cast
 from timetotrain.tasks.base import split_batch
-from timetotrain.train import parallel, schedule, sdpa
+from timetotrain.train import expert_parallel, parallel, schedule, sdpa
+from timetotrain.train.checkpoint import init_from
+from timetotrain.train.float8 import after_optimizer_step
 from timetotrain.train.optim import build_optimizer, set_lr
+from timetotrain.train.shards import full_init
+from timetotrain.train.tensor_parallel import clip_grad_norm_tp
 
 
 def train_step(
@@ -44,20 +48,14 @@ def train_step(
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
     if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
-        from timetotrain.train.expert_parallel import average_expert_replicas
-
-        average_expert_replicas(model)
+        expert_parallel.average_expert_replicas(model)
     if clip is not None:
         if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
-            from timetotrain.train.tensor_parallel import clip_grad_norm_tp
-
             clip_grad_norm_tp(params, clip, tp_world)
         elif ep_group is None:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         else:  # expert slices differ per rank: the global norm sums them across the group
-            from timetotrain.train.expert_parallel import clip_grad_norm_ep
-
-            clip_grad_norm_ep(params, clip, ep_group)
+            expert_parallel.clip_grad_norm_ep(params, clip, ep_group)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total
@@ -138,8 +136,6 @@ def build_training(
     params = [p for p in model.parameters() if p.requires_grad]
     after = None
     if plan.precision == "fp8" and plan.fsdp > 1:
-        from timetotrain.train.float8 import after_optimizer_step
-
         after = after_optimizer_step(model)
     return Training(
         wrapped, model, opt, sched, params, bench.clip(tier), parallel.autocast_dtype(plan), plan.world,
@@ -150,8 +146,6 @@ def build_training(
 
 def _timed_init_from(timer: dict, *args, **kwargs) -> None:
     import time
-
-    from timetotrain.train.checkpoint import init_from
 
     t0 = time.monotonic()
     init_from(*args, **kwargs)
@@ -196,8 +190,6 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
     The warm-up runs on the model initialised from `seed + 1` (sharded: through the all-gathers, in the
     training precision), inside `fork_rng`: LoRA's dropout exists by then and must not advance the RNG the
     training draws its masks from."""
-    from timetotrain.train.shards import full_init
-
     family, task = bench.family, bench.task
     # All of it on the meta device: under a simulation's fake mode it stays real meta (timetotrain/fakes.py).
     with real_host():
