@@ -21,10 +21,12 @@ BENCH = get("qwen35_397b_grpo")
 TINY = BENCH.tier("tiny")
 
 
-def ttt(*argv, **kw):
+def ttt(*argv, threads: str | None = "1", **kw):
     # One thread: on a shared 2-core host two OpenMP threads per process wait on each other far longer than
-    # they compute at this model size.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # they compute at this model size. None: unset, so a run takes the tier's own count.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
     return subprocess.run(ttt_command(*argv), capture_output=True, text=True, env=env, **kw)
 
 
@@ -56,12 +58,15 @@ def test_ttt_base_remakes_the_recipe_and_compares_with_the_shipped_bits(problems
 
 def test_the_tiny_tier_reaches_its_target_and_its_log_passes_6_1(problems, tmp_path):
     r = ttt(
-        "run", BENCH.name, "--tier", "tiny", "--data", str(problems), "--logdir", str(tmp_path), "--seed", "3"
+        "run", BENCH.name, "--tier", "tiny", "--data", str(problems), "--logdir", str(tmp_path), "--seed", "3",
+        threads=None,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = tmp_path / BENCH.name / "tiny" / "result_0.txt"
     recs = mllog(log)
     value = {x["key"]: x["value"] for x in recs}
+    # OMP_NUM_THREADS unset: the tier's one thread, which its RCP's runs took, logged for the package.
+    assert value["ttt_cpu_threads"] == TINY.cpu_threads == 1
     # No --init-checkpoint: the run starts from the shipped base, named with its sha256.
     assert value["ttt_init_base"] == TINY.base.shipped.name
     assert value["ttt_init_checkpoint_sha256"] == TINY.base.shipped.weights_sha256

@@ -233,9 +233,11 @@ def stub_ttt(folder: Path) -> tuple[Path, Path]:
     folder.mkdir()
     calls = folder / "calls.jsonl"
     stub = folder / "ttt"
+    threads = folder / "threads.txt"  # the OMP_NUM_THREADS each call saw ("-": unset)
     stub.write_text(
-        f"#!{sys.executable}\nimport json, sys\n"
+        f"#!{sys.executable}\nimport json, os, sys\n"
         f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"open({str(threads)!r}, 'a').write(os.environ.get('OMP_NUM_THREADS', '-') + '\\n')\n"
     )
     stub.chmod(0o755)
     return folder, calls
@@ -327,6 +329,7 @@ def test_a_package_repeats_its_run(ttt_checkpoint, c4_prepared, tmp_path, capsys
     from fakelogs import ttt_main
 
     from timetotrain.cli import build_parser
+    from timetotrain.mlperf.results import find_groups
 
     logs = tmp_path / "logs"
     argv = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(logs)]
@@ -346,6 +349,36 @@ def test_a_package_repeats_its_run(ttt_checkpoint, c4_prepared, tmp_path, capsys
     for field in ("benchmark", "tier", "seed", "max_steps", "set", "init_checkpoint", "platform"):
         assert getattr(second, field) == getattr(first, field), field
     assert Path(second.data) == Path(c4_prepared).resolve()
+    # A CPU run's bits hold at its thread count: the script runs at the logged one unless told otherwise.
+    logged = torch.get_num_threads()
+    (g,) = find_groups(logs)
+    assert g.logs[0].keys["ttt_cpu_threads"] == logged
+    assert (tmp_path / "bin" / "threads.txt").read_text() == f"{logged}\n"
+    run_script(script, stub_dir, tmp_path, LOGDIR=str(tmp_path / "again"), OMP_NUM_THREADS="7")
+    assert (tmp_path / "bin" / "threads.txt").read_text().splitlines()[-1] == "7"
+
+
+@pytest.mark.parametrize("threads", ["2; touch pwned", 0, 1.5])
+def test_a_logged_thread_count_that_is_not_one_is_refused(tmp_path, capsys, threads):
+    from fakelogs import tier_log, ttt_main
+
+    log = tier_log(tmp_path / "logs" / "result_0.txt", 10, 640, 2.0)
+    _edit_log(log, {}, {"ttt_cpu_threads": threads})
+    argv = [
+        "package",
+        "--org",
+        "o",
+        "--system",
+        "s",
+        "--results",
+        str(tmp_path / "logs"),
+        "--out",
+        str(tmp_path / "p"),
+    ]
+    assert ttt_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "result_0.txt: ttt_cpu_threads" in err and "not a thread count" in err
+    assert not (tmp_path / "p").exists()
 
 
 # --- log values shown as text: Plotly labels, summary.md -----------------------------------------------

@@ -20,15 +20,18 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
-from timetotrain import fileio, suite
+from timetotrain import __version__, fileio, suite
 from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
+from timetotrain.mlperf.score import required_runs
 from timetotrain.shell import Var, comment, line, quote
 from timetotrain.suite import official
+from timetotrain.suite.base import setting
 
 TODO = "TODO: fill in"
 STATUS_CHOICES = (
@@ -201,8 +204,6 @@ def _load_system_json(path: Path) -> dict:
 
 
 def _group_notes(g: ResultGroup, desc: dict) -> list[str]:
-    from timetotrain.mlperf.score import required_runs
-
     notes = []
     need = required_runs(g.benchmark, g.tier)
     if need is not None and need != len(g.logs):
@@ -287,11 +288,7 @@ def _os_name() -> str:
 
 
 def _versions() -> str:
-    from importlib import metadata
-
-    import torch
-
-    from timetotrain import __version__
+    import torch  # seconds to import: only where a package states its software
 
     parts = [f"timetotrain {__version__}", f"Python {platform.python_version()}"]
     for dist in ("mlperf-logging", "numpy"):
@@ -417,8 +414,6 @@ def _overrides(log: RunLog) -> list[str]:
     if tier is None:
         return []
     sets = []
-    from timetotrain.suite.base import setting
-
     names = {**_SETTINGS, **{key: name for name, key in bench.task.settable.items()}}
     gbs = log.keys.get("global_batch_size", tier.global_batch_size)
     # At a GBS without an RCP a closed run must name its LR and warmup, even where they equal the tier's
@@ -442,6 +437,13 @@ def _inputs(log: RunLog, org: str, system: str) -> tuple[list, dict[str, str]]:
     if "ttt_max_steps" in log.keys:
         words += ["--max-steps", log.keys["ttt_max_steps"]]
     defaults = {}
+    if "ttt_cpu_threads" in log.keys:  # a CPU run: its bits hold at its thread count only
+        threads = log.keys["ttt_cpu_threads"]
+        if type(threads) is not int or threads < 1:
+            raise UserError(
+                f"{log.path}: ttt_cpu_threads {threads!r} is not a thread count (a whole number >= 1)"
+            )
+        defaults["OMP_NUM_THREADS"] = str(threads)
     if "ttt_init_checkpoint" in log.keys:
         words += ["--init-checkpoint", Var("INIT_CHECKPOINT")]
         defaults["INIT_CHECKPOINT"] = str(log.keys["ttt_init_checkpoint"])
@@ -489,10 +491,12 @@ def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -
         for name, value in d.items():
             if defaults.setdefault(name, value) != value:
                 raise UserError(
-                    f"{g.folder}: the runs logged different {name.lower()}s ({defaults[name]!r}, {value!r}); "
+                    f"{g.folder}: the runs logged different {_WHAT[name]} ({defaults[name]!r}, {value!r}); "
                     "package runs of one starting point together"
                 )
     head += [_default(name, value) for name, value in defaults.items()]
+    if "OMP_NUM_THREADS" in defaults:
+        head.append("export OMP_NUM_THREADS")
     body = []
     for words, group in itertools.groupby(runs, key=lambda r: r[1]):
         seeds = " ".join(quote(lg.seed) for lg, _, _ in group)
@@ -511,14 +515,16 @@ def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -
     return "\n".join(head + body) + "\n"
 
 
+# What each script variable holds, for the error when the runs of one package disagree on it.
+_WHAT = {"INIT_CHECKPOINT": "init checkpoints", "OMP_NUM_THREADS": "CPU thread counts (ttt_cpu_threads)"}
+
+
 def _default(name: str, value: str) -> str:
     """`NAME` keeps the caller's value, else gets `value`, assigned as one quoted word."""
     return f'[ -n "${{{name}:-}}" ] || {name}={quote(value)}'
 
 
 def _impl_readme(g: ResultGroup, ordered: list[RunLog]) -> str:
-    from timetotrain import __version__
-
     first = ordered[0]
     tier, bench = md(first.tier), md(g.benchmark)  # values from the logs
     init = first.keys.get("ttt_init_checkpoint")

@@ -54,6 +54,11 @@ class Tier:
     # The gradient-clip norm where the rules tie it to the GBS (qwen35_397b_grpo: 0.125 x sqrt(256 / GBS)),
     # replacing the optimizer's; None: `Optimizer.clip`.
     clip: float | None = None
+    # Intra-op threads a CPU run of this tier takes when OMP_NUM_THREADS is unset (None: torch's default,
+    # one per core). A model too small to split its GEMMs over threads runs faster on one, and a run's bits
+    # depend on the thread count, so the tier's RCP runs are only repeated at theirs. Logged as
+    # `ttt_cpu_threads`, which `ttt package`'s run_and_time.sh exports again.
+    cpu_threads: int | None = None
 
     @property
     def grad_accum(self) -> int:

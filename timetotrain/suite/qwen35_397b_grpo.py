@@ -147,6 +147,9 @@ TINY = Tier(
     description="2 CPU cores: GRPO on digit reversal from a briefly supervised base (shipped)",
     base=TINY_BASE,
     clip=1.0,
+    # One thread: the RCP's runs took one, and on 2 cores two threads made `ttt synth` of this tier 2.2x
+    # slower (8.9 s against 19.9 s, 2026-12-01; ten times under load): its GEMMs are too small to split.
+    cpu_threads=1,
 )
 
 BENCHMARK = Benchmark(

@@ -50,6 +50,15 @@ def resolve(spec: str | None, local_rank: int = 0) -> torch.device:
     return device
 
 
+def set_cpu_threads(tier_threads: int | None) -> bool:
+    """Takes a tier's CPU thread count (`Tier.cpu_threads`) unless the user chose one with OMP_NUM_THREADS,
+    which always wins; True when the tier's count was applied."""
+    if tier_threads is None or os.environ.get("OMP_NUM_THREADS"):
+        return False
+    torch.set_num_threads(tier_threads)
+    return True
+
+
 def platform_name(device: torch.device, world: int = 1) -> str:
     """`submission_platform`: processes x accelerator, or the host CPU for CPU runs."""
     if device.type == "cuda":

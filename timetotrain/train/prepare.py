@@ -4,6 +4,7 @@ passes), then the init phase's log block and the model, optimizer and schedule (
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
 from timetotrain.train import distributed, float8, parallel, sdpa
-from timetotrain.train.device import platform_name
+from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
 from timetotrain.train.step import Training, build_training
@@ -92,6 +93,14 @@ def start_device(
     prep: Prepared, device: str | None, dist_timeout: float = 600.0, seed: int | None = None
 ) -> None:
     prep.device = distributed.setup(prep.dist, device, dist_timeout)
+    if prep.device.type == "cpu" and set_cpu_threads(prep.tier.cpu_threads) and prep.dist.main:
+        n = prep.tier.cpu_threads
+        print(
+            f"ttt: {n} CPU thread{'' if n == 1 else 's'}, the {prep.tier.name} tier's setting "
+            "(OMP_NUM_THREADS chooses another)",
+            file=sys.stderr,
+            flush=True,
+        )
     prep.seed = distributed.shared_seed(seed, prep.device)
 
 
@@ -109,6 +118,8 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
         log.event(k, v)
     for k, v in extra.items():
         log.event(k, v)
+    if prep.device is not None and prep.device.type == "cpu":  # a CPU run's bits depend on it
+        log.event("ttt_cpu_threads", torch.get_num_threads())
     # The ruleset this log is written for: `ttt check` against another says so (official logs state none).
     log.event("ttt_ruleset", prep.bench.ruleset)
 
