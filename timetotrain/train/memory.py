@@ -50,8 +50,10 @@ Where the numbers come from (an estimate, not a measurement):
   or what --parallel names): `ep=N` (DDP) keeps the replicated part whole and 1/N of the routed experts on
   every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
   parts 1/N (the states of `fsdp=N`), but FSDP2 gathers a block without its experts, and the experts' bf16
-  copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
-  under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
+  copies are those of the local slices, of every layer with or without activation checkpointing: the step
+  casts each stack once and keeps the copy until the step ends (models/common/weight_cast.py; found by
+  `ttt plan --simulate`: 4.8 GiB per GPU at deepseekv3_671b `ep=256`, which the count of two blocks under
+  checkpointing had left out since the cast moved there). The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
   by --parallel) holds 1/E of the
   experts and 1/N of the rest.
@@ -250,10 +252,10 @@ def estimate(
         # frozen base unless it is stored in bf16 already).
         fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
         if sharded:
-            # The local expert slices' autocast copies, kept for the backward: of every layer, or with
-            # checkpointing of the two blocks in flight, as FSDP2's gathered ones.
+            # The local expert slices' bf16 copies, of every layer: the step's cast cache keeps them until
+            # the step ends, checkpointing or not (module docstring).
             local = experts - away
-            copies = 2 * 2 * block + 2 * (2 * layer_experts / ep if ac else local)
+            copies = 2 * 2 * block + 2 * local
         else:
             copies = 2 * (fp32_weights - away)
         copies -= _fp8_saving(fp8, sharded, frozen == 0 or frozen_bytes == 4)
