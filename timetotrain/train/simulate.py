@@ -16,8 +16,9 @@ What is simulated and what is assumed, as the report says it:
 - Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers (unit: one layer; flux's
   double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
   only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
-  in both simulated models (L starts past them), gpt-oss alternates sliding and full attention, whose kept
-  tensors have the same shapes. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
+  in both simulated models (L starts past them). gpt-oss alternates sliding and full attention: alike
+  under activation checkpointing (the kept inputs), not without it (a full layer keeps more: docs/scale.md,
+  open), where one added layer extrapolates one kind. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
   gathered blocks in the backward, which fewer layers would not show. Without `layers` the full depth runs.
   Each module's own peak (a moment: the embedding, the head, each block of a ModuleList) is extrapolated
   too, and a phase's peak is the largest of them: where a step peaks moves with depth when one thing grows
