@@ -31,7 +31,7 @@ Where the numbers come from (an estimate, not a measurement):
   gradients (twice the block's count, recomputed under checkpointing) and the fused loss's fp32 head-weight
   gradient, which FSDP2 reduces after the whole backward (`backward_end_bytes`). With more micro-batches
   that is the sum; a one-micro-batch step of DeepSeek-V3 on 8,192 GPUs counts 7.1 GiB less (found by
-  `ttt plan --simulate`: the sum was 10% over the simulated peak).
+  `ttt plan --simulate`: the sum, 70.7 GiB, was 11% over the simulated 63.9).
 - A task's own phases beside the step (`Task.plan_phases`: GRPO's rollout decode, each GPU's rollouts at
   once with their KV cache and recurrent state at the full sequence length, and its logprob check, a
   no-grad forward over whole logits): the activations column holds the largest of these and the step's
