@@ -249,14 +249,43 @@ def test_expert_parallel_rows():
         assert b.states == a.states == 2 * n
         assert c.states == pytest.approx(16 * (n - experts) + 2 * experts)
         assert b.activations == a.activations
-        # bf16 copies: FSDP2 gathers blocks without experts; the local expert slices' autocast copies are
-        # kept for the backward, for every layer unless checkpointing recomputes them block by block.
-        local = 2 * (2 * per_layer / 8 if b.ac else experts / 8)
-        assert b.compute_copies == pytest.approx(a.compute_copies - 4 * per_layer + local)
-        assert (b.compute_copies < a.compute_copies) == b.ac
+        # bf16 copies: FSDP2 gathers blocks without experts; the local expert slices' copies are cast once per
+        # step and kept until it ends (models/common/weight_cast.py), for every layer, checkpointing or not.
+        assert b.compute_copies == pytest.approx(a.compute_copies - 4 * per_layer + 2 * experts / 8)
     assert best is not None and best.parallel == "ep=8,fsdp=8"
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
         plan(BENCH, REF, 8, 80, "ep=8,fsdp=8")
+
+
+def test_the_step_peaks_at_the_larger_end_of_its_backward():
+    """The last backward starts with every activation and the earlier micro-batches' gradients and ends, in
+    the first block, with every gradient beside that block's backward (`backward_end_bytes`); the total
+    charges the larger, not the sum. deepseekv3_671b on 8,192 GPUs has 2 samples per rank: at micro-batch 2
+    the step is one micro-batch, whose end (9.7 GiB of expert gradients among the rest) is less than the sum
+    (the start holds no gradient yet), at micro-batch 1 two, whose start is the sum; gpt_oss_20b
+    ep=8,fsdp=8 at micro-batch 2 (one as well) ends above the sum, its experts' gradients and a block's
+    backward outgrowing the checkpointed inputs."""
+    from timetotrain.train.memory import backward_end_bytes, expert_params
+
+    def parts(name, gpus, spec, micro):
+        bench = get(name)
+        tier = bench.tier("reference")
+        cfg = tier.model
+        _, rows, _ = plan(bench, tier, gpus, 80, spec)
+        r = next(r for r in rows if r.ac and r.micro_batch == micro)
+        experts, _ = expert_params(bench.family, cfg)
+        ep = int(spec.split(",")[0][3:])
+        grads = 4 * (bench.family.param_count(cfg) / gpus + experts * (1 / ep - 1 / gpus))
+        end = backward_end_bytes(bench.family, cfg, micro * bench.task.sample_items(tier)[1], 2, True)
+        return r, r.states + r.compute_copies + r.activations + r.margin, grads, end
+
+    one, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 2)
+    assert grads > 9 * GiB and grads + end > one.activations > end
+    assert one.total == pytest.approx(total - one.activations + end) and one.total < total - 7 * GiB
+    two, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 1)
+    assert two.activations > end and two.overlap == 0 and two.total == pytest.approx(total)
+    oss, total, grads, end = parts("gpt_oss_20b", 8, "ep=8,fsdp=8", 2)
+    assert end > oss.activations and oss.total == pytest.approx(total - oss.activations + end)
 
 
 # -- clusters: nodes, "fits from", ep rows by default, every benchmark planned or refused in one line --

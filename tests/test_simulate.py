@@ -21,7 +21,7 @@ from conftest import free_port
 from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.train import prepare
-from timetotrain.train.simulate import _in_child, simulate, simulate_rank
+from timetotrain.train.simulate import KINDS, RankMemory, _combine, _in_child, simulate, simulate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -100,6 +100,31 @@ def test_a_layout_that_cannot_be_built_fails_in_one_line(bench, gpus, spec, says
     with pytest.raises(UserError) as e:
         simulate(b, t, gpus, spec, precision="fp32")
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _memory(depth: int, start: int, end: int, per_layer_grads: int) -> RankMemory:
+    """A one-micro-batch backward of `depth` blocks: at its start the head's 100 bytes and the blocks' inputs
+    (`start` bytes each), no gradient; at its end, in block 0, `end` bytes of work beside the gradients of
+    every other block."""
+    kinds = dict.fromkeys(KINDS, 0)
+    moments = {f"backward|M.layers.{i}": {**kinds, "gradients": (depth - 1 - i) * per_layer_grads, "temporaries": end}
+               for i in range(depth)}  # fmt: skip
+    moments["backward|M"] = {**kinds, "activations": 100 + depth * start}
+    peak = max(moments, key=lambda m: sum(moments[m].values()))
+    return RankMemory(0, {"backward": moments[peak]}, {"backward": peak.split("|")[1]}, 0, 0, 0, [], moments)
+
+
+def test_a_peak_that_moves_with_depth_is_extrapolated_from_its_own_moment():
+    """At 6 and 7 blocks the backward peaks at its start (100 + 10 per block: 160, 170), at 61 at its end
+    (40 beside 15 per block of gradients: 940): extrapolating the two shallow peaks finds 710, the end's own
+    moment 940. The last two blocks of the shallower model (whose neighbours differ in the deeper one) are
+    no moment to extrapolate: with a block 5 that looks larger in the deeper model the answer stays 940."""
+    a, b = _memory(6, 10, 40, 15), _memory(7, 10, 40, 15)
+    assert a.where["backward"] == b.where["backward"] == "M"
+    got = _combine(a, b, 61 - 6)
+    assert sum(got.phases["backward"].values()) == 40 + 60 * 15 and got.where["backward"] == "M.layers.0"
+    b.moments["backward|M.layers.5"]["temporaries"] += 100
+    assert sum(_combine(a, b, 61 - 6).phases["backward"].values()) == 940
 
 
 if __name__ == "__main__":

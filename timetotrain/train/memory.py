@@ -25,6 +25,13 @@ Where the numbers come from (an estimate, not a measurement):
   A task whose loss reads whole logits (`Task.full_logits`: GRPO's per-token log-probabilities) has them
   counted whole instead of one chunk: the kept fp32 log-softmax and, in the backward, its fp32 gradient in
   and out and the bf16 gradient (14 B per token and vocabulary entry).
+- The step's peak is the larger of its last backward's two ends (`backward_overlap`), not one sum: at the
+  start every activation above and the gradients of the micro-batches before (none when the step is one
+  micro-batch); at the end, in the first block, every gradient beside that block's activations and their
+  gradients (twice the block's count, recomputed under checkpointing) and the fused loss's fp32 head-weight
+  gradient, which FSDP2 reduces after the whole backward (`backward_end_bytes`). With more micro-batches
+  that is the sum; a one-micro-batch step of DeepSeek-V3 on 8,192 GPUs counts 7.1 GiB less (found by
+  `ttt plan --simulate`: the sum, 70.7 GiB, was 11% over the simulated 63.9).
 - A task's own phases beside the step (`Task.plan_phases`: GRPO's rollout decode, each GPU's rollouts at
   once with their KV cache and recurrent state at the full sequence length, and its logprob check, a
   no-grad forward over whole logits): the activations column holds the largest of these and the step's
@@ -50,8 +57,10 @@ Where the numbers come from (an estimate, not a measurement):
   or what --parallel names): `ep=N` (DDP) keeps the replicated part whole and 1/N of the routed experts on
   every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
   parts 1/N (the states of `fsdp=N`), but FSDP2 gathers a block without its experts, and the experts' bf16
-  copies (autocast, kept for the backward) are those of the local slices: of every layer, or of two blocks
-  under activation checkpointing. The routed copies a GPU computes are counted as one GPU's own tokens'
+  copies are those of the local slices, of every layer with or without activation checkpointing: the step
+  casts each stack once and keeps the copy until the step ends (models/common/weight_cast.py; found by
+  `ttt plan --simulate`: 4.8 GiB per GPU at deepseekv3_671b `ep=256`, which the count of two blocks under
+  checkpointing had left out since the cast moved there). The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
   by --parallel) holds 1/E of the
   experts and 1/N of the rest.
@@ -155,10 +164,14 @@ class Estimate:
     # What the activations column holds: the training step's, or a task phase's that is larger
     # (`Task.plan_phases`: GRPO's rollout decode or logprob check).
     peak: str = "the training step"
+    # The columns' sum less the step's peak, the larger of its backward's start and end (`backward_overlap`):
+    # positive where a step of one micro-batch never holds its gradients and all its activations at once,
+    # negative where the end (every gradient beside the first block's backward) holds more than the start.
+    overlap: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.compute_copies + self.activations + self.margin
+        return self.states + self.compute_copies + self.activations + self.margin - self.overlap
 
 
 def activation_bytes(
@@ -198,6 +211,36 @@ def activation_bytes(
     else:
         body = cfg.n_layers * per_block * act_bytes + mtp
     return tokens * (body + head) + head_fixed * (1 + getattr(cfg, "mtp_layers", 0))
+
+
+def backward_end_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1) -> float:
+    """What a step holds beside its gradients when its backward reaches the first block (`backward_overlap`):
+    that block's activations (under checkpointing recomputed, of unlike blocks the largest, and its input)
+    and, as its backward runs, their gradients, of the same shapes; and the fused loss's fp32 head-weight
+    gradient, computed in the forward and held until FSDP2 reduces the root group after the whole backward
+    (the MTP depths' activations are freed by then: their backward comes first)."""
+    block = (
+        (family.peak_block_elements or family.activation_elements) if ac else family.activation_elements
+    )(cfg)
+    per_token = 2 * block / tp + (cfg.dim / tp if ac else 0)
+    return tokens * per_token * act_bytes + cfg.vocab_size * cfg.dim * 4
+
+
+def backward_overlap(local: int, micro: int, grads: float, act: float, end: float | None, peak: str) -> float:
+    """The states + activations sum less the step's peak (`Estimate.overlap`). The last micro-batch's
+    backward starts with every activation (`act`) and the gradients of the micro-batches before it (all of
+    this rank's `grads` bytes, or none when the step is one micro-batch: `local` samples per data-parallel
+    rank, all in one) and ends, in the first block, with every gradient beside that block's backward (`end`,
+    `backward_end_bytes`); in between it frees activations as it makes gradients, so the peak is the larger
+    of the two ends. With more micro-batches that is the sum, unless the end is larger. Found by `ttt plan
+    --simulate`: deepseekv3_671b on 8,192 GPUs (one micro-batch of 2) peaks in the first MoE block's
+    backward beside 9.7 GiB of expert gradients, gpt_oss_20b ep=8,fsdp=8 (one micro-batch of 2) in layer
+    0's experts; the sum had counted those gradients beside activations gone by then. None where the end is
+    not counted (a family with its own activation count: flux) or for a task phase outside the step
+    (GRPO's decode holds no gradients)."""
+    if end is None or peak != "the training step":
+        return 0.0
+    return min(grads if local == micro else 0.0, act - end)
 
 
 MARGIN_SHARE = 0.05  # of the device, plus 1 GiB: allocator, NCCL buffers, workspaces (module docstring)
@@ -250,10 +293,10 @@ def estimate(
         # frozen base unless it is stored in bf16 already).
         fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
         if sharded:
-            # The local expert slices' autocast copies, kept for the backward: of every layer, or with
-            # checkpointing of the two blocks in flight, as FSDP2's gathered ones.
+            # The local expert slices' bf16 copies, of every layer: the step's cast cache keeps them until
+            # the step ends, checkpointing or not (module docstring).
             local = experts - away
-            copies = 2 * 2 * block + 2 * (2 * layer_experts / ep if ac else local)
+            copies = 2 * 2 * block + 2 * local
         else:
             copies = 2 * (fp32_weights - away)
         copies -= _fp8_saving(fp8, sharded, frozen == 0 or frozen_bytes == 4)
@@ -261,15 +304,23 @@ def estimate(
         copies = 4 * 2 * block if sharded else 0
     if sharded:
         copies += _root_copies(family, cfg, bf16, experts=not kind.startswith("ep"))
+    end = None
     if family.activation_bytes is not None:
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
         tokens = micro * bench.task.sample_items(tier)[1]
         act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, full_logits=bench.task.full_logits)
+        end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
-    return Estimate(label, ac, micro, states, copies, act, margin, peak)
+    grads = 4 * trainable / shards  # this rank's: FSDP2's reduced shards or DDP's buckets, the expert slices
+    if kind == "ep":
+        grads -= 4 * away
+    elif kind == "ep,fsdp":
+        grads += 4 * experts * (1 / ep - 1 / gpus)
+    overlap = backward_overlap(tier.global_batch_size // gpus, micro, grads, act, end, peak)
+    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
 
 
 def expert_params(family, cfg) -> tuple[float, int]:
@@ -310,9 +361,11 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
     )
     tokens = micro * bench.task.sample_items(tier)[1]
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
+    end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
-    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak)
+    overlap = backward_overlap(tier.global_batch_size // fsdp, micro, states / 4, act, end, peak)  # 4 of 16 B
+    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak, overlap)
 
 
 def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
@@ -509,7 +562,7 @@ def nothing_fits(
     w, (_, rows, _) = plans[-1]
     r = min(rows, key=lambda e: e.total)
     cap = HEADROOM * gpu_mem_gib * GiB
-    fixed = r.states + r.compute_copies + r.margin
+    fixed = r.states + r.compute_copies + r.margin - r.overlap
     item, per_sample = bench.task.sample_items(tier)
     head = (
         f"on {w} GPUs, the most `ttt run` takes for GBS {tier.global_batch_size}, the smallest layout "
@@ -538,7 +591,7 @@ def nothing_fits(
             + (f"still context parallelism of {split(act)}" if act > cap - fixed else "which would fit")
         )
     # The device on which this estimate fits, its margin growing with it.
-    total = (r.states + r.compute_copies + r.activations + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
+    total = (r.states + r.compute_copies + r.activations - r.overlap + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
     return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
 
 
@@ -625,6 +678,8 @@ def plan_doc(
                 "activations_gib": r.activations / GiB,
                 "activations_of": r.peak,  # the training step, or a task phase (GRPO: the rollouts, the logprob check)
                 "margin_gib": r.margin / GiB,
+                # the columns' sum less the total: the backward's start or end, the larger (`backward_overlap`)
+                "overlap_gib": r.overlap / GiB,
                 "total_gib": r.total / GiB,
                 **(
                     {}
@@ -756,6 +811,11 @@ def format_plan(
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"
     )
     out.append("timetotrain/train/memory.py); allocator fragmentation and NCCL buffers can add 5-10%.")
+    if any(r.overlap for r in rows):
+        out.append(
+            "total: the larger of the backward's start (every activation; no gradient yet when the step is one "
+            "micro-batch) and its end (every gradient beside the first block's backward), not always the columns' sum."
+        )
     hook = bench.family.activation_bytes
     if hook is not None:
         out.append(

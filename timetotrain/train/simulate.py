@@ -16,9 +16,15 @@ What is simulated and what is assumed, as the report says it:
 - Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers (unit: one layer; flux's
   double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
   only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
-  in both simulated models (L starts past them), gpt-oss alternates sliding and full attention, whose kept
-  tensors have the same shapes. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
+  in both simulated models (L starts past them). gpt-oss alternates sliding and full attention: alike
+  under activation checkpointing (the kept inputs), not without it (a full layer keeps more: docs/scale.md,
+  open), where one added layer extrapolates one kind. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
   gathered blocks in the backward, which fewer layers would not show. Without `layers` the full depth runs.
+  Each module's own peak (a moment: the embedding, the head, each block of a ModuleList) is extrapolated
+  too, and a phase's peak is the largest of them: where a step peaks moves with depth when one thing grows
+  faster per layer than another shrinks (deepseekv3_671b on 8,192 GPUs, one micro-batch: at 6 and 7 layers
+  the backward peaks at its start, before any gradient exists; at 61 layers at its end, in the first MoE
+  block beside every layer's expert gradients: 63.9 GiB against the 61.1 of the two shallow peaks).
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
@@ -50,7 +56,7 @@ from __future__ import annotations
 import resource
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,6 +80,9 @@ class RankMemory:
     gradients: int  # gradients when the optimizer starts
     optimizer: int  # optimizer states after its first step
     empty: list[str] = field(default_factory=list)  # parameters this rank holds no rows of
+    # "phase|module" -> kind -> bytes: each module's own peak in the forward and the backward (a block of
+    # a ModuleList counts as one module), for extrapolating over depth (`_combine`); emptied after it.
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak_phase(self) -> str:
@@ -123,6 +132,8 @@ def _tracker(model, opt, fsdp: bool):
 
     class Tracker(base):
         phase_peak: dict[str, tuple[int, dict, str]] = {}
+        moments: dict[str, tuple[int, dict]] = {}
+        stepped = False
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
@@ -130,16 +141,32 @@ def _tracker(model, opt, fsdp: bool):
                 "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
             )
             total = sum(d["Total"] for d in self._curr_mem_snap.values())
+            inner = sorted(self._mod_tracker.parents - {"Global"}, key=len)
+            where = inner[-1] if inner else "outside modules"
+            moment = f"{phase}|{_moment_module(where)}"
+            # Moments of the forward and the backward only: after the optimizer step (the loss all-reduce)
+            # its states exist already, which the steady state adds to these phases once.
+            self.stepped = self.stepped or self._in_opt
+            if not self.stepped and total > self.moments.get(moment, (-1,))[0]:
+                self.moments[moment] = (total, {dev: dict(d) for dev, d in self._curr_mem_snap.items()})
             if total > self.phase_peak.get(phase, (-1,))[0]:
-                inner = sorted(self._mod_tracker.parents - {"Global"}, key=len)
                 snap = {dev: dict(d) for dev, d in self._curr_mem_snap.items()}
-                self.phase_peak[phase] = (total, snap, inner[-1] if inner else "outside modules")
+                self.phase_peak[phase] = (total, snap, where)
 
     t = Tracker(model, opt) if fsdp else Tracker()
     t.phase_peak = {}
+    t.moments = {}
     if not fsdp:
         t.track_external(model, opt)
     return t
+
+
+def _moment_module(fqn: str) -> str:
+    """The module a moment is keyed by: `fqn` cut after its first numbered part, so that everything inside
+    one block of a ModuleList (`...layers.3`, its attention, experts, recomputation) is one moment."""
+    parts = fqn.split(".")
+    cut = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+    return ".".join(parts[: cut + 1])
 
 
 def _held(model, opt) -> tuple[int, int, int]:
@@ -170,17 +197,25 @@ def _foreach_temporary(model) -> int:
 
 
 def _track_untracked(mt, model, fsdp: bool) -> None:
-    """Count as parameters what the tracker does not know: FSDPMemTracker follows the parameters FSDP2
-    manages, not the `ignored_params` (expert-parallel slices under `ep=N,fsdp=N`)."""
+    """Count as parameters what the tracker does not know, and their gradients as gradients: FSDPMemTracker
+    follows the parameters FSDP2 manages, not the `ignored_params` (expert-parallel slices under
+    `ep=N,fsdp=N`), whose gradients it would count as backward temporaries."""
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
     from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.distributed.tensor import DTensor
 
     ref = _FSDPRefType.SHARDED_PARAM if fsdp else _MemRefType.PARAM
+    grad = _FSDPRefType.SHARDED_GRAD if fsdp else _MemRefType.GRAD
+
+    def as_gradient(p) -> None:  # else counted as a backward temporary
+        mt._update_and_maybe_create_winfos(p.grad, grad)
+
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         if local.untyped_storage() not in mt._WINFO:
             mt._update_and_maybe_create_winfos(local, ref)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(as_gradient)
 
 
 def _empty_shards(model) -> list[str]:
@@ -266,18 +301,21 @@ def simulate_rank(
             n_opt = seen["opt bytes"][2]
             phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
             where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
+            moments = {m: _by_kind(snap) for m, (_, snap) in mt.moments.items()}
             # The step simulated is the first, whose AdamW moments appear in its optimizer step; from the
             # second on they exist through the forward and the backward too: the steady state adds them.
             for p in ("forward", "backward"):
                 if p in phases:
                     phases[p]["optimizer"] += n_opt
+            for kinds in moments.values():
+                kinds["optimizer"] += n_opt
             if fake:  # (module docstring: the optimizer step's peak is counted from its states)
                 phases["optimizer step"] = dict(opt)
                 if tr.opt.defaults.get("foreach"):
                     phases["optimizer step"]["optimizer"] += seen["temporary"]
                 where["optimizer step"] = "the optimizer (states + one fp32 temporary per parameter)"
             return RankMemory(
-                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare),
+                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare), moments,
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
@@ -322,16 +360,56 @@ class Simulation:
 
 
 def _combine(a: RankMemory, b: RankMemory, steps: float) -> RankMemory:
-    """`a` + `steps` x (b - a), every count: linear in identical layers (module docstring)."""
+    """`a` + `steps` x (b - a), every count: linear in identical layers (module docstring). A phase's peak
+    is the larger of its peak extrapolated and of every moment (`_comparable_moments`) extrapolated: where
+    a phase peaks can move as layers are added (a one-micro-batch backward peaks at its start in a shallow
+    model, before any gradient exists, and at its end, in the first repeated block beside every layer's
+    gradients, in the deep one), and the peak at two shallow depths extrapolates only the first."""
 
     def lin(x: int, y: int) -> int:
         return max(0, round(x + steps * (y - x)))
 
-    phases = {p: {k: lin(a.phases[p][k], b.phases[p][k]) for k in KINDS} for p in b.phases if p in a.phases}
+    def grow(x: dict, y: dict) -> dict:
+        return {k: lin(x[k], y[k]) for k in KINDS}
+
+    phases = {p: grow(a.phases[p], b.phases[p]) for p in b.phases if p in a.phases}
+    where = dict(b.where)
+    for m in _comparable_moments(a, b):
+        phase, module = m.split("|", 1)
+        kinds = grow(a.moments[m], b.moments[m])
+        if phase in phases and sum(kinds.values()) > sum(phases[phase].values()):
+            phases[phase], where[phase] = kinds, module
     return RankMemory(
-        a.rank, phases, b.where, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
+        a.rank, phases, where, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
         lin(a.optimizer, b.optimizer), b.empty,
     )  # fmt: skip
+
+
+def _comparable_moments(a: RankMemory, b: RankMemory) -> list[str]:
+    """The moments of `a` (the shallower model) that are the same moment in `b`, one repeat unit deeper:
+    every module outside the repeated blocks, every block of a ModuleList as long in both (DeepSeek-V3's
+    MTP), and of the lists that grow, the blocks with at least two more after them in `a` (the last ones see
+    FSDP2's prefetch and reduce-scatter differently from the same index in `b`, and a block's neighbours
+    differ in kind where kinds alternate: gpt-oss's sliding and full attention)."""
+
+    def lengths(m: RankMemory) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key in m.moments:
+            head, _, last = key.partition("|")[2].rpartition(".")
+            if last.isdigit():
+                out[head] = max(out.get(head, 0), int(last) + 1)
+        return out
+
+    la, lb = lengths(a), lengths(b)
+    keep = []
+    for key in a.moments:
+        if key not in b.moments:
+            continue
+        head, _, last = key.partition("|")[2].rpartition(".")
+        if last.isdigit() and la[head] != lb.get(head) and int(last) > la[head] - 3:
+            continue
+        keep.append(key)
+    return keep
 
 
 def simulate(
@@ -356,7 +434,9 @@ def simulate(
     ranks = {}
     for r in sorted({rank, world - 1}):
         if depths is None:
-            ranks[r] = _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac)
+            ranks[r] = replace(
+                _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac), moments={}
+            )
             continue
         a, b = (
             _in_child(simulate_rank, bench, with_layers(bench, tier, d), world, spec, r, precision, ac)
