@@ -1,6 +1,7 @@
 """The exceptions the CLI turns into a single line: UserError (exit 2) and Interrupted (exit 128 + signum)."""
 
 import contextlib
+import signal
 
 
 class UserError(Exception):
@@ -14,8 +15,6 @@ class Interrupted(KeyboardInterrupt):
     committed, see cli/__init__.py)."""
 
     def __init__(self, signum: int, outcome: str | None = None):
-        import signal
-
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.outcome = outcome

@@ -30,7 +30,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 
 @contextlib.contextmanager
@@ -71,8 +73,6 @@ def global_shapes_untracked():
     """DTensor's shape propagation outside our fake mode (module docstring). It enters
     `ShardingPropagator._fake_mode_lock` (a no-op context by default) before it looks for a fake mode; that
     context, swapped for the time of the simulation, hides ours, so the propagation makes its own."""
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
     before = ShardingPropagator._fake_mode_lock
     ShardingPropagator._fake_mode_lock = _OutsideOurFakeMode()
     try:
@@ -86,8 +86,6 @@ def gpu_attention():
     """SDPA calls of unequal head dims counted as a GPU's fused kernel keeps them (module docstring). It
     swaps `torch.nn.functional.scaled_dot_product_attention` for the time of the simulation (a function
     mode would not reach the recomputation of activation checkpointing in the backward)."""
-    import torch.nn.functional as F
-
     sdpa = F.scaled_dot_product_attention
 
     def fused(

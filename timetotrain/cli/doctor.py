@@ -4,6 +4,9 @@ FLOP/s MFU is computed against on each, the official logging package, and which 
 What a bug report needs, and what decides a run's figures: the torch build (CUDA or ROCm, NCCL), the devices,
 and the peak that `ttt synth` divides by (train/peak.py: a datasheet figure per accelerator, or a matmul peak
 measured on a CPU).
+
+torch and the train modules are imported inside the functions that need them: `ttt --version` reads
+`version()` here and should not wait 1 s for torch.
 """
 
 from __future__ import annotations

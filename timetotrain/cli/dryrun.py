@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from timetotrain import strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
@@ -120,8 +122,6 @@ def _plan(bench, tier, args) -> dict:
     d = distributed.from_env()
     precision = args.precision
     if precision is None:  # `ttt synth`'s default: bf16 on a GPU, fp32 on a CPU
-        import torch
-
         cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         precision = "bf16" if cuda else "fp32"
     p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=args.ac,

@@ -1,4 +1,8 @@
-"""`ttt score`, `ttt package`, `ttt report`, `ttt check`: reading, judging and packaging result logs."""
+"""`ttt score`, `ttt package`, `ttt report`, `ttt check`: reading, judging and packaging result logs.
+
+The mlperf and report modules are imported inside the commands (numpy, scipy, torch, matplotlib, the
+official checkers: up to 1.7 s), so `ttt --help` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 
 from timetotrain import strictjson
 from timetotrain.errors import UserError, writing
-from timetotrain.mlperf.compliance import RULESET, check_ruleset
+from timetotrain.mlperf.compliance import RULESET, check_log, check_ruleset
 
 _RULESET_HELP = (
     f"MLPerf ruleset of the logs (default {RULESET}); use 5.1.0 for MLPerf Training v5.1 results. "
@@ -128,7 +132,6 @@ def _report_html(args) -> int:
 
 
 def _cmd_check(args) -> int:
-    from timetotrain.mlperf.compliance import check_log
     from timetotrain.mlperf.results import ruleset_note
 
     path = Path(args.log)

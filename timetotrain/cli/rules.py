@@ -1,12 +1,16 @@
-"""`ttt rules build`: assemble the rule files of our tiers from their layers (timetotrain/mlperf/rule_files.py)."""
+"""`ttt rules build`: assemble the rule files of our tiers from their layers (timetotrain/mlperf/rule_files.py).
+
+The assembler is imported when the command runs: it imports torch (through suite.base, 1.5 s), which
+`ttt --help` should not wait for."""
 
 from __future__ import annotations
 
 import argparse
 
+from timetotrain import suite
+
 
 def _cmd_build(args) -> int:
-    from timetotrain import suite
     from timetotrain.mlperf.rule_files import build
 
     benches = [suite.get(n) for n in (args.benchmark or suite.names(listed_only=False))]

@@ -1,24 +1,27 @@
 """`ttt list`, `ttt run`, `ttt synth`, `ttt plan`, `ttt rcp build`: the benchmarks and training runs.
 
-Heavy modules (torch, the training loop) are imported inside the commands, so `ttt --help` stays fast.
+Heavy modules (torch, the training loop, the dry run, the RCP builder: 1-2 s each) are imported inside the
+commands, so `ttt --help` stays fast; `run_set` also enters its abort watcher before the loop imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
-from timetotrain import strictjson
+from timetotrain import fileio, strictjson, suite
 from timetotrain.cli import config
 from timetotrain.errors import UserError
+from timetotrain.interrupt import raise_on_signals
+from timetotrain.train.abort import Aborter
 from timetotrain.train.seeds import run_seeds
 
 
 def _cmd_list(args) -> int:
-    from timetotrain import suite
-
     rows = []
     for name in suite.names():
         b = suite.get(name)
@@ -58,8 +61,6 @@ def _cmd_list(args) -> int:
 def _check_seconds(args) -> None:
     """A negative or non-finite timeout would only show when a collective or an abort waits on it,
     hours into a run."""
-    import math
-
     if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
         raise UserError(f"--dist-timeout {args.dist_timeout:g} must be a positive number of seconds")
     if not (math.isfinite(args.abort_grace) and args.abort_grace >= 0):
@@ -111,8 +112,6 @@ def run_set(args, seeds: list[int], **fixed) -> list:
     RunOptions fields that `args` does not carry."""
     # Entered before torch is imported: threads torch starts later inherit the blocked SIGTERM/SIGINT,
     # which only the abort watcher then receives (see train/abort.py).
-    from timetotrain.train.abort import Aborter
-
     with Aborter() as aborter:
         from timetotrain.train.loop import RunOptions, run
 
@@ -211,8 +210,6 @@ def _cmd_rcp_build(args) -> int:
     converged = [parse_log(r.log_path) for _, r in results if r.status == "success"]
     doc = build_rcp_json(args.benchmark, args.tier, converged)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from timetotrain import fileio
-
     fileio.write_text(out, json.dumps(doc, indent=2) + "\n")
     for name, rec in doc.items():
         print(
@@ -242,8 +239,6 @@ def _points_key(rec: dict) -> str:
 
 
 def _cmd_base(args) -> int:
-    from timetotrain import suite
-
     bench = suite.get(args.benchmark)
     tier = bench.tier(args.tier)
     if tier.base is None:
@@ -254,7 +249,6 @@ def _cmd_base(args) -> int:
             f"{args.benchmark} --tier {args.tier} starts from no base of ours (random init or a real checkpoint); "
             f"tiers with one: {', '.join(with_base) or 'none'}"
         )
-    from timetotrain.interrupt import raise_on_signals
     from timetotrain.train.base_model import make_base
 
     cache = Path(args.cache) if args.cache else None
@@ -283,7 +277,6 @@ def _cmd_base(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from timetotrain import suite
     from timetotrain.suite.base import apply_overrides
     from timetotrain.train.memory import fits_from, format_plan, fp8_model, nothing_fits, plan, plan_doc
 
@@ -340,8 +333,6 @@ def _simulate(args, bench, tier, rows, best):
     """`ttt plan --simulate`: ({(parallel, ac, micro): simulated peak + margin}, the report, as data). The
     row simulated is the suggested one (its AC and micro-batch) when the layout fits, else AC as --ac says
     at the tier's micro-batch."""
-    import dataclasses
-
     from timetotrain.train.simulate import format_simulation, simulate
 
     if not args.parallel:

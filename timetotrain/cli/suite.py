@@ -1,6 +1,6 @@
 """`ttt suite`: the whole suite at one tier, scored into one results folder. This module parses the flags;
-the driver is cli/suite_driver.py, imported when the command runs (it loads the MLPerf logging package,
-which no other command should wait for at start-up)."""
+the driver is cli/suite_driver.py, imported when the command runs (it loads torch and the MLPerf logging
+package, which no other command should wait for at start-up)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from timetotrain import fileio, strictjson
+from timetotrain import fileio, strictjson, suite
 from timetotrain.errors import UserError
 
 
 def _data_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
-    from timetotrain import suite
-
     source, prepared = None, {}
     for v in values:
         name, eq, folder = v.partition("=")

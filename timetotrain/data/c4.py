@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio, interrupt, lifeline
+from timetotrain.data import sentencepiece_tok
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -104,8 +105,6 @@ def load_tokenizer(name: str, model_file: Path | None = None):
         if name != "llama3":
             raise UserError(f"--tokenizer {name} needs --tokenizer-model FILE (its tokenizer.model)")
         return tok.load(name)
-    from timetotrain.data import sentencepiece_tok
-
     t = sentencepiece_tok.load(model_file)
     if t.name != name:
         raise UserError(

@@ -309,7 +309,7 @@ def _c4_from_hub(names: list[str], out: Path) -> list[Path]:
     """huggingface_hub resumes and shows its own progress bar; the sha256 the hub records for each LFS
     object is then checked here."""
     try:
-        from huggingface_hub import HfApi, hf_hub_download
+        from huggingface_hub import HfApi, hf_hub_download  # optional: only c4 from the hub, not --mirror
     except ImportError as e:
         raise UserError("downloading from the hub needs huggingface_hub: pip install huggingface_hub") from e
     paths = [f"en/{n}" for n in names]

@@ -35,6 +35,8 @@ import struct
 import tarfile
 from pathlib import Path
 
+from PIL import Image
+
 from timetotrain import fileio
 from timetotrain.data import download
 from timetotrain.errors import UserError
@@ -200,8 +202,6 @@ def govreport(src: Sources) -> bytes:
 
 
 def _square_jpeg(raw: bytes) -> tuple[bytes, int, int]:
-    from PIL import Image
-
     im = Image.open(io.BytesIO(raw)).convert("RGB")
     w, h = im.size
     s = 256 / min(w, h)

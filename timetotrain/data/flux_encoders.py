@@ -29,8 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from timetotrain import trees
+from timetotrain.data import sentencepiece_tok
 from timetotrain.data.flux_encodings import Shapes
 from timetotrain.errors import UserError
 
@@ -41,8 +43,6 @@ _FOLD = 4  # stand-in image pixels per latent position along each side
 
 def _pixels(images, size: int) -> torch.Tensor:
     """PIL RGB images -> `[B, 3, size, size]` in [-1, 1] (bicubic resize)."""
-    from PIL import Image
-
     arrs = [np.asarray(im.resize((size, size), Image.BICUBIC), dtype=np.float32) for im in images]
     return torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2) / 127.5 - 1.0
 
@@ -53,8 +53,6 @@ class StandInEncoders:
     name = "standin"
 
     def __init__(self, shapes: Shapes, tokenizer_model: Path | str, seed: int = STANDIN_SEED):
-        from timetotrain.data import sentencepiece_tok
-
         self.shapes = shapes
         self.tok = sentencepiece_tok.load(tokenizer_model)
         vocab = self.tok.processor.get_piece_size()
@@ -107,7 +105,7 @@ class RealEncoders:
 
     def __init__(self, folder: Path | str, shapes: Shapes, device: str = "cpu"):
         try:
-            import transformers
+            import transformers  # optional (flux-encoders extra): only --encoders DIR
             from diffusers.utils import logging as diffusers_logging
 
             # diffusers probes an installed torchao (ttt's fp8 extra) and warns about its own version

@@ -168,7 +168,7 @@ def _iter_jsonl(src: Path) -> Iterator[Row]:
 
 def _parquet_file(src: Path):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy (0.2 s): only a .parquet source
     except ImportError as e:
         raise UserError("pyarrow is not installed: run `pip install pyarrow` to read .parquet") from e
     try:
@@ -327,7 +327,7 @@ def pack(
 
 
 def _list_column(src: Path, table, name: str) -> np.ndarray:
-    import pyarrow as pa
+    import pyarrow as pa  # heavy (0.2 s): only a .parquet source
 
     col = table.column(name).combine_chunks()
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):

@@ -57,7 +57,7 @@ def load(path: Path | str) -> SentencePieceTokenizer:
             "(e.g. meta-llama/Llama-2-70b-hf/tokenizer.model)"
         )
     try:
-        import sentencepiece as spm
+        import sentencepiece as spm  # optional: only --tokenizer-model; missing, one UserError line
     except ImportError as e:
         raise UserError("sentencepiece is not installed: run `pip install sentencepiece`") from e
     data = path.read_bytes()

@@ -105,7 +105,7 @@ def _split_long_runs(s: str):
 
 def llama3_path() -> Path:
     try:
-        import llama_models
+        import llama_models  # optional: only --tokenizer llama3; missing, one UserError line
     except ImportError as e:
         raise UserError(
             "Llama 3 tokenizer not installed: run `pip install llama-models==0.3.0` (it ships tokenizer.model)"
@@ -123,7 +123,7 @@ def load(name: str) -> Tokenizer:
     if name != "llama3":
         raise UserError(f"unknown tokenizer {name!r}: this version supports --tokenizer llama3")
     try:
-        import tiktoken
+        import tiktoken  # optional: only --tokenizer llama3; missing, one UserError line
         from tiktoken.load import load_tiktoken_bpe
     except ImportError as e:
         raise UserError("tiktoken is not installed: run `pip install tiktoken`") from e

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from PIL import Image, UnidentifiedImageError
+
 from timetotrain.errors import UserError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -95,8 +97,6 @@ def _members(tar_path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
 
 
 def read_pairs(tars: list[Path], skips: Skips | None = None) -> Iterator[Pair]:
-    from PIL import Image, UnidentifiedImageError
-
     skips = skips if skips is not None else Skips()
     for tar_path in tars:
         for key, parts in _members(Path(tar_path)):

@@ -17,17 +17,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlperf_logging.compliance_checker as cc
 import yaml
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
-from timetotrain import fileio
+from timetotrain import fileio, suite
 from timetotrain.errors import UserError
+from timetotrain.suite import official
 
 RULESET = "6.0.0"
 
 
 def official_rules_dir() -> Path:
-    import mlperf_logging.compliance_checker as cc
-
     return Path(cc.__file__).parent
 
 
@@ -35,8 +36,6 @@ def rule_file(benchmark: str, tier: str) -> Path | None:
     """None means: the official ruleset entry point (common.yaml), as for a real submission."""
     if tier == "reference":
         return None
-    from timetotrain import suite
-
     path = suite.get(benchmark).rules_dir / f"{benchmark}_{tier}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no rule file for {benchmark} tier {tier} at {path}")
@@ -76,12 +75,8 @@ def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Pa
         raise UserError(f"{path} logs no submission_benchmark: it is not a complete MLPerf result log")
     bench, tier = str(bench), str(keys.get("ttt_tier", "reference"))
     if tier == "reference":
-        from mlperf_logging.benchmark_meta import get_allowed_benchmarks
-
         if bench in get_allowed_benchmarks("training", ruleset):
             return None
-        from timetotrain.suite import official
-
         facts = official.get(bench)
         where = (
             f"it is one of {', '.join(facts.rulesets)}: pass --ruleset {facts.rulesets[-1]}"
@@ -91,8 +86,6 @@ def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Pa
         raise UserError(
             f"{path}: submission_benchmark {bench!r} is not a benchmark of MLPerf Training {ruleset} ({where})"
         )
-    from timetotrain import suite
-
     if not suite.known(bench):
         raise UserError(
             f"{path}: submission_benchmark {bench!r} of ttt_tier {tier!r} is not a timetotrain benchmark "
@@ -114,8 +107,6 @@ def model_mismatch(keys: dict[str, object]) -> str | None:
     model of the benchmark it names. Logs without the key (other harnesses') are not judged here."""
     logged = keys.get("ttt_model")
     bench, tier = str(keys.get("submission_benchmark", "")), str(keys.get("ttt_tier", "reference"))
-    from timetotrain import suite
-
     if logged is None or not suite.known(bench) or tier not in suite.get(bench).tiers:
         return None
     b = suite.get(bench)
@@ -156,9 +147,7 @@ def tier_ruleset(bench, requested: str) -> str:
     """The ruleset a tier of ours is judged under: the requested one where its benchmark belongs to it
     (llama31_8b tiny under 6.1.0 then meets 6.1's common rules), else the benchmark's own (rgat tiny under
     the default 6.0.0 keeps the 5.1.0 rules its file was assembled on)."""
-    from timetotrain.mlperf.rule_files import official_benchmark
-
-    return requested if official_benchmark(bench.name, requested) else bench.ruleset
+    return requested if official.official_benchmark(bench.name, requested) else bench.ruleset
 
 
 def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
@@ -171,7 +160,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
     with tempfile.TemporaryDirectory() as tmp:
         engine_ruleset, config = ruleset, f"training_{ruleset}/common.yaml"
         if rules is not None:
-            from timetotrain import suite
+            # heavy (1.5 s: torch, through suite.base): `ttt --help` imports this module
             from timetotrain.mlperf.rule_files import assemble
 
             bench, tier = suite.get(str(keys["submission_benchmark"])), str(keys["ttt_tier"])
@@ -206,6 +195,7 @@ def hparam_violations(rule_files: list[Path], logged: list[tuple[str, object]]) 
     official engine's semantics (CHECK before POST, shared state `s`). Keys a rule requires exactly once
     but that are absent are reported too. Rules about the run itself (eval results, run structure) are
     skipped: they need a trained model."""
+    # heavy (8 ms, 5% of `ttt --help`, which imports this module): only the rule check before a run needs it
     from mlperf_logging.compliance_checker.mlp_compliance import is_integer
 
     records: dict[str, dict] = {}

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -55,8 +56,6 @@ def check_writable(directory: Path, flag: str = "--logdir") -> Path:
 
 
 def _mkstemp(directory: Path):
-    import tempfile
-
     return tempfile.mkstemp(prefix=".ttt-probe-", dir=directory)
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 from timetotrain import __version__, fileio, suite
 from timetotrain.errors import UserError
 from timetotrain.markup import md
@@ -288,8 +290,6 @@ def _os_name() -> str:
 
 
 def _versions() -> str:
-    import torch  # seconds to import: only where a package states its software
-
     parts = [f"timetotrain {__version__}", f"Python {platform.python_version()}"]
     for dist in ("mlperf-logging", "numpy"):
         try:
@@ -311,8 +311,6 @@ def _versions() -> str:
 
 def _accelerators() -> dict:
     """Accelerator fields from torch.cuda and, when importable, NVML (clocks, driver)."""
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return {"count": 0}
     props = torch.cuda.get_device_properties(0)
@@ -322,7 +320,7 @@ def _accelerators() -> dict:
         "memory": f"{props.total_memory / 1024**3:.0f} GiB",
     }
     try:
-        import pynvml
+        import pynvml  # optional (nvml extra): NVIDIA only; without it the clocks stay TODO
 
         pynvml.nvmlInit()
         try:
@@ -342,8 +340,6 @@ def host_system_description(
     org: str, system: str, division: str, where: Path, tiers: list[str]
 ) -> tuple[dict, list[str]]:
     """(description, fields left TODO). Facts are read from this host; the rest is TODO text."""
-    import torch
-
     cpu = _cpuinfo()
     sockets = max(1, len(cpu["sockets"]))
     vcpus = os.cpu_count() or 0

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import scipy.stats
+from mlperf_logging.rcp_checker import rcp_checker
 
+from timetotrain import __version__
 from timetotrain.errors import UserError
 from timetotrain.mlperf.results import NOT_CONVERGED, RunLog, captured_logging, parse_log
 from timetotrain.suite import official
@@ -38,8 +40,6 @@ def rcp_path(benchmark: str, tier: str) -> Path:
 
 
 def official_rcp_path(benchmark: str, ruleset: str) -> Path:
-    from mlperf_logging.rcp_checker import rcp_checker
-
     return Path(rcp_checker.__file__).parent / f"training_{ruleset}" / f"rcps_{benchmark}.json"
 
 
@@ -310,8 +310,6 @@ def check_tier(
 def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult:
     """The official rcp_checker on a folder of result files (pruned RCPs, nothing written to the folder),
     with the statistics of the record it compared against."""
-    from mlperf_logging.rcp_checker import rcp_checker
-
     benchmark = logs[0].benchmark if logs else ""
     source = f"mlperf_logging training_{ruleset}/rcps_{benchmark}.json"
     if not official_rcp_path(benchmark, ruleset).is_file():
@@ -363,8 +361,6 @@ def check_reference(folder: Path, logs: list[RunLog], ruleset: str) -> RcpResult
 
 def _official_record(benchmark: str, ruleset: str, bs: int, msg: str) -> dict | None:
     """The record the official checker compared with, read back from its own pruned table."""
-    from mlperf_logging.rcp_checker import rcp_checker
-
     with captured_logging():
         checker = rcp_checker.RCP_Checker("training", ruleset, benchmark, False)
     pruned = sorted(checker.pruned_rcp_data.values(), key=lambda r: r["BS"])
@@ -434,8 +430,6 @@ def build_rcp_json(benchmark: str, tier: str, logs: list[RunLog | Path | str]) -
             )
         seeds[lg.seed] = lg.path
         by_bs.setdefault(int(lg.global_batch_size), []).append(lg)
-    from timetotrain import __version__
-
     out = {}
     for bs, group in sorted(by_bs.items()):
         if len(group) < 3:

@@ -20,8 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlperf_logging.compliance_checker import mlp_compliance
+
 from timetotrain import trees
 from timetotrain.errors import UserError
+from timetotrain.mlperf.compliance import log_rules, model_mismatch, read_log_keys
 from timetotrain.suite import official
 
 TOKEN = ":::MLLOG "
@@ -506,10 +509,6 @@ def _rules_parsed_once(mlp_compliance):
 def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     """The official compliance engine, in process, with the rule file `ttt check` would use: the
     ruleset's common.yaml for reference logs (as the result_summarizer does), ours for other tiers."""
-    from mlperf_logging.compliance_checker import mlp_compliance
-
-    from timetotrain.mlperf.compliance import log_rules, model_mismatch, read_log_keys
-
     keys = read_log_keys(path)
     rules = log_rules(path, keys, ruleset)
     config = str(rules) if rules is not None else f"training_{ruleset}/common.yaml"

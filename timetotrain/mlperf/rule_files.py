@@ -26,12 +26,12 @@ from pathlib import Path
 
 import mlperf_logging.compliance_checker as official_checker
 import yaml
-from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.suite import base as suite_base
 from timetotrain.suite.base import Benchmark
+from timetotrain.suite.official import official_benchmark
 
 # Our layers live beside the shipped rule files, in the suite package (the common ones; each benchmark's
 # own sit in its `rules_dir`/src).
@@ -87,14 +87,6 @@ def layers(bench: Benchmark, tier: str, ruleset: str | None = None) -> list[Laye
                 "(docs/adding-a-benchmark.md) or install an mlperf-logging that has the ruleset"
             )
     return out
-
-
-def official_benchmark(name: str, ruleset: str) -> bool:
-    """Whether the round `ruleset` has a benchmark `name` (the result summarizer's table)."""
-    try:
-        return name in get_allowed_benchmarks("training", ruleset)
-    except (KeyError, ValueError):  # a ruleset the table does not list
-        return False
 
 
 def source_path(bench: Benchmark, tier: str) -> Path:

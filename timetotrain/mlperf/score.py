@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from mlperf_logging.benchmark_meta import get_result_file_counts
 
-from timetotrain import strictjson
+from timetotrain import strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
@@ -68,12 +69,8 @@ class Score:
 
 
 def required_runs(benchmark: str, tier: str) -> int | None:
-    from timetotrain import suite
-
     if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
         return suite.get(benchmark).tiers[tier].runs
-    from mlperf_logging.benchmark_meta import get_result_file_counts
-
     return get_result_file_counts("training").get(benchmark)
 
 

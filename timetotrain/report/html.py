@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from plotly.offline import get_plotlyjs
+
 from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.markup import plotly
@@ -425,8 +427,6 @@ def render(root: Path, ruleset: str = RULESET) -> str:
         ]
     synth_html, synth_figs = _synth_section(summaries)
     figures.update(synth_figs)
-    from plotly.offline import get_plotlyjs
-
     head = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>timetotrain results: {_e(root)}</title><style>{CSS}</style>",

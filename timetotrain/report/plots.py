@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from timetotrain import fileio
+from timetotrain import fileio, suite
 from timetotrain.markup import mpl
 from timetotrain.mlperf.results import ResultGroup
 from timetotrain.mlperf.score import Score
@@ -18,8 +18,6 @@ RUNS_COLOR, RCP_MEAN_COLOR, RCP_MIN_COLOR = "#000080", "#006400", "#dc143c"
 
 def target_of(benchmark: str, tier: str) -> float | None:
     """Our tier's target for benchmarks timetotrain implements; the closed target for reference logs."""
-    from timetotrain import suite
-
     if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
         return suite.get(benchmark).tiers[tier].target
     facts = official.get(benchmark)
@@ -28,8 +26,6 @@ def target_of(benchmark: str, tier: str) -> float | None:
 
 def metric_label(benchmark: str) -> str:
     """The y axis: the logged key and what it measures, with its direction."""
-    from timetotrain import suite
-
     facts = official.get(benchmark)
     if facts is not None and facts.target is None:  # several metrics (stable_diffusion): no one direction
         return f"eval_accuracy: {facts.metric_label}"
@@ -50,7 +46,7 @@ def point_label(v: float) -> str:
 def plot_group(group: ResultGroup, score: Score, path: Path, staged: fileio.Staged | None = None) -> Path:
     """Left: whole runs. Right: the same, zoomed on where runs cross the target and the RCP marks sit.
     Written atomically, or into `staged` (renamed with the report's other files, or removed with them)."""
-    import matplotlib
+    import matplotlib  # heavy (0.6 s with pyplot): only the PNGs, not `ttt report --html`
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -144,7 +140,7 @@ def _thin_x_ticks(fig, ax) -> None:
     """Fewer x ticks until their labels do not touch. Matplotlib sizes the tick count by the axis length
     and font size, not the label width, so the narrow zoom panel ran 7-8 digit sample counts into one
     another (flux1's ~8.5 M, llama31_405b)."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # heavy: as in plot_group, its caller
 
     fig.canvas.draw()
     nbins = len(_visible_x_labels(ax))
@@ -192,7 +188,7 @@ def plot_training(group: ResultGroup, path: Path, staged: fileio.Staged | None =
     panels = training_panels(group)
     if not panels:
         return None
-    import matplotlib
+    import matplotlib  # heavy (0.6 s with pyplot): only the PNGs, not `ttt report --html`
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

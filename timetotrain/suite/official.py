@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+
 # The training rulesets this table covers. 6.1.0 is included because its benchmarks (qwen35_397b_grpo,
 # dlrmv4) are already counted in samples by the rcp_checker and by our log parser.
 RULESETS = ("5.0.0", "5.1.0", "6.0.0", "6.1.0")
@@ -68,8 +70,6 @@ def _version(ruleset: str) -> tuple[int, ...]:
 
 @functools.cache
 def _allowed() -> dict[str, tuple[str, ...]]:
-    from mlperf_logging.benchmark_meta import get_allowed_benchmarks
-
     out: dict[str, list[str]] = {}
     for rs in RULESETS:
         try:
@@ -83,6 +83,14 @@ def _allowed() -> dict[str, tuple[str, ...]]:
 
 def _rulesets_of(name: str) -> tuple[str, ...]:
     return _allowed().get(name, ())
+
+
+def official_benchmark(name: str, ruleset: str) -> bool:
+    """Whether the round `ruleset` has a benchmark `name` (the result summarizer's table)."""
+    try:
+        return name in get_allowed_benchmarks("training", ruleset)
+    except (KeyError, ValueError):  # a ruleset the table does not list
+        return False
 
 
 # Where each column was read, in mlperf_logging 4.1.68:

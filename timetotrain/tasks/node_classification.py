@@ -10,6 +10,7 @@ the seeds instead, each rank sampling its own subgraph.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,6 +355,4 @@ class NodeClassification(Task):
         ]
 
     def baseline_loss(self, tier):
-        import math
-
         return math.log(tier.model.classes)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from timetotrain.data import flux_encoders, flux_prepare
 from timetotrain.data import flux_encodings as enc
 from timetotrain.errors import UserError
 from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
@@ -247,8 +248,6 @@ class RectifiedFlow(Task):
         """The tiny tier encodes the CC12M and COCO fixture tars under `source` (cc12m/, coco_mini/) with the
         stand-in encoders and `source`'s Llama 2 tokenizer, as `ttt data prepare flux --encoders standin
         --select tiny` does; the reference tier's encodings come from MLCommons."""
-        from timetotrain.data import flux_encoders, flux_prepare
-
         if tier.name != "tiny":
             raise UserError(
                 f"flux1 {tier.name} reads the MLCommons CC12M/COCO encodings, which no recipe here makes: "

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -40,6 +41,7 @@ from timetotrain.errors import UserError
 from timetotrain.models.family import Source
 from timetotrain.progress import LiveLine
 from timetotrain.train import dcp_safe
+from timetotrain.train.expert_parallel import expert_dtensors
 from timetotrain.train.shards import copy_full, full_shape, is_part
 
 HF_SINGLE = "model.safetensors"
@@ -72,8 +74,6 @@ _COPY_IN = (
 
 def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
     """HF tensor name -> shard file name, and the file that says so (the index or the single file)."""
-    from safetensors import safe_open
-
     index = path / HF_INDEX
     if index.is_file():
         trees.check_inside(index, path, _COPY_IN)
@@ -121,8 +121,6 @@ def load_hf_checkpoint(
     parameter the checkpoint does not hold (e.g. LoRA adapters, which the caller initialises):
     `lora.base_names`. Unlisted names stay as they are.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no such checkpoint folder; pass the folder holding the *.safetensors files")
@@ -362,8 +360,6 @@ def _no_single_process_warning():
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     # Sharded (DTensor) entries under FSDP2: each rank saves and loads its own shards, nothing is gathered.
     # Expert slices (expert parallelism) enter as DTensor views of their full stacks for the same reason.
-    from timetotrain.train.expert_parallel import expert_dtensors
-
     experts = {_clean_name(n): t for n, t in expert_dtensors(model).items()}
     if optimizer is None:
         model_sd = get_model_state_dict(model)
@@ -393,8 +389,6 @@ def scan_hf_weights(path: Path, wanted: set[str]) -> None:
     tensor would be cast into the weights silently) and no NaN or inf in a bounded scan, the first
     `SCAN_VALUES` values of each (a checkpoint saved after training diverged is non-finite throughout;
     a single bad value is found at load, where every value is checked)."""
-    from safetensors import safe_open
-
     weight_map, _ = _weight_map(path)
     for shard in sorted({weight_map[n] for n in wanted if n in weight_map}):
         with safe_open(path / shard, framework="pt") as f:

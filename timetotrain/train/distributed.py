@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import secrets
 from dataclasses import dataclass
@@ -76,8 +77,6 @@ def teardown(barrier: bool = False) -> None:
     `barrier` (normal completion only; a failed peer would make it hang) keeps one rank from tearing down
     while another still has collectives in flight."""
     if dist.is_initialized():
-        import gc
-
         gc.collect()
         if barrier:
             dist.barrier()

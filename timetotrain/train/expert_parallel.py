@@ -69,6 +69,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from timetotrain.fakes import host_sizes
 from timetotrain.models.common.moe import MoE
@@ -290,9 +293,6 @@ def expert_dtensors(model: nn.Module) -> dict[str, torch.Tensor]:
     expert-parallel group and sharing the slice's storage, by the slice's parameter name (wrapper levels
     included). What torch.distributed.checkpoint needs to write and read the slices of all ranks as one
     tensor (a plain tensor it takes for a replica, keeping rank 0's alone)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
     meshes: dict[int, DeviceMesh] = {}
     out = {}
     for prefix, moe in model.named_modules():
@@ -317,8 +317,6 @@ def expert_dtensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def ignore_experts_in_ddp(model: nn.Module) -> None:
     """Call on the module about to be wrapped in DDP: DDP then neither all-reduces nor broadcasts the
     expert slices. (`_set_params_and_buffers_to_ignore_for_model` is DDP's static hook for exactly this.)"""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_sharded_names(model))
 
 
@@ -336,8 +334,6 @@ def clip_grad_norm_ep(
     `group`, each element on one rank), are summed over `group`. Every rank of `group` must call it (one
     all-reduce). Without an initialised process group it is plain global-norm clipping.
     """
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in params if p.grad is not None]
     fsdp = [p.grad for p in params if isinstance(p.grad, DTensor)]
     wider = None  # FSDP2's group when it is wider than the expert-parallel one (`ep=E,fsdp=N`, E < N)

@@ -33,6 +33,9 @@ refused with one line rather than silently training the experts in high precisio
 A device without float8 GEMMs (CUDA below compute capability 8.9, i.e. before Ada/Hopper) is refused before
 anything is logged. On a CPU the rowwise float8 GEMMs are PyTorch's own `torch._scaled_mm` (a reference
 kernel: for numerics and tests, not for speed) and tensorwise is emulated (`linear_config`).
+
+torchao is imported inside the functions that use it (optional, and 0.3 s to import): every run imports this
+module (train/parallel.py), and only `--precision fp8` needs torchao.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
+from timetotrain.train.checkpoint import META, check_init_source, save_checkpoint
+from timetotrain.train.expert_parallel import expert_dtensors
 from timetotrain.train.trackers import open_trackers
 
 EXIT_ABORTED = 1
@@ -125,8 +127,6 @@ def run(opts: RunOptions) -> RunResult:
     # is hashed before anything parses it.
     base = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
     if base.folder is not None:
-        from timetotrain.train.checkpoint import check_init_source
-
         check_init_source(base.folder, bench.family, tier.model)
         prep.init_checkpoint = base.folder
     if base.note and d.main:
@@ -334,8 +334,6 @@ def run(opts: RunOptions) -> RunResult:
 
 def _check_save_target(path: Path) -> None:
     """--save-checkpoint replaces only an earlier ttt checkpoint, never another folder or a file."""
-    from timetotrain.train.checkpoint import META
-
     if path.exists() and not (path.is_dir() and (path / META).is_file()):
         raise UserError(
             f"--save-checkpoint {path} exists and is not a ttt checkpoint: choose a new folder "
@@ -348,9 +346,6 @@ def _check_save_target(path: Path) -> None:
 def _save_after_run(path: Path, tr, bench, tier, seed: int, step: int, live) -> None:
     """The trained model (and its optimizer, except under expert parallelism, where DCP gets the model
     alone) as a ttt checkpoint `--init-checkpoint` reads; every rank writes its own shards."""
-    from timetotrain.train.checkpoint import save_checkpoint
-    from timetotrain.train.expert_parallel import expert_dtensors
-
     opt = None if expert_dtensors(tr.bare) else tr.opt
     extra = {"benchmark": bench.name, "tier": tier.name, "seed": seed}
     try:

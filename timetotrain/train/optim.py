@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from timetotrain.suite.base import Optimizer
 from timetotrain.train.adagrad import SparseAdagrad
 
 
@@ -52,8 +54,6 @@ def _apart_by_kind(groups: list[dict]) -> list[dict]:
     """Each group split into its DTensor and its plain parameters, when it holds both (FSDP2 shards next
     to expert-parallel slices, which FSDP2 leaves plain): a foreach kernel takes one kind or the other.
     AdamW's update is elementwise, so the grouping changes no value."""
-    from torch.distributed.tensor import DTensor
-
     out = []
     for g in groups:
         sharded = [p for p in g["params"] if isinstance(p, DTensor)]
@@ -69,8 +69,6 @@ def build_adamw(
     model: nn.Module, lr: float, betas, eps: float, weight_decay: float, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """AdamW with Megatron's decay mask (kept for callers that have no optimizer spec)."""
-    from timetotrain.suite.base import Optimizer
-
     return build_optimizer(model, Optimizer("adamw", tuple(betas), eps, weight_decay), lr, fused)
 
 

@@ -23,8 +23,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
@@ -162,8 +167,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
-        import torch.distributed as dist
-
         replicas = None
         if plan.ep == plan.world:
             # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
@@ -177,16 +180,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
     blocks = model.layers
     if plan.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
         for i, block in enumerate(blocks):
             blocks[i] = checkpoint_wrapper(block)
     if plan.compile:
         for block in blocks:
             block.compile()
     if plan.fsdp > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
             fsdp_mesh = device_mesh(device.type, (plan.fsdp,), ("fsdp",))
 
@@ -205,8 +204,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         remark(model, plan)
         return model, ep_group
     if plan.dp > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         if ep_group is not None:
             # Each rank holds different experts: DDP must neither broadcast nor average them.
             ignore_experts_in_ddp(model)
@@ -214,8 +211,6 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # than the target's, as in the reference) says so; DDP then looks for them each step.
         unused = getattr(model, "has_unused_parameters", False)
         if plan.ep == 1:
-            import torch.distributed as dist
-
             # Embedding tables (DLRM) are model-parallel: table-wise and row-wise shards, all-to-all of the
             # pooled rows (train/embedding_parallel.py); DDP averages only the dense part.
             sharded = shard_embeddings(model, dist.get_rank(), plan.dp)
@@ -231,8 +226,6 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     """`init_device_mesh`, outside any fake-tensor mode. A mesh is host bookkeeping (the rank ids sit in a
     tensor it reads back), so under `ttt plan --simulate`, which builds the model under FakeTensorMode, it
     must still hold real ids (timetotrain/fakes.py); without a fake mode this is `init_device_mesh`."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     with real_host():
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
 

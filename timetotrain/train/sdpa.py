@@ -11,6 +11,8 @@ import contextlib
 import functools
 import os
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from timetotrain.errors import UserError
 
 ENV = "TTT_SDPA_PRIORITY"
@@ -27,8 +29,6 @@ def order(spec: str | None) -> tuple | None:
     """The backends `spec` names, in order; None for torch's default. A bad name: one line naming it."""
     if not spec:
         return None
-    from torch.nn.attention import SDPBackend
-
     names = [n.strip() for n in spec.split(",") if n.strip()]
     bad = [n for n in names if n not in _NAMES]
     if bad or not names:
@@ -43,8 +43,6 @@ def priority(device_type: str):
     backends = order(os.environ.get(ENV)) if device_type == "cuda" else None
     if backends is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-
     return sdpa_kernel(list(backends), set_priority=True)
 
 

@@ -33,10 +33,11 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from timetotrain.train.expert_parallel import expert_slice
+from timetotrain.train.tensor_parallel import logical
 
 
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -63,13 +64,9 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     part = expert_slice(param)
     if part is not None:
         return full[part[1] : part[1] + param.shape[0]]
-    from timetotrain.train.tensor_parallel import logical
-
     full = logical(full, param)  # a tensor-parallel fused layout's row order (train/tensor_parallel.py)
     if any(type(p).__name__ == "_StridedShard" for p in param.placements):
         # FSDP over tensor parallelism cuts the TP shard again: DTensor's own split knows the order.
-        from torch.distributed.tensor import distribute_tensor
-
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     mesh, out = param.device_mesh, full
     for mesh_dim, placement in enumerate(param.placements):

@@ -5,6 +5,7 @@ optimizer and schedule; under FSDP2 the order that never holds the whole model o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -145,8 +146,6 @@ def build_training(
 
 
 def _timed_init_from(timer: dict, *args, **kwargs) -> None:
-    import time
-
     t0 = time.monotonic()
     init_from(*args, **kwargs)
     timer["load"] = time.monotonic() - t0

@@ -26,6 +26,7 @@ from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
 from timetotrain.train.device import platform_name
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
+from timetotrain.train.trackers import open_trackers
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _energy_mj(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     try:
-        import pynvml
+        import pynvml  # optional (nvml extra): CUDA only; missing, the energy is unavailable
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
@@ -128,8 +129,6 @@ def synth(opts: SynthOptions) -> dict:
     item_name, items_per_sample = bench.task.sample_items(tier)
     trackers = None
     if d.main:
-        from timetotrain.train.trackers import open_trackers
-
         trackers = open_trackers(
             opts.tensorboard, opts.wandb, f"synth-{bench.name}-{tier.name}-seed{seed}",
             {"benchmark": bench.name, "tier": tier.name, "seed": seed, "mode": "synthetic",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from timetotrain.models.family import TP_STACKED_OVER
 
@@ -52,8 +53,6 @@ def clip_grad_norm_tp(params, max_norm: float, world: int) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over parameters sharded and replicated over all `world` ranks in
     any mix (TP and FSDP DTensors, plain tensors every rank holds whole): each local square sum counts
     once per distinct copy (divided by the number of ranks holding it), one all-reduce gives the total."""
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())

@@ -33,7 +33,7 @@ class Trackers:
         self._t0: float | None = None
         if tensorboard is not None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: only --tensorboard
             except ImportError as e:
                 raise UserError(
                     "--tensorboard needs the tensorboard package: pip install 'timetotrain[tensorboard]'"
@@ -41,7 +41,7 @@ class Trackers:
             self.tb = SummaryWriter(log_dir=str(Path(tensorboard) / name))
         if wandb:
             try:
-                import wandb as wandb_lib
+                import wandb as wandb_lib  # optional: only --wandb
             except ImportError as e:
                 raise UserError("--wandb needs the wandb package: pip install 'timetotrain[wandb]'") from e
             wandb_dir.mkdir(parents=True, exist_ok=True)

@@ -174,6 +174,7 @@ class NativeWindow:
 
 def _varlen_attn():
     try:
+        # heavy (1 s) and optional: CUDA only, and older torch has no varlen_attn
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None

@@ -41,8 +41,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
     works on the meta device (before `to_empty`). `colwise` / `rowwise`: the parallel style classes of the
     block linears when the harness swapped them for others (float8's, which scale a sharded input by its
     global amax); torch's ColwiseParallel / RowwiseParallel by default."""
-    # Here, not at the top: torch.distributed.tensor.parallel costs 0.4 s to import, and every command that
-    # names a llama benchmark imports this family.
+    # heavy (0.5 s): only --parallel tp, and every command that names a llama benchmark imports this family
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
