@@ -3,6 +3,7 @@
     python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --mode lora --lr 1e-3 --steps 100
     python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --mode lora+head --lr 5e-4 --steps 100
     python bench/lora_tiny_gain.py --train full:0-9 --val trunc:10-12 --write data/gov-full   # for `ttt run`
+    python bench/lora_tiny_gain.py --base FOLDER --mode lora --lr 3e-3   # another base (bench/lora_base_width.py)
 
 The tier's `tests/untrained.py` margin asks fine-tuning to gain 5% of the target over the shipped base
 (docs/benchmarks/llama2_70b_lora.md, "Tiny tier"). This script measures what a data layout and a set of
@@ -21,7 +22,11 @@ trainable weights can gain, from the shipped base, in one process:
 * AdamW (weight decay 1e-4), clip 0.3, cosine from `--lr` to 0 over `--steps` (HF's cosine: with --steps
   100 the tier's own schedule), batches of 8 in the tier's seeded order;
 * prints the held-out loss (the tier's metric: the mean over validation blocks of each block's mean summary
-  cross-entropy) before training and every 10 steps, with the last batch's training loss.
+  cross-entropy) before training and every `--eval-every` steps (10), with the last batch's training loss,
+  then the lowest point of that curve and its gain over the untrained score.
+
+`--base FOLDER` starts from another base folder `ttt base` wrote (a Llama of any shape: the tier's model is
+replaced by the one its `config.json` describes; its vocabulary table maps the data) instead of the shipped one.
 
 `--write DIR` writes the two splits as a prepared folder instead (for `ttt run --set eval_samples=N`).
 """
@@ -34,12 +39,14 @@ import json
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from timetotrain.data import govreport, sentencepiece_tok
+from timetotrain.models.llama import LlamaConfig
 from timetotrain.suite import get
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
@@ -121,6 +128,16 @@ def add_head_adapter(model, rank: int, alpha: float, dropout: float, seed: int) 
     model.hidden = lambda tokens: head.widen(hidden(tokens))
 
 
+def base_model(folder: Path, like: LlamaConfig) -> LlamaConfig:
+    """The shape a Hugging Face Llama `config.json` describes, the rest as `like` (the tier's model)."""
+    c = json.loads((folder / "config.json").read_text())
+    shape = dict(
+        dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+        n_kv_heads=c["num_key_value_heads"], ffn_dim=c["intermediate_size"], vocab_size=c["vocab_size"],
+    )  # fmt: skip
+    return dataclasses.replace(like, **shape)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train", default="trunc:0-9")
@@ -129,9 +146,11 @@ def main() -> None:
     ap.add_argument("--head-dropout", type=float, default=None, help="the head adapter's dropout")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--write", type=Path, help="write the prepared folder here and stop")
+    ap.add_argument("--base", type=Path, help="a base folder `ttt base` wrote (default: the shipped one)")
     args = ap.parse_args()
     src = args.data / "govreport" / "gov_report.validation.scrolls_format.jsonl"
     tok = sentencepiece_tok.load(args.data / "tokenizers" / "llama2" / "tokenizer.model")
@@ -149,7 +168,9 @@ def main() -> None:
 
     bench = get("llama2_70b_lora")
     tier = dataclasses.replace(bench.tier("tiny"), eval_samples=len(splits["validation"][0]))
-    base, dev = shipped_base(tier.base), torch.device("cpu")
+    base, dev = args.base or shipped_base(tier.base), torch.device("cpu")
+    if args.base is not None:
+        tier = dataclasses.replace(tier, model=base_model(base, tier.model))
     model = build_training(bench, tier, dev, args.seed, None, base).model
     data = bench.task.open(tier, bench.task.resolve(tier, out, init_checkpoint=base), args.seed, 0, 1, dev)
     if args.mode == "lora+head":
@@ -170,6 +191,7 @@ def main() -> None:
         model.train()
         return round(v, 4)
 
+    t0 = time.monotonic()
     curve = [{"step": 0, "eval": held_out()}]
     for step in range(args.steps):
         for group in opt.param_groups:
@@ -179,10 +201,15 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.3)
         opt.step()
-        if (step + 1) % 10 == 0:
+        if (step + 1) % args.eval_every == 0:
             curve.append({"step": step + 1, "eval": held_out(), "train": round(loss.item(), 3)})
     trained = sum(p.numel() for p in params)
-    print(json.dumps({"mode": args.mode, "trainable": trained, "lr": args.lr, "curve": curve}))
+    best = min(curve, key=lambda c: c["eval"])
+    print(json.dumps({
+        "mode": args.mode, "trainable": trained, "lr": args.lr, "train": args.train, "base": curve[0]["eval"],
+        "best": best, "gain": round(curve[0]["eval"] - best["eval"], 4), "seconds": round(time.monotonic() - t0),
+        "curve": curve,
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":
