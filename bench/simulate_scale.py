@@ -29,6 +29,8 @@ MEMS = (80, 141, 192)
 LAYOUTS = [
     ("llama31_8b", 8, 80, "fsdp=8", 3, []),
     ("gpt_oss_20b", 8, 80, "ep=8,fsdp=8", 3, []),
+    # The suggestion on 141 and 192 GiB: no AC, micro-batch 2 (one micro-batch per step).
+    ("gpt_oss_20b", 8, 141, "fsdp=8", 3, []),
     ("llama2_70b_lora", 8, 80, "fsdp=8", 3, []),
     ("flux1", 8, 80, "fsdp=8", 9, []),
     ("flux1", 64, 80, "fsdp=64", 9, []),
@@ -114,6 +116,7 @@ def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list
         row["formula_gib"] = est["total_gib"] - est["margin_gib"]
         row["formula_states_gib"] = est["states_gib"]
     row["sim_s"] = sim["seconds"]
+    row["depths"] = sim["layers"]  # the two simulated depths (their difference: the repeat unit)
     # The simulation's forked children hold the model: their peak, as the command measured it.
     row["rss_gib"] = max(row["rss_gib"], sim["rss"] / G)
     return row
@@ -155,12 +158,13 @@ def main() -> None:
             continue
         r = simulate(bench, gpus, mem, spec, layers, sets)
         rows.append(r)
-        lay = f"{layers}+{3 if bench == 'flux1' else 1}"
         label = spec + (" (" + ", ".join(sets) + ")" if sets else "")
         if "error" in r:
             print(f"| {bench} | {gpus:,} | {label} | | - | does not build: {r['error']} | | | | | "
                   f"{r['rss_gib']:.2f} GiB | {r['wall_s']:.0f} s |", flush=True)  # fmt: skip
             continue
+        d = r["depths"]
+        lay = f"{d[0]}+{d[1] - d[0]}" if d else "all"
         f = r.get("formula_gib")
         ratio = f"{r['peak_gib'] / f:.2f}" if f else "-"
         formula = f"{f:.1f} GiB" if f else "-"

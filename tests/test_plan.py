@@ -82,6 +82,48 @@ def test_moe_family_hook_gives_the_gpt_oss_estimate():
     assert best is not None and best.parallel == "fsdp=8"
 
 
+def test_gpt_oss_count_is_what_each_kind_of_block_saves_on_a_gpu():
+    """gpt_oss_20b's two kinds of block at the reference shape (one micro-batch of 2 x 8,192 tokens, bf16),
+    under `ttt plan --simulate`'s fake tensors counted as a GPU keeps them (`fakes.gpu_attention`: the
+    sliding layer in the windowed FlashAttention kernel, as on a GPU): each keeps the family's count, to
+    within the RoPE tables' per-call bf16 casts and the router weight's fp32 copy (0.1%). The sliding
+    layer on this CPU's masked band kept 5.35 GiB, 1.57 x the full layer's 3.40."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from timetotrain import fakes
+    from timetotrain.models.gpt_oss import GptOss
+
+    bench = get("gpt_oss_20b")
+    cfg = dataclasses.replace(bench.tier("reference").model, n_layers=2)
+    B, T = 2, 8192
+    with torch.device("meta"):
+        model = GptOss(cfg).to(torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True), fakes.gpu_attention():
+        model = model.to_empty(device="cpu")
+        states = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+        count = bench.family.activation_elements(cfg) * B * T * 2
+        windows = []
+        for block in model.layers:
+            kept: dict[int, int] = {}
+
+            def pack(t, kept=kept):
+                s = t.untyped_storage()
+                if s._cdata not in states:
+                    kept[s._cdata] = s.nbytes()
+                return t
+
+            x = torch.randn(B, T, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = block(x, cos, sin, model.window_mask(T, block.window, x.device, torch.bfloat16))
+            windows.append(block.window)
+            assert sum(kept.values()) == pytest.approx(count, rel=2e-3), block.window
+            del out
+    assert windows == [cfg.sliding_window, None]
+
+
 def test_405b_on_256_gpus_suggests_tensor_parallel_with_checkpointing():
     from timetotrain.train.memory import format_plan
 

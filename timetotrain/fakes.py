@@ -23,6 +23,12 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
   a fused kernel (torch's CUDA memory-efficient or cuDNN attention take unequal head dims) that keeps only
   the output and the log-sum-exp. Under fake tensors this sends those calls to the memory-efficient
   kernel's own op, whose fake implementation gives the GPU's shapes; a real tensor is not touched.
+  Within it `gpu_kernels()` is true while a fake mode is active, for a choice a GPU makes by a check that
+  cannot run here (`layers.native_window_works`: a GPU runs gpt-oss's sliding-window layers in torch's
+  windowed FlashAttention kernel, which keeps q, k, v, the output and the log-sum-exp; this CPU has none and
+  runs the band as masked math attention, which keeps fp32 scores, probabilities, upcast q/k/v and the
+  keys repeated per query head: 5.35 GiB a layer against a full-attention layer's 3.40 at gpt_oss_20b's
+  shape, 16,384 tokens per rank). The op has a fake implementation, so the simulation runs it.
 """
 
 from __future__ import annotations
@@ -81,10 +87,19 @@ def global_shapes_untracked():
         ShardingPropagator._fake_mode_lock = before
 
 
+_GPU_KERNELS = False
+
+
+def gpu_kernels() -> bool:
+    """Whether tensors are being counted as a GPU's kernels would keep them (`gpu_attention`): inside it and
+    under a fake mode (never for real tensors, which run this machine's kernels)."""
+    return _GPU_KERNELS and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 @contextlib.contextmanager
 def gpu_attention():
-    """SDPA calls of unequal head dims counted as a GPU's fused kernel keeps them (module docstring). It
-    swaps `torch.nn.functional.scaled_dot_product_attention` for the time of the simulation (a function
+    """SDPA calls of unequal head dims counted as a GPU's fused kernel keeps them, and `gpu_kernels()` true
+    (module docstring). It swaps `torch.nn.functional.scaled_dot_product_attention` for the time of the simulation (a function
     mode would not reach the recomputation of activation checkpointing in the backward)."""
     sdpa = F.scaled_dot_product_attention
 
@@ -98,8 +113,9 @@ def gpu_attention():
             return out
         return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
-    F.scaled_dot_product_attention = fused
+    global _GPU_KERNELS
+    F.scaled_dot_product_attention, _GPU_KERNELS = fused, True
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = sdpa
+        F.scaled_dot_product_attention, _GPU_KERNELS = sdpa, False

@@ -13,13 +13,14 @@ What is simulated and what is assumed, as the report says it:
 - The step: with gradient accumulation only the first two micro-batches run (`--micro-batches` in the
   report): from the second on, each allocates what the one before did (the accumulated gradients exist from
   the first), so the peak is reached by then; the loss of a shorter step is the same code.
-- Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers (unit: one layer; flux's
-  double:single 1:2 triple) and every byte count is extrapolated linearly to the tier's depth. That holds
-  only where the added layers are identical: the embedding, head, MTP and DeepSeek's dense-first layers sit
-  in both simulated models (L starts past them). gpt-oss alternates sliding and full attention: alike
-  under activation checkpointing (the kept inputs), not without it (a full layer keeps more: docs/scale.md,
-  open), where one added layer extrapolates one kind. L is at least three repeated layers (`depth_unit`): FSDP2 holds up to three
-  gathered blocks in the backward, which fewer layers would not show. Without `layers` the full depth runs.
+- Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers and every byte count is
+  extrapolated linearly to the tier's depth (`depth_unit`). The unit is one layer, or the cycle of unlike
+  layers: gpt-oss's sliding and full attention (two), qwen3_5_moe's DeltaNet and full attention (four),
+  flux's double:single 1:2 (three), so that the added layers are those of the whole model in proportion.
+  That holds only where the added units are identical: the embedding, head, MTP and DeepSeek's dense-first
+  layers sit in both simulated models (L starts past them). L is at least three repeated layers: FSDP2
+  holds up to three gathered blocks in the backward, which fewer layers would not show. Without `layers`
+  the full depth runs.
   Each module's own peak (a moment: the embedding, the head, each block of a ModuleList) is extrapolated
   too, and a phase's peak is the largest of them: where a step peaks moves with depth when one thing grows
   faster per layer than another shrinks (deepseekv3_671b on 8,192 GPUs, one micro-batch: at 6 and 7 layers
@@ -42,7 +43,11 @@ What is simulated and what is assumed, as the report says it:
 - A GPU's attention kernels: the simulation runs on the CPU device, whose SDPA falls back to the math path
   (H x T x T scores kept in fp32) where query and value head dims differ (DeepSeek-V3's MLA); those calls
   are counted as the GPU's memory-efficient kernel keeps them (output and log-sum-exp, timetotrain/fakes.py).
-  Equal head dims take the CPU's flash kernel, which keeps what a GPU's flash kernel keeps.
+  gpt-oss's sliding-window layers take the GPU's windowed FlashAttention kernel (`varlen_attn`, which a
+  GPU takes where `layers.native_window_works` passes), not the CPU's masked band, whose math attention
+  kept fp32 scores and keys repeated per head: 5.35 GiB a layer at 16,384 tokens per rank, against the
+  3.40 both kinds keep in the GPU's kernels. Equal head dims and no mask take the CPU's flash kernel, which
+  keeps what a GPU's flash kernel keeps.
 - DTensor's shape propagation (it runs each op once on global-shaped fake tensors) happens outside the
   tracked fake mode, as in a real run (timetotrain/fakes.py): before, the first FSDP2 gradient clip showed
   world-size times the gradient shards.
@@ -144,9 +149,13 @@ def _tracker(model, opt, fsdp: bool):
             inner = sorted(self._mod_tracker.parents - {"Global"}, key=len)
             where = inner[-1] if inner else "outside modules"
             moment = f"{phase}|{_moment_module(where)}"
-            # Moments of the forward and the backward only: after the optimizer step (the loss all-reduce)
-            # its states exist already, which the steady state adds to these phases once.
+            # The forward and the backward only until the optimizer steps: after it (the loss all-reduce,
+            # which the tracker calls forward) its states exist already, which the steady state adds to
+            # these phases once; counted there they were counted twice (gpt_oss_20b ep=8,fsdp=8 with AC at 4
+            # and 5 layers: the forward's peak was that moment, 99.8 GiB extrapolated, the step's 52).
             self.stepped = self.stepped or self._in_opt
+            if self.stepped and not self._in_opt:
+                return
             if not self.stepped and total > self.moments.get(moment, (-1,))[0]:
                 self.moments[moment] = (total, {dev: dict(d) for dev, d in self._curr_mem_snap.items()})
             if total > self.phase_peak.get(phase, (-1,))[0]:
@@ -336,7 +345,13 @@ def depth_unit(bench, tier) -> tuple[int, int]:
     # layers +0.74 GiB, 3 -> 4 -> 5 +0).
     if bench.family.with_layers is not None:  # flux: double:single as 1:2, three double blocks at least
         return 9, 3
-    return getattr(cfg, "first_dense", 0) + 3, 1
+    # Unlike layers in a cycle repeat by the cycle, so that every kind is extrapolated: gpt-oss's sliding
+    # and full attention (the window pattern, two layers), qwen3_5_moe's DeltaNet and full attention (its
+    # interval, four). One added gpt-oss layer extrapolated one kind: 123.0 GiB at fsdp=8 without AC, where
+    # all 24 layers simulated gave 141.6, when the simulator still ran the sliding band as the CPU's masked
+    # math attention (docs/scale.md).
+    unit = len(getattr(cfg, "window_pattern", ())) or getattr(cfg, "full_attention_interval", 1)
+    return getattr(cfg, "first_dense", 0) + 3, unit
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain import fakes
 from timetotrain.models.common.fused import qkv_rope, swiglu
 
 # `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
@@ -195,16 +196,24 @@ def native_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(B, T, H, D)
 
 
-@functools.cache
 def native_window_works(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> bool:
     """Whether `native_windowed_attention` runs here and equals the mask path (forward and input
     gradients, at the dtype's tolerance) on a small random case: checked once per key on the device
     itself, so a kernel whose window means something else, or that is missing (CPUs, pre-Ampere GPUs,
-    fp32), leaves the layer on the mask path."""
-    if device.type != "cuda" or _varlen_attn() is None or dtype not in (torch.bfloat16, torch.float16):
+    fp32), leaves the layer on the mask path. Under `ttt plan --simulate` (`fakes.gpu_kernels()`: fake
+    tensors on the CPU device, counted as a GPU keeps them) the answer is a GPU's that passes the check:
+    the op's fake implementation gives its shapes (the check itself needs values)."""
+    if _varlen_attn() is None or dtype not in (torch.bfloat16, torch.float16):
         return False
+    if fakes.gpu_kernels():
+        return True
+    return device.type == "cuda" and _checked_on_device(device, dtype, heads, kv_heads, head_dim)
+
+
+@functools.cache
+def _checked_on_device(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
     return window_kernel_agrees(device, dtype, heads, kv_heads, head_dim)
 
 

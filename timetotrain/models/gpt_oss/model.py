@@ -36,12 +36,7 @@ from __future__ import annotations
 import torch
 
 from timetotrain.models.common.decoder import Decoder
-from timetotrain.models.common.layers import (
-    RMSNORM_SAVED,
-    attention_keys_per_query,
-    attention_matmul_params,
-    attention_saved_elements,
-)
+from timetotrain.models.common.layers import attention_keys_per_query, attention_matmul_params
 from timetotrain.models.common.moe import MoE, TopKRouter
 from timetotrain.models.common.moe.telemetry import expert_load
 from timetotrain.models.family import ModelFamily
@@ -113,14 +108,35 @@ def flops_per_token(cfg: GptOssConfig, seq_len: int, causal: bool = True) -> flo
 
 
 def activation_elements(cfg: GptOssConfig) -> float:
-    """Elements autograd keeps per token for one block (see train/memory.py): the attention part as in the
-    llama family plus the QK-norm inputs and outputs (2 (q + kv)); the router's fp32 logits and top-k
-    (counted as 2E + 2k); per routed copy (k of them): the permuted input (h), fc1's output (2f), the
-    weighted activation (f) and the expert output (h); the combine's input (k h)."""
-    h, f, k = cfg.dim, cfg.expert_ffn_dim, cfg.top_k
-    qk_norm = 2 * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm else 0
-    attention = attention_saved_elements(h, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) + qk_norm
-    moe = RMSNORM_SAVED * h + 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h
+    """Elements autograd keeps per token for one block (see train/memory.py), in the compute precision
+    (bf16; an fp32 tensor counts 2, an int64 4), as this block's code saves them, on a GPU:
+
+    - each RMSNorm (attention, MoE, per-head Q and K): its input cast to fp32 (2), the normalised values
+      (1) and one fp32 1/rms per row (2); the weight's product is kept by what reads it;
+    - attention: the QKV projection's input (h) and output ((H + 2 H_kv) d: V is a view of it, which keeps
+      it whole), the rotated q and k ((H + H_kv) d; RoPE keeps only its tables), the kernel's output, which
+      is the output projection's input (H d), and its fp32 log-sum-exp per head (2H);
+    - the MoE: the router's fp32 input (2h), its top-k ids (4k) and fp32 softmax (2k); per routed copy
+      (k): the expert's input (h), fc1's output (2f), the SwiGLU output the probability scales (f) with
+      that fp32 probability (2), fc2's input (f), and the two int64 orders (8: permute, unpermute); the
+      combine (a sum over the k slots) keeps nothing.
+
+    Sliding-window and full-attention layers keep the same: a GPU runs both in FlashAttention kernels
+    (`layers.native_window_works`: torch's windowed `varlen_attn`; SDPA with `enable_gqa`), which keep
+    q, k, v, the output and the log-sum-exp whatever the window. A CPU, or a GPU where the windowed kernel
+    fails its check, runs the band as masks (`layers.windowed_attention`), which keeps more; not counted.
+    Checked against the tensors a block saves under `ttt plan --simulate`'s fake tensors at the reference
+    shape, both kinds of layer (tests/test_plan.py)."""
+    h, f, k, d = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.head_dim
+    q, kv = cfg.n_heads * d, cfg.n_kv_heads * d
+
+    def norm(width: int, rows: int = 1) -> int:
+        return 3 * width + 2 * rows  # fp32 input + normalised values, fp32 1/rms per row
+
+    qk_norm = norm(q, cfg.n_heads) + norm(kv, cfg.n_kv_heads) if cfg.qk_norm else 0
+    attention = norm(h) + h + (q + 2 * kv) + qk_norm + (q + kv) + q + 2 * cfg.n_heads
+    router = 2 * h + 4 * k + 2 * k
+    moe = norm(h) + router + k * (h + 2 * f + f + 2 + f + 8)
     return attention + moe
 
 
