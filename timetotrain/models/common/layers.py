@@ -205,11 +205,12 @@ def native_window_works(
     fp32), leaves the layer on the mask path. Under `ttt plan --simulate` (`fakes.gpu_kernels()`: fake
     tensors on the CPU device, counted as a GPU keeps them) the answer is a GPU's that passes the check:
     the op's fake implementation gives its shapes (the check itself needs values)."""
-    if _varlen_attn() is None or dtype not in (torch.bfloat16, torch.float16):
+    # The device and dtype first: a CPU run never pays varlen_attn's import (about 1 s).
+    if dtype not in (torch.bfloat16, torch.float16) or not (device.type == "cuda" or fakes.gpu_kernels()):
         return False
-    if fakes.gpu_kernels():
-        return True
-    return device.type == "cuda" and _checked_on_device(device, dtype, heads, kv_heads, head_dim)
+    if _varlen_attn() is None:
+        return False
+    return fakes.gpu_kernels() or _checked_on_device(device, dtype, heads, kv_heads, head_dim)
 
 
 @functools.cache
