@@ -102,8 +102,12 @@ def logs(tmp_path_factory):
 
     def log(bench: str, tier: str) -> Path:
         if (bench, tier) not in made:
+            threads = torch.get_num_threads()
             with pytest.MonkeyPatch.context() as mp:
                 made[bench, tier] = loop_log(bench, tier, tmp_path_factory.mktemp(f"{bench}-{tier}"), mp)
+            # A tier's CPU thread count (qwen35_397b_grpo tiny: 1) holds for its run, not for the process after
+            # it: it had left the rest of the test session on one thread.
+            assert torch.get_num_threads() == threads
         return made[bench, tier]
 
     return log

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -48,6 +49,18 @@ def resolve(spec: str | None, local_rank: int = 0) -> torch.device:
     except (RuntimeError, AssertionError, AttributeError):
         raise UserError(f"--device {spec}: torch cannot use this device here: use --device cpu") from None
     return device
+
+
+@contextlib.contextmanager
+def threads_kept():
+    """Restores torch's intra-op thread count on exit: a tier's count (`set_cpu_threads`) holds for its run,
+    not for what the process does next (a test session, a notebook, runs of other tiers in one process)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def set_cpu_threads(tier_threads: int | None) -> bool:

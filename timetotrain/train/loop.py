@@ -33,6 +33,7 @@ from timetotrain.train import distributed, prepare
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
 from timetotrain.train.checkpoint import META, check_init_source, save_checkpoint
+from timetotrain.train.device import threads_kept
 from timetotrain.train.expert_parallel import expert_dtensors
 from timetotrain.train.trackers import open_trackers
 
@@ -112,6 +113,11 @@ def _fault_step(rank: int) -> int | None:
 
 
 def run(opts: RunOptions) -> RunResult:
+    with threads_kept():  # a tier's CPU thread count holds for this call only
+        return _run(opts)
+
+
+def _run(opts: RunOptions) -> RunResult:
     # -- preflight: nothing logged, nothing built, until all of this passes --
     bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
     if opts.max_steps is not None and opts.max_steps <= 0:

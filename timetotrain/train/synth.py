@@ -24,7 +24,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare
-from timetotrain.train.device import platform_name
+from timetotrain.train.device import platform_name, threads_kept
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
 from timetotrain.train.trackers import open_trackers
 
@@ -102,6 +102,11 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def synth(opts: SynthOptions) -> dict:
+    with threads_kept():  # a tier's CPU thread count holds for this call only
+        return _synth(opts)
+
+
+def _synth(opts: SynthOptions) -> dict:
     bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
     steps = opts.steps if opts.steps is not None else DEFAULT_STEPS.get(tier.name, 20)
     warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
