@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def require(name: str):
@@ -23,6 +24,18 @@ def require(name: str):
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+# torch's intra-op thread count when the session starts. Tests share one process: a fixture that sets one
+# thread to compare with one-thread workers (test_deepseek_v3_ep, test_ep_fsdp) had left every later test
+# on one thread, twice as slow on 2 cores.
+THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 def shared_data_dir() -> Path:
