@@ -2,7 +2,14 @@
 (tests/golden/*.json, commit 365e287): the first 60 steps' train_loss and the evals at 320, 640 and 960
 samples, for llama31_8b and gpt_oss_20b tiny in one process (2 threads; checked inside their runs to the
 target, tests/test_e2e_tiny.py and tests/test_gpt_oss.py, which use the recorded seeds) and for llama31_8b
-under FSDP2 on 2 processes of one thread each (here)."""
+under FSDP2 on 2 processes of one thread each (here).
+
+Bits hold per kernel path only: ATen's vectorized kernels (AVX-512 or AVX2) and MKL's GEMM code path (Intel
+or AMD) round differently, so each case holds one recording per path, each made by commit 365e287 on such a
+host (`recordings`, keyed "vendor/ATen capability"). On a recorded path the curve must equal it bit for bit.
+On another path no bits are defined; the curve must then stay as close to every recording as the two
+recorded paths stay to each other (measured: the first ten steps within 1.2e-7, every step and eval within
+2.9e-3, gpt_oss_20b's routing parting them most), with room: 1e-5 and 1e-2."""
 
 import json
 import os
@@ -10,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import mllog, ttt_command
 
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
@@ -21,13 +29,42 @@ def golden(case: str) -> dict:
     return json.loads((GOLDEN / f"{case}.json").read_text())
 
 
+def kernel_path() -> str:
+    """'vendor/ATen capability' of this host, e.g. 'GenuineIntel/AVX512', 'AuthenticAMD/AVX2'."""
+    vendor = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("vendor_id"):
+            vendor = line.split(":", 1)[1].strip()
+            break
+    return f"{vendor}/{torch.backends.cpu.get_cpu_capability()}"
+
+
+def _close(got: list[float], want: list[float], rel: float) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= rel * abs(b) for a, b in zip(got, want, strict=True))
+
+
 def assert_matches_golden(log: Path, case: str) -> None:
-    """The log's first recorded steps and evals are bit for bit those of the golden case."""
+    """The log's first recorded steps and evals are bit for bit those of the golden case recorded on this
+    host's kernel path, or, on a path with no recording, as close to each recording as the recorded paths
+    are to each other (module docstring)."""
     g = golden(case)
     recs = mllog(log)
-    assert [r["value"] for r in recs if r["key"] == "train_loss"][: g["steps"]] == g["train_loss"]
+    steps = [r["value"] for r in recs if r["key"] == "train_loss"][: g["steps"]]
     evals = [[r["metadata"]["samples_count"], r["value"]] for r in recs if r["key"] == "eval_accuracy"]
-    assert evals[: len(g["eval_accuracy"])] == g["eval_accuracy"]
+    recorded = g["recordings"].get(kernel_path())
+    if recorded is not None:
+        assert steps == recorded["train_loss"]
+        assert evals[: len(recorded["eval_accuracy"])] == recorded["eval_accuracy"]
+        return
+    print(
+        f"{case}: no recording on {kernel_path()}; compared with {', '.join(g['recordings'])} at a tolerance"
+    )
+    for path, rec in g["recordings"].items():
+        want_evals = rec["eval_accuracy"]
+        assert _close(steps[:10], rec["train_loss"][:10], 1e-5), path
+        assert _close(steps, rec["train_loss"], 1e-2), path
+        assert [e[0] for e in evals[: len(want_evals)]] == [e[0] for e in want_evals], path
+        assert _close([e[1] for e in evals[: len(want_evals)]], [e[1] for e in want_evals], 1e-2), path
 
 
 def golden_env(case: str) -> dict:
