@@ -16,6 +16,8 @@ trainable weights can gain, from the shipped base, in one process:
 * `--mode lora`: the tier's adapters (rank 16, alpha 32, dropout 0.1, qkv + o); `full`: every weight of the
   base; `head`: the output head and norms only; `lora+head`: the tier's adapters plus one more of the same
   rank, alpha and dropout on the output head (`--head-dropout` overrides its dropout), the base frozen;
+  `attn`: every attention weight (the fused QKV, the output projection, the attention norms) with the
+  adapters, the rest frozen: the most that any adapter on qkv + o could reach;
 * the head adapter adds `scale * B(A(dropout(h)))` to the logits (A drawn from `--seed`, B zero): the fused
   head loss reads one weight, so it gets `[W | B]` and the hidden states `[h | scale * A(dropout(h))]`,
   whose product is those logits (a bench-only wrapper, not the tier's code);
@@ -26,7 +28,8 @@ trainable weights can gain, from the shipped base, in one process:
   then the lowest point of that curve and its gain over the untrained score.
 
 `--base FOLDER` starts from another base folder `ttt base` wrote (a Llama of any shape: the tier's model is
-replaced by the one its `config.json` describes; its vocabulary table maps the data) instead of the shipped one.
+replaced by the one its `config.json` describes; its vocabulary table, of the size its `base.json` records,
+maps the data) instead of the shipped one.
 
 `--write DIR` writes the two splits as a prepared folder instead (for `ttt run --set eval_samples=N`).
 """
@@ -142,7 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train", default="trunc:0-9")
     ap.add_argument("--val", default="trunc:10-12")
-    ap.add_argument("--mode", choices=("lora", "full", "head", "lora+head"), default="lora")
+    ap.add_argument("--mode", choices=("lora", "full", "head", "lora+head", "attn"), default="lora")
     ap.add_argument("--head-dropout", type=float, default=None, help="the head adapter's dropout")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--steps", type=int, default=100)
@@ -170,7 +173,10 @@ def main() -> None:
     tier = dataclasses.replace(bench.tier("tiny"), eval_samples=len(splits["validation"][0]))
     base, dev = args.base or shipped_base(tier.base), torch.device("cpu")
     if args.base is not None:
-        tier = dataclasses.replace(tier, model=base_model(base, tier.model))
+        keep = json.loads((base / "base.json").read_text()).get("vocab_keep", tier.data.vocab_keep)
+        tier = dataclasses.replace(
+            tier, model=base_model(base, tier.model), data=dataclasses.replace(tier.data, vocab_keep=keep)
+        )
     model = build_training(bench, tier, dev, args.seed, None, base).model
     data = bench.task.open(tier, bench.task.resolve(tier, out, init_checkpoint=base), args.seed, 0, 1, dev)
     if args.mode == "lora+head":
@@ -180,7 +186,9 @@ def main() -> None:
         )
     elif args.mode != "lora":
         for name, p in model.named_parameters():
-            p.requires_grad = args.mode == "full" or "head" in name or "norm" in name
+            p.requires_grad = args.mode == "full" or (
+                "attn" in name if args.mode == "attn" else ("head" in name or "norm" in name)
+            )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=1e-4)
 
