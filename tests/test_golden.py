@@ -20,6 +20,8 @@ import pytest
 import torch
 from conftest import mllog, ttt_command
 
+from timetotrain.train.device import cpu_info
+
 pytestmark = [pytest.mark.parity, pytest.mark.distributed]
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -31,12 +33,7 @@ def golden(case: str) -> dict:
 
 def kernel_path() -> str:
     """'vendor/ATen capability' of this host, e.g. 'GenuineIntel/AVX512', 'AuthenticAMD/AVX2'."""
-    vendor = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("vendor_id"):
-            vendor = line.split(":", 1)[1].strip()
-            break
-    return f"{vendor}/{torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_info('vendor_id') or 'unknown'}/{torch.backends.cpu.get_cpu_capability()}"
 
 
 def _close(got: list[float], want: list[float], rel: float) -> bool:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 from timetotrain.suite.base import BaseRecipe
+from timetotrain.train.device import cpu_model
 from timetotrain.train.step import build_training
 
 BASE_JSON = "base.json"
@@ -187,7 +187,7 @@ def make_base(
             "device": str(dev),
             "threads": torch.get_num_threads(),
             # What the bits depend on besides the inputs (the kernels ATen and MKL pick for this CPU).
-            "cpu": _cpu_model(),
+            "cpu": cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__,
             "data": str(data_dir.resolve()),
@@ -209,16 +209,6 @@ def make_base(
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder, doc, False
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _base_progress(what: str, done: int, total: int, loss: float, t_steps: float) -> str:

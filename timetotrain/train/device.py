@@ -76,19 +76,25 @@ def platform_name(device: torch.device, world: int = 1) -> str:
     """`submission_platform`: processes x accelerator, or the host CPU for CPU runs."""
     if device.type == "cuda":
         return f"{world}x{torch.cuda.get_device_name(device)}"
-    host = f"{os.cpu_count()}-core {_cpu_model()}"
+    host = f"{os.cpu_count()}-core {cpu_model()}"
     return host if world == 1 else f"{world} processes on {host}"
 
 
-def _cpu_model() -> str:
+def cpu_info(key: str) -> str | None:
+    """The first value of `key` in /proc/cpuinfo ("model name", "vendor_id", ...), None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return cpu_info("model name") or platform.processor() or platform.machine()
 
 
 # glibc's mallopt parameters (malloc.h).
