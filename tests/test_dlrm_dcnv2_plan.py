@@ -26,3 +26,9 @@ def test_the_command_prints_per_rank_memory(capsys):
     assert "emb weights" in out and "dense+opt" in out and "fits" in out and "--parallel dp=8" in out
     assert main(["plan", "dlrm_dcnv2", "--tier", "reference", "--gpus", "7", "--gpu-mem", "80"]) == 2
     assert "does not split over 7" in capsys.readouterr().err
+
+
+def test_simulate_is_refused_not_ignored(capsys):
+    argv = ["plan", "dlrm_dcnv2", "--tier", "reference", "--gpus", "8", "--gpu-mem", "80"]
+    assert main([*argv, "--simulate"]) == 2
+    assert "--simulate: dlrm_dcnv2's sharded tables are not built" in capsys.readouterr().err

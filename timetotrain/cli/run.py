@@ -298,7 +298,12 @@ def _cmd_plan(args) -> int:
             raise UserError(
                 f"--precision fp8: {bench.name} has no block linears to train in float8; use bf16"
             )
-        doc = per_rank(bench, tier, args.gpus, args.gpu_mem)
+        if args.simulate:  # said, not ignored: the table above is counted, not built
+            raise UserError(
+                f"--simulate: {bench.name}'s sharded tables are not built under the fake process group yet; "
+                "drop --simulate (the per-rank table counts the placement `ttt run` builds, shard by shard)"
+            )
+        doc = per_rank(bench, tier, args.gpus, args.gpu_mem, args.gpus_per_node)
         print(strictjson.dumps(doc, indent=2) if args.json else format_per_rank(doc))
         return 0 if doc["fits"] else 1
     fp8 = fp8_model(bench, tier) if args.precision == "fp8" else None

@@ -15,12 +15,13 @@ import math
 
 from timetotrain.errors import UserError
 from timetotrain.train.embedding_parallel import place
+from timetotrain.train.launch import format_launch, launch_lines
 
 GiB = 2**30
 HEADROOM = 0.9  # as train/memory.py: suggest only what fits with 10% to spare
 
 
-def per_rank(bench, tier, gpus: int, gpu_mem_gib: float) -> dict:
+def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
     cfg, gbs = tier.model, tier.global_batch_size
     if gpus < 1 or gbs % gpus:
         raise UserError(
@@ -83,8 +84,7 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float) -> dict:
         "ranks": ranks,
         "worst_rank": worst["rank"],
         "fits": worst["total"] <= HEADROOM * cap,
-        "command": f"torchrun --nproc_per_node {gpus} -m timetotrain run {bench.name} --tier {tier.name} "
-        f"--data DIR --logdir DIR --parallel dp={gpus}",
+        "launch": launch_lines(bench.name, tier.name, f"--parallel dp={gpus}", gpus, gpus_per_node),
     }
 
 
@@ -107,5 +107,6 @@ def format_per_rank(doc: dict) -> str:
         f"largest: rank {worst['rank']} at {worst['total'] / GiB:.2f} GiB of {doc['gpu_mem_gib']:g}: {verdict} "
         f"(suggested only with 10% to spare)"
     )
-    lines.append(f"launch: {doc['command']}")
+    lines.append("launch:")
+    lines.extend(f"  {line}" for line in format_launch(doc["launch"]))
     return "\n".join(lines)

@@ -98,6 +98,7 @@ from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
 from timetotrain.train import parallel
 from timetotrain.train.float8 import converter
+from timetotrain.train.launch import check_nodes, format_launch, launch_lines
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -392,18 +393,6 @@ def _check_tensor_parallel(family, tier, spec: str, tp: int) -> None:
         family.tensor_parallel_check(tier.model, tp)
 
 
-def check_nodes(gpus: int, gpus_per_node: int) -> int:
-    """The node count of --gpus on nodes of --gpus-per-node (one node when --gpus fits in one)."""
-    if gpus_per_node < 1:
-        raise UserError(f"--gpus-per-node {gpus_per_node} must be at least 1")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise UserError(
-            f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {gpus_per_node}: use a multiple "
-            f"of {gpus_per_node}, or set --gpus-per-node to the GPUs each node has"
-        )
-    return max(1, gpus // gpus_per_node)
-
-
 def _check_supported(bench, tier) -> None:
     """One line for a benchmark whose memory the estimate cannot count, saying why and what to run."""
     decoder = all(hasattr(tier.model, k) for k in ("dim", "vocab_size", "n_layers"))
@@ -603,28 +592,8 @@ def family_decoder(bench) -> bool:
 def launch(
     bench, tier, best: Estimate, gpus: int, gpus_per_node: int = 8, bf16: bool = True, fp8: Fp8 | None = None
 ) -> dict:
-    """The launch line of a suggestion: one torchrun on one node, or the same torchrun on every node with
-    a c10d rendezvous (README "Scale-out"), and that line under Slurm."""
-    nodes = max(1, gpus // gpus_per_node) if gpus > gpus_per_node else 1
-    per_node = gpus // nodes
-    run = f"-m timetotrain run {bench.name} --tier {tier.name} --data DIR --logdir DIR {suggested_flags(best, bf16, fp8)}"
-    doc = {"nodes": nodes, "gpus_per_node": per_node}
-    if nodes == 1:
-        doc["command"] = f"torchrun --nproc_per_node {per_node} {run}"
-        return doc
-    rdzv = '--rdzv-backend c10d --rdzv-endpoint "{}:29500" --rdzv-id {}'
-    doc["command"] = (
-        f"torchrun --nnodes {nodes} --nproc_per_node {per_node} {rdzv.format('$MASTER_ADDR', bench.name)} {run}"
-    )
-    doc["slurm"] = [  # the lines of an sbatch script
-        "#!/bin/bash",
-        f"#SBATCH --nodes={nodes} --ntasks-per-node=1 --gpus-per-node={per_node} --exclusive",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node {per_node} '
-        + rdzv.format("$head", '"$SLURM_JOB_ID"')
-        + f" {run}",
-    ]
-    return doc
+    """The launch line of a suggestion (train/launch.py)."""
+    return launch_lines(bench.name, tier.name, suggested_flags(best, bf16, fp8), gpus, gpus_per_node)
 
 
 def _tp_of(r: Estimate) -> int:
@@ -796,16 +765,7 @@ def format_plan(
             f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
             f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):"
         )
-        if how["nodes"] == 1:
-            out.append(f"  {how['command']}")
-        else:
-            out.append(
-                f"  on each of the {how['nodes']} nodes ({how['gpus_per_node']} GPUs each; MASTER_ADDR: the "
-                "address of one of them):"
-            )
-            out.append(f"  {how['command']}")
-            out.append("  or under Slurm (sbatch):")
-            out.extend(f"    {line}" for line in how["slurm"])
+        out.extend(f"  {line}" for line in format_launch(how))
     out.append("fits: within 90% of the device (only those are suggested); tight: within 100%.")
     out.append(
         "estimate: parameter/optimizer bytes plus a count of the tensors autograd keeps per block (see"

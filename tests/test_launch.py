@@ -1,0 +1,62 @@
+"""Every launch line `ttt plan` prints, for every benchmark's reference tier on one node and on many, is one
+that torchrun's own argument parser reads as --gpus processes over whole nodes, and whose ttt command line
+`ttt`'s own parser accepts (timetotrain/train/launch.py)."""
+
+import shlex
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from timetotrain import suite
+from timetotrain.cli import build_parser
+from timetotrain.errors import UserError
+from timetotrain.train.embedding_memory import per_rank
+from timetotrain.train.memory import launch, plan
+
+GPUS = (8, 64, 256)
+
+
+def _launches(name: str, gpus: int, gpus_per_node: int) -> list[dict]:
+    bench = suite.get(name)
+    tier = bench.tier("reference")
+    if hasattr(tier.model, "table_sizes"):  # DLRM: the per-rank table plan
+        return [per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]]
+    try:
+        _, _, best = plan(bench, tier, gpus, 80, None, gpus_per_node=gpus_per_node)
+    except UserError:  # a benchmark the formula refuses at this size: nothing to launch
+        return []
+    return [] if best is None else [launch(bench, tier, best, gpus, gpus_per_node)]
+
+
+def _check_torchrun(line: str, gpus: int, gpus_per_node: int) -> None:
+    words = shlex.split(line)
+    assert words[0] == "torchrun", line
+    args = get_args_parser().parse_args(words[1:])
+    nodes = int(str(args.nnodes).split(":")[0])
+    assert nodes * int(args.nproc_per_node) == gpus, line
+    assert int(args.nproc_per_node) <= gpus_per_node, line
+    if nodes > 1:
+        assert args.rdzv_backend == "c10d" and args.rdzv_endpoint.endswith(":29500"), line
+    assert args.module and args.training_script == "timetotrain", line
+    build_parser().parse_args(args.training_script_args)  # exits (SystemExit) on a flag ttt does not know
+
+
+@pytest.mark.parametrize("name", [n for n in suite.names() if "reference" in suite.get(n).tiers])
+@pytest.mark.parametrize("gpus_per_node", [8, 4])
+def test_every_launch_line_parses_as_whole_nodes(name, gpus_per_node):
+    seen = 0
+    for gpus in GPUS:
+        for how in _launches(name, gpus, gpus_per_node):
+            seen += 1
+            _check_torchrun(how["command"].replace("$MASTER_ADDR", "head"), gpus, gpus_per_node)
+            assert (how["nodes"] > 1) == ("slurm" in how) == (gpus > gpus_per_node)
+            if "slurm" in how:
+                srun = how["slurm"][-1]
+                assert (
+                    srun.startswith("srun torchrun ")
+                    and f"--gpus-per-node={gpus_per_node}" in how["slurm"][1]
+                )
+                line = srun.removeprefix("srun ").replace('"$SLURM_NNODES"', str(how["nodes"]))
+                _check_torchrun(line, gpus, gpus_per_node)
+    if not seen:  # rgat has no memory model (one line says so); qwen35_397b_grpo fits nowhere without CP
+        pytest.skip(f"{name}: `ttt plan` suggests no layout on {GPUS} GPUs of 80 GiB")
