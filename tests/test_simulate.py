@@ -127,5 +127,43 @@ def test_a_peak_that_moves_with_depth_is_extrapolated_from_its_own_moment():
     assert sum(_combine(a, b, 61 - 6).phases["backward"].values()) == 940
 
 
+def _forward(where: str, kinds: dict, moments: dict) -> RankMemory:
+    full = dict.fromkeys(KINDS, 0)
+    moments = {f"forward|{m}": {**full, **k} for m, k in moments.items()}
+    return RankMemory(0, {"forward": {**full, **kinds}}, {"forward": where}, 0, 0, 0, [], moments)
+
+
+def test_a_peak_that_moved_is_not_mixed_by_kind():
+    """llama31_405b tp=4,fsdp=32 at 3 and 4 layers: the forward peaked in block 0 beside its gathered
+    weights (7.0 + 0.1), then at the root beside the logits (3.5 + 3.6); extrapolating the two peaks kind by
+    kind grew the activations by 3.5 a layer (482 GiB at 126 layers). Only the root's own moment, the same
+    in both, extrapolates: 3.5 gathered, 3.5 + 0.1 a layer of activations."""
+    block = {"gathered": 70, "activations": 1}
+    a = _forward("M.layers.0", block, {"M": {"gathered": 35, "activations": 35}, "M.layers.0": block})
+    b = _forward("M", {"gathered": 35, "activations": 36}, {"M": {"gathered": 35, "activations": 36},
+                 "M.layers.0": block})  # fmt: skip
+    got = _combine(a, b, 10, (3, 4))
+    assert got.phases["forward"] == {**dict.fromkeys(KINDS, 0), "gathered": 35, "activations": 35 + 10}
+    assert got.where["forward"] == "M"  # 80, over block 0's own 71
+
+
+def test_extrapolation_refuses_a_negative_count():
+    """gpt_oss_20b ep=4,fsdp=8 with AC at 3 and 5 layers: a moment shrank with depth, and clamping its
+    extrapolation at zero reported 43.2 GiB of gradients where the rank holds 18.4. Refused instead."""
+    a = _forward("M", {"activations": 30}, {"M": {"activations": 30}})
+    b = _forward("M", {"activations": 20}, {"M": {"activations": 20}})
+    with pytest.raises(UserError, match=r"--layers 3: activations of the forward's peak extrapolates to"):
+        _combine(a, b, 10, (3, 5))
+
+
+def test_a_peak_moved_where_no_moment_holds_it_is_refused():
+    """The deeper model peaks in its new last block, which the shallower model has no moment of."""
+    blocks = lambda n: {f"M.layers.{i}": {"activations": 5 + i} for i in range(n)}  # noqa: E731
+    a = _forward("M.layers.0", {"activations": 5}, blocks(3))
+    b = _forward("M.layers.3", {"activations": 9}, blocks(4))
+    with pytest.raises(UserError, match=r"the forward's peak is in M.layers.0 at 3 layers and in M.layers.3"):
+        _combine(a, b, 10, (3, 4))
+
+
 if __name__ == "__main__":
     _measure_real(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

@@ -26,6 +26,8 @@ What is simulated and what is assumed, as the report says it:
   faster per layer than another shrinks (deepseekv3_671b on 8,192 GPUs, one micro-batch: at 6 and 7 layers
   the backward peaks at its start, before any gradient exists; at 61 layers at its end, in the first MoE
   block beside every layer's expert gradients: 63.9 GiB against the 61.1 of the two shallow peaks).
+  Where the two depths disagree on where a phase peaks, or a count would extrapolate below zero, the
+  depths chosen do not extrapolate: the simulation refuses in one line and asks for more layers.
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
   loaded". (No pipeline parallelism: every rank holds a part of every layer.)
@@ -374,30 +376,89 @@ class Simulation:
         return max(self.ranks.values(), key=lambda m: m.total)
 
 
-def _combine(a: RankMemory, b: RankMemory, steps: float) -> RankMemory:
+def _combine(a: RankMemory, b: RankMemory, steps: float, depths: tuple[int, int] = (0, 0)) -> RankMemory:
     """`a` + `steps` x (b - a), every count: linear in identical layers (module docstring). A phase's peak
     is the larger of its peak extrapolated and of every moment (`_comparable_moments`) extrapolated: where
     a phase peaks can move as layers are added (a one-micro-batch backward peaks at its start in a shallow
     model, before any gradient exists, and at its end, in the first repeated block beside every layer's
-    gradients, in the deep one), and the peak at two shallow depths extrapolates only the first."""
+    gradients, in the deep one), and the peak at two shallow depths extrapolates only the first.
 
-    def lin(x: int, y: int) -> int:
-        return max(0, round(x + steps * (y - x)))
+    A phase's peak is extrapolated by kind only where both depths reach it at the same place (the same
+    module, or the same block counted from the end); where it moved, only moments that are the same in
+    both extrapolate (llama31_405b tp=4,fsdp=32 at 3 and 4 layers: the forward peaked in the first block,
+    beside its gathered weights, then at the head, beside the logits; mixing the two by kind gave 482 GiB
+    where 4 and 5 layers give 67). A count that extrapolates below zero, or a moved peak that no comparable
+    moment holds, is refused with the reason (`depths`: the two simulated depths, for the message)."""
 
-    def grow(x: dict, y: dict) -> dict:
-        return {k: lin(x[k], y[k]) for k in KINDS}
+    def lin(x: int, y: int, what: str) -> int:
+        v = round(x + steps * (y - x))
+        if v < 0:
+            raise UserError(
+                f"--layers {depths[0]}: {what} extrapolates to {v / 2**30:.1f} GiB from {depths[0]} and "
+                f"{depths[1]} layers ({x / 2**30:.2f}, {y / 2**30:.2f} GiB): it does not grow linearly with "
+                "depth there; simulate from more layers (a larger --layers) or the full depth (no --layers)"
+            )
+        return v
 
-    phases = {p: grow(a.phases[p], b.phases[p]) for p in b.phases if p in a.phases}
+    def grow(x: dict, y: dict, where: str) -> dict:
+        return {k: lin(x[k], y[k], f"{k} of {where}") for k in KINDS}
+
+    la, lb = _list_lengths(a), _list_lengths(b)
+    phases = {
+        p: grow(a.phases[p], b.phases[p], f"the {p}'s peak")
+        if _same_place(a.where.get(p), b.where.get(p), la, lb)
+        else None
+        for p in b.phases
+        if p in a.phases
+    }
     where = dict(b.where)
-    for m in _comparable_moments(a, b):
+    comparable = _comparable_moments(a, b)
+    for m in comparable:
         phase, module = m.split("|", 1)
-        kinds = grow(a.moments[m], b.moments[m])
-        if phase in phases and sum(kinds.values()) > sum(phases[phase].values()):
+        if phase not in phases:
+            continue
+        kinds = grow(a.moments[m], b.moments[m], f"the {phase} in {module}")
+        if phases[phase] is None or sum(kinds.values()) > sum(phases[phase].values()):
             phases[phase], where[phase] = kinds, module
+    for p, kinds in phases.items():
+        moved = not _same_place(a.where.get(p), b.where.get(p), la, lb)
+        if kinds is None or (moved and f"{p}|{_moment_module(b.where[p])}" not in comparable):
+            raise UserError(
+                f"--layers {depths[0]}: the {p}'s peak is in {a.where[p]} at {depths[0]} layers and in "
+                f"{b.where[p]} at {depths[1]}, and no moment of both holds it, so it does not extrapolate; "
+                "simulate from more layers (a larger --layers) or the full depth (no --layers)"
+            )
     return RankMemory(
-        a.rank, phases, where, lin(a.parameters, b.parameters), lin(a.gradients, b.gradients),
-        lin(a.optimizer, b.optimizer), b.empty,
+        a.rank, phases, where, lin(a.parameters, b.parameters, "the parameters"),
+        lin(a.gradients, b.gradients, "the gradients"), lin(a.optimizer, b.optimizer, "the optimizer states"),
+        b.empty,
     )  # fmt: skip
+
+
+def _list_lengths(m: RankMemory) -> dict[str, int]:
+    """The length of every ModuleList the moments of `m` name (`head.N` keys)."""
+    out: dict[str, int] = {}
+    for key in m.moments:
+        head, _, last = key.partition("|")[2].rpartition(".")
+        if last.isdigit():
+            out[head] = max(out.get(head, 0), int(last) + 1)
+    return out
+
+
+def _same_place(wa: str | None, wb: str | None, la: dict[str, int], lb: dict[str, int]) -> bool:
+    """Whether two peaks (module names) are the same place of the shallower and the deeper model: the same
+    name outside a growing ModuleList, or the same block of it counted from its end (with the same
+    submodule): the last block's backward at 3 layers is block 2, at 4 layers block 3."""
+    if wa is None or wb is None:
+        return False
+    pa, pb = wa.split("."), wb.split(".")
+    cut = next((i for i, part in enumerate(pa) if part.isdigit()), None)
+    head = ".".join(pa[:cut]) if cut is not None else None
+    if cut is None or len(pa) != len(pb) or la.get(head) == lb.get(head):
+        return wa == wb
+    if pa[:cut] != pb[:cut] or pa[cut + 1 :] != pb[cut + 1 :] or not pb[cut].isdigit():
+        return False
+    return la[head] - int(pa[cut]) == lb.get(head, 0) - int(pb[cut])
 
 
 def _comparable_moments(a: RankMemory, b: RankMemory) -> list[str]:
@@ -406,16 +467,7 @@ def _comparable_moments(a: RankMemory, b: RankMemory) -> list[str]:
     MTP), and of the lists that grow, the blocks with at least two more after them in `a` (the last ones see
     FSDP2's prefetch and reduce-scatter differently from the same index in `b`, and a block's neighbours
     differ in kind where kinds alternate: gpt-oss's sliding and full attention)."""
-
-    def lengths(m: RankMemory) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key in m.moments:
-            head, _, last = key.partition("|")[2].rpartition(".")
-            if last.isdigit():
-                out[head] = max(out.get(head, 0), int(last) + 1)
-        return out
-
-    la, lb = lengths(a), lengths(b)
+    la, lb = _list_lengths(a), _list_lengths(b)
     keep = []
     for key in a.moments:
         if key not in b.moments:
@@ -457,7 +509,7 @@ def simulate(
             _in_child(simulate_rank, bench, with_layers(bench, tier, d), world, spec, r, precision, ac)
             for d in depths
         )
-        ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]))
+        ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]), depths)
     local = tier.global_batch_size // _data_parallel(spec, world)
     micro = min(tier.micro_batch_size, local)
     return Simulation(
