@@ -531,3 +531,30 @@ def test_grpo_whole_logits_kept_are_the_fp32_log_softmax():
     # The fp32 log-softmax, the bf16 casts of the input and of the weight (the latter a bf16 copy, its own
     # column of the plan), gather's index.
     assert kept == T * V * 4 + T * d * 2 + V * d * 2 + T * 8
+
+
+# -- the legal batch sizes of the RCP table where the tier's does not split --
+
+
+def test_a_gbs_that_does_not_split_is_planned_at_the_rcp_tables_next(capsys):
+    """llama31_8b's GBS 16 splits over no layout of 256 GPUs (TP groups are at most 8 wide): the plan is
+    made at the RCP table's smallest GBS that fits, with that RCP's LR, and the launch line carries it."""
+    argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "256", "--gpu-mem", "80", "--json"]
+    assert main(argv) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    bench = get("llama31_8b")
+    gbs = doc["global_batch_size"]
+    assert gbs in bench.rcp_hparams and gbs > bench.tier("reference").global_batch_size
+    assert f"planned at {gbs}" in doc["global_batch_size_chosen"]
+    assert f"LR {bench.rcp_hparams[gbs].lr:g}" in doc["global_batch_size_chosen"]
+    assert f"--set global_batch_size={gbs}" in doc["suggestion"]["launch"]["command"]
+    # A GBS the user set is theirs: refused in one line where it does not split, never replaced.
+    assert main([*argv[:-1], "--set", "global_batch_size=16"]) == 2
+    assert "global_batch_size 16 does not split over 256" in capsys.readouterr().err
+
+
+def test_the_launch_line_carries_the_users_sets(capsys):
+    argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "8", "--gpu-mem", "80", "--json"]
+    assert main([*argv, "--set", "global_batch_size=32", "--set", "lr=9e-4"]) == 0
+    flags = strict_loads(capsys.readouterr().out)["suggestion"]["run_flags"]
+    assert "--set global_batch_size=32" in flags and "--set lr=0.0009" in flags

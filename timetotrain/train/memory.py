@@ -91,6 +91,7 @@ Where the numbers come from (an estimate, not a measurement):
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 
 from timetotrain.errors import UserError
@@ -478,7 +479,7 @@ def plan(
     # no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
     best = max(
         fitting,
-        key=lambda r: (-_tp_of(r), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
+        key=lambda r: (-tp_degree(r), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
         default=None,
     )
     return n, rows, best
@@ -593,19 +594,25 @@ def launch(
     bench, tier, best: Estimate, gpus: int, gpus_per_node: int = 8, bf16: bool = True, fp8: Fp8 | None = None
 ) -> dict:
     """The launch line of a suggestion (train/launch.py)."""
-    return launch_lines(bench.name, tier.name, suggested_flags(best, bf16, fp8), gpus, gpus_per_node)
+    flags = suggested_flags(best, bf16, fp8, tier)
+    return launch_lines(bench.name, tier.name, flags, gpus, gpus_per_node)
 
 
-def _tp_of(r: Estimate) -> int:
+def tp_degree(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
 
 
-def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None) -> str:
-    """The `ttt run` flags of a suggested configuration, in the precision it was estimated for."""
+def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None, tier=None) -> str:
+    """The `ttt run` flags of a suggested configuration, in the precision it was estimated for, with the
+    `--set` values the plan was made at (`tier.user_set`: the user's, or a GBS the plan chose), so that
+    the run is the one planned."""
     precision = "fp8" if fp8 else "bf16" if bf16 else "fp32"
     flags = f"--parallel {best.parallel} --precision {precision} --set micro_batch_size={best.micro_batch}"
     if fp8 and fp8.recipe != "tensorwise":
         flags += f" --set fp8_recipe={fp8.recipe}"
+    for key in sorted(tier.user_set - {"micro_batch_size", "fp8_recipe"}) if tier is not None else ():
+        value = getattr(tier, key) if hasattr(tier, key) else getattr(tier.data, key)
+        flags += f" --set {shlex.quote(f'{key}={value}')}"
     return flags + (" --ac" if best.ac else "")
 
 
@@ -674,7 +681,7 @@ def plan_doc(
             "ac": best.ac,
             "micro_batch": best.micro_batch,
             "total_gib": best.total / GiB,
-            "run_flags": suggested_flags(best, bf16, fp8),
+            "run_flags": suggested_flags(best, bf16, fp8, tier),
             "launch": launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8),
         }
     return doc
@@ -786,7 +793,7 @@ def format_plan(
     note = bench.task.plan_note(tier)
     if note:
         out.append(note)
-    if any(_tp_of(r) > 1 for r in rows):
+    if any(tp_degree(r) > 1 for r in rows):
         out.append(
             "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "
             "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
