@@ -49,7 +49,11 @@ Where the numbers come from (an estimate, not a measurement):
   and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
   unsharded blocks are 1/T of a block each; a block's kept activations are 1/T of the count above (heads
   split over the TP ranks, the norms and the residual stream cut along the sequence, Megatron's sequence
-  parallelism), the block inputs kept under checkpointing too; the head and loss see the whole sequence.
+  parallelism), the block inputs kept under checkpointing too, except the inputs of the two column-wise
+  linears (QKV, fc1): torch's ColwiseParallel keeps the all-gathered, whole-sequence input it multiplied
+  for its weight gradient (Megatron gathers it again in the backward instead), h per token each where the
+  count above has it once at 1/T (`tp_block_elements`; found by `ttt plan --simulate`: llama31_8b
+  tp=4,fsdp=16 was 1.24x the formula); the head and loss see the whole sequence.
   T runs over 2, 4, 8 where heads and FFN width divide and T divides a node (`--gpus-per-node`: the TP
   group stays in one node's NVLink domain). This estimate has not been validated on GPUs; the TP code is
   tested for exactness on CPU (gloo) only.
@@ -180,9 +184,9 @@ def activation_bytes(
     family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1, full_logits: bool = False
 ) -> float:
     h = cfg.dim
-    per_block = family.activation_elements(cfg) / tp  # elements per token, see the module docstring
+    per_block = tp_block_elements(family.activation_elements(cfg), h, tp)  # per token, module docstring
     # Under checkpointing one block is recomputed at a time: of unlike blocks, the largest is the peak.
-    peak = (family.peak_block_elements or family.activation_elements)(cfg) / tp
+    peak = tp_block_elements((family.peak_block_elements or family.activation_elements)(cfg), h, tp)
     head = 4 * h * act_bytes
     if full_logits:
         # `Task.full_logits`: the fp32 log-softmax of every token's logits, kept for the backward, and there
@@ -224,8 +228,14 @@ def backward_end_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: i
     block = (
         (family.peak_block_elements or family.activation_elements) if ac else family.activation_elements
     )(cfg)
-    per_token = 2 * block / tp + (cfg.dim / tp if ac else 0)
+    per_token = 2 * tp_block_elements(block, cfg.dim, tp) + (cfg.dim / tp if ac else 0)
     return tokens * per_token * act_bytes + cfg.vocab_size * cfg.dim * 4
+
+
+def tp_block_elements(elements: float, h: int, tp: int) -> float:
+    """A block's kept elements per token under `tp`-way tensor and sequence parallelism: 1/tp of them,
+    but the two column-wise linears' inputs whole (module docstring): 2h more, less their 1/tp share."""
+    return elements if tp == 1 else elements / tp + 2 * h * (1 - 1 / tp)
 
 
 def backward_overlap(local: int, micro: int, grads: float, act: float, end: float | None, peak: str) -> float:
@@ -356,8 +366,13 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
     states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
+    # Two unsharded blocks (module docstring) and, through the backward, the unsharded fp32 gradients of
+    # the block FSDP2 reduce-scatters (reduce_dtype fp32, train/parallel.py): with checkpointing they
+    # outweigh a block's activations (llama31_405b tp=2,fsdp=128 with AC: `--simulate` 59.4 GiB, the
+    # formula 52.9 without them, 58.8 with).
     copies = (
         (2 if bf16 else 4) * 2 * block / tp
+        + 4 * block / tp
         + _root_copies(family, cfg, bf16)
         - _fp8_saving(fp8, True, True, tp)
     )
