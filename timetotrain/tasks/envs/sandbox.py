@@ -1,278 +1,271 @@
-"""A code environment: run a completion against unit tests in a contained subprocess; reward 1 when they pass.
+"""A code environment: a completion and then its unit tests run in a bubblewrap sandbox; reward 1 when the
+test harness reports, over a channel of its own, that both ran to the end.
 
-A completion is untrusted model output. Each run gets a fresh scratch directory (its cwd, HOME and TMPDIR),
-and these guards, the OS ones where this host allows them (`containment()` says which are active):
-
-- time: a wall-clock limit (the whole process group, and under a PID namespace every process the run made,
-  is killed at it) and RLIMIT_CPU per process;
-- memory: RLIMIT_AS; output: stdout and stderr go to files in the scratch directory and RLIMIT_FSIZE caps
-  every file the run writes (a flood ends in SIGXFSZ); RLIMIT_NOFILE; no core files;
-- processes: RLIMIT_NPROC. The kernel counts it per real user and does not apply it to root, so when we
-  run as root the child drops to the unprivileged `nobody` user (setpriv), whose count is then bounded;
-- network: a new, empty network namespace (`unshare --net`: only a loopback that is down, so no
-  connection leaves, not even to this host's 127.0.0.1);
-- PID namespace (`unshare --pid --fork --kill-child`): the runner is PID 1 of its own namespace, so when it
-  ends or is killed the kernel kills every process the completion started, even one that left the process
-  group with setsid;
-- a Python audit hook installed before the completion runs: it refuses writes outside the scratch
-  directory, sockets, and starting processes (fork, exec, subprocess) and ctypes. It is a guard at the Python
-  level only (native code could pass it), so it is the only guard against writes outside the scratch
-  directory where the files are writable by the user the child runs as (e.g. /tmp); running as `nobody`
-  keeps the rest of the file system read-only to it.
-
-Where `unshare` is not permitted (no root and no unprivileged user namespaces) the network and PID guards
-are the audit hook alone, which `containment()` reports. Either way, before `score` returns, every process
-still carrying the run's scratch directory as HOME is killed (a process that called setsid is outside the
-group; the namespace's processes die asynchronously after its PID 1).
+A completion is untrusted model output. The boundary is the operating system's (bwrap.py: namespaces, a
+read-only root, a fresh uid, seccomp.py: a syscall filter; harness.py: rlimits and no exec), never Python.
+The parent never opens a path the run could have replaced: the job (completion, tests, the run's nonce)
+goes in as a memfd, the seccomp program as another, and stdout, stderr and the verdict come back through
+pipes the parent made, read with a cap each and drained together, so a flood neither fills memory nor
+blocks. The reward is the harness's verdict line, which must carry the nonce; never the exit code.
+At the wall-clock limit the run is killed whole (as root: every process of its fresh uid; else its process
+group, and with it the sandbox's PID namespace), and as root score returns only once none of it is left.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
-import resource
-import shutil
+import secrets
+import selectors
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from timetotrain.errors import UserError
+from timetotrain.tasks.envs import bwrap, seccomp
 from timetotrain.tasks.envs.base import Environment, Outcome, Problem
 
-NOBODY = 65534
-
-# Runs inside the child: the audit hook first, then the completion and its tests in one namespace.
-_BOOTSTRAP = r"""
-import os, sys
-ROOT = os.path.realpath(os.getcwd())
-BLOCKED = ("socket.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-           "subprocess.Popen", "ctypes.", "os.kill", "os.killpg", "pty.spawn")
-MOVES = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate", "os.chmod", "os.chown",
-         "os.symlink", "os.link", "os.utime", "shutil.rmtree", "shutil.move", "os.chdir", "os.chroot")
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-def inside(p):
-    try:
-        p = os.fsdecode(p)
-    except TypeError:
-        return isinstance(p, int)
-    real = os.path.realpath(os.path.join(ROOT, p))
-    return real == ROOT or real.startswith(ROOT + os.sep)
-def hook(event, args):
-    if event.startswith(BLOCKED):
-        raise PermissionError("sandbox: " + event + " is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (flags or 0) & WRITE_FLAGS or (isinstance(mode, str) and any(c in mode for c in "wax+"))
-        if writing and not inside(path):
-            raise PermissionError("sandbox: writing outside the scratch directory")
-    elif event in MOVES:
-        for a in args:
-            if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
-                raise PermissionError("sandbox: " + event + " outside the scratch directory")
-if sys.argv[1] == "1":
-    sys.addaudithook(hook)
-with open("solution.py") as f:
-    solution = f.read()
-with open("tests.py") as f:
-    tests = f.read()
-scope = {"__name__": "__main__"}
-exec(compile(solution, "solution.py", "exec"), scope)
-exec(compile(tests, "tests.py", "exec"), scope)
-"""
-
-
-# `unshare --fork` passes its child's death by a signal on by raising that signal on itself; for SIGKILL
-# and SIGXCPU (the CPU, memory and file-size limits) that step fails with this line and exit 1 instead.
-_UNSHARE_SIGNALLED = "unshare: sigprocmask unblock failed"
-LIMIT_KILL = "killed by a resource limit (CPU time, memory or file size)"
+_VERDICT_BYTES = 4096
+_STOP_S = 2.0
 
 
 @dataclass(frozen=True)
 class Limits:
     wall_s: float = 10.0
-    cpu_s: int = 5
-    memory_bytes: int = 1 << 30
-    processes: int = 16
-    file_bytes: int = 1 << 20  # any one file, stdout and stderr included
+    cpu_s: int = 5  # RLIMIT_CPU of each process
+    memory_bytes: int = 1 << 30  # RLIMIT_AS of each process
+    processes: int = 16  # RLIMIT_NPROC over the run's user namespace: bwrap's init and the harness count
+    file_bytes: int = 1 << 20  # RLIMIT_FSIZE: any one file the run writes
+    scratch_bytes: int = 16 << 20  # the size of the run's /tmp (a tmpfs: memory)
     open_files: int = 64
-    python_guard: bool = True  # the audit hook; off only to test the OS guards alone
+    output_bytes: int = 64 << 10  # what is kept of stdout and of stderr; past it that pipe is closed
 
-
-@functools.cache
-def _unshare() -> tuple[str, ...] | None:
-    """The namespace prefix this host permits, or None."""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return None
-    base = (exe, "--net", "--pid", "--fork", "--kill-child")
-    tries = [base] if os.geteuid() == 0 else [(exe, "--user", "--map-root-user", *base[1:])]
-    for prefix in tries:
-        try:
-            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        if ok:
-            return prefix
-    return None
-
-
-@functools.cache
-def _drop_to_nobody() -> tuple[str, ...] | None:
-    """setpriv to `nobody` when we are root (so that RLIMIT_NPROC applies and the file system is read-only
-    to the child), or None."""
-    exe = shutil.which("setpriv")
-    if os.geteuid() != 0 or exe is None:
-        return None
-    return (exe, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--")
-
-
-@functools.cache
-def _python() -> str:
-    """An interpreter the child's user can run: ours, else the system's (ours may live in a home
-    directory `nobody` cannot enter)."""
-    for exe in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if not os.path.exists(exe):
-            continue
-        cmd = [*(_drop_to_nobody() or ()), exe, "-I", "-c", "pass"]
-        try:
-            if subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0:
-                return exe
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-    return sys.executable
-
-
-def containment() -> dict[str, str]:
-    """Which guards are active on this host, for the log and the docs."""
-    ns = _unshare() is not None
-    return {
-        "network": "network namespace" if ns else "python audit hook only",
-        "processes": "pid namespace + RLIMIT_NPROC" if ns else "process group + RLIMIT_NPROC",
-        "user": "nobody" if _drop_to_nobody() else f"uid {os.geteuid()}",
-        "writes": "scratch dir (audit hook), RLIMIT_FSIZE"
-        + (", read-only fs as nobody" if _drop_to_nobody() else ""),
-    }
-
-
-def _user_processes(uid: int) -> int:
-    n = 0
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                n += p.stat().st_uid == uid
-            except OSError:
-                pass
-    return n
-
-
-def _limiter(limits: Limits, nproc: int):
-    def apply() -> None:  # in the child, between fork and exec
-        for what, value in (
-            (resource.RLIMIT_CPU, limits.cpu_s),
-            (resource.RLIMIT_AS, limits.memory_bytes),
-            (resource.RLIMIT_FSIZE, limits.file_bytes),
-            (resource.RLIMIT_NOFILE, limits.open_files),
-            (resource.RLIMIT_NPROC, nproc),
-            (resource.RLIMIT_CORE, 0),
-        ):
-            resource.setrlimit(what, (value, value))
-
-    return apply
+    def rlimits(self) -> dict[str, int]:
+        return {
+            "RLIMIT_CPU": self.cpu_s,
+            "RLIMIT_AS": self.memory_bytes,
+            "RLIMIT_NPROC": self.processes,
+            "RLIMIT_FSIZE": self.file_bytes,
+            "RLIMIT_NOFILE": self.open_files,
+            "RLIMIT_CORE": 0,
+        }
 
 
 @dataclass
 class RunResult:
-    returncode: int | None  # None: killed at the wall-clock limit
+    passed: bool
+    reason: str  # why not, when not passed
     stdout: str
     stderr: str
     seconds: float
 
 
 def run_python(solution: str, tests: str, limits: Limits = Limits()) -> RunResult:
-    """Run `solution` then `tests` in a contained child; never raises for what they contain."""
-    drop = _drop_to_nobody()
-    scratch = Path(tempfile.mkdtemp(prefix="ttt-sandbox-"))
+    """Run `solution` then `tests` in the sandbox; never raises for what they contain (UserError where the
+    sandbox cannot start on this host)."""
+    tool, py, arch = _host()
+    nonce = secrets.token_hex(16)
+    job = {
+        "solution": solution, "tests": tests, "nonce": nonce, "limits": limits.rlimits(),
+        "no_exec": seccomp.program(seccomp.NO_EXEC_RULES, arch).hex(),
+    }  # fmt: skip
+    job_fd = _memfd("ttt-job", json.dumps(job).encode())
+    rules_fd = _memfd("ttt-seccomp", seccomp.program(seccomp.SANDBOX_RULES, arch))
+    (verdict_r, verdict_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+    uid = bwrap.fresh_uid() if os.geteuid() == 0 else None
+    harness = ["-c", _harness_source(), str(job_fd), str(verdict_w)]
+    argv = bwrap.command(tool, py, uid, scratch_bytes=limits.scratch_bytes, seccomp_fd=rules_fd, argv=harness)
+    t0 = time.monotonic()
     try:
-        (scratch / "solution.py").write_text(solution, errors="replace")
-        (scratch / "tests.py").write_text(tests)
-        if drop:
-            for p in (scratch, scratch / "solution.py", scratch / "tests.py"):
-                os.chown(p, NOBODY, NOBODY)
-        # The kernel counts RLIMIT_NPROC over all processes of the child's user: as `nobody`, few; as
-        # ourselves, every process we already have, so the allowance is added to that count.
-        nproc = limits.processes + (_user_processes(NOBODY) if drop else _user_processes(os.getuid()))
-        cmd = [*(_unshare() or ()), *(drop or ()), _python(), "-I", "-S", "-B", "-c", _BOOTSTRAP]
-        cmd.append("1" if limits.python_guard else "0")
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "TMPDIR": str(scratch), "LC_ALL": "C.UTF-8"}
-        out_path, err_path = scratch / "stdout", scratch / "stderr"
-        t0 = time.monotonic()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                cmd, cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                start_new_session=True, preexec_fn=_limiter(limits, nproc),
-            )  # fmt: skip
-            try:
-                code = proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                code = None
-            finally:
-                _kill_group(proc)
-                _sweep(scratch)
-        seconds = time.monotonic() - t0
-        return RunResult(
-            code, _head(out_path, limits.file_bytes), _head(err_path, limits.file_bytes), seconds
-        )
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=(job_fd, rules_fd, verdict_w),
+            start_new_session=True, env={}, cwd="/",
+        )  # fmt: skip
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the run's process group (the runner, and under the PID namespace's --kill-child everything it
-    started dies with it), then reap the runner."""
+        for fd in (job_fd, rules_fd, verdict_w, out_w, err_w):
+            os.close(fd)
+    caps = {out_r: limits.output_bytes, err_r: limits.output_bytes, verdict_r: _VERDICT_BYTES}
+    exited = False  # until the pidfd says so: a failure in between stops the run as at the deadline
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        kept, exited = _collect(proc, caps, t0 + limits.wall_s)
+    finally:
+        _end(proc, uid, exited)
+    stdout, stderr = (kept[fd].decode("utf-8", "replace") for fd in (out_r, err_r))
+    passed, reason = _verdict(kept[verdict_r], nonce)
+    if passed is None:
+        passed, reason = False, _no_verdict(exited, proc.returncode, stderr)
+    return RunResult(passed, reason, stdout, stderr, time.monotonic() - t0)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)  # the child shares this offset and reads from the start
+    return fd
+
+
+@functools.cache
+def _harness_source() -> str:
+    return Path(__file__).with_name("harness.py").read_text()
+
+
+def _collect(proc: subprocess.Popen, caps: dict[int, int], deadline: float) -> tuple[dict[int, bytes], bool]:
+    """Read every pipe up to its cap until all are closed and the run has exited, or the deadline; close the
+    pipes. Returns (what was kept per fd, whether the run exited in time). The run is not reaped here (a
+    pidfd says it exited), so its process group id stays its own until `_end`."""
+    pidfd = os.pidfd_open(proc.pid)
+    kept = {fd: bytearray() for fd in caps}
+    exited = False
+    open_fds = {*caps, pidfd}
+    sel = selectors.DefaultSelector()
+    try:
+        for fd in open_fds:
+            sel.register(fd, selectors.EVENT_READ)
+        while open_fds and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                if key.fd == pidfd:
+                    exited = True
+                else:
+                    chunk = os.read(key.fd, 1 << 16)
+                    room = caps[key.fd] - len(kept[key.fd])
+                    kept[key.fd] += chunk[:room]
+                    if chunk and len(chunk) < room:
+                        continue
+                # exited, or the pipe closed or full: a writer past the cap gets EPIPE, so nothing blocks
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                open_fds.discard(key.fd)
+    finally:
+        sel.close()
+        for fd in open_fds:
+            os.close(fd)
+    return {fd: bytes(v) for fd, v in kept.items()}, exited
+
+
+def _end(proc: subprocess.Popen, uid: int | None, exited: bool) -> None:
+    """Stop the run and reap it. As root, SIGKILL every process of the run's uid (the outer bwrap's PID 1
+    among them: its namespace's processes are killed and reaped by the kernel, then the outer bwrap reaps it
+    and exits), so nothing is left to be reparented; as a user, or if that did not end it, SIGKILL the
+    process group (the PID namespaces die with their PID 1)."""
+    if uid is not None and not exited:
+        _kill_all(uid)
+    try:
+        proc.wait(timeout=_STOP_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group id is still ours: the bwrap was not reaped before
+    except ProcessLookupError:
         pass
     proc.wait()
+    if uid is not None:
+        deadline = time.monotonic() + _STOP_S
+        while _kill_all(uid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
-def _sweep(scratch: Path, wait_s: float = 5.0) -> None:
-    """Kill whatever of the run is still alive, found by its HOME (the scratch directory, unique to the
-    run), until nothing is: the namespace's processes die asynchronously after its PID 1, and without a
-    PID namespace a process that called setsid is outside the group. Returns once none is left."""
-    marker = f"HOME={scratch}\0".encode()
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = []
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    if marker in (p / "environ").read_bytes():  # a zombie's reads empty: it is gone
-                        alive.append(int(p.name))
-                except OSError:
-                    pass
-        if not alive or time.monotonic() > deadline:
-            return
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.01)
+def _kill_all(uid: int) -> bool:
+    """SIGKILL every process of `uid`; whether there was one."""
+    found = bwrap.processes_of(uid)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return bool(found)
 
 
-def _head(path: Path, cap: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(min(cap, 64 << 10)).decode("utf-8", "replace")
+def _verdict(raw: bytes, nonce: str) -> tuple[bool | None, str]:
+    """(passed, why not) from the verdict pipe's bytes; None when the harness wrote nothing."""
+    if not raw:
+        return None, ""
+    head = nonce.encode() + b" "
+    if not (raw.startswith(head) and raw.endswith(b"\n") and raw.count(b"\n") == 1):
+        return False, "bad verdict: the verdict pipe held more or other than the harness's one line"
+    body = raw[len(head) : -1].decode("utf-8", "replace")
+    if body == "pass":
+        return True, ""
+    return False, body.removeprefix("fail ")
+
+
+def _no_verdict(exited: bool, code: int | None, stderr: str) -> str:
+    if not exited:
+        return "timeout"
+    if code is not None and code > 128 and code - 128 in signal.valid_signals():
+        how = f"killed by {signal.Signals(code - 128).name}"  # bwrap passes a signal on as 128 + its number
+    elif code is not None and code < 0:
+        how = f"killed by {signal.Signals(-code).name}"
+    else:
+        how = f"exit {code}"
+    last = stderr.strip().splitlines()[-1][:200] if stderr.strip() else ""
+    return f"no verdict: the run ended before its tests finished ({how})" + (f": {last}" if last else "")
+
+
+def _host() -> tuple[bwrap.Tool, bwrap.Interpreter, seccomp.Arch]:
+    """What a run needs from this host, or UserError in one line naming what to install."""
+    try:
+        arch = seccomp.host_arch()
+    except ValueError as e:
+        raise UserError(f"CodeRunner: {e}: run the code rewards on one of those") from None
+    tool, py = bwrap.find_bwrap(), bwrap.interpreter()
+    if os.geteuid() == 0:
+        bwrap.setpriv()
+    return tool, py, arch
+
+
+@functools.cache
+def _refusal() -> str:
+    """'' when a trivial job passes in the sandbox here, else the one line that says why it cannot."""
+    try:
+        res = run_python("", "")
+    except UserError as e:
+        return str(e)
+    if res.passed:
+        return ""
+    return (
+        f"CodeRunner's sandbox does not start on this host ({res.reason}); most often the host forbids user "
+        "namespaces: allow them (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0) or run as root"
+    )
+
+
+def ready() -> None:
+    """Raise UserError (one line) unless the sandbox works on this host; tried once per process."""
+    if why := _refusal():
+        raise UserError(why)
+
+
+def containment(limits: Limits = Limits()) -> dict[str, str]:
+    """The guards a run gets on this host, for the log and the docs."""
+    if why := _refusal():
+        return {"sandbox": f"refused: {why}"}
+    tool, py, _ = _host()
+    root = os.geteuid() == 0
+    return {
+        "sandbox": f"{bwrap.bwrap_version(tool.exe)} ({tool.exe})",
+        "user": ("a fresh host uid per run (setpriv from root)" if root else f"host uid {os.getuid()}")
+        + f"; {bwrap.SANDBOX_UID} in a new user namespace, no capabilities, no-new-privs",
+        "namespaces": "user (no nested ones), mount, pid, network (loopback only), ipc, uts, cgroup",
+        "files": f"read-only: {py.prefix} and the system library folders; writable: a private tmpfs /tmp "
+        f"of {limits.scratch_bytes} bytes; nothing else of the host",
+        "syscalls": "seccomp: EPERM for ptrace, process_vm_*, mount and the new mount API, unshare, setns, bpf, "
+        "perf_event_open, io_uring, keys, modules, kexec, userfaultfd, personality, sockets other than "
+        "AF_UNIX, namespace flags on clone, TIOCSTI; ENOSYS for clone3; exec once the harness is up",
+        "limits": f"per process: {limits.cpu_s} s CPU, {limits.memory_bytes} bytes of address space, "
+        f"{limits.file_bytes} bytes a file, {limits.open_files} fds, no core; {limits.processes} processes "
+        f"in the run; {limits.wall_s} s wall clock, then the whole run is killed",
+        "verdict": "the harness's line with the run's nonce, over a pipe; not the exit code",
+    }
 
 
 class CodeRunner(Environment):
-    """Reward 1 when the completion, run with the problem's unit tests after it, exits 0 within the limits."""
+    """Reward 1 when the harness reports that the completion, and then the problem's unit tests, ran to the end
+    within the limits."""
 
     def __init__(self, limits: Limits = Limits()):
+        ready()
         self.limits = limits
         self.timeout_s = limits.wall_s
 
@@ -280,14 +273,4 @@ class CodeRunner(Environment):
         if problem.tests is None:
             raise ValueError("CodeRunner needs problems with tests")
         res = run_python(completion, problem.tests, self.limits)
-        if res.returncode == 0:
-            return Outcome(1.0, "", res.seconds)
-        if res.returncode is None:
-            why = "timeout"
-        elif res.returncode < 0:
-            why = f"killed by {signal.Signals(-res.returncode).name}"
-        elif _UNSHARE_SIGNALLED in res.stderr:
-            why = LIMIT_KILL
-        else:
-            why = f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1][:200] if res.stderr.strip() else ''}"
-        return Outcome(0.0, why, res.seconds)
+        return Outcome(1.0 if res.passed else 0.0, res.reason, res.seconds)
