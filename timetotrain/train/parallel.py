@@ -163,7 +163,13 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         styles = {}
         if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
             styles = float8.tensor_parallel_styles(device)
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         family.tensor_parallel(model, mesh["tp"], **styles)
+        # torch's SequenceParallel makes new Parameters of the norm weights, trainable whatever they were:
+        # a LoRA model's frozen norms would train under tp and not in one process.
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
