@@ -6,7 +6,8 @@ build and step (`train/step.py`), 20 steps each: train_loss at rtol 1e-5 and the
   qkv, one on the column-cut, stacked (gate, up) `fc1`, and on the row-cut `proj` and `fc2`, with the
   tier's dropout (each TP rank draws the whole mask, so the masks equal one process's) and clipping;
 - llama2_70b_lora under `tp=2,fsdp=2` (4 ranks), the tier's adapters on qkv and proj, dropout 0 (data
-  parallel ranks draw their own masks, so no layout over several sample streams can match with it).
+  parallel ranks draw their own masks, so no layout over several sample streams can match with it);
+- llama31_8b under HSDP, `dp_replicate=2,fsdp=2` (4 ranks): FSDP2 on a (replicate, shard) mesh.
 
 The harness's tiers at a small Llama shape. Run as a script (by torchrun) this file is the worker; it
 writes its losses per rank and rank 0 the gathered weights."""
@@ -36,11 +37,12 @@ ALL_KINDS = ("attn.q", "attn.v", "attn.proj", "ffn.fc1", "ffn.fc2")
 SCENARIOS = {
     "lora_tp": ("llama2_70b_lora", ALL_KINDS, 0.1, "tp=2"),
     "lora_tp_fsdp": ("llama2_70b_lora", ("attn.qkv", "attn.proj"), 0.0, "tp=2,fsdp=2"),
+    "hsdp": ("llama31_8b", None, None, "dp_replicate=2,fsdp=2"),
 }
-BY_WORLD = {2: ["lora_tp"], 4: ["lora_tp_fsdp"]}
+BY_WORLD = {2: ["lora_tp"], 4: ["lora_tp_fsdp", "hsdp"]}
 # Placements of some trained parameters, as Megatron places the adapters (models/common/lora_parallel.py):
 # of a column-cut base A whole (a plain tensor) and B cut by rows, of a row-cut one A cut by columns and B
-# replicated.
+# replicated; HSDP replicates over the first mesh dimension and shards over the second.
 LAYOUT = {
     "lora_tp": {
         "layers.0.attn.qkv.lora_A.q.weight": "plain",
@@ -50,6 +52,10 @@ LAYOUT = {
         "layers.1.ffn.fc2.lora_B.weight": "(Replicate(),)",
     },
     "lora_tp_fsdp": {"layers.0.attn.proj.lora_A.weight": "(Shard(dim=0), Shard(dim=1))"},
+    "hsdp": {
+        "layers.0.attn.qkv.weight": "(Replicate(), Shard(dim=0))",
+        "embed.weight": "(Replicate(), Shard(dim=0))",
+    },
 }
 
 
@@ -137,7 +143,7 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lora_tp", "lora_tp_fsdp"])
+@pytest.mark.parametrize("name", ["lora_tp", "lora_tp_fsdp", "hsdp"])
 def test_layout_trains_as_one_process(root, name):
     nproc = next(w for w, names in BY_WORLD.items() if name in names)
     folder = root / str(nproc)
@@ -175,3 +181,27 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.bad_input
+def test_parallel_flag_for_hsdp():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+
+    plan = parallel.parse("dp_replicate=2,fsdp=4", 8)
+    assert (plan.dp_replicate, plan.fsdp, plan.world, plan.data_parallel) == (2, 4, 8, 8) and plan.sharded
+    assert [plan.data_rank(r) for r in range(8)] == list(range(8))  # every rank reads its own samples
+    assert "dp_replicate=2, fsdp=4" in plan.describe()
+    with pytest.raises(UserError, match="not divisible by 8 data-parallel ranks"):
+        parallel.check_batch_split(12, plan)
+    for spec, world, needle in [
+        ("dp_replicate=2", 2, "dp_replicate is HSDP's replica count and combines with fsdp only"),
+        ("dp_replicate=2,fsdp=2,tp=2", 8, "combines with fsdp only"),
+        ("dp_replicate=2,fsdp=2,ep=2", 4, "combines with fsdp only"),
+        ("dp=2,fsdp=2", 4, "use HSDP, dp_replicate=R,fsdp=S"),
+        ("dp_replicate=2,fsdp=2", 8, "needs 4 processes"),
+        ("dp_replicate=x,fsdp=2", 2, "comma-separated degrees"),
+    ]:
+        with pytest.raises(UserError, match=needle) as e:
+            parallel.parse(spec, world)
+        assert "\n" not in str(e.value)
