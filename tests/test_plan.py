@@ -35,6 +35,21 @@ def test_states_are_16_bytes_per_parameter_sharded_by_fsdp():
     assert dp.compute_copies == 2 * n  # autocast's bf16 weight cache under DDP
 
 
+def test_hsdp_states_are_sharded_over_the_shard_group_only():
+    """dp_replicate=2,fsdp=8 on 16 GPUs: every GPU holds what fsdp=8 on 8 holds (the states 1/8, two blocks
+    gathered over 8), the activations of one sample as fsdp=16's; the batch splits over all 16."""
+    n, rows, best = plan(BENCH, REF, 16, 80, "dp_replicate=2,fsdp=8")
+    _, fsdp8, _ = plan(BENCH, REF, 8, 80, "fsdp=8")
+    _, fsdp16, _ = plan(BENCH, REF, 16, 80, "fsdp=16")
+    assert {r.parallel for r in rows} == {"dp_replicate=2,fsdp=8"} and best is not None
+    assert [(r.ac, r.micro_batch) for r in rows] == [(r.ac, r.micro_batch) for r in fsdp16]  # 1 sample each
+    for h, f16 in zip(rows, fsdp16, strict=True):
+        f8 = next(r for r in fsdp8 if (r.ac, r.micro_batch) == (h.ac, h.micro_batch))
+        assert h.states == f8.states == 2 * f16.states and h.compute_copies == f8.compute_copies
+        assert h.activations == f16.activations
+    assert launch(BENCH, REF, best, 16, 8)["command"].startswith("torchrun --nnodes 2 --nproc_per_node 8")
+
+
 def test_activation_count_for_the_8b_block():
     cfg = REF.model
     # 9.5h + 3f elements per token per block at kv/heads = 1/4, and 4h per token for the head (see the module

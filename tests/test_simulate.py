@@ -86,6 +86,21 @@ def test_an_fsdp_degree_leaving_a_rank_without_rows_is_reported_not_refused():
     assert got.parameters > 0 and got.optimizer > 0
 
 
+@pytest.mark.slow
+def test_hsdp_is_simulated_with_states_sharded_over_the_shard_group():
+    """`dp_replicate=2,fsdp=2` on 4 ranks: the last rank built and stepped under the fake process group holds
+    the gradients and Adam moments of 1/2 of the model (fsdp=2's), not 1/4, as the plan's formula says."""
+    from timetotrain.train.memory import estimate
+
+    b, t = prepare.resolve_tier("llama31_8b", "tiny", [])
+    got = _in_child(simulate_rank, b, t, 4, "dp_replicate=2,fsdp=2", 3, "fp32", False)
+    n = b.family.param_count(t.model)
+    est = estimate(b, t, n, 4, 80, "hsdp", False, 4, bf16=False, replicas=2)
+    assert est.parallel == "dp_replicate=2,fsdp=2"
+    assert got.gradients == 4 * n / 2 and got.optimizer == pytest.approx(8 * n / 2, abs=64)  # + step counters
+    assert got.parameters + got.gradients + got.optimizer == pytest.approx(est.states, rel=0.01)  # + buffers
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "bench,gpus,spec,says",

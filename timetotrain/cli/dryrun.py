@@ -138,6 +138,7 @@ def _plan(bench, tier, args) -> dict:
         "memory_per_rank_gib_reason": None,
     }
     kind = "fsdp" if p.fsdp > 1 and p.ep == 1 else "ep,fsdp" if p.fsdp > 1 else "ep" if p.ep > 1 else "dp"
+    kind = "hsdp" if p.dp_replicate > 1 else kind
     if p.tp > 1:
         doc["memory_per_rank_gib_reason"] = "tensor-parallel layouts: see ttt plan"
         return doc
@@ -149,7 +150,9 @@ def _plan(bench, tier, args) -> dict:
     try:
         fp8 = memory.fp8_model(bench, tier) if args.precision == "fp8" else None
         bf16 = args.precision in ("bf16", "fp8")
-        est = memory.estimate(bench, tier, 0, d.world, 0.0, kind, args.ac, micro, bf16, fp8=fp8)
+        est = memory.estimate(
+            bench, tier, 0, d.world, 0.0, kind, args.ac, micro, bf16, fp8=fp8, replicas=p.dp_replicate
+        )
         doc["memory_per_rank_gib"] = round((est.total - est.margin) / memory.GiB, 3)
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate, without its margin"
     except Exception as e:  # a family ttt plan does not model (rgat): say so, never fail the dry run

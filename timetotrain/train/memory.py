@@ -44,6 +44,10 @@ Where the numbers come from (an estimate, not a measurement):
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
 - Only layouts `ttt run` accepts: `--parallel` goes through `parallel.parse` with --gpus as the world size,
   and the global batch must split over the data-parallel ranks (`parallel.check_batch_split`).
+- HSDP (`dp_replicate=R,fsdp=S`, train/parallel.py; estimated when --parallel names it, never suggested):
+  FSDP2 shards within groups of S GPUs, so the states, the gathered bf16 copies and the root group are
+  those of `fsdp=S`; the batch splits over all R x S GPUs, so the activations are those of `fsdp=R*S`.
+  `ttt plan --simulate` builds it (a 2-D mesh under the fake process group) and counts the same states.
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
   alone fits or splits the batch (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
   and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
@@ -274,17 +278,18 @@ def _peak(
 
 def estimate(
     bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool,
-    tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None,
+    tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None, replicas: int = 1,
 ):  # fmt: skip
     """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`. `ep`: the
     expert-parallel degree of an `ep` kind (default: all GPUs); below --gpus under FSDP2 (`ep=E,fsdp=N`) each
-    slice of 1/E of the experts is held by N/E GPUs."""
+    slice of 1/E of the experts is held by N/E GPUs. `replicas`: HSDP's replica count of the `hsdp` kind
+    (`dp_replicate=R,fsdp=S`): everything FSDP2 holds is as under `fsdp=S`, a shard group of S GPUs."""
     family, cfg = bench.family, tier.model
     ep = ep or gpus
     if tp > 1:
         return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8)
-    sharded = kind in ("fsdp", "ep,fsdp")
-    shards = gpus if sharded else 1
+    sharded = kind in ("fsdp", "ep,fsdp", "hsdp")
+    shards = gpus // replicas if sharded else 1
     trainable, frozen = bench.task.param_counts(family, tier)
     frozen_bytes = bench.task.frozen_bytes(tier, bf16)
     states = (16 * trainable + frozen_bytes * frozen) / shards
@@ -326,6 +331,8 @@ def estimate(
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
+    if kind == "hsdp":
+        label = f"dp_replicate={replicas},fsdp={shards}"
     grads = 4 * trainable / shards  # this rank's: FSDP2's reduced shards or DDP's buckets, the expert slices
     if kind == "ep":
         grads -= 4 * away
@@ -394,6 +401,8 @@ def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
 
 
 def _kind(p: parallel.Plan) -> str:
+    if p.dp_replicate > 1:
+        return "hsdp"
     if p.tp > 1:
         return "tp"
     if p.ep > 1:
@@ -448,9 +457,12 @@ def plan(
     n = bench.family.param_count(tier.model)
     gbs = tier.global_batch_size
 
-    def rows_of(kind: str, local: int, tp: int = 1, ep: int | None = None) -> list[Estimate]:
+    def rows_of(
+        kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1
+    ) -> list[Estimate]:
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
-        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep)
+        return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
+                         replicas=replicas)
                 for ac in (False, True) for m in micros]  # fmt: skip
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
@@ -467,7 +479,7 @@ def plan(
             _check_experts(tier.model, parallel_spec, given.ep)
         if kind == "tp":
             _check_tensor_parallel(bench.family, tier, parallel_spec, given.tp)
-        rows = rows_of(kind, local, given.tp, given.ep if kind.startswith("ep") else None)
+        rows = rows_of(kind, local, given.tp, given.ep if kind.startswith("ep") else None, given.dp_replicate)
     else:
         kinds = ["dp", "fsdp"]
         moe = hasattr(tier.model, "n_experts")
@@ -512,6 +524,8 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
         return None
     if kind == "tp":
         return f"tp={given.tp},fsdp={world // given.tp}"
+    if kind == "hsdp":  # the shard group kept, more replicas
+        return f"dp_replicate={world // given.fsdp},fsdp={given.fsdp}"
     if kind == "ep,fsdp":  # a hybrid keeps its expert-parallel degree; ep=N,fsdp=N grows with the world
         return f"ep={given.ep if given.ep < given.fsdp else world},fsdp={world}"
     return f"{kind}={world}"

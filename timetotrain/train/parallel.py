@@ -1,8 +1,12 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `ep=8`, `ep=8,fsdp=8` or `tp=8,fsdp=32`;
-dp x fsdp x tp must equal the world size. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`, `ep=8,fsdp=8`
+or `tp=8,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world size. `dp_replicate=R,fsdp=S` is HSDP:
+FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
+optimizer states 1/S each) and the R groups are replicas that average their gradient shards, so the
+all-gathers stay within S ranks (one node, say) and only the gradient all-reduce crosses groups; all R x S
+ranks read different samples. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
 ranks on one sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first
 dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
 same N ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`, DDP for the rest of the model), and
@@ -43,13 +47,14 @@ from timetotrain.train.expert_parallel import (
 )
 from timetotrain.train.tensor_parallel import mark_stacked
 
-KINDS = ("dp", "fsdp", "ep", "tp")
+KINDS = ("dp", "dp_replicate", "fsdp", "ep", "tp")
 PRECISIONS = ("fp32", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
 class Plan:
     dp: int = 1
+    dp_replicate: int = 1  # HSDP: FSDP2 over a (dp_replicate, fsdp) mesh, sharded over fsdp only
     fsdp: int = 1
     ep: int = 1
     tp: int = 1
@@ -68,12 +73,12 @@ class Plan:
 
     @property
     def world(self) -> int:
-        return self.dp * self.fsdp * self.tp
+        return self.dp * self.dp_replicate * self.fsdp * self.tp
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different samples (all of them, for DDP and FSDP; one per TP group)."""
-        return self.dp * self.fsdp
+        """Ranks that see different samples (all of them, for DDP, FSDP and HSDP; one per TP group)."""
+        return self.dp * self.dp_replicate * self.fsdp
 
     @property
     def sharded(self) -> bool:
@@ -97,7 +102,7 @@ class Plan:
 def parse(spec: str | None, world: int, world_from: str = "torchrun started", **switches) -> Plan:
     """`None` means plain data parallel over all ranks. `world_from` says where `world` came from in the
     error line (`ttt run`: torchrun; `ttt plan`: its --gpus), so both commands read `--parallel` here."""
-    degrees = {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1}
+    degrees = dict.fromkeys(KINDS, 1)
     if not spec:
         degrees["dp"] = world
     else:
@@ -111,7 +116,17 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
         if degrees["tp"] > 1 and (degrees["dp"] > 1 or degrees["ep"] > 1):
             raise UserError(f"--parallel {spec!r}: tp combines with fsdp only; use tp=T or tp=T,fsdp=F")
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
-            raise UserError(f"--parallel {spec!r}: hybrid dp x fsdp is not supported yet; use dp=N or fsdp=N")
+            raise UserError(
+                f"--parallel {spec!r}: for dp x fsdp use HSDP, dp_replicate=R,fsdp=S (FSDP2 shards over S and "
+                "replicates over R)"
+            )
+        if degrees["dp_replicate"] > 1 and (
+            degrees["fsdp"] == 1 or any(degrees[k] > 1 for k in ("dp", "ep", "tp"))
+        ):
+            raise UserError(
+                f"--parallel {spec!r}: dp_replicate is HSDP's replica count and combines with fsdp only; use "
+                "dp_replicate=R,fsdp=S (or dp=N for plain data parallelism)"
+            )
         if degrees["ep"] > 1 and degrees["fsdp"] > 1:
             if degrees["fsdp"] % degrees["ep"]:
                 raise UserError(
@@ -163,7 +178,13 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         styles = {}
         if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
             styles = float8.tensor_parallel_styles(device)
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         family.tensor_parallel(model, mesh["tp"], **styles)
+        # torch's SequenceParallel makes new Parameters of the norm weights, trainable whatever they were:
+        # a LoRA model's frozen norms would train under tp and not in one process.
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
         remark(model, plan)
         fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
@@ -186,7 +207,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         for block in blocks:
             block.compile()
     if plan.fsdp > 1:
-        if fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
+        if fsdp_mesh is None and plan.dp_replicate > 1:
+            # HSDP: on a 2-D mesh `fully_shard` shards over the last dimension (fsdp consecutive ranks) and
+            # replicates over the first: a gradient reduce-scatter within a shard group, then an all-reduce
+            # across the replicas; parameters are gathered within a shard group only.
+            fsdp_mesh = device_mesh(device.type, (plan.dp_replicate, plan.fsdp), ("dp_replicate", "fsdp"))
+        elif fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
             fsdp_mesh = device_mesh(device.type, (plan.fsdp,), ("fsdp",))
 
         # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.

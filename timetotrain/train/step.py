@@ -19,7 +19,7 @@ from timetotrain.train.checkpoint import init_from
 from timetotrain.train.float8 import after_optimizer_step
 from timetotrain.train.optim import build_optimizer, set_lr
 from timetotrain.train.shards import full_init
-from timetotrain.train.tensor_parallel import clip_grad_norm_tp
+from timetotrain.train.tensor_parallel import clip_grad_norm_tp, replicate_partial_grads
 
 
 def train_step(
@@ -50,6 +50,8 @@ def train_step(
             total = loss.detach() if total is None else total + loss.detach()
     if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
         expert_parallel.average_expert_replicas(model)
+    if tp_world is not None:  # replicated parameters that computed on cut inputs: their grads are partial
+        replicate_partial_grads(params)
     if clip is not None:
         if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
             clip_grad_norm_tp(params, clip, tp_world)

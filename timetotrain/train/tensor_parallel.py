@@ -12,6 +12,12 @@ reorders a full tensor of the model's layout into that order, so initialisation 
 (train/shards.py) fill the right rows. A gathered `full_tensor()` is in the reordered layout (`unstack`
 reverses it).
 
+Partial gradients. A replicated parameter that computes on sequence-cut or feature-cut inputs (the norms under
+sequence parallelism, a row-parallel layer's LoRA `B`, models/common/lora_parallel.py) gets a `Partial()`
+DTensor gradient: each rank holds its part of the sum. FSDP2 reduces those itself before it shards; without
+it `replicate_partial_grads` does, once per step, before clipping reads the norm (a norm of the partial
+parts is not the norm of their sum) and the optimizer (which would all-reduce them again in every op).
+
 Gradient clipping needs the norm over distinct elements: `clip_grad_norm_tp` sums each rank's local
 squares weighted by how many ranks hold the same values, then one all-reduce.
 """
@@ -46,6 +52,16 @@ def unstack(full: torch.Tensor, param) -> torch.Tensor:
     parts, tp = stacked
     per_rank = [r.chunk(parts, dim=0) for r in full.chunk(tp, dim=0)]
     return torch.cat([per_rank[r][p] for p in range(parts) for r in range(tp)], dim=0)
+
+
+@torch.no_grad()
+def replicate_partial_grads(params) -> None:
+    """Sum every `Partial()` gradient over its mesh dimension, in place of the parameter's gradient (module
+    docstring): one all-reduce per such parameter, after the backward of the last micro-batch."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=p.placements)
 
 
 @torch.no_grad()

@@ -225,6 +225,12 @@ class QKVLoRALinear(_Adapted):
         return f"parts={''.join(self.parts)}, rank={self.rank}, alpha={self.alpha}, dropout={p}"
 
 
+def is_adapted(module: nn.Module) -> bool:
+    """Whether `module` is a LoRA-wrapped Linear (`LoRALinear`, `QKVLoRALinear`): a tensor-parallel plan
+    places its adapters (models/common/lora_parallel.py) instead of cutting it as an `nn.Linear`."""
+    return isinstance(module, _Adapted)
+
+
 def _clean(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_LEVELS)
 

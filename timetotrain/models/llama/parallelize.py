@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from timetotrain.errors import UserError
+from timetotrain.models.common.lora import is_adapted
 from timetotrain.models.family import TP_STACKED_OVER
 
 
@@ -52,6 +53,8 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
         parallelize_module,
     )
 
+    from timetotrain.models.common.lora_parallel import parallelize_adapted
+
     colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
     check_shape(model.cfg, tp)
@@ -74,19 +77,32 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
         plan = {
             "attn_norm": SequenceParallel(),
             "attn": gathered,
-            "attn.qkv": colwise(),
-            "attn.proj": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "ffn": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             ),
+        }
+        linears = {
+            "attn.qkv": colwise(),
+            "attn.proj": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn.fc1": colwise(),
             "ffn.fc2": rowwise(output_layouts=Shard(1), use_local_output=False),
         }
+        # The modules whose weights `ffn.fc1`'s column cut splits: the linear, or its base and the adapters'
+        # B under LoRA (whose B rows hold gate then up rows as the base's do).
+        fc1_rows = [block.ffn.fc1]
+        for name, style in linears.items():
+            module = block.get_submodule(name)
+            if is_adapted(module):  # LoRA: the base cut as a plain linear, the adapters placed beside it
+                rows = parallelize_adapted(module, tp_mesh, style)
+                fc1_rows = rows if name == "ffn.fc1" else fc1_rows
+            else:
+                plan[name] = style
         parallelize_module(block, tp_mesh, plan)
         # Gate and up rows side by side per rank (module docstring); on the module: FSDP2 and to_empty
         # replace the parameter.
-        setattr(block.ffn.fc1, TP_STACKED_OVER, tp)
+        for module in fc1_rows:
+            setattr(module, TP_STACKED_OVER, tp)
         # The attention computes on this rank's heads (whole KV groups, see the module docstring).
         block.attn.n_heads //= tp
         block.attn.n_kv_heads //= tp
