@@ -573,3 +573,15 @@ def test_the_launch_line_carries_the_users_sets(capsys):
     assert main([*argv, "--set", "global_batch_size=32", "--set", "lr=9e-4"]) == 0
     flags = strict_loads(capsys.readouterr().out)["suggestion"]["run_flags"]
     assert "--set global_batch_size=32" in flags and "--set lr=0.0009" in flags
+
+
+def test_a_frozen_base_under_tp_is_charged_its_stored_bytes():
+    """llama2_70b_lora tp=2,fsdp=8: the plan charged the frozen base 16 B a parameter, as if trained (258.9
+    GiB of states where the built model holds 8.2 a GPU). Under TP as without it, the frozen base weighs the
+    task's frozen bytes and only the adapters 16: half of fsdp=8's (the embedding and head, under 1% of
+    the parameters, are split over the 8 fsdp ranks in both)."""
+    bench = get("llama2_70b_lora")
+    tier = bench.tier("reference")
+    _, tp_rows, _ = plan(bench, tier, 16, 80, "tp=2,fsdp=8")
+    _, fsdp_rows, _ = plan(bench, tier, 8, 80, "fsdp=8")
+    assert tp_rows[0].states == pytest.approx(fsdp_rows[0].states / 2, rel=0.01)

@@ -366,20 +366,30 @@ def _root_copies(family, cfg, bf16: bool, experts: bool = True) -> float:
 
 
 def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None) -> Estimate:
-    """tp x fsdp (module docstring): all parameters trainable, as in the pretraining tiers it serves."""
+    """tp x fsdp (module docstring). A task's frozen parameters (LoRA's base: every block weight but the
+    adapters, and the embedding and head) take the task's frozen bytes per parameter, not 16."""
     family, cfg = bench.family, tier.model
     fsdp = gpus // tp
     block = family.block_params(cfg)
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
-    states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
+    trainable, frozen = bench.task.param_counts(family, tier)
+    if frozen:  # the adapters sit in the blocks; everything else is frozen
+        fb = bench.task.frozen_bytes(tier, bf16)
+        states = (16 * trainable + fb * (blocks - trainable)) / (tp * fsdp) + fb * rest / fsdp
+        grads = 4 * trainable / (tp * fsdp)
+        trained_block = trainable / cfg.n_layers
+    else:
+        states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
+        grads = states / 4  # 4 of the 16 B
+        trained_block = block
     # Two unsharded blocks (module docstring) and, through the backward, the unsharded fp32 gradients of
     # the block FSDP2 reduce-scatters (reduce_dtype fp32, train/parallel.py): with checkpointing they
     # outweigh a block's activations (llama31_405b tp=2,fsdp=128 with AC: `--simulate` 59.4 GiB, the
     # formula 52.9 without them, 58.8 with).
     copies = (
         (2 if bf16 else 4) * 2 * block / tp
-        + 4 * block / tp
+        + 4 * trained_block / tp
         + _root_copies(family, cfg, bf16)
         - _fp8_saving(fp8, True, True, tp)
     )
@@ -388,7 +398,7 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
-    overlap = backward_overlap(tier.global_batch_size // fsdp, micro, states / 4, act, end, peak)  # 4 of 16 B
+    overlap = backward_overlap(tier.global_batch_size // fsdp, micro, grads, act, end, peak)
     return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak, overlap)
 
 
