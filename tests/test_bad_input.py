@@ -64,6 +64,7 @@ CASES = [
     C("run-data-is-a-file", run_(data="{w}/afile"), "--data {w}/afile", "is a file, not a folder"),
     C("run-data-empty-folder", run_(data="{w}/empty"), "--data {w}/empty", "no train split"),
     C("run-data-wrong-tokenizer", run_(data="{tok}"), "{tok}/c4-train_text_document", "'llama2'", "llama3"),
+    C("run-config-dev-zero", run_("--config /dev/zero"), "--config /dev/zero", "more than 64 MiB"),
     C(
         "run-data-of-another-benchmark",
         "run llama2_70b_lora --tier reference --data {c4} --logdir {w}/logs",

@@ -66,7 +66,7 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
         lineno = 0
         try:
             with gzip.open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
-                for lineno, raw in enumerate(f, 1):
+                for lineno, raw in enumerate(fileio.bounded_lines(f, fileio.LINE, str(path)), 1):
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:

@@ -146,7 +146,7 @@ def _manifest_of(d: Path, empty: bool = False):
     indexes; a one-line UserError otherwise."""
     path = d / "manifest.json"
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "manifest").decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:100]}): {_REPREPARE}") from None
 
@@ -321,7 +321,7 @@ class EncodedSplit:
         self.n = self.manifest["samples"]
         if not (d / "keys.txt").is_file():
             raise UserError(f"--data {root}: {split}/keys.txt is missing: {_REPREPARE}")
-        self.keys = (d / "keys.txt").read_text().split()
+        self.keys = fileio.read_bounded(d / "keys.txt", fileio.LARGE_FILE, "key list").decode().split()
         self.arrays: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, str] = {}
         self.mapped = MappedFiles()  # read during the timed run: checked before each read (no SIGBUS)
@@ -396,7 +396,7 @@ def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, 
             f"{list(shapes.t5)}, {list(shapes.clip)} (or with a leading batch dim of 1)"
         )
     if (d / "dtype.txt").is_file():
-        dtype = (d / "dtype.txt").read_text().strip()
+        dtype = fileio.read_bounded(d / "dtype.txt", fileio.SMALL_FILE, "dtype file").decode().strip()
     else:
         dtype = str(np.result_type(t5, clip))
         if t5.dtype.kind != "f" or clip.dtype.kind != "f" or dtype not in DTYPES:

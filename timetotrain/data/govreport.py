@@ -146,7 +146,7 @@ def _record(where: str, rec: object) -> Row:
 
 def _iter_jsonl(src: Path) -> Iterator[Row]:
     with open(src, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(fileio.bounded_lines(f, fileio.LINE, str(src)), 1):
             where = f"{src}:{lineno}"
             try:
                 line = raw.decode("utf-8")

@@ -196,7 +196,9 @@ def _cached(cache: Path, stamp: dict) -> bool:
     made from other files (or by an older version) is rebuilt; a damaged one is refused, since something
     other than ttt changed the folder."""
     try:
-        meta = json.loads((cache / "stamp.json").read_text())
+        meta = json.loads(
+            fileio.read_bounded(cache / "stamp.json", fileio.SMALL_FILE, "cache stamp").decode()
+        )
     except (OSError, ValueError):
         return False
     if not isinstance(meta, dict) or meta.get("sources") != stamp or not isinstance(meta.get("arrays"), dict):

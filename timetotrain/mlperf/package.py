@@ -197,7 +197,7 @@ def _select(groups: list[ResultGroup], tier: str | None, root: Path) -> list[Res
 
 def _load_system_json(path: Path) -> dict:
     try:
-        desc = json.loads(path.read_text())
+        desc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "--system-json").decode())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--system-json {path} is not readable JSON ({e})") from e
     if not isinstance(desc, dict):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from mlperf_logging.benchmark_meta import get_result_file_counts
 
-from timetotrain import strictjson, suite
+from timetotrain import fileio, strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
@@ -79,7 +79,11 @@ def scaling_factor(folder: Path) -> float:
     if not path.is_file():
         return 1.0
     try:
-        return float(json.loads(path.read_text())["scaling_factor"])
+        return float(
+            json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "scaling file").decode())[
+                "scaling_factor"
+            ]
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} has no readable scaling_factor ({e}): fix or remove it") from e
 

@@ -81,7 +81,7 @@ def read_base(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "base description").decode())
         doc["weights_sha256"], doc["key"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise UserError(
