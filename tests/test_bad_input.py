@@ -8,6 +8,7 @@ show the same single line reaches a terminal."""
 
 import dataclasses
 import errno
+import gzip
 import hashlib
 import json
 import os
@@ -174,6 +175,12 @@ CASES = [
         "data prepare c4 --src {w}/badgz --split train --out {w}/out",
         "{w}/badgz/c4-train.00000-of-00001.json.gz",
         "gzip",
+    ),
+    C(
+        "prepare-c4-text-a-number",
+        "data prepare c4 --src {w}/numgz --split train --out {w}/out",
+        "{w}/numgz/c4-train.00000-of-00001.json.gz:2",
+        "`text` field is a number (5), not a string",
     ),
     C(
         "prepare-split-invalid",
@@ -444,8 +451,15 @@ def _workspace(w: Path) -> None:
     (w / "empty.jsonl").write_text("")
     tarfile.open(w / "empty.tar", "w").close()  # a valid tar that holds no sample
     (w / "garbage.jsonl").write_text('{"id": "a", "input": "report", "output": "summary"}\nnot json\n')
+    (w / "empty_summary.jsonl").write_text(
+        '{"id": "a", "input": "report", "output": "summary"}\n{"id": "b", "input": "report", "output": " "}\n'
+    )
     (w / "badgz").mkdir()
     (w / "badgz" / "c4-train.00000-of-00001.json.gz").write_bytes(b"not gzip")
+    (w / "numgz").mkdir()
+    (w / "numgz" / "c4-train.00000-of-00001.json.gz").write_bytes(
+        gzip.compress(b'{"text": "a real document"}\n{"text": 5, "url": "u"}\n')
+    )
     for i in range(3):
         tier_log(w / "logs_ok" / f"result_{i}.txt", 10 + i, 640, 2.0)
     (w / "foreign").mkdir()

@@ -75,11 +75,17 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
                             "download the file again"
                         ) from None
                     try:
-                        batch.append(json.loads(line)["text"])
+                        text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
                         raise UserError(
                             f"{path}:{lineno} is not a C4 record with a `text` field ({e})"
                         ) from e
+                    if not isinstance(text, str):  # a worker's tokenizer would raise it as a traceback
+                        raise UserError(
+                            f"{path}:{lineno}: its `text` field is {_json_kind(text)}, not a string: C4 records "
+                            "hold text; download the file again"
+                        )
+                    batch.append(text)
                     if len(batch) == _BATCH_DOCS:
                         yield batch
                         batch = []
@@ -89,6 +95,17 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
             raise UserError(f"{path} holds no documents (an empty or truncated download): download it again")
     if batch:
         yield batch
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 _worker_tok = None
