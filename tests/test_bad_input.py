@@ -1114,6 +1114,45 @@ def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, cap
     assert {p: v for p, v in after.items() if p not in made} == before
 
 
+def test_full_disk_at_govreport_prepare_is_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk under numpy's own write of a real file (`ndarray.tofile`, which words a short write as
+    "OSError: N requested and M written", no errno, and gave a traceback). `full_disk_from` wraps the file
+    object, which sends numpy down its `write` path and hides this; here every file `fileio` opens for
+    writing is /dev/full instead, a real file whose every write the kernel fails with ENOSPC (a tmpfs of a few
+    kB would need mount and root)."""
+    from timetotrain import fileio
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    gov = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    spm = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+
+    def opener(file, mode="r", *args, **kwargs):
+        return open("/dev/full" if "w" in mode else file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fileio, "open", opener, raising=False)  # the name `fileio` resolves `open` by
+    out = tmp_path / "out"
+    argv = [
+        "data",
+        "prepare",
+        "govreport",
+        "--src",
+        str(gov),
+        "--split",
+        "train",
+        "--tokenizer-model",
+        str(spm),
+    ]
+    code = main([*argv, "--out", str(out)])
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("govreport train:")]
+    assert code == 2 and len(err) == 1, err
+    assert (
+        err[0].startswith(f"ttt: error: --out {out}: No space left on device")
+        and "nothing was written" in err[0]
+    )
+    assert list(out.iterdir()) == []  # no array, manifest or temporary
+
+
 def test_full_disk_under_any_other_writer_is_one_line(tmp_path, capsys, monkeypatch):
     """`ttt synth`'s summary is written after its log: a full disk there is the CLI's one line, not a traceback
     (the finished log stays: it is a whole synth log)."""

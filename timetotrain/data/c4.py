@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio, interrupt, lifeline
-from timetotrain.data import sentencepiece_tok
+from timetotrain.data import npy, sentencepiece_tok
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -207,7 +207,7 @@ def prepare(
         live.close()
 
         with staged.open(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
-            np.save(f, counts)
+            npy.save(f, counts)
         info = {
             "split": split,
             "documents": n_docs,

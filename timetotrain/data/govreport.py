@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.data.manifest import (
     REPREPARE,
@@ -432,7 +433,7 @@ def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray, info
     with fileio.Staged() as staged:
         for path, arr in zip(paths, (input_ids, labels), strict=True):
             with staged.open(path, "wb") as f:  # a file object, so np.save does not append another .npy
-                np.save(f, np.ascontiguousarray(arr, dtype=np.int32))
+                npy.save(f, np.ascontiguousarray(arr, dtype=np.int32))
         write_manifest(out, dataset_name(split), paths, info, staged)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data.finite import check_finite
 from timetotrain.data.manifest import read_manifest, verify_manifest
 from timetotrain.data.mapped import MappedFiles
@@ -245,7 +246,7 @@ def build_csc(g: GraphFiles, log=print) -> float:
                 for kind, arr in (("indptr", indptr), ("indices", indices)):
                     name = f"{rel_key(r)}.{kind}.npy"
                     with staged.open(cache / name) as f:
-                        np.save(f, arr)
+                        npy.save(f, arr)
                     arrays[name] = staged.current(cache / name).stat().st_size
             log(f"graph cache: {rel} ({len(src):,} edges) done")
         with staged.open(meta, "w") as f:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio, interrupt
-from timetotrain.data import loader
+from timetotrain.data import loader, npy
 from timetotrain.data.manifest import sha256_file
 from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
@@ -196,7 +196,7 @@ def make_base(
         keep = getattr(tier.data, "vocab_keep", None)
         if keep:
             with fileio.atomic_write(partial / VOCAB_TABLE, "wb") as f:
-                np.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
+                npy.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
             doc["vocab_keep"] = keep
             doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
         fileio.write_text(partial / BASE_JSON, json.dumps(doc, indent=2, sort_keys=True) + "\n")
