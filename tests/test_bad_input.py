@@ -37,7 +37,8 @@ BUDGET_S = 5.0
 class Case:
     id: str
     argv: tuple[str, ...]  # templates: {w} workspace, {c4} prepared C4, {tok} C4 of another tokenizer,
-    # {src} the C4 json.gz folder, {gov} a GovReport .jsonl, {spm} the Llama 2 tokenizer.model
+    # {src} the C4 json.gz folder, {gov} a GovReport .jsonl, {spm} the Llama 2 tokenizer.model, {mixtral}
+    # the Mixtral 8x22B one
     names: str  # the flag or file the error line must name (a template too)
     also: tuple[str, ...] = ()  # more text the line must hold: what is wrong, or the fix
     usage: bool = False  # argparse's own usage error (exit 2, usage lines, then one error line)
@@ -236,6 +237,19 @@ CASES = [
         "data prepare govreport --src {w}/garbage.jsonl --split train --tokenizer-model {spm} --out {w}/out",
         "{w}/garbage.jsonl:2",
         "not JSON",
+    ),
+    C(
+        "prepare-govreport-mixtral-tokenizer",
+        "data prepare govreport --src {gov} --split train --tokenizer-model {mixtral} --out {w}/out",
+        "--tokenizer-model {mixtral}",
+        "the Mixtral 8x22B tokenizer",
+        "Llama 2 tokenizer.model",
+    ),
+    C(
+        "prepare-govreport-empty-summary",
+        "data prepare govreport --src {w}/empty_summary.jsonl --split train --tokenizer-model {spm} --out {w}/out",
+        "{w}/empty_summary.jsonl:2",
+        "empty `output` field",
     ),
     # -- ttt check --
     C("rules-build-benchmark-unknown", "rules build resnet --check", "'resnet'", "ttt list"),
@@ -512,6 +526,10 @@ def _paths(case: Case, request, w: Path) -> dict[str, str]:
     if case.needs("gov"):
         paths["gov"] = str(
             require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+        )
+    if case.needs("mixtral"):
+        paths["mixtral"] = str(
+            require_file(shared_data_dir() / "tokenizers" / "mixtral-8x22b" / "tokenizer.model")
         )
     if case.needs("spm"):
         paths["spm"] = str(require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model"))
