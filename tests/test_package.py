@@ -345,3 +345,35 @@ def test_a_reference_tier_runs_the_rounds_count():
 
     for name in suite.names():
         assert suite.get(name).tiers["reference"].runs == official.result_files(name), name
+
+
+def test_sigterm_during_package_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process while `ttt package` copies the logs into its hidden staging folder
+    beside --out: the staging folder (a copy of every log) is removed, no --out appears, and the exit is
+    128 + 15. The signal is sent from inside the first copy, so the point is the same on every run; this
+    test's own handler stands in for the default action (which would end pytest) where ttt installs none."""
+    import os
+    import signal
+
+    from timetotrain import fileio
+    from timetotrain.cli import main
+
+    _tiny_logs(tmp_path / "logs" / "llama31_8b" / "tiny", n=3)
+    copy = fileio.copy_file
+
+    def copy_then_signal(src, dst):
+        copy(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(fileio, "copy_file", copy_then_signal)
+    caught = []
+    old = signal.signal(signal.SIGTERM, lambda *a: caught.append(a))
+    try:
+        code = main(["package", "--org", "o", "--system", "s", "--results", str(tmp_path / "logs"),
+                     "--out", str(tmp_path / "pkg")])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # no .pkg.* staging folder, no pkg
+    assert not caught  # ttt took the signal itself

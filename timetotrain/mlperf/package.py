@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import __version__, fileio, suite
+from timetotrain import __version__, fileio, interrupt, suite
 from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
@@ -159,7 +159,11 @@ def build_package(
             fileio.write_text(script, run_and_time(g, ordered, org, system), perms=0o755)
             fileio.write_text(impl / "README.md", _impl_readme(g, ordered))
             notes += _group_notes(g, desc)
-        os.rename(staging, out)  # all or nothing: a failed build leaves no half-written --out
+        # All or nothing: a failed build leaves no half-written --out. A signal (raised under `ttt package`,
+        # cli/results.py) removes the staging folder on the way out; one during the rename is raised after it.
+        with interrupt.deferred():
+            os.rename(staging, out)
+            fileio.COMPLETED.append(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
