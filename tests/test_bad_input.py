@@ -8,6 +8,7 @@ show the same single line reaches a terminal."""
 
 import dataclasses
 import errno
+import gzip
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ BUDGET_S = 5.0
 class Case:
     id: str
     argv: tuple[str, ...]  # templates: {w} workspace, {c4} prepared C4, {tok} C4 of another tokenizer,
-    # {src} the C4 json.gz folder, {gov} a GovReport .jsonl, {spm} the Llama 2 tokenizer.model
+    # {src} the C4 json.gz folder, {gov} a GovReport .jsonl, {spm} the Llama 2 tokenizer.model, {mixtral}
+    # the Mixtral 8x22B one
     names: str  # the flag or file the error line must name (a template too)
     also: tuple[str, ...] = ()  # more text the line must hold: what is wrong, or the fix
     usage: bool = False  # argparse's own usage error (exit 2, usage lines, then one error line)
@@ -64,6 +66,7 @@ CASES = [
     C("run-data-is-a-file", run_(data="{w}/afile"), "--data {w}/afile", "is a file, not a folder"),
     C("run-data-empty-folder", run_(data="{w}/empty"), "--data {w}/empty", "no train split"),
     C("run-data-wrong-tokenizer", run_(data="{tok}"), "{tok}/c4-train_text_document", "'llama2'", "llama3"),
+    C("run-config-dev-zero", run_("--config /dev/zero"), "--config /dev/zero", "more than 64 MiB"),
     C(
         "run-data-of-another-benchmark",
         "run llama2_70b_lora --tier reference --data {c4} --logdir {w}/logs",
@@ -175,6 +178,12 @@ CASES = [
         "gzip",
     ),
     C(
+        "prepare-c4-text-a-number",
+        "data prepare c4 --src {w}/numgz --split train --out {w}/out",
+        "{w}/numgz/c4-train.00000-of-00001.json.gz:2",
+        "`text` field is a number (5), not a string",
+    ),
+    C(
         "prepare-split-invalid",
         "data prepare c4 --src {src} --split test --out {w}/out",
         "--split",
@@ -228,6 +237,19 @@ CASES = [
         "data prepare govreport --src {w}/garbage.jsonl --split train --tokenizer-model {spm} --out {w}/out",
         "{w}/garbage.jsonl:2",
         "not JSON",
+    ),
+    C(
+        "prepare-govreport-mixtral-tokenizer",
+        "data prepare govreport --src {gov} --split train --tokenizer-model {mixtral} --out {w}/out",
+        "--tokenizer-model {mixtral}",
+        "the Mixtral 8x22B tokenizer",
+        "Llama 2 tokenizer.model",
+    ),
+    C(
+        "prepare-govreport-empty-summary",
+        "data prepare govreport --src {w}/empty_summary.jsonl --split train --tokenizer-model {spm} --out {w}/out",
+        "{w}/empty_summary.jsonl:2",
+        "empty `output` field",
     ),
     # -- ttt check --
     C("rules-build-benchmark-unknown", "rules build resnet --check", "'resnet'", "ttt list"),
@@ -443,8 +465,15 @@ def _workspace(w: Path) -> None:
     (w / "empty.jsonl").write_text("")
     tarfile.open(w / "empty.tar", "w").close()  # a valid tar that holds no sample
     (w / "garbage.jsonl").write_text('{"id": "a", "input": "report", "output": "summary"}\nnot json\n')
+    (w / "empty_summary.jsonl").write_text(
+        '{"id": "a", "input": "report", "output": "summary"}\n{"id": "b", "input": "report", "output": " "}\n'
+    )
     (w / "badgz").mkdir()
     (w / "badgz" / "c4-train.00000-of-00001.json.gz").write_bytes(b"not gzip")
+    (w / "numgz").mkdir()
+    (w / "numgz" / "c4-train.00000-of-00001.json.gz").write_bytes(
+        gzip.compress(b'{"text": "a real document"}\n{"text": 5, "url": "u"}\n')
+    )
     for i in range(3):
         tier_log(w / "logs_ok" / f"result_{i}.txt", 10 + i, 640, 2.0)
     (w / "foreign").mkdir()
@@ -497,6 +526,10 @@ def _paths(case: Case, request, w: Path) -> dict[str, str]:
     if case.needs("gov"):
         paths["gov"] = str(
             require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+        )
+    if case.needs("mixtral"):
+        paths["mixtral"] = str(
+            require_file(shared_data_dir() / "tokenizers" / "mixtral-8x22b" / "tokenizer.model")
         )
     if case.needs("spm"):
         paths["spm"] = str(require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model"))
@@ -1097,6 +1130,45 @@ def test_full_disk_is_one_line_and_writes_nothing(argv, flag, nth, tmp_path, cap
         p for p in after.keys() - before.keys() if after[p] == ("dir",)
     }  # the --out folder and its subfolders
     assert {p: v for p, v in after.items() if p not in made} == before
+
+
+def test_full_disk_at_govreport_prepare_is_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk under numpy's own write of a real file (`ndarray.tofile`, which words a short write as
+    "OSError: N requested and M written", no errno, and gave a traceback). `full_disk_from` wraps the file
+    object, which sends numpy down its `write` path and hides this; here every file `fileio` opens for
+    writing is /dev/full instead, a real file whose every write the kernel fails with ENOSPC (a tmpfs of a few
+    kB would need mount and root)."""
+    from timetotrain import fileio
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    gov = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    spm = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+
+    def opener(file, mode="r", *args, **kwargs):
+        return open("/dev/full" if "w" in mode else file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fileio, "open", opener, raising=False)  # the name `fileio` resolves `open` by
+    out = tmp_path / "out"
+    argv = [
+        "data",
+        "prepare",
+        "govreport",
+        "--src",
+        str(gov),
+        "--split",
+        "train",
+        "--tokenizer-model",
+        str(spm),
+    ]
+    code = main([*argv, "--out", str(out)])
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("govreport train:")]
+    assert code == 2 and len(err) == 1, err
+    assert (
+        err[0].startswith(f"ttt: error: --out {out}: No space left on device")
+        and "nothing was written" in err[0]
+    )
+    assert list(out.iterdir()) == []  # no array, manifest or temporary
 
 
 def test_full_disk_under_any_other_writer_is_one_line(tmp_path, capsys, monkeypatch):

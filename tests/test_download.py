@@ -181,3 +181,37 @@ def test_a_mirrored_c4_shard_prepares_as_the_fixture(tmp_path, mirror):
     for suffix in (".bin", ".idx"):
         name = "c4-validation_text_document" + suffix
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "scheme,where",
+    [("http", "listed-path"), ("file", "listed-path"), ("http", "base-url"), ("file", "base-url"),
+     ("file", "metadata-url")],
+)  # fmt: skip
+def test_a_nul_byte_in_the_metadata_is_one_line(scheme, where, tmp_path, capsys):
+    """A NUL byte in a path the metadata names (a listed file, the .uri's base) or in the metadata's own
+    file:// URL: the OS refuses it in a path, http.client in a URL, each with a ValueError traceback. Over
+    http a %00 in the metadata URL is the server's to refuse (a 404 here)."""
+    root = tmp_path / "bucket"
+    (root / "metadata").mkdir(parents=True)
+    (root / "files").mkdir()
+    (root / "files" / "a.txt").write_bytes(b"hello")
+    srv = Server(root)
+    try:
+        base = f"{srv.url}/files" if scheme == "http" else str(root / "files")
+        if where == "base-url":
+            base = base.replace("files", "fi\0les")
+        listed = "a\0.txt" if where == "listed-path" else "a.txt"
+        (root / "metadata" / "ds.uri").write_text(base + "\n")
+        (root / "metadata" / "ds.md5").write_text(f"{hashlib.md5(b'hello').hexdigest()}  {listed}\n")
+        meta = f"{srv.url}/metadata/ds.uri" if scheme == "http" else f"file://{root}/metadata/ds.uri"
+        if where == "metadata-url":
+            meta = f"file://{root}/meta%00data/ds.uri"
+        code = ttt(["data", "download", "mlcommons", "--metadata", meta, "--out", str(tmp_path / "o")])
+    finally:
+        srv.close()
+    err = errors(capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("ttt: error:"), err
+    assert "control character '\\x00'" in err[0]
+    assert not (tmp_path / "o").exists()  # refused before anything was written

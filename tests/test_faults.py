@@ -427,11 +427,10 @@ def test_a_signal_during_staged_commit_leaves_no_temporary_and_a_consistent_outp
 def test_sigterm_while_synth_graph_writes_leaves_no_file_and_no_folder(tmp_path, monkeypatch, capsys):
     """`ttt data synth-graph` stopped half-way: its staged files and the folders it made are gone, so the
     same command can run again (it refuses a non-empty --out)."""
-    import numpy as np
-
     from timetotrain.cli import main
+    from timetotrain.data import npy
 
-    real_save, saved = np.save, []
+    real_save, saved = npy.save, []
 
     def save(*args, **kwargs):
         saved.append(1)
@@ -439,7 +438,7 @@ def test_sigterm_while_synth_graph_writes_leaves_no_file_and_no_folder(tmp_path,
             os.kill(os.getpid(), signal.SIGTERM)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(np, "save", save)
+    monkeypatch.setattr(npy, "save", save)
     out = tmp_path / "graph"
     assert main(["data", "synth-graph", "--scale", "tiny", "--out", str(out)]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip() == "ttt: interrupted by SIGTERM: stopped, temporary files removed"

@@ -258,7 +258,7 @@ def test_sigterm_while_writing_removes_the_staged_split(tmp_path, capsys, monkey
         raise AssertionError("SIGTERM reached no handler of ttt's")
 
     old = signal.signal(signal.SIGTERM, unhandled)
-    real_save, saved = np.save, []
+    real_save, saved = enc.npy.save, []
 
     def save_then_signal(f, a, *args, **kwargs):
         real_save(f, a, *args, **kwargs)
@@ -268,7 +268,7 @@ def test_sigterm_while_writing_removes_the_staged_split(tmp_path, capsys, monkey
 
     tar, _ = small_tar(tmp_path / "s.tar")
     out = tmp_path / "out"
-    monkeypatch.setattr(enc.np, "save", save_then_signal)
+    monkeypatch.setattr(enc.npy, "save", save_then_signal)
     argv = ["data", "prepare", "flux", "--src", str(tar), "--split", "train", "--encoders", "standin",
             "--tokenizer-model", str(require_file(LLAMA2_SP)), "--out", str(out)]  # fmt: skip
     try:

@@ -409,7 +409,7 @@ def test_sigterm_while_writing_leaves_the_split_as_it_was(gov, tok_path, tmp_pat
     def unhandled(signum, frame):  # without ttt's handler the default would end pytest itself
         raise AssertionError("SIGTERM reached no handler of ttt's")
 
-    real_save, saved = np.save, []
+    real_save, saved = g.npy.save, []
 
     def save_then_signal(f, a, *args, **kwargs):
         real_save(f, a, *args, **kwargs)
@@ -417,7 +417,7 @@ def test_sigterm_while_writing_leaves_the_split_as_it_was(gov, tok_path, tmp_pat
         os.kill(os.getpid(), signal.SIGTERM)
 
     old = signal.signal(signal.SIGTERM, unhandled)
-    monkeypatch.setattr(g.np, "save", save_then_signal)
+    monkeypatch.setattr(g.npy, "save", save_then_signal)
     try:
         code = main(argv)
     finally:

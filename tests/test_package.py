@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import require_file, shared_data_dir
@@ -271,3 +272,108 @@ def test_a_tree_of_only_foreign_files_is_an_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "result_0.txt holds no :::MLLOG lines" in err, err
     assert not (tmp_path / "r").exists() and not (tmp_path / "p").exists()
+
+
+def test_the_run_count_note_is_the_rounds_for_405b_tiny(tmp_path, capsys):
+    """The audit's case: ten llama31_405b tiny logs (the tier's own RCP count) packaged; the package checker
+    wants exactly 3 of llama31_405b whatever the tier (benchmark_meta), and the note said 10."""
+    folder = tmp_path / "logs" / "llama31_405b" / "tiny"
+    for i in range(10):
+        tier_log(
+            folder / f"result_{i}.txt",
+            300 + i,
+            None,
+            1.0,
+            benchmark="llama31_405b",
+            start_ms=T0 - i * 600_000,
+        )
+    argv = [
+        "package",
+        "--org",
+        "o",
+        "--system",
+        "s",
+        "--results",
+        str(tmp_path / "logs"),
+        "--out",
+        str(tmp_path / "p"),
+    ]
+    assert ttt_main(argv) == 0
+    assert (
+        "note: llama31_405b: 10 result files, the package checker wants exactly 3\n"
+        in capsys.readouterr().out
+    )
+
+
+def test_the_run_count_note_is_benchmark_metas_for_every_benchmark_of_the_rounds():
+    """One source: mlperf_logging's benchmark_meta, which the package checker counts by, for every benchmark
+    of the rounds and every tier of ours (3 for llama31_405b, deepseekv3_671b, qwen35_397b_grpo)."""
+    from types import SimpleNamespace
+
+    from mlperf_logging.benchmark_meta import get_allowed_benchmarks, get_result_file_counts
+
+    from timetotrain import suite
+    from timetotrain.mlperf.package import _group_notes
+    from timetotrain.mlperf.results import ResultGroup
+    from timetotrain.suite import official
+
+    counts = get_result_file_counts("training")
+    rounds = {n for rs in official.RULESETS for n in get_allowed_benchmarks("training", rs)}
+    assert {"llama31_405b", "llama31_8b", "deepseekv3_671b", "qwen35_397b_grpo"} <= rounds
+    for name in sorted(rounds):
+        tiers = ["reference", "tiny"] if suite.known(name) else ["reference"]  # every tier of ours
+        for tier in tiers:
+            log = SimpleNamespace(division="open")
+            g = ResultGroup(Path("x"), [], [log] * 2, "o", "s", name, tier, "open", None)
+            notes = _group_notes(g, {"division": "open"})
+            assert f"{name}: 2 result files, the package checker wants exactly {counts[name]}" in notes, notes
+            assert official.result_files(name) == counts[name]
+    # the round's facts as mlperf_logging 4.1.68 states them, so the test above cannot pass on wrong data
+    assert [counts[n] for n in ("llama31_405b", "deepseekv3_671b", "qwen35_397b_grpo", "llama31_8b")] == [
+        3,
+        3,
+        3,
+        10,
+    ]
+
+
+def test_a_reference_tier_runs_the_rounds_count():
+    """The reference tiers declare the round's run count (what `ttt run --runs` and `ttt suite` default to):
+    the same as benchmark_meta's, the one source `ttt package` and `ttt score` tell."""
+    from timetotrain import suite
+    from timetotrain.suite import official
+
+    for name in suite.names():
+        assert suite.get(name).tiers["reference"].runs == official.result_files(name), name
+
+
+def test_sigterm_during_package_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """A real SIGTERM to this process while `ttt package` copies the logs into its hidden staging folder
+    beside --out: the staging folder (a copy of every log) is removed, no --out appears, and the exit is
+    128 + 15. The signal is sent from inside the first copy, so the point is the same on every run; this
+    test's own handler stands in for the default action (which would end pytest) where ttt installs none."""
+    import os
+    import signal
+
+    from timetotrain import fileio
+    from timetotrain.cli import main
+
+    _tiny_logs(tmp_path / "logs" / "llama31_8b" / "tiny", n=3)
+    copy = fileio.copy_file
+
+    def copy_then_signal(src, dst):
+        copy(src, dst)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(fileio, "copy_file", copy_then_signal)
+    caught = []
+    old = signal.signal(signal.SIGTERM, lambda *a: caught.append(a))
+    try:
+        code = main(["package", "--org", "o", "--system", "s", "--results", str(tmp_path / "logs"),
+                     "--out", str(tmp_path / "pkg")])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # no .pkg.* staging folder, no pkg
+    assert not caught  # ttt took the signal itself

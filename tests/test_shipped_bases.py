@@ -6,14 +6,19 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pytest
+from conftest import mllog, require_file, shared_data_dir
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from timetotrain.cli import main
+from timetotrain.data import govreport
 from timetotrain.errors import UserError
 from timetotrain.suite import base as suite_base
 from timetotrain.suite import get
 from timetotrain.train import base_model
+from timetotrain.train.checkpoint import check_init_source
 
 TIERS = ["llama2_70b_lora", "deepseekv3_671b", "llama31_405b", "qwen35_397b_grpo"]
 
@@ -85,6 +90,8 @@ def test_a_base_of_other_bits_runs_with_a_note(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(tier.base.shipped.folder, other)
     _join(other, other / "model.safetensors")
+    for shard in [*other.glob("model-*-of-*.safetensors"), other / "model.safetensors.index.json"]:
+        shard.unlink()  # a `ttt base` folder: one weights file (the loader would read an index first)
     data = bytearray((other / "model.safetensors").read_bytes())
     data[-1] ^= 1
     (other / "model.safetensors").write_bytes(bytes(data))
@@ -117,3 +124,154 @@ def test_the_shards_are_the_bits_ttt_base_made(name, tmp_path):
         return
     _join(shipped.folder, tmp_path / "model.safetensors")
     assert base_model.sha256_file(tmp_path / "model.safetensors") == shipped.weights_sha256
+
+
+# --- `--init-checkpoint` with a shipped base (issue 37) ---
+
+INIT = ["llama2_70b_lora", "deepseekv3_671b"]
+
+
+def _copy(tier, tmp_path):
+    copy = tmp_path / "copy"  # a plain copy, as `cp -r` of the installed folder makes
+    shutil.copytree(tier.base.shipped.folder, copy)
+    return copy
+
+
+@pytest.mark.parametrize("where", ["shipped", "copy"])
+@pytest.mark.parametrize("name", INIT)
+def test_init_checkpoint_takes_the_shipped_base_or_a_copy(name, where, tmp_path):
+    """The shipped folder, sharded, passed by its path (or copied): every file is checked against the pins in
+    the suite and the run goes on to load it, logged as the shipped base (its bits, whatever the path)."""
+    bench = get(name)
+    tier = bench.tier("tiny")
+    shipped = tier.base.shipped
+    folder = shipped.folder if where == "shipped" else _copy(tier, tmp_path)
+    got = base_model.check_init_base(bench, tier, folder)
+    assert (got.folder, got.sha256, got.shipped, got.note) == (
+        folder,
+        shipped.weights_sha256,
+        shipped.name,
+        None,
+    )
+    assert check_init_source(folder, bench.family, tier.model) == "hf"  # the run's next preflight step
+
+
+def _reverse_table(folder):
+    """A consistent tamper: the vocabulary table reversed and base.json's sha256 of it updated to match."""
+    table = folder / base_model.VOCAB_TABLE
+    np.save(table, np.load(table)[::-1].copy())
+    doc = json.loads((folder / base_model.BASE_JSON).read_text())
+    doc["vocab_table_sha256"] = base_model.sha256_file(table)
+    (folder / base_model.BASE_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return table
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("layout", ["shards", "joined"])
+@pytest.mark.parametrize("name", INIT)
+def test_a_reversed_table_with_its_base_json_updated_is_refused(name, layout, tmp_path):
+    """base.json is no pin of its own files: the shipped base's pins (outside the folder) cover base.json
+    itself and, in any base of the recipe, the table and config, which no host's rounding changes. Joined:
+    the folder `ttt base` would write (one model.safetensors) with the shipped weights."""
+    bench = get(name)
+    tier = bench.tier("tiny")
+    copy = _copy(tier, tmp_path)
+    if layout == "joined":
+        _join(copy, copy / "model.safetensors")
+        for f in [*copy.glob("model-*-of-*.safetensors"), copy / "model.safetensors.index.json"]:
+            f.unlink()
+    _reverse_table(copy)
+    with pytest.raises(UserError) as e:
+        base_model.check_init_base(bench, tier, copy)
+    msg = str(e.value)
+    assert "\n" not in msg and str(copy) in msg and "--init-checkpoint" in msg
+    assert "delete" not in msg and "rm " not in msg
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("tamper", ["table", "description"])
+def test_a_tampered_base_json_of_the_installed_base_is_refused(tamper, tmp_path, monkeypatch):
+    """base.json is pinned too: the table reversed with base.json updated, or base.json alone edited (what a
+    run logs of the base, e.g. its steps), is refused before anything parses it."""
+    bench = get("llama2_70b_lora")
+    tier = bench.tier("tiny")
+    folder = tmp_path / tier.base.shipped.name
+    shutil.copytree(tier.base.shipped.folder, folder)
+    if tamper == "table":
+        _reverse_table(folder)
+    else:
+        doc = json.loads((folder / base_model.BASE_JSON).read_text())
+        doc["steps"] += 1
+        (folder / base_model.BASE_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    monkeypatch.setattr(suite_base, "BASES", tmp_path)  # as if the installed folder were edited
+    with pytest.raises(UserError, match=r"base.json has sha256 .* reinstall timetotrain"):
+        base_model.check_init_base(bench, tier, None)
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("name", INIT)
+def test_a_damaged_copy_is_refused_without_advice_to_delete(name, tmp_path):
+    bench = get(name)
+    tier = bench.tier("tiny")
+    copy = _copy(tier, tmp_path)
+    shard = copy / tier.base.shipped.sha256[0][0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError) as e:
+        base_model.check_init_base(bench, tier, copy)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{shard} has sha256" in msg and tier.base.shipped.name in msg
+    assert "leave out --init-checkpoint" in msg and "delete" not in msg
+
+
+@pytest.mark.bad_input
+def test_a_file_no_pin_covers_is_refused(tmp_path):
+    """A second weights file beside the shards (the loader would read the index, not it) or any other
+    unpinned file: nothing in a base folder goes unchecked."""
+    bench = get("llama2_70b_lora")
+    tier = bench.tier("tiny")
+    copy = _copy(tier, tmp_path)
+    (copy / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(UserError, match=r"model.safetensors is not a file of the base"):
+        base_model.check_init_base(bench, tier, copy)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_ttt_run_from_a_copy_of_the_shipped_base_takes_a_step(tmp_path, capsys):
+    """`ttt run llama2_70b_lora --tier tiny --init-checkpoint COPY`: the run starts, trains a step from the
+    copy, and logs it as the shipped base (about 4 s)."""
+    src = require_file(shared_data_dir() / "govreport" / "gov_report.validation.scrolls_format.jsonl")
+    spm = require_file(shared_data_dir() / "tokenizers" / "llama2" / "tokenizer.model")
+    govreport.prepare_tiny(src, spm, tmp_path / "gov")
+    tier = get("llama2_70b_lora").tier("tiny")
+    copy = _copy(tier, tmp_path)
+    args = ["run", "llama2_70b_lora", "--tier", "tiny", "--data", str(tmp_path / "gov")]
+    args += [
+        "--logdir",
+        str(tmp_path / "logs"),
+        "--max-steps",
+        "1",
+        "--quiet",
+        "--init-checkpoint",
+        str(copy),
+    ]
+    assert main(args) == 1, capsys.readouterr().err  # aborted at the step limit, after one step
+    keys = {
+        r["key"]: r["value"] for r in mllog(tmp_path / "logs" / "llama2_70b_lora" / "tiny" / "result_0.txt")
+    }
+    assert keys["ttt_init_base"] == tier.base.shipped.name
+    assert keys["ttt_init_checkpoint_sha256"] == tier.base.shipped.weights_sha256
+
+
+@pytest.mark.bad_input
+def test_a_base_json_whose_sha256_is_not_one_is_refused(tmp_path):
+    bench = get("llama2_70b_lora")
+    tier = bench.tier("tiny")
+    copy = _copy(tier, tmp_path)
+    doc = json.loads((copy / base_model.BASE_JSON).read_text())
+    doc["vocab_table_sha256"] = 5  # compared as a digest, it was a TypeError traceback
+    (copy / base_model.BASE_JSON).write_text(json.dumps(doc))
+    with pytest.raises(UserError, match=r"base.json: vocab_table_sha256 is not a sha256"):
+        base_model.check_init_base(bench, tier, copy)

@@ -720,3 +720,122 @@ def test_no_reader_can_unpickle():
             assert kw is not None and const(kw.get("weights_only"), True), f"{f}:{ln}: torch.load"
     readers = [(f.name, a) for f, _, m, a, _ in uses if m == "pickle" and a in ("load", "loads", "Unpickler")]
     assert readers == [("dcp_safe.py", "Unpickler")]
+
+
+# --- every file a user names is read with a bound (issue 37) ---
+
+
+def _padded(doc: str) -> bytes:
+    """`doc` (valid as it is) followed by 2 kB of spaces: over the 1 kB bound the test sets, and still
+    valid, so a reader without a bound parses it and the test sees no error."""
+    return doc.encode() + b" " * 2048
+
+
+def _over(reader, name: str, text: str):
+    def case(tmp_path: Path):
+        (tmp_path / name).write_bytes(_padded(text))
+        return tmp_path / name, lambda: reader(tmp_path)
+
+    return case
+
+
+def _read_config(d):
+    from timetotrain.cli import config
+
+    config.load(str(d / "c.toml"))
+
+
+def _read_manifest(d):
+    from timetotrain.data.manifest import read_manifest
+
+    read_manifest(d, "c4-train")
+
+
+def _read_base(d):
+    from timetotrain.train.base_model import read_base
+
+    read_base(d)
+
+
+def _read_rcp(d):
+    from timetotrain.mlperf.rcp import RcpTable
+
+    RcpTable.load(d / "rcps.json", "llama31_8b", 10)
+
+
+def _read_scaling(d):
+    from timetotrain.mlperf.score import scaling_factor
+
+    scaling_factor(d)
+
+
+def _read_system_json(d):
+    from timetotrain.mlperf.package import _load_system_json
+
+    _load_system_json(d / "sys.json")
+
+
+def _read_metadata(d):
+    from timetotrain.data.download import read_text
+
+    read_text(f"file://{d}/ds.uri")
+
+
+def _read_hf_config(d):
+    ckpt.check_hf_config(d)
+
+
+def _read_index(d):
+    ckpt._weight_map(d)
+
+
+def _read_log(d):
+    from timetotrain.mlperf.results import parse_log
+
+    parse_log(d / "result_0.txt")
+
+
+READERS = {
+    "config": _over(_read_config, "c.toml", "seed = 1\n"),
+    "manifest": _over(_read_manifest, "c4-train.manifest.json", "{}"),
+    "base.json": _over(_read_base, "base.json", '{"weights_sha256": "0", "key": "k"}'),
+    "rcp-file": _over(_read_rcp, "rcps.json", "{}"),
+    "scaling.json": _over(_read_scaling, "scaling.json", '{"scaling_factor": 1.0}'),
+    "system-json": _over(_read_system_json, "sys.json", "{}"),
+    "download-metadata": _over(_read_metadata, "ds.uri", "http://example.invalid/ds\n"),
+    "hf-config": _over(_read_hf_config, "config.json", "{}"),
+    "hf-index": _over(_read_index, "model.safetensors.index.json", '{"weight_map": {}}'),
+}
+
+
+@pytest.mark.parametrize("what", list(READERS))
+def test_a_file_a_user_names_is_read_with_a_bound(what, tmp_path, monkeypatch):
+    """/dev/zero or a wrong file of gigabytes was read whole (`--config /dev/zero`: a MemoryError
+    traceback): each reader stops at its bound with one line naming the file. The bound is set to 1 kB here,
+    so the test writes 2 kB rather than 64 MiB."""
+    from timetotrain import fileio
+
+    monkeypatch.setattr(fileio, "SMALL_FILE", 1024)
+    path, read = READERS[what](tmp_path)
+    with pytest.raises(UserError) as e:
+        read()
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and "holds more than 1,024 bytes" in msg
+
+
+def test_a_log_and_a_record_line_are_read_with_a_bound(tmp_path, monkeypatch):
+    """The large bounds: a result log read whole (LARGE_FILE), a JSON-lines record line by line (LINE)."""
+    from timetotrain import fileio
+    from timetotrain.data import govreport
+    from timetotrain.mlperf.results import parse_log
+
+    monkeypatch.setattr(fileio, "LARGE_FILE", 1024)
+    monkeypatch.setattr(fileio, "LINE", 1024)
+    (tmp_path / "result_0.txt").write_bytes(_padded(":::MLLOG {}\n"))
+    with pytest.raises(UserError, match=r"result_0.txt holds more than"):
+        parse_log(tmp_path / "result_0.txt")
+    (tmp_path / "g.jsonl").write_bytes(
+        _padded('{"input": "report", "output": "summary"}').replace(b" ", b"x")
+    )
+    with pytest.raises(UserError, match=r"g.jsonl:1 is a line of more than"):
+        list(govreport.iter_rows(tmp_path / "g.jsonl"))

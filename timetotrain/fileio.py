@@ -1,10 +1,15 @@
-"""Atomic file writes: every file ttt writes (manifests, token counts, summaries, RCP files, package and
+"""Atomic file writes, and bounded reads of the files a user names.
+
+Writes: every file ttt writes (manifests, token counts, summaries, RCP files, package and
 report outputs) goes through `atomic_write`, so a reader, a crash or a full disk never leaves a half-written
 file under the final name: the data goes to a temporary file in the same folder (same filesystem, so the
 rename is atomic), is fsynced, and only then replaces the target; the folder is fsynced so the rename
 itself survives a power loss. On any error the temporary file is removed and the target is untouched.
 
 The live MLPerf result log is the exception (it grows during the run): see mlperf/logger.py.
+
+Reads: a file a user names (a --config, a manifest, a metadata file, a log) is read through `read_bounded`,
+so /dev/zero, a device or a wrong file of gigabytes is one line, not a MemoryError traceback.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from timetotrain.errors import UserError
 from timetotrain.interrupt import deferred
 
 TMP_SUFFIX = ".tmp"
+# Bounds of `read_bounded` and `bounded_lines`: a description (JSON, TOML, a metadata or checksum list, a
+# tokenizer file), a large file read whole, and one line. The largest of ours: a 405B checkpoint's index (~100 kB), a Llama 3 tokenizer (2.2 MB), a
+# result log of 10,000 evals (a few MB).
+SMALL_FILE = 64 << 20
+LARGE_FILE = 512 << 20  # a result log, a DCP checkpoint's .metadata
+LINE = 64 << 20  # one line of a JSON-lines file (a GovReport record: a report of ~300 kB)
 # Final paths that Staged sets have put in place, and final paths whose staged new version was dropped
 # (an error or a signal before its commit), in this command: after a signal, the CLI says "stopped" only
 # when nothing was put in place, and that the new output is complete when nothing was dropped.
@@ -179,3 +191,32 @@ class Staged:
                 os.unlink(tmp)
             DISCARDED.append(final)
         self._pairs = []
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
+    """The bytes of `path`, at most `limit`: a file larger than any of its kind (or endless, /dev/zero) is a
+    one-line UserError naming it (`what`: the flag or the kind of file) rather than read whole into memory.
+    An OSError (missing, unreadable) is the caller's to word."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UserError(
+            f"{what} {path} holds more than {_size(limit)}, more than any such file: pass the right file"
+        )
+    return data
+
+
+def bounded_lines(f: IO, limit: int, what: str) -> Iterator:
+    """The lines of an open file (binary: bytes, text: characters, its newline translation kept), each of
+    at most `limit`: a longer one (no newline in sight, /dev/zero or a binary file) is a one-line UserError
+    naming `what` and the line number, not read on until memory runs out."""
+    n = 0
+    while line := f.readline(limit + 1):
+        n += 1
+        if len(line) > limit and line[-1:] not in (b"\n", "\n"):
+            raise UserError(f"{what}:{n} is a line of more than {_size(limit)}: not a text file of records")
+        yield line
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n:,} bytes"

@@ -23,6 +23,7 @@ import math
 import tomllib
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 FLAG = "--config"
@@ -70,7 +71,7 @@ def _positional(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def load(path: str) -> dict:
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = fileio.read_bounded(p, fileio.SMALL_FILE, FLAG)
     except FileNotFoundError:
         raise UserError(f"{FLAG} {path}: no such file") from None
     except OSError as e:
@@ -163,7 +164,7 @@ def describe(path: str, values: dict) -> dict:
     p = Path(path)
     return {
         "file": str(p.resolve()),
-        "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+        "sha256": hashlib.sha256(fileio.read_bounded(p, fileio.SMALL_FILE, FLAG)).hexdigest(),
         "values": {k: v for k, v in values.items()},
     }
 

@@ -128,18 +128,19 @@ def _prepare_govreport(args) -> int:
     if args.no_eod:
         raise UserError("--no-eod applies to c4 only: govreport ends every example with EOS by recipe")
     out = Path(args.out)
-    info = govreport.prepare(
-        args.src,
-        args.split,
-        args.tokenizer_model,
-        out,
-        block=args.block,
-        select=args.select,
-        rows=args.rows,
-        truncate_input=args.truncate_input,
-        packing=args.packing,
-        threads=args.workers,
-    )
+    with writing("--out", out):  # a full disk: the arrays and manifest are staged, so none appears
+        info = govreport.prepare(
+            args.src,
+            args.split,
+            args.tokenizer_model,
+            out,
+            block=args.block,
+            select=args.select,
+            rows=args.rows,
+            truncate_input=args.truncate_input,
+            packing=args.packing,
+            threads=args.workers,
+        )
     c = info["counts"]
     ids_name, labels_name = govreport.array_names(args.split)
     blocks = f"{c['blocks']:,} blocks of {info['block']:,} tokens"

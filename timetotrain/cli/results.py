@@ -12,6 +12,7 @@ from pathlib import Path
 
 from timetotrain import strictjson
 from timetotrain.errors import UserError, writing
+from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.compliance import RULESET, check_log, check_ruleset
 
 _RULESET_HELP = (
@@ -65,7 +66,9 @@ def _cmd_package(args) -> int:
     system_json = Path(args.system_json) if args.system_json else None
     if system_json is not None and not system_json.is_file():
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
-    with writing("--out", args.out):  # a full disk: the package is built aside and renamed, so none appears
+    # A full disk: the package is built aside and renamed, so none appears; SIGTERM/SIGINT raise, so the
+    # staging folder (a copy of every log, beside --out) is removed on the way out.
+    with raise_on_signals(), writing("--out", args.out):
         res = build_package(
             args.org,
             args.system,

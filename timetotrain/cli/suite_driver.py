@@ -97,7 +97,9 @@ def cached(cache: Path, name: str) -> Path | None:
 
 def is_current(folder: Path, recipe: DataRecipe) -> bool:
     try:
-        return json.loads((folder / "source.json").read_text()) == source_record(recipe)
+        return json.loads(
+            fileio.read_bounded(folder / "source.json", fileio.SMALL_FILE, "source record").decode()
+        ) == source_record(recipe)
     except (OSError, ValueError):
         return False
 
@@ -200,7 +202,7 @@ def _load_state(path: Path, tier: str) -> dict:
     if not path.is_file():
         return {"tier": tier, "seeds": {}, "seconds": {}}
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "suite state").decode())
     except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e}): remove it to start the suite afresh") from e
     problem = _state_problem(state)
@@ -348,7 +350,11 @@ class Suite:
     def _history(self) -> dict:
         """Earlier suites' run times, for the ETA only: anything unreadable or of the wrong types is no history."""
         try:
-            hist = json.loads((self.cache / "run_seconds.json").read_text())
+            hist = json.loads(
+                fileio.read_bounded(
+                    self.cache / "run_seconds.json", fileio.SMALL_FILE, "run history"
+                ).decode()
+            )
         except (OSError, ValueError):
             return {}
         if _state_problem({"tier": "", "seconds": hist}):

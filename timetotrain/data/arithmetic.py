@@ -115,7 +115,7 @@ def check(folder: Path, digits: int, kind: str, verify: bool = True) -> list[Pat
     if not man.is_file():
         raise UserError(f"--data {folder} has no {MANIFEST}: {hint}")
     try:
-        doc = json.loads(man.read_text())
+        doc = json.loads(fileio.read_bounded(man, fileio.SMALL_FILE, "manifest").decode())
         files = doc["files"]
         if (doc["digits"], doc["kind"]) != (digits, kind):
             raise UserError(

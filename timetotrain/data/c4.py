@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio, interrupt, lifeline
-from timetotrain.data import sentencepiece_tok
+from timetotrain.data import npy, sentencepiece_tok
 from timetotrain.data import tokenizer as tok
 from timetotrain.data.indexed import IndexedWriter, best_dtype
 from timetotrain.data.manifest import ensure_writable, sha256_file, write_manifest
@@ -66,7 +66,7 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
         lineno = 0
         try:
             with gzip.open(path, "rb") as f:  # bytes: a decoding error is then tied to its line
-                for lineno, raw in enumerate(f, 1):
+                for lineno, raw in enumerate(fileio.bounded_lines(f, fileio.LINE, str(path)), 1):
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
@@ -75,11 +75,17 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
                             "download the file again"
                         ) from None
                     try:
-                        batch.append(json.loads(line)["text"])
+                        text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError) as e:
                         raise UserError(
                             f"{path}:{lineno} is not a C4 record with a `text` field ({e})"
                         ) from e
+                    if not isinstance(text, str):  # a worker's tokenizer would raise it as a traceback
+                        raise UserError(
+                            f"{path}:{lineno}: its `text` field is {_json_kind(text)}, not a string: C4 records "
+                            "hold text; download the file again"
+                        )
+                    batch.append(text)
                     if len(batch) == _BATCH_DOCS:
                         yield batch
                         batch = []
@@ -89,6 +95,17 @@ def _iter_texts(files: list[Path]) -> Iterator[list[str]]:
             raise UserError(f"{path} holds no documents (an empty or truncated download): download it again")
     if batch:
         yield batch
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 _worker_tok = None
@@ -190,7 +207,7 @@ def prepare(
         live.close()
 
         with staged.open(counts_path, "wb") as f:  # a file object: np.save adds no second .npy
-            np.save(f, counts)
+            npy.save(f, counts)
         info = {
             "split": split,
             "documents": n_docs,

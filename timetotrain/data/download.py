@@ -31,7 +31,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from timetotrain import trees
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 
@@ -69,17 +69,33 @@ def _local_path(url: str) -> Path | None:
     return None
 
 
+def _control(text: str) -> str | None:
+    """The first control character of `text` (a NUL byte above all), which no path or URL may hold: the OS
+    refuses it in a path and http.client in a URL, each with a ValueError traceback."""
+    return next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
+
+
 def read_text(url: str) -> str:
+    """A metadata file (`.uri`, `.md5`), local or served, read with a bound (fileio.SMALL_FILE)."""
     local = _local_path(url)
+    bad = _control(str(local) if local is not None else url)
+    if bad is not None:
+        raise UserError(f"{url}: the path holds the control character {bad!r}: check the URL")
     try:
         if local is not None:
-            return local.read_text()
-        with urllib.request.urlopen(url, timeout=60) as r:
-            return r.read().decode()
+            raw = fileio.read_bounded(local, fileio.SMALL_FILE, "metadata file")
+        else:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                raw = r.read(fileio.SMALL_FILE + 1)
+            if len(raw) > fileio.SMALL_FILE:
+                raise UserError(f"{url} serves more than {fileio.SMALL_FILE >> 20} MiB: not a metadata file")
+        return raw.decode()
     except urllib.error.HTTPError as e:
         raise UserError(f"{url}: HTTP {e.code} {e.reason}: check the URL") from e
     except (urllib.error.URLError, OSError) as e:
         raise UserError(f"{url}: cannot be read ({getattr(e, 'reason', None) or e}): check the URL") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{url}: not UTF-8 text (byte {e.start}): not a metadata file") from None
 
 
 def fetch(url: str, dest: Path, progress: Progress | None = None) -> Path:
@@ -185,6 +201,11 @@ def parse_md5_list(text: str, source: str) -> list[tuple[str, str]]:
         rel = rel.strip().lstrip("*").removeprefix("./")
         if len(digest) != 32 or not all(c in "0123456789abcdefABCDEF" for c in digest) or not rel:
             raise UserError(f"{source} line {n}: expected '<md5>  <path>', got {line.strip()[:80]!r}")
+        bad = _control(rel)
+        if bad is not None:
+            raise UserError(
+                f"{source} line {n}: path {rel!r} holds the control character {bad!r}: fix the list (no file name holds one)"
+            )
         if rel.startswith("/") or ".." in Path(rel).parts:
             raise UserError(f"{source} line {n}: path {rel!r} leaves the download folder")
         out.append((digest.lower(), rel))
@@ -230,6 +251,11 @@ def download_mlcommons(metadata: str, out: Path, workers: int = 4) -> list[Path]
     base = read_text(metadata).strip().rstrip("/")
     if not base:
         raise UserError(f"--metadata {metadata}: empty: it should hold the dataset's base URL")
+    bad = _control(base)
+    if bad is not None:
+        raise UserError(
+            f"--metadata {metadata}: its base URL {base!r} holds the control character {bad!r}: fix the .uri file"
+        )
     _check_base(metadata, base)
     name = metadata.rsplit("/", 1)[-1].removesuffix(".uri")
     md5_url = metadata.rsplit("/", 1)[0] + f"/{name}.md5" if "/" in metadata else f"{name}.md5"

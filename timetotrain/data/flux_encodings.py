@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data.finite import check_finite
 from timetotrain.data.manifest import manifest_problem, sha256_file, verify_manifest
 from timetotrain.data.mapped import MappedFiles
@@ -146,7 +147,7 @@ def _manifest_of(d: Path, empty: bool = False):
     indexes; a one-line UserError otherwise."""
     path = d / "manifest.json"
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "manifest").decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:100]}): {_REPREPARE}") from None
 
@@ -194,7 +195,7 @@ def write_split(root: Path, split: str, keys: list[str], arrays: dict[str, np.nd
             if a.shape[0] != len(keys):
                 raise ValueError(f"{field}: {a.shape[0]} rows for {len(keys)} keys")
             with staged.open(d / f"{field}.npy", "wb") as f:  # a file object: np.save adds no second .npy
-                np.save(f, a)
+                npy.save(f, a)
             fields[field] = {"shape": list(a.shape[1:]), "dtype": meta["dtypes"][field]}
         with staged.open(d / "keys.txt", "w") as out:
             out.write("".join(k + "\n" for k in keys))
@@ -257,7 +258,7 @@ class SplitStream:
         if timesteps is not None:
             ts = np.ascontiguousarray(timesteps, dtype=np.int32)
             with self._staged.open(self.dir / TIMESTEP_FILE, "wb") as f:
-                np.save(f, ts)
+                npy.save(f, ts)
             tmp = self._staged.current(self.dir / TIMESTEP_FILE)
             files[TIMESTEP_FILE] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
             meta["timesteps"] = {
@@ -290,7 +291,7 @@ def write_empty(root: Path, t5: np.ndarray, clip: np.ndarray, dtype: str) -> Non
     with fileio.Staged() as staged:
         for name, a in (("t5_empty.npy", t5), ("clip_empty.npy", clip)):
             with staged.open(d / name, "wb") as f:
-                np.save(f, a)
+                npy.save(f, a)
         with staged.open(d / "dtype.txt", "w") as out:
             out.write(dtype + "\n")
         files = {}
@@ -321,7 +322,7 @@ class EncodedSplit:
         self.n = self.manifest["samples"]
         if not (d / "keys.txt").is_file():
             raise UserError(f"--data {root}: {split}/keys.txt is missing: {_REPREPARE}")
-        self.keys = (d / "keys.txt").read_text().split()
+        self.keys = fileio.read_bounded(d / "keys.txt", fileio.LARGE_FILE, "key list").decode().split()
         self.arrays: dict[str, np.ndarray] = {}
         self.dtypes: dict[str, str] = {}
         self.mapped = MappedFiles()  # read during the timed run: checked before each read (no SIGBUS)
@@ -396,7 +397,7 @@ def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, 
             f"{list(shapes.t5)}, {list(shapes.clip)} (or with a leading batch dim of 1)"
         )
     if (d / "dtype.txt").is_file():
-        dtype = (d / "dtype.txt").read_text().strip()
+        dtype = fileio.read_bounded(d / "dtype.txt", fileio.SMALL_FILE, "dtype file").decode().strip()
     else:
         dtype = str(np.result_type(t5, clip))
         if t5.dtype.kind != "f" or clip.dtype.kind != "f" or dtype not in DTYPES:

@@ -54,6 +54,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from timetotrain import fileio
 from timetotrain.data import flux_encodings as enc
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
@@ -82,7 +83,12 @@ def _saved_dataset(d: Path) -> list[Part]:
     names = None
     if state.is_file():
         try:
-            names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+            names = [
+                f["filename"]
+                for f in json.loads(fileio.read_bounded(state, fileio.SMALL_FILE, "state file").decode())[
+                    "_data_files"
+                ]
+            ]
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(
                 f"{state}: not a `datasets` save_to_disk state file ({type(e).__name__}: {e})"
@@ -358,7 +364,9 @@ def _stream(
             "tier": tier,
         }
         stream.finish(meta, timesteps)
-    man = json.loads((out / split / "manifest.json").read_text())
+    man = json.loads(
+        fileio.read_bounded(out / split / "manifest.json", fileio.SMALL_FILE, "manifest").decode()
+    )
     return {"samples": n, "files": len(parts), "bytes": nbytes, "timesteps": man.get("timesteps")}
 
 

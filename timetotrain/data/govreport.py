@@ -45,8 +45,9 @@ mask are the recipe's. Tiny packs with `packing="whole"`: the reference's 8 shar
 group and lose most tokens to remainders.
 
 Bad input: a non-UTF-8 line, a line that is not a JSON object, a record without a string `input` or
-`output`, an empty file, or no complete block at the end are each one-line UserErrors naming the file (and
-line or row) and the fix. Examples longer than the block are dropped and counted (`dropped_too_long`).
+`output` or with an empty `output`, an empty file, or no complete block at the end are each one-line
+UserErrors naming the file (and line or row) and the fix; so is a --tokenizer-model other than Llama 2's
+(the Mixtral one), at prepare time rather than when the run reads the manifest. Examples longer than the block are dropped and counted (`dropped_too_long`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data import sentencepiece_tok as spt
 from timetotrain.data.manifest import (
     REPREPARE,
@@ -140,13 +142,18 @@ def _record(where: str, rec: object) -> Row:
                 f"{where} {what} `{field}` field: every record needs `input` (the report) and `output` "
                 "(the summary) as strings; fix or remove that record"
             )
+    if not rec["output"].strip():
+        # Its example would hold no summary token: no loss to train on, and in validation nothing to score.
+        raise UserError(
+            f"{where} has an empty `output` field (the summary): every record needs one; fix or remove that record"
+        )
     rid = rec.get("id")
     return Row(where, None if rid is None else str(rid), rec["input"], rec["output"])
 
 
 def _iter_jsonl(src: Path) -> Iterator[Row]:
     with open(src, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(fileio.bounded_lines(f, fileio.LINE, str(src)), 1):
             where = f"{src}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -432,7 +439,7 @@ def _save(out: Path, split: str, input_ids: np.ndarray, labels: np.ndarray, info
     with fileio.Staged() as staged:
         for path, arr in zip(paths, (input_ids, labels), strict=True):
             with staged.open(path, "wb") as f:  # a file object, so np.save does not append another .npy
-                np.save(f, np.ascontiguousarray(arr, dtype=np.int32))
+                npy.save(f, np.ascontiguousarray(arr, dtype=np.int32))
         write_manifest(out, dataset_name(split), paths, info, staged)
 
 
@@ -501,6 +508,16 @@ def prepare(
             f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file"
         )
     tok = spt.load(tokenizer_model)  # fail before any output if the tokenizer is wrong
+    if tok.name != "llama2":  # llama2_70b_lora's only tokenizer: its run refuses blocks of any other
+        what = (
+            "the Mixtral 8x22B tokenizer"
+            if tok.name == "mixtral"
+            else f"not a tokenizer we know (sha256 {tok.sha256[:12]}…)"
+        )
+        raise UserError(
+            f"--tokenizer-model {tokenizer_model} is {what}: GovReport is tokenized with the Llama 2 tokenizer.model "
+            "(meta-llama/Llama-2-70b-hf/tokenizer.model), which llama2_70b_lora needs"
+        )
 
     pretokenized = (
         src.suffix.lower() == ".parquet" and src.is_file() and _is_mlcommons_parquet(_parquet_file(src))

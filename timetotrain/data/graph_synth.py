@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data.igbh import (
     FEAT_FILE,
     LABEL_FILE,
@@ -156,7 +157,7 @@ def generate(out: Path, sc: Scale, seed: int, log=print) -> dict:
         def save(path: Path, arr: np.ndarray) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with staged.open(path) as f:  # a file object: np.save adds no second .npy
-                np.save(f, arr)
+                npy.save(f, arr)
             written.append(path)
 
         for t, f in feats.items():

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from timetotrain import fileio
+from timetotrain.data import npy
 from timetotrain.data.finite import check_finite
 from timetotrain.data.manifest import read_manifest, verify_manifest
 from timetotrain.data.mapped import MappedFiles
@@ -196,7 +197,9 @@ def _cached(cache: Path, stamp: dict) -> bool:
     made from other files (or by an older version) is rebuilt; a damaged one is refused, since something
     other than ttt changed the folder."""
     try:
-        meta = json.loads((cache / "stamp.json").read_text())
+        meta = json.loads(
+            fileio.read_bounded(cache / "stamp.json", fileio.SMALL_FILE, "cache stamp").decode()
+        )
     except (OSError, ValueError):
         return False
     if not isinstance(meta, dict) or meta.get("sources") != stamp or not isinstance(meta.get("arrays"), dict):
@@ -243,7 +246,7 @@ def build_csc(g: GraphFiles, log=print) -> float:
                 for kind, arr in (("indptr", indptr), ("indices", indices)):
                     name = f"{rel_key(r)}.{kind}.npy"
                     with staged.open(cache / name) as f:
-                        np.save(f, arr)
+                        npy.save(f, arr)
                     arrays[name] = staged.current(cache / name).stat().st_size
             log(f"graph cache: {rel} ({len(src):,} edges) done")
         with staged.open(meta, "w") as f:

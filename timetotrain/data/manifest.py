@@ -80,7 +80,7 @@ def read_manifest(out_dir: Path, name: str, tokenized: bool = True, nested: bool
     if not path.exists():
         return None
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        doc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "manifest").decode("utf-8"))
         problem = manifest_problem(doc, tokenized, nested)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problem = f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:100]})"

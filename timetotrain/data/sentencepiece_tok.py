@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from timetotrain import fileio
 from timetotrain.data.tokenizer import TokenizerFile
 from timetotrain.errors import UserError
 
@@ -60,7 +61,7 @@ def load(path: Path | str) -> SentencePieceTokenizer:
         import sentencepiece as spm  # optional: only --tokenizer-model; missing, one UserError line
     except ImportError as e:
         raise UserError("sentencepiece is not installed: run `pip install sentencepiece`") from e
-    data = path.read_bytes()
+    data = fileio.read_bounded(path, fileio.SMALL_FILE, "--tokenizer-model")
     digest = hashlib.sha256(data).hexdigest()
     proc = spm.SentencePieceProcessor()
     try:

@@ -123,7 +123,7 @@ def read_log_keys(path: Path) -> dict[str, object]:
     """First value of each MLLOG key (enough to pick the rule file)."""
     keys: dict[str, object] = {}
     with open(path, encoding="latin-1") as f:
-        for line in f:
+        for line in fileio.bounded_lines(f, fileio.LINE, str(path)):
             _, sep, payload = line.rpartition(":::MLLOG ")  # the official parsers keep the last record
             if not sep:
                 continue

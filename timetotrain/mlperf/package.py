@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import __version__, fileio, suite
+from timetotrain import __version__, fileio, interrupt, suite
 from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
-from timetotrain.mlperf.score import required_runs
 from timetotrain.shell import Var, comment, line, quote
 from timetotrain.suite import official
 from timetotrain.suite.base import setting
@@ -160,7 +159,11 @@ def build_package(
             fileio.write_text(script, run_and_time(g, ordered, org, system), perms=0o755)
             fileio.write_text(impl / "README.md", _impl_readme(g, ordered))
             notes += _group_notes(g, desc)
-        os.rename(staging, out)  # all or nothing: a failed build leaves no half-written --out
+        # All or nothing: a failed build leaves no half-written --out. A signal (raised under `ttt package`,
+        # cli/results.py) removes the staging folder on the way out; one during the rename is raised after it.
+        with interrupt.deferred():
+            os.rename(staging, out)
+            fileio.COMPLETED.append(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -197,7 +200,7 @@ def _select(groups: list[ResultGroup], tier: str | None, root: Path) -> list[Res
 
 def _load_system_json(path: Path) -> dict:
     try:
-        desc = json.loads(path.read_text())
+        desc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "--system-json").decode())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--system-json {path} is not readable JSON ({e})") from e
     if not isinstance(desc, dict):
@@ -207,7 +210,7 @@ def _load_system_json(path: Path) -> dict:
 
 def _group_notes(g: ResultGroup, desc: dict) -> list[str]:
     notes = []
-    need = required_runs(g.benchmark, g.tier)
+    need = official.result_files(g.benchmark)  # the checker's count, whatever the tier (not our tier's runs)
     if need is not None and need != len(g.logs):
         files = f"{len(g.logs)} result file" + ("" if len(g.logs) == 1 else "s")
         notes.append(f"{g.benchmark}: {files}, the package checker wants exactly {need}")

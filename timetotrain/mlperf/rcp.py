@@ -25,7 +25,7 @@ import numpy as np
 import scipy.stats
 from mlperf_logging.rcp_checker import rcp_checker
 
-from timetotrain import __version__
+from timetotrain import __version__, fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.results import NOT_CONVERGED, RunLog, captured_logging, parse_log
 from timetotrain.suite import official
@@ -118,7 +118,7 @@ class RcpTable:
     @classmethod
     def load(cls, path: Path, benchmark: str, runs: int) -> RcpTable:
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "RCP file").decode())
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read RCP file {path} ({e}): rebuild it with build_rcp_json") from e
         return cls(raw, benchmark, runs, str(path))

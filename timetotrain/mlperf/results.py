@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mlperf_logging.compliance_checker import mlp_compliance
 
-from timetotrain import trees
+from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import log_rules, model_mismatch, read_log_keys
 from timetotrain.suite import official
@@ -117,7 +117,7 @@ def parse_log(path: Path) -> RunLog:
     last_point = None
     timed = False
     try:
-        text = Path(path).read_text(encoding="latin-1")
+        text = fileio.read_bounded(path, fileio.LARGE_FILE, "result log").decode("latin-1")
     except OSError as e:
         raise UserError(f"cannot read {path} ({e.strerror}): check the path and permissions") from e
     # Split on newlines only, as the official readers iterate a file (str.splitlines would also split
@@ -338,7 +338,7 @@ def synthetic_logs(root: Path) -> list[Path]:
     for p in sorted(Path(root).rglob("result_*.txt")):
         trees.check_inside(p, root, "copy the log into the tree if it belongs there")
         try:
-            named = p.is_file() and b'"ttt_mode"' in p.read_bytes()
+            named = p.is_file() and b'"ttt_mode"' in fileio.read_bounded(p, fileio.LARGE_FILE, "result log")
         except OSError:
             continue  # find_groups reports an unreadable file itself
         if named and parse_log(p).synthetic:
@@ -447,7 +447,7 @@ def _group(folder: Path) -> ResultGroup:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "JSON file").decode())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is not readable JSON ({e}): fix or remove the file") from e
 

@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from mlperf_logging.benchmark_meta import get_result_file_counts
 
-from timetotrain import strictjson, suite
+from timetotrain import fileio, strictjson, suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
@@ -69,9 +68,11 @@ class Score:
 
 
 def required_runs(benchmark: str, tier: str) -> int | None:
-    if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
+    """The runs a score of `tier` counts: the round's (benchmark_meta, `official.result_files`) for the
+    reference tier and any benchmark not ours; our own tiers' (their RCPs were set on that many)."""
+    if tier != "reference" and benchmark in suite.names() and tier in suite.get(benchmark).tiers:
         return suite.get(benchmark).tiers[tier].runs
-    return get_result_file_counts("training").get(benchmark)
+    return official.result_files(benchmark)
 
 
 def scaling_factor(folder: Path) -> float:
@@ -79,7 +80,11 @@ def scaling_factor(folder: Path) -> float:
     if not path.is_file():
         return 1.0
     try:
-        return float(json.loads(path.read_text())["scaling_factor"])
+        return float(
+            json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "scaling file").decode())[
+                "scaling_factor"
+            ]
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} has no readable scaling_factor ({e}): fix or remove it") from e
 

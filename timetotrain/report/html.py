@@ -235,7 +235,7 @@ def synth_summaries(root: Path) -> list[dict]:
     for p in sorted(Path(root).rglob("summary_*.json")):
         trees.check_inside(p, root, "copy the summary into the tree if it belongs there")
         try:
-            doc = json.loads(p.read_text())
+            doc = json.loads(fileio.read_bounded(p, fileio.SMALL_FILE, "synth summary").decode())
         except (OSError, ValueError):
             continue
         if isinstance(doc, dict) and "mfu" in doc and "benchmark" in doc:

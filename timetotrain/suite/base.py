@@ -82,14 +82,15 @@ BASES = Path(__file__).parent / "bases"
 @dataclass(frozen=True)
 class ShippedBase:
     """A base `ttt base` made once, shipped inside the package (`suite/bases/<name>/`) and pinned here by
-    the sha256 of every file a run reads. Float reductions round differently on other CPUs (ATen's
+    the sha256 of every file of its folder, `base.json` included (a pin outside the folder: a base.json
+    edited to match an edited table is refused, train/base_model.py). Float reductions round differently on other CPUs (ATen's
     vectorized softmax at AVX2 and AVX-512 width, MKL's GEMM by thread count and code path), so the recipe
     rerun elsewhere gives other weights, and a target set a few hundredths under one host's base is met
     untrained on another. The tier therefore loads these bits on every host; the recipe stays the record
     of how they were made (docs/benchmarks/llama2_70b_lora.md, "Tiny tier")."""
 
     name: str  # the folder under suite/bases/, versioned (`<benchmark>-tiny-v<N>`): new bits, new name
-    sha256: tuple[tuple[str, str], ...]  # (file name, sha256) for each file of the folder a run reads
+    sha256: tuple[tuple[str, str], ...]  # (file name, sha256) for each file of the folder
     # The weights' identity: the sha256 of the one `model.safetensors` that `ttt base` writes (what it
     # compares a remade base with, and what a run logs). A base over 4 MiB ships as Hugging Face shards
     # under 5 MB a file; joined again they give those very bytes (tests/test_shipped_bases.py). Empty: the

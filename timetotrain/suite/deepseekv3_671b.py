@@ -135,6 +135,7 @@ TINY_BASE = base_recipe(
         ("model-00004-of-00004.safetensors", "9e11c9058fec963849d08dd0cf80bd7823ecf03492ea87931a500eca7dbde2c4"),
         ("model.safetensors.index.json", "62012ab2aaf653829569baf5a248262e6efed381964bc1ce9069c821e98b1ba3"),
         ("config.json", "31652ca07847d3f077d4de3854d71627aff01f1491d33f65de3341035b416e91"),
+        ("base.json", "8b91e0a5c3722bf21c51d5f3b55aa4d52b2c5702efc48d046497743072187e54"),
         ("vocab_table.npy", "c50d2370311415fdaabc5d645e858df6b5280f4ed9f07c8a3244e9efc433fe35"),
     ), weights="dca73f95c72bbcf53f35ec92bbcc3d64a1d17b1480c2d478d0dd77f9472d0010"),
 )  # fmt: skip

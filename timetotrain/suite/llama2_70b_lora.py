@@ -88,6 +88,7 @@ TINY_BASE = base_recipe(
         ("model-00002-of-00002.safetensors", "2061f8e6bfcf7ea1803621f9c7d1aaabf5c92db59e3a8fe081ef4c623db73e0f"),
         ("model.safetensors.index.json", "56edade0167b81645204bf2d9c63030fcb3707ed822808ff15fab62ecbe6572f"),
         ("config.json", "2be527cee61c73ba9787b4c418ab89dc21a3e58c4a307bd02ce861cbb95efbfa"),
+        ("base.json", "fb5c7c1ddb71f08a9976ae1bedd966d3bd093b91ec02251d2e0d3b6037a7ecd2"),
         ("vocab_table.npy", "bfebdb740fd9c228322b1e4ad9375ea0f31a5a29efcd877c2b1ff1abd4b17135"),
     ), weights="f3c6ae0080e0e860b340d51791921da0830b6ddfe97e321f6bb911de2e2ba91c"),
 )  # fmt: skip

@@ -112,6 +112,7 @@ TINY_BASE = base_recipe(
         ("model-00002-of-00002.safetensors", "7633ece7fe8121f627f4fe167d5770af133bb4a0d8be13cce08ea6fe59a8bb3f"),
         ("model.safetensors.index.json", "56edade0167b81645204bf2d9c63030fcb3707ed822808ff15fab62ecbe6572f"),
         ("config.json", "09c1d2bcc3dd5c399c2a5372f587c4ec4d6fae29c5a314bd282a0536793816bb"),
+        ("base.json", "dacb26602951b0e06aac3fceb51b50b08354c88779ac2dcbde753c3aa61af2ec"),
         ("vocab_table.npy", "c50d2370311415fdaabc5d645e858df6b5280f4ed9f07c8a3244e9efc433fe35"),
     ), weights="386a0aaec815d55fbc22212e143699a1c975041116a1d5f8dc4ef53f546daaa2"),
 )  # fmt: skip

@@ -9,8 +9,8 @@ the RCP convergence list are literals inside rcp_checker functions, the quality 
 expressions inside the compliance YAML), so they are copied here as data, each with where it was read
 (mlperf-logging 4.1.68). tests/test_official.py checks every one of them against the installed package,
 so an mlperf_logging update that changes a fact fails a test instead of silently diverging. The
-rulesets a benchmark belongs to are the exception: `benchmark_meta` exposes them as data, so they are
-read from there (lazily, on first use).
+rulesets a benchmark belongs to and the number of result files it needs are the exception:
+`benchmark_meta` exposes them as data, so they are read from there (the rulesets lazily, on first use).
 
 Imports nothing heavy (no torch, numpy or the checkers), so `ttt score` and `ttt report` stay fast.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks, get_result_file_counts
 
 # The training rulesets this table covers. 6.1.0 is included because its benchmarks (qwen35_397b_grpo,
 # dlrmv4) are already counted in samples by the rcp_checker and by our log parser.
@@ -83,6 +83,14 @@ def _allowed() -> dict[str, tuple[str, ...]]:
 
 def _rulesets_of(name: str) -> tuple[str, ...]:
     return _allowed().get(name, ())
+
+
+def result_files(name: str) -> int | None:
+    """How many result files the package checker wants of `name` in a submission (exactly that many; the
+    result summarizer's olympic mean drops the fastest and slowest), as benchmark_meta holds it: 3 for the
+    largest (llama31_405b, deepseekv3_671b, qwen35_397b_grpo), 10 for most. The same for every tier of ours,
+    since the checker knows only the benchmark's name. None for a name the official tools do not know."""
+    return get_result_file_counts("training").get(name)
 
 
 def official_benchmark(name: str, ruleset: str) -> bool:

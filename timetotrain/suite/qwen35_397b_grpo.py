@@ -115,6 +115,7 @@ TINY_BASE = base_recipe(
     shipped=ShippedBase("qwen35_397b_grpo-tiny-v1", (
         ("model.safetensors", "e32d0960d1ba4b7905b263827df8d72141609871e6d442ae259f0ffca8d1edfc"),
         ("config.json", "765287fd55ac1066016136d557cfc8cc57ba6fb3c94837e2ff92c2a2619c6fce"),
+        ("base.json", "59e732c4e4c1d8bad9f334a195142549cec03d28b102835cda13679147e1c11c"),
     )),
 )  # fmt: skip
 

@@ -35,17 +35,19 @@ import numpy as np
 import torch
 
 from timetotrain import fileio, interrupt
-from timetotrain.data import loader
+from timetotrain.data import loader, npy
 from timetotrain.data.manifest import sha256_file
 from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
-from timetotrain.suite.base import BaseRecipe
+from timetotrain.suite.base import BASES, BaseRecipe, ShippedBase
+from timetotrain.train.checkpoint import HF_INDEX
 from timetotrain.train.device import cpu_model
 from timetotrain.train.step import build_training
 
 BASE_JSON = "base.json"
 WEIGHTS = "model.safetensors"
+HF_CONFIG = "config.json"
 
 
 def default_cache() -> Path:
@@ -81,31 +83,70 @@ def read_base(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(fileio.read_bounded(path, fileio.SMALL_FILE, "base description").decode())
         doc["weights_sha256"], doc["key"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        bad = [k for k in ("weights_sha256", "vocab_table_sha256") if k in doc and not _is_sha256(doc[k])]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise UserError(
             f"{path} is not a valid base description ({e}): make the base again with `ttt base`"
         ) from e
+    if bad:
+        raise UserError(
+            f"{path}: {bad[0]} is not a sha256 (64 hex digits): make the base again with `ttt base`"
+        )
     return doc
 
 
-def verify_base(folder: Path) -> dict:
-    """Check the weights (and vocabulary table) against `base.json`; returns the description."""
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def verify_base(folder: Path, pins: dict[str, str] | None = None, fix: str | None = None) -> dict:
+    """Check a folder `ttt base` wrote, every file of it: the weights (and vocabulary table) against its
+    `base.json`, and against `pins` where a pin outside the folder covers a file (`recipe_pins`); any other
+    file is refused, so nothing the loader reads goes unchecked. Returns the description."""
+    folder = Path(folder)
     doc = read_base(folder)
     if doc is None:
         raise UserError(f"{folder} has no {BASE_JSON}: it was not written by `ttt base`")
-    for name, key in ((WEIGHTS, "weights_sha256"), (VOCAB_TABLE, "vocab_table_sha256")):
-        want = doc.get(key)
-        if want is None:
-            continue
-        path = Path(folder) / name
-        if not path.is_file() or sha256_file(path) != want:
+    fix = fix or f"make the base again with `ttt base` and another --cache ({folder} is a cached base)"
+    own = {WEIGHTS: doc["weights_sha256"]}
+    if doc.get("vocab_table_sha256") is not None:
+        own[VOCAB_TABLE] = doc["vocab_table_sha256"]
+    for name, want in (pins or {}).items():
+        if own.get(name, want) != want:
             raise UserError(
-                f"{path} does not match {BASE_JSON} ({key}): the base is damaged; delete {folder} and run "
-                "`ttt base` again"
+                f"{folder / BASE_JSON} gives {name} sha256 {own[name][:12]}…, the recipe pins {want[:12]}…: "
+                f"this is not a base of the recipe; {fix}"
             )
+    if not (folder / WEIGHTS).is_file() and (folder / HF_INDEX).is_file():
+        raise UserError(
+            f"{folder} holds shards but its {BASE_JSON} is not the one the shipped base pins, and a `ttt base` "
+            f"folder holds one {WEIGHTS}: {fix}"
+        )
+    # Unpinned, and allowed: the description itself, and a config no recipe pins (a recipe without a shipped
+    # base; the loader checks it against the tier's model, `check_hf_config`).
+    check_pinned(
+        folder, {**own, **(pins or {})}, f"its {BASE_JSON} or the recipe", fix, (BASE_JSON, HF_CONFIG)
+    )
     return doc
+
+
+def check_pinned(
+    folder: Path, pins: dict[str, str], by: str, fix: str, unpinned: tuple[str, ...] = ()
+) -> None:
+    """Every file of `folder` against its sha256 in `pins` (`by` says who pins it), before anything parses
+    it: a missing or changed file, or one no pin covers (which a loader might read: a second weights file,
+    an index), is refused in one line ending in `fix`. `unpinned`: names allowed without a pin."""
+    for name, want in pins.items():
+        path = folder / name
+        got = sha256_file(path) if path.is_file() else None
+        if got != want:
+            found = "is missing" if got is None else f"has sha256 {got[:12]}…"
+            raise UserError(f"{path} {found}, {by} pins {want[:12]}…: {fix}")
+    for path in sorted(folder.iterdir()):
+        if path.name not in pins and path.name not in unpinned:
+            raise UserError(f"{path} is not a file of the base ({by} pins {', '.join(pins)}): {fix}")
 
 
 def make_base(
@@ -196,7 +237,7 @@ def make_base(
         keep = getattr(tier.data, "vocab_keep", None)
         if keep:
             with fileio.atomic_write(partial / VOCAB_TABLE, "wb") as f:
-                np.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
+                npy.save(f, loader.vocab_table(resolved.counts_file, keep).numpy())
             doc["vocab_keep"] = keep
             doc["vocab_table_sha256"] = sha256_file(partial / VOCAB_TABLE)
         fileio.write_text(partial / BASE_JSON, json.dumps(doc, indent=2, sort_keys=True) + "\n")
@@ -236,25 +277,31 @@ class InitBase(NamedTuple):
 
 
 def shipped_base(recipe: BaseRecipe) -> Path:
-    """The shipped folder of `recipe`, each pinned file checked against its sha256 before anything parses
-    it: a missing or changed file is refused (the package was damaged or edited)."""
+    """The shipped folder of `recipe`, each file checked against its pinned sha256 before anything parses
+    it: a missing, changed or extra file is refused (the package was damaged or edited)."""
     s = recipe.shipped
-    for name, want in s.sha256:
-        path = s.folder / name
-        got = sha256_file(path) if path.is_file() else None
-        if got != want:
-            found = "is missing" if got is None else f"has sha256 {got[:12]}…"
-            raise UserError(
-                f"{path} {found}, the shipped base {s.name} pins {want[:12]}…: reinstall timetotrain, or pass "
-                f"a base you made with `ttt base` as --init-checkpoint"
-            )
+    fix = "reinstall timetotrain, or pass a base you made with `ttt base` as --init-checkpoint"
+    check_pinned(s.folder, dict(s.sha256), f"the shipped base {s.name}", fix)
     return s.folder
+
+
+def recipe_pins(recipe: BaseRecipe | None) -> dict[str, str]:
+    """The pins, outside any base folder, of the files every base of `recipe` must carry byte for byte: the
+    config and the vocabulary table depend on the recipe and its data only, not on the host's float
+    rounding (tests/test_shipped_bases.py remakes them), so the shipped base's pins cover them in any base
+    of the recipe. The weights differ by host: a base of other bits is covered by its own base.json."""
+    if recipe is None or recipe.shipped is None:
+        return {}
+    pins = dict(recipe.shipped.sha256)
+    return {name: pins[name] for name in (HF_CONFIG, VOCAB_TABLE) if name in pins}
 
 
 def check_init_base(bench, tier, folder: Path | None) -> InitBase:
     """Preflight of a run's base. A tier with a base recipe starts from its shipped base (checked against
     the pinned sha256s) unless `--init-checkpoint` names another; without a shipped base it needs the
-    folder `ttt base` made. A `ttt base` folder is checked against its `base.json`."""
+    folder `ttt base` made. A folder with a base.json is a base: the shipped one or a copy when its base.json
+    is the pinned one (then every file is checked against the pins), else a `ttt base` folder (checked
+    against its base.json and the recipe's pins, `verify_base`)."""
     recipe = tier.base
     if folder is None:
         if recipe is not None and recipe.shipped is not None:
@@ -266,6 +313,7 @@ def check_init_base(bench, tier, folder: Path | None) -> InitBase:
                 "--init-checkpoint"
             )
         return InitBase(None, None)
+    folder = Path(folder)
     doc = read_base(folder)
     if doc is None:
         return InitBase(folder, None)
@@ -274,8 +322,26 @@ def check_init_base(bench, tier, folder: Path | None) -> InitBase:
             f"--init-checkpoint {folder} is the base of {doc.get('benchmark')} {doc.get('tier')}, this tier needs "
             f"{recipe.benchmark.name} {recipe.tier}: run `ttt base {bench.name} --tier {tier.name}`"
         )
-    sha = verify_base(folder)["weights_sha256"]
+    s = recipe.shipped if recipe is not None else None
+    fix = _init_fix(folder, s)
+    if s is not None and sha256_file(folder / BASE_JSON) == dict(s.sha256).get(BASE_JSON):
+        check_pinned(folder, dict(s.sha256), f"the shipped base {s.name}", fix)
+        return InitBase(folder, s.weights_sha256, s.name)
+    sha = verify_base(folder, recipe_pins(recipe), fix)["weights_sha256"]
     return InitBase(folder, sha, note=_differs(recipe, sha))
+
+
+def _init_fix(folder: Path, shipped: ShippedBase | None) -> str:
+    """What to do about a damaged `--init-checkpoint` base: never delete anything, least of all inside the
+    installed package (the shipped folder itself, passed by its path)."""
+    if folder.resolve().is_relative_to(BASES.resolve()):
+        return "reinstall timetotrain, or leave out --init-checkpoint"
+    if shipped is not None:
+        return (
+            f"leave out --init-checkpoint to use the shipped base {shipped.name}, copy it again, or pass a "
+            "base `ttt base` made"
+        )
+    return "make the base again with `ttt base` (into a new --cache) and pass the folder it prints"
 
 
 def _differs(recipe: BaseRecipe | None, sha: str) -> str | None:

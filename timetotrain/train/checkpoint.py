@@ -78,7 +78,9 @@ def _weight_map(path: Path) -> tuple[dict[str, str], Path]:
     if index.is_file():
         trees.check_inside(index, path, _COPY_IN)
         try:
-            weight_map = dict(json.loads(index.read_text())["weight_map"])
+            weight_map = dict(
+                json.loads(fileio.read_bounded(index, fileio.SMALL_FILE, "index").decode())["weight_map"]
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{index}: not a safetensors index ({exc}); re-download the checkpoint") from None
         for shard in sorted(set(weight_map.values())):
@@ -423,7 +425,7 @@ def check_hf_config(path: Path, cfg=None) -> None:
     if not file.is_file():
         return
     try:
-        doc = json.loads(file.read_text())
+        doc = json.loads(fileio.read_bounded(file, fileio.SMALL_FILE, "config").decode())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{file} is not valid JSON ({e}): restore the checkpoint's config.json") from None
     if not isinstance(doc, dict):
@@ -530,7 +532,7 @@ def load_checkpoint(
         raise UserError(
             f"{final}: not a complete checkpoint (no {META}){hint}; pass a folder save_checkpoint wrote"
         )
-    meta = json.loads((final / META).read_text())
+    meta = json.loads(fileio.read_bounded(final / META, fileio.SMALL_FILE, "checkpoint metadata").decode())
     state = _state(model, optimizer)
     ours = {}  # checkpoint name -> our state-dict key, when `names` renames
     if names is not None:

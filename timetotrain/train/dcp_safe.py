@@ -30,6 +30,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from timetotrain import fileio
 from timetotrain.errors import UserError
 
 METADATA = ".metadata"  # DCP's name for it (filesystem._metadata_fn)
@@ -80,7 +81,7 @@ def read_metadata(folder: str | Path) -> Metadata:
     folder = Path(folder)
     path = folder / METADATA
     try:
-        data = path.read_bytes()
+        data = fileio.read_bounded(path, fileio.LARGE_FILE, "checkpoint metadata")
     except OSError as e:
         raise UserError(f"{path}: cannot be read ({e.strerror}); the checkpoint is incomplete") from None
     try:
