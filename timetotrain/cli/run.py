@@ -340,7 +340,7 @@ def _cmd_plan(args) -> int:
 
 def _plan_at_a_legal_gbs(bench, tier, args, plan_at):
     """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over --gpus,
-    or nothing fits at it, and the user set no GBS, the plan at the smallest larger GBS of the benchmark's
+    or nothing fits at it, and the user named no GBS and no layout, the plan at the smallest larger GBS of the benchmark's
     RCP table (a legal closed-division batch size, with its RCP's LR and warmup: `apply_overrides`) where a
     layout without tensor parallelism fits, else where any fits, said in the note. At 256 GPUs real
     submissions run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
@@ -354,8 +354,8 @@ def _plan_at_a_legal_gbs(bench, tier, args, plan_at):
     if own is not None and own[2] is not None:
         return tier, own, None
     legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size)
-    if "global_batch_size" in tier.user_set or not follows_rcp_table(bench, tier):
-        legal = []
+    if args.parallel or "global_batch_size" in tier.user_set or not follows_rcp_table(bench, tier):
+        legal = []  # a layout or a GBS the user named is theirs: planned as given, or refused in one line
     fallback = None  # the smallest legal GBS where a layout with TP fits
     for gbs in legal:
         at = apply_overrides(bench, tier, [*(args.set or []), f"global_batch_size={gbs}"])
