@@ -130,7 +130,7 @@ def _our_tier(recs: list[_Record]):
     return b, t
 
 
-def target(recs: list[_Record], ours) -> Target | None:
+def _target(recs: list[_Record], ours) -> Target | None:
     """The quality target of the log's run: our tier's (`ours`, with its metric's comparison), else the
     official benchmark's; None where neither is one number."""
     if ours is not None:
@@ -147,7 +147,8 @@ def target(recs: list[_Record], ours) -> Target | None:
     )
 
 
-def statuses(ours) -> tuple[str, ...]:
+def _statuses(ours) -> tuple[str, ...]:
+    """The run_stop statuses a log may end with: STATUSES, and for a benchmark of ours its exhausted one."""
     extra = ours[0].task.exhausted_status if ours is not None else None
     return STATUSES + ((extra,) if extra not in STATUSES and extra else ())
 
@@ -218,10 +219,10 @@ def _status_findings(recs: list[_Record], stop: _Record, ours) -> list[tuple[int
     """The status of the (first) run_stop against the evals before it: a known status, success iff the
     last eval is the first to meet the target (the run stops there)."""
     status = stop.metadata.get("status")
-    known = statuses(ours)
+    known = _statuses(ours)
     if status not in known:
         return [(stop.line, f"run_stop status {_show(status)} is not one of {', '.join(known)}")]
-    goal = target(recs, ours)
+    goal = _target(recs, ours)
     if goal is None:
         return []
     evals = [
