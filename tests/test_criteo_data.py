@@ -192,3 +192,33 @@ def test_eval_shares_are_equal_chunks_and_cover_the_validation_rows_once(micro, 
         out.append(torch.cat([s for s, _ in seen[-world:]]))
     assert calls[1] == calls[2] == calls[3] == [(4, 13), (4, 13), (3, 13)]
     assert torch.equal(out[0], out[1]) and len(out[0]) == 31
+
+
+def test_the_auroc_ranks_fp32_probabilities_as_the_reference_does(micro):
+    """The reference scores sigmoid(logits) in fp32 (dlrm_main.py:392-406): logits 20 and 25 are both 1.0
+    there, a tie worth half, so a model that tells the classes apart only at such logits has AUC 0.5."""
+    import torch
+
+    from timetotrain.suite import get
+    from timetotrain.tasks import click_through_rate as ctr
+    from timetotrain.tasks.auc import auc
+
+    assert torch.sigmoid(torch.tensor([20.0, 25.0])).tolist() == [1.0, 1.0]
+    spec = get("dlrm_dcnv2").tier("tiny").data
+    files = criteo.open_files(micro, MICRO.table_sizes, MICRO.multi_hot)
+    days = ctr._Days(files, spec, 6, 0, 1, torch.device("cpu"))
+    labels = torch.from_numpy(days.val.take(0, len(days.val))[1]).float()
+    by_row = {
+        tuple(d): y for d, y in zip(days.val.take(0, len(days.val))[0].tolist(), labels.tolist(), strict=True)
+    }
+
+    class Model(torch.nn.Module):  # 25 for every click, 20 for every other row: a perfect ranking in logits
+        def forward(self, dense, sparse):
+            return torch.tensor([20.0 + 5.0 * by_row[tuple(d)] for d in dense.tolist()])
+
+    try:
+        assert 0 < labels.sum() < len(labels)
+        assert auc(20.0 + 5.0 * labels, labels) == 1.0  # what scoring the logits gave
+        assert days.evaluate(Model()) == 0.5
+    finally:
+        files.close()

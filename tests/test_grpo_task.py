@@ -221,3 +221,30 @@ def test_a_sharded_model_decodes_in_lockstep_and_a_whole_one_does_not():
         engine.generate(m, [[1]], max_new_tokens=2, temperature=1.0, top_p=1.0, eos_id=0, generator=None,
                         lockstep=lockstep)  # fmt: skip
     assert seen == [False, True]
+
+
+def test_the_reference_tier_freezes_the_moe_routers_as_the_recipe_and_tiny_trains_them():
+    """NeMo-RL's recipe sets `freeze_moe_router: true`: at the reference tier every router takes no gradient
+    and is not in the optimizer (built here at the tiny width: the reference's 397B cannot be), and the log
+    says so; the tiny tier trains them, as its shipped RCP's runs did."""
+    import dataclasses
+
+    from timetotrain.models.common.moe import MoE
+    from timetotrain.train.step import build_training
+
+    assert Q.REFERENCE.data.freeze_moe_router and not Q.TINY.data.freeze_moe_router
+    for tier, frozen in ((Q.REFERENCE, True), (Q.TINY, False)):
+        assert dict(BENCH.hyperparameters(tier))["ttt_freeze_moe_router"] is frozen
+    data = dataclasses.replace(Q.TINY.data, freeze_moe_router=Q.REFERENCE.data.freeze_moe_router)
+    for tier, frozen in ((dataclasses.replace(Q.TINY, data=data), True), (Q.TINY, False)):
+        tr = build_training(BENCH, tier, torch.device("cpu"), 0)
+        routers = [m.router.weight for m in tr.bare.modules() if isinstance(m, MoE)]
+        assert len(routers) == Q.TINY_MODEL.n_layers
+        held = {id(p) for g in tr.opt.param_groups for p in g["params"]}
+        assert [r.requires_grad for r in routers] == [not frozen] * len(routers)
+        assert [id(r) in held for r in routers] == [not frozen] * len(routers)
+        assert len(held) == sum(p.requires_grad for p in tr.bare.parameters())  # the rest all train
+        before = [r.detach().clone() for r in routers]
+        tr.bare(torch.randint(0, Q.TINY_MODEL.vocab_size, (2, 8))).float().pow(2).mean().backward()
+        tr.opt.step()
+        assert [torch.equal(r, b) for r, b in zip(routers, before, strict=True)] == [frozen] * len(routers)

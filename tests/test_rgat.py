@@ -99,6 +99,26 @@ def test_matches_pyg_heteroconv(dtype):
     assert any(g.abs().sum() > 0 for k, g in grads[0].items() if "att_dst" in k)
 
 
+def test_a_relation_missing_from_the_subgraph_contributes_nothing_as_in_heteroconv():
+    """HeteroConv skips an edge type its edge dict lacks; ours raised KeyError. Two relations dropped whose
+    destinations keep others (papers and authors), so every node type still has an output for PyG."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = rgat.RGATConfig(
+        relations=RELATIONS, in_dim=12, hidden=16, heads=4, n_layers=3, classes=7, dropout=0.0
+    )
+    ours = rgat.RGAT(cfg).double()
+    rgat.init(ours, gen)
+    ref = _PyG(cfg).double()
+    ref.load_state_dict({_pyg_name(k): v for k, v in ours.state_dict().items()}, strict=True)
+    x, e = _graph(12, gen)
+    x = {t: v.double() for t, v in x.items()}
+    dropped = [("fos", "rev_topic", "paper"), ("paper", "written_by", "author")]
+    kept = {r: v for r, v in e.items() if r not in dropped}
+    out = ours(x, kept, 10)
+    torch.testing.assert_close(out, ref(x, kept, 10), atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(out, ours(x, e, 10))  # the dropped relations did count when present
+
+
 def test_param_count_and_init():
     with torch.device("meta"):  # the reference size, counted without allocating it
         assert rgat.param_count(rgat.RGATConfig(relations=RELATIONS)) == sum(

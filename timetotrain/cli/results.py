@@ -144,23 +144,34 @@ def _cmd_check(args) -> int:
     note = ruleset_note(path, args.ruleset)
     if note:
         print(f"note: {note}", file=sys.stderr)  # stderr: --json keeps stdout for the document
+    verdict_word = "PASS" if verdict.ok else "FAIL"
+    official = "PASS" if verdict.official else "FAIL"
+    ours = "PASS" if not verdict.findings else "FAIL"
     if args.json:
         doc = {
             "log": str(path),
-            "verdict": "PASS" if verdict.ok else "FAIL",
+            "verdict": verdict_word,
             "ok": verdict.ok,
             "ruleset": args.ruleset,
             "rules": verdict.config,
             "engine": "mlperf_logging compliance_checker",
+            "official_verdict": official,
             "output": verdict.output,
+            "ttt_verdict": ours,
+            "ttt_findings": [{"line": f.line, "what": f.what} for f in verdict.findings],
             "ruleset_note": note,
         }
         print(strictjson.dumps(doc, indent=2))
         return 0 if verdict.ok else 1
-    if args.verbose or not verdict.ok:
+    if args.verbose or not verdict.official:
         print(verdict.output)
+    for finding in verdict.findings:
+        print(finding)
+    n = len(verdict.findings)
+    why = f", {n} finding{'' if n == 1 else 's'}" if n else ""
     print(
-        f"{'PASS' if verdict.ok else 'FAIL'}: {path} (rules: {verdict.config}, official mlperf_logging engine)"
+        f"{verdict_word}: {path} (official mlperf_logging engine: {official}, rules: {verdict.config}; "
+        f"ttt's own checks: {ours}{why})"
     )
     return 0 if verdict.ok else 1
 
@@ -255,13 +266,17 @@ def add_commands(sub) -> None:
 
     s = sub.add_parser(
         "check",
-        help="run the official MLPerf compliance checker on a result log",
+        help="judge a result log: the official MLPerf compliance checker, then ttt's own checks",
         description="Run the official mlperf_logging compliance checker on one result_<k>.txt with the rule "
         "file of the tier the log claims (ttt_tier): a tier of ours is checked against its own rules under "
-        "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Prints PASS "
-        "or FAIL with the rule file used (and the checker's report on FAIL, or with -v); exit 0 on PASS, 1 on "
-        "FAIL. A log that says it was written for another ruleset, or lies under a folder naming another "
-        "MLPerf round (e.g. mlperf_results_v5.1), gets a note.",
+        "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Then ttt's "
+        "own checks of what the engine lets through (docs/submission.md): one run_start, one run_stop, one "
+        "init_stop; one value per configuration key (seed, submission_*, hyperparameters); a known run_stop "
+        "status, success iff the last eval is the first to meet the target. Prints each of ttt's findings as "
+        "FILE:LINE: what, then PASS or FAIL with both verdicts and the rule file used (and the checker's "
+        "report when it fails, or with -v); exit 0 when both pass, 1 otherwise. A log that says it was "
+        "written for another ruleset, or lies under a folder naming another MLPerf round (e.g. "
+        "mlperf_results_v5.1), gets a note.",
     )
     s.add_argument("log", help="a result_<k>.txt")
     s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
@@ -269,6 +284,7 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--json",
         action="store_true",
-        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "output", "ruleset_note"} as JSON',
+        help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "official_verdict", "output", '
+        '"ttt_verdict", "ttt_findings": [{"line", "what"}], "ruleset_note"} as JSON',
     )
     s.set_defaults(func=_cmd_check)

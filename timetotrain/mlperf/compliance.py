@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlperf_logging.compliance_checker as cc
@@ -23,6 +23,7 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain import fileio, suite
 from timetotrain.errors import UserError
+from timetotrain.mlperf.structure import Finding, check_structure
 from timetotrain.suite import official
 
 RULESET = "6.0.0"
@@ -101,24 +102,6 @@ def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Pa
         raise UserError(f"{path}: {e}") from e
 
 
-def model_mismatch(keys: dict[str, object]) -> str | None:
-    """For reference-tier logs, whose rule files are the official ones and identical for benchmarks that
-    differ only in the model (llama31_8b, gpt_oss_20b): the `ttt_model` a log of ours carries against the
-    model of the benchmark it names. Logs without the key (other harnesses') are not judged here."""
-    logged = keys.get("ttt_model")
-    bench, tier = str(keys.get("submission_benchmark", "")), str(keys.get("ttt_tier", "reference"))
-    if logged is None or not suite.known(bench) or tier not in suite.get(bench).tiers:
-        return None
-    b = suite.get(bench)
-    expected = b.model_key(b.tiers[tier])
-    if logged == expected:
-        return None
-    return (
-        f"ttt_model {logged} is not the {bench} {tier} model {expected}: the log names a benchmark "
-        "other than the one it trained"
-    )
-
-
 def read_log_keys(path: Path) -> dict[str, object]:
     """First value of each MLLOG key (enough to pick the rule file)."""
     keys: dict[str, object] = {}
@@ -138,9 +121,17 @@ def read_log_keys(path: Path) -> dict[str, object]:
 
 @dataclass
 class Verdict:
-    ok: bool
+    """The official engine's verdict and ttt's own findings (mlperf/structure.py) on one log; it passes
+    only when both do."""
+
+    official: bool
     config: str
-    output: str
+    output: str  # the engine's report
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.official and not self.findings
 
 
 def tier_ruleset(bench, requested: str) -> str:
@@ -153,7 +144,8 @@ def tier_ruleset(bench, requested: str) -> str:
 def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
     """Run `python -m mlperf_logging.compliance_checker` (the official engine) with the right rule file: the
     official chain for a reference log; for a tier of ours its shipped rule file, or, under another
-    ruleset its benchmark belongs to, the same layers assembled on that ruleset's common rules."""
+    ruleset its benchmark belongs to, the same layers assembled on that ruleset's common rules. Then ttt's
+    own checks (mlperf/structure.py), which a log must pass as well."""
     check_ruleset(ruleset)
     keys = read_log_keys(path)
     rules = log_rules(path, keys, ruleset)
@@ -177,11 +169,7 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
         cmd.append(str(Path(path).resolve()))  # the engine runs in tmp: a relative path would miss
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
     out = (proc.stdout + proc.stderr).strip()
-    ok = proc.returncode == 0
-    mismatch = model_mismatch(keys) if rules is None else None  # our rule files check ttt_model
-    if mismatch:
-        ok, out = False, f"{out}\n{mismatch}"
-    return Verdict(ok, config, out)
+    return Verdict(proc.returncode == 0, config, out, check_structure(path))
 
 
 class _Line:

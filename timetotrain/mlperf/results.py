@@ -24,7 +24,8 @@ from mlperf_logging.compliance_checker import mlp_compliance
 
 from timetotrain import fileio, trees
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import log_rules, model_mismatch, read_log_keys
+from timetotrain.mlperf.compliance import log_rules, read_log_keys
+from timetotrain.mlperf.structure import check_structure, model_mismatch
 from timetotrain.suite import official
 
 TOKEN = ":::MLLOG "
@@ -243,8 +244,9 @@ class LogProblem:
 
 
 def log_problems(groups: list[ResultGroup]) -> list[LogProblem]:
-    """Files that are not MLPerf logs, another benchmark's log in a folder, two runs in one file, and
-    logs cut short (no run_stop, or lines that are not JSON)."""
+    """Files that are not MLPerf logs, another benchmark's log in a folder, two runs in one file, logs cut
+    short (no run_stop, or lines that are not JSON), and, for a file with none of these, the first of the
+    findings of ttt's own checks (mlperf/structure.py) that make `ttt check` fail it."""
     out = []
     for g in groups:
         for p in g.foreign:
@@ -281,6 +283,20 @@ def log_problems(groups: list[ResultGroup]) -> list[LogProblem]:
                         lg.path, f"{lg.parse_errors} :::MLLOG line(s) are not valid JSON: damaged", False
                     )
                 )
+            if not any(p.path == lg.path for p in out):  # else that problem is the cause
+                findings = check_structure(lg.path)
+                if findings:
+                    more = (
+                        f" (and {len(findings) - 1} more: `ttt check` lists them)"
+                        if len(findings) > 1
+                        else ""
+                    )
+                    first = findings[0]
+                    out.append(
+                        LogProblem(
+                            lg.path, f"fails ttt's checks: line {first.line}: {first.what}{more}", False
+                        )
+                    )
     return out
 
 
@@ -527,7 +543,7 @@ def official_compliance(path: Path, ruleset: str) -> tuple[bool, str]:
     problems = [
         ln.strip() for ln in lines if not ln.lstrip().startswith(("Running compliance", "Compliance checks"))
     ]
-    mismatch = model_mismatch(keys) if rules is None else None  # as `ttt check` (compliance.check_log)
+    mismatch = model_mismatch(keys) if rules is None else None  # ttt's check of reference logs (`ttt check`)
     if mismatch:
         valid = False
         problems.append(mismatch)

@@ -59,6 +59,7 @@ REFERENCE = Tier(
         val_problems=EVAL_SAMPLES,
         val_generations=4,
         environment="swe",
+        freeze_moe_router=True,  # the recipe (grpo_qwen35_397b_swe_openhands_async.yaml): `freeze_moe_router: true`
     ),  # fmt: skip
     global_batch_size=REFERENCE_GBS,
     micro_batch_size=1,

@@ -1,6 +1,7 @@
 """Click-through-rate prediction (MLPerf dlrm_dcnv2): batches of [dense features, multi-hot ids, click]
 read in order from the memory-mapped days (data/criteo.py), binary cross-entropy on the logit, and the
-exact AUROC over the whole validation half of the last day, gathered from every rank (tasks/auc.py).
+exact AUROC of fp32 sigmoid(logit) over the whole validation half of the last day, gathered from every rank
+(tasks/auc.py).
 
 Eval points are in epochs (`epoch_num`, from 0, the reference's `epoch + it / len(train_dataloader)`,
 dlrm_main.py:501) at the reference's cadence: every TOTAL_TRAINING_SAMPLES // (GBS x 20) steps
@@ -44,6 +45,12 @@ class CTRData:
 
 def forward(model, batch: Batch) -> torch.Tensor:
     return model(batch["dense"], batch["sparse"])
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """The scores the AUROC ranks: fp32 sigmoid(logits), as the reference scores them (dlrm_main.py:392-406),
+    so logits that saturate to one probability (above ~16.6 every logit is 1.0) tie there and here."""
+    return torch.sigmoid(logits.float())
 
 
 def _loss(model, batch: Batch, reduction: str = "mean") -> torch.Tensor:
@@ -101,8 +108,7 @@ class _Days(RunData):
             with torch.autocast(
                 self.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
             ):
-                # Logits, not sigmoid(logits): the same order without fp32 saturation making false ties.
-                scores.append(forward(model, b).float()[:real])
+                scores.append(probabilities(forward(model, b))[:real])
             labels.append(b["label"][:real])
         model.train(was)
         empty = torch.empty(0, device=self.device)

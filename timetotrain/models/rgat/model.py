@@ -52,16 +52,19 @@ def edge_softmax(logits: torch.Tensor, dst: torch.Tensor, n_dst: int) -> torch.T
     return e / (total[dst] + 1e-16)
 
 
+def _group(relations, end: int) -> dict[str, list]:
+    """The relations by their source (`end` 0) or destination (2) node type, in order."""
+    out: dict[str, list] = {}
+    for r in relations:
+        out.setdefault(r[end], []).append(r)
+    return out
+
+
 class HeteroGATLayer(nn.Module):
     def __init__(self, relations, in_dim: int, out_dim: int, heads: int):
         super().__init__()
         self.relations, self.heads, self.per_head = tuple(relations), heads, out_dim // heads
         self.convs = nn.ModuleDict({_key(r): GATRelation(in_dim, heads, self.per_head) for r in relations})
-        self.by_src: dict[str, list] = {}
-        self.by_dst: dict[str, list] = {}
-        for r in self.relations:
-            self.by_src.setdefault(r[0], []).append(r)
-            self.by_dst.setdefault(r[2], []).append(r)
 
     def forward(
         self, x: dict[str, torch.Tensor], edges: dict, n_dst: dict | None = None, n_edges: dict | None = None
@@ -75,20 +78,24 @@ class HeteroGATLayer(nn.Module):
         else:
             x_dst = x
         proj, a_src, a_dst = {}, {}, {}
-        for t, rels in self.by_src.items():  # one matmul per source type for all its relations
+        # A relation the subgraph does not hold contributes nothing, as HeteroConv skips an edge type absent
+        # from its edge dict (one with no sampled edge is there, empty: only its bias reaches the output).
+        present = [r for r in self.relations if r in edges]
+        by_src, by_dst = _group(present, 0), _group(present, 2)
+        for t, rels in by_src.items():  # one matmul per source type for all its relations
             convs = [self.convs[_key(r)] for r in rels]
             ys = (x[t] @ torch.cat([m.lin.weight for m in convs]).t()).split(h * c, dim=1)
             for r, m, y in zip(rels, convs, ys, strict=True):
                 y = y.view(-1, h, c)
                 proj[r] = y
                 a_src[r] = (y * m.att_src).sum(-1)
-        for t, rels in self.by_dst.items():  # att_dst folded into the weight: [in, heads] per relation
+        for t, rels in by_dst.items():  # att_dst folded into the weight: [in, heads] per relation
             convs = [self.convs[_key(r)] for r in rels]
             w = torch.cat([(m.lin.weight.view(h, c, -1) * m.att_dst.view(h, c, 1)).sum(1) for m in convs])
             for r, s in zip(rels, (x_dst[t] @ w.t()).split(h, dim=1), strict=True):
                 a_dst[r] = s
         out = {}
-        for r in self.relations:
+        for r in present:
             src, dst = edges[r][0], edges[r][1]
             n = x_dst[r[2]].shape[0]
             alpha = F.leaky_relu(a_src[r][src] + a_dst[r][dst], NEGATIVE_SLOPE)
