@@ -89,7 +89,11 @@ def test_gradients_match_diffusers():
     for name, p in ours.named_parameters():
         src = mapping[name]
         want = src.combine([ref_grads[n].grad for n in src.hf_names])
-        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+        # A weight gradient is a sum over every token: two summation orders part by a few ulps of the
+        # tensor's largest values, not of each element (one time_in.fc2 element of 1,024 by 1.1e-5 where
+        # the tensor reaches 29.8, on an AMD EPYC).
+        atol = max(1e-6, 8 * torch.finfo(torch.float32).eps * want.abs().max().item())
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_shorter_text_matches_diffusers():
