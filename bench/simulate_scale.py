@@ -89,7 +89,8 @@ def grid_cell(bench: str, gpus: int, mem: int) -> str:
     if s is None:
         ff = doc.get("fits_from")
         return "nothing fits" + (f" (from {ff['gpus']:,} GPUs)" if ff else "")
-    return f"{s['parallel']}{', AC' if s['ac'] else ''}, mb {s['micro_batch']}: {s['total_gib']:.0f} GiB"
+    gbs = f" (GBS {doc['global_batch_size']:,})" if "global_batch_size_chosen" in doc else ""
+    return f"{s['parallel']}{', AC' if s['ac'] else ''}, mb {s['micro_batch']}: {s['total_gib']:.0f} GiB{gbs}"
 
 
 def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list[str]) -> dict:
