@@ -16,6 +16,7 @@ import pickle
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -795,7 +796,32 @@ def _read_log(d):
     parse_log(d / "result_0.txt")
 
 
+def _npy_over(reader, name: str):
+    def case(tmp_path: Path):
+        buf = io.BytesIO()
+        np.save(buf, np.arange(8, dtype=np.int64))
+        (tmp_path / name).write_bytes(buf.getvalue() + b" " * 2048)  # numpy reads its count, not the tail
+        return tmp_path / name, lambda: reader(tmp_path / name)
+
+    return case
+
+
+def _read_counts(path):
+    from timetotrain.data.loader import vocab_table
+
+    vocab_table(path, 4)
+
+
+def _read_empty_encodings(path):
+    from timetotrain.data.flux_encodings import read_empty_arrays
+
+    (path.parent / "clip_empty.npy").write_bytes((path.parent / "t5_empty.npy").read_bytes()[:-2048])
+    read_empty_arrays(path.parent, None)
+
+
 READERS = {
+    "token-counts": _npy_over(_read_counts, "c4_token_counts.npy"),
+    "empty-encodings": _npy_over(_read_empty_encodings, "t5_empty.npy"),
     "config": _over(_read_config, "c.toml", "seed = 1\n"),
     "manifest": _over(_read_manifest, "c4-train.manifest.json", "{}"),
     "base.json": _over(_read_base, "base.json", '{"weights_sha256": "0", "key": "k"}'),
@@ -839,3 +865,19 @@ def test_a_log_and_a_record_line_are_read_with_a_bound(tmp_path, monkeypatch):
     )
     with pytest.raises(UserError, match=r"g.jsonl:1 is a line of more than"):
         list(govreport.iter_rows(tmp_path / "g.jsonl"))
+
+
+def test_a_shard_member_is_read_with_a_bound(tmp_path, monkeypatch):
+    """A WebDataset member is read whole into memory: one larger than any image or caption (a wrong shard,
+    a hostile tar declaring gigabytes) is one line naming the shard and the member."""
+    import tarfile
+
+    from timetotrain.data import webdataset
+
+    monkeypatch.setattr(webdataset, "MEMBER_LIMIT", 1024)
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        info = tarfile.TarInfo("0001.jpg")
+        info.size = 2048
+        tar.addfile(info, io.BytesIO(b"x" * 2048))
+    with pytest.raises(UserError, match=r"s.tar: member '0001.jpg' holds 2,048 bytes, more than any image"):
+        list(webdataset.read_pairs([tmp_path / "s.tar"]))

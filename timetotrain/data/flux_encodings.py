@@ -381,8 +381,8 @@ def read_empty_arrays(d: Path, shapes: Shapes) -> tuple[np.ndarray, np.ndarray, 
     dtype.txt's, or without it the arrays' own float dtype (MLCommons' files: a real float array each)."""
     try:
         t5, clip = (
-            np.load(d / "t5_empty.npy", allow_pickle=False),
-            np.load(d / "clip_empty.npy", allow_pickle=False),
+            npy.load_small(d / "t5_empty.npy", "empty-prompt encoding"),
+            npy.load_small(d / "clip_empty.npy", "empty-prompt encoding"),
         )
     except FileNotFoundError as e:
         raise UserError(

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from timetotrain.data import npy
 from timetotrain.data.blend import BlendedWindows, blend_sizes, normalize
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataError, IndexedDataset
@@ -127,7 +128,7 @@ def _counts_file(prefix: Path) -> Path:
 
 def _load_counts(path: Path) -> np.ndarray:
     try:
-        counts = np.load(path, allow_pickle=False)
+        counts = npy.load_small(path, "token counts")
     except (OSError, ValueError, EOFError) as e:
         raise UserError(f"{path} is not a token-count array ({e}): {REPREPARE}") from e
     if counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.size == 0:
@@ -218,7 +219,7 @@ def drop_page_cache(files: list[Path]) -> bool:
 
 def vocab_table(counts_file: Path, keep: int) -> torch.Tensor:
     """Old id -> new id: the `keep` most frequent training ids by rank (ties: lower id first), others -> keep."""
-    counts = np.load(counts_file, allow_pickle=False)
+    counts = npy.load_small(counts_file, "token counts")
     order = np.argsort(-counts, kind="stable")[:keep]
     table = np.full(counts.size, keep, dtype=np.int64)
     table[order] = np.arange(keep)

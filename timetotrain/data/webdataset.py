@@ -24,6 +24,8 @@ from timetotrain.errors import UserError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
+MEMBER_LIMIT = 64 << 20  # one sample file (an image, a caption) of a shard
+
 
 @dataclass
 class Pair:
@@ -89,6 +91,11 @@ def _members(tar_path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
                     if key is not None:
                         yield key, parts
                     key, parts = k, {}
+                if m.size > MEMBER_LIMIT:  # read whole into memory below: no image or caption is this large
+                    raise UserError(
+                        f"{tar_path}: member {m.name!r} holds {m.size:,} bytes, more than any image or caption "
+                        f"of a sample ({MEMBER_LIMIT >> 20} MiB): pass WebDataset shards of images and captions"
+                    )
                 parts[ext.lower()] = tf.extractfile(m).read()
         except (tarfile.TarError, OSError, EOFError) as e:
             raise UserError(f"{tar_path}: the tar is truncated or corrupt after sample {key!r} ({e})") from e
