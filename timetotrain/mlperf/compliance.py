@@ -8,7 +8,6 @@ own engine.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import subprocess
@@ -23,7 +22,7 @@ from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain import fileio, suite
 from timetotrain.errors import UserError
-from timetotrain.mlperf.structure import Finding, check_structure
+from timetotrain.mlperf.structure import Finding, check_structure, records
 from timetotrain.suite import official
 
 RULESET = "6.0.0"
@@ -105,17 +104,8 @@ def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Pa
 def read_log_keys(path: Path) -> dict[str, object]:
     """First value of each MLLOG key (enough to pick the rule file)."""
     keys: dict[str, object] = {}
-    with open(path, encoding="latin-1") as f:
-        for line in fileio.bounded_lines(f, fileio.LINE, str(path)):
-            _, sep, payload = line.rpartition(":::MLLOG ")  # the official parsers keep the last record
-            if not sep:
-                continue
-            try:
-                rec = json.loads(payload)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict):  # a cut or foreign line may hold any JSON value
-                keys.setdefault(rec.get("key"), rec.get("value"))
+    for rec in records(path):
+        keys.setdefault(rec.key, rec.value)
     return keys
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from timetotrain import suite
+from timetotrain import fileio, suite
 from timetotrain.errors import UserError
 from timetotrain.suite import official
 
@@ -91,8 +91,9 @@ def records(path: Path) -> list[_Record]:
     """The MLLOG records of a file with their line numbers, read as the official parsers read them (latin-1,
     the JSON after the last token of a line). Lines that are not records are the engine's to report."""
     out = []
-    text = Path(path).read_text(encoding="latin-1")
-    for n, line in enumerate(text.split("\n"), 1):
+    with open(path, encoding="latin-1") as f:
+        lines = list(fileio.bounded_lines(f, fileio.LINE, str(path)))
+    for n, line in enumerate(lines, 1):
         _, sep, payload = line.rpartition(TOKEN)
         if not sep:
             continue
