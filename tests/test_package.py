@@ -287,17 +287,8 @@ def test_the_run_count_note_is_the_rounds_for_405b_tiny(tmp_path, capsys):
             benchmark="llama31_405b",
             start_ms=T0 - i * 600_000,
         )
-    argv = [
-        "package",
-        "--org",
-        "o",
-        "--system",
-        "s",
-        "--results",
-        str(tmp_path / "logs"),
-        "--out",
-        str(tmp_path / "p"),
-    ]
+    logs, out = str(tmp_path / "logs"), str(tmp_path / "p")
+    argv = ["package", "--org", "o", "--system", "s", "--results", logs, "--out", out]
     assert ttt_main(argv) == 0
     assert (
         "note: llama31_405b: 10 result files, the package checker wants exactly 3\n"
