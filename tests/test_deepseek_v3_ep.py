@@ -19,7 +19,7 @@ from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
 from timetotrain.train.step import build_training
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the gloo runs' fixture
 
 BENCH = get("deepseekv3_671b")
 WORLD, STEPS = 2, 6

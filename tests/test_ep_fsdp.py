@@ -191,6 +191,7 @@ def _close(got, want, rtol=1e-5):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["ds", "gpt"])
 def test_ep_fsdp_trains_as_one_process(results, family):
     single, ranks = results
@@ -225,6 +226,7 @@ def test_ep_fsdp_trains_as_one_process(results, family):
             torch.testing.assert_close(bias, torch.tensor(one["bias"]), rtol=0, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ds hf", "ds ttt"])
 def test_ep_fsdp_loads_a_checkpoint(results, case):
     single, ranks = results
@@ -235,6 +237,7 @@ def test_ep_fsdp_loads_a_checkpoint(results, case):
     assert abs(ranks[0][case]["loss"][0] - single["ds"]["loss"][0]) > 1e-3
 
 
+@pytest.mark.slow
 def test_ep_fsdp_bf16_with_activation_checkpointing(results):
     single, ranks = results
     fp32 = single["ds"]["loss"][:BF16_STEPS]

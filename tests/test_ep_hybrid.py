@@ -41,6 +41,7 @@ def _worker(rank: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ep_smaller_than_fsdp_trains_as_one_process(tmp_path, monkeypatch):
     monkeypatch.setitem(TIERS, "ds", TIERS["ds"])  # restored after the test
     _two_per_micro_batch()

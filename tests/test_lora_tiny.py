@@ -119,6 +119,7 @@ def test_base_needs_its_data(tmp_path, c4_prepared):
         base_model.make_base(TINY.base, c4_prepared, tmp_path, echo=False)
 
 
+@pytest.mark.slow
 @pytest.mark.bad_input
 def test_ttt_base_of_a_tier_without_one_is_a_one_line_error(tmp_path):
     proc = ttt("base", "llama31_8b", "--tier", "tiny", "--data", str(tmp_path))

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.e2e
 AMD_SYSTEM = "MI355X_EPYC_9575F_pytorch"
 
 
+@pytest.mark.slow
 def test_amd_v51_package_passes_the_official_checker(tmp_path, capsys):
     amd = require_file(shared_data_dir() / "mlperf_results_v5.1" / "AMD")
     out = tmp_path / "AMD"

@@ -22,7 +22,7 @@ from timetotrain.train import expert_parallel, parallel
 from timetotrain.train.checkpoint import load_hf_checkpoint
 from timetotrain.train.shards import full_init
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the gloo runs' fixture
 
 WORLD = 2
 CFG = q.Qwen35MoeConfig(

@@ -19,6 +19,7 @@ def _record(log):
     return loss, evals
 
 
+@pytest.mark.slow
 def test_one_process_reruns_bit_for_bit(c4_prepared, tmp_path):
     from timetotrain.train import loop
 

@@ -226,6 +226,7 @@ def rgat_tree(tmp_path_factory):
     return org
 
 
+@pytest.mark.slow
 def test_rgat_scores_equal_the_official_result_summarizer(rgat_tree, tmp_path):
     pd = require("pandas")
     ours = {s.system: s for s in score_tree(rgat_tree, "5.1.0")}

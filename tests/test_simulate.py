@@ -35,6 +35,7 @@ def _measure_real(bench: str, spec: str, out: Path) -> None:
     out.with_suffix(f".{rank}.json").write_text(json.dumps(dataclasses.asdict(m)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bench,spec", LAYOUTS)
 def test_simulated_bytes_match_a_real_gloo_run(bench, spec, tmp_path, capsys):
     """Through `ttt plan --simulate --json` (the plan rows carry the simulated column) against the real run."""
