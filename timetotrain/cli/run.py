@@ -277,8 +277,16 @@ def _cmd_base(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from timetotrain.suite.base import apply_overrides
-    from timetotrain.train.memory import fits_from, format_plan, fp8_model, nothing_fits, plan, plan_doc
+    from timetotrain.suite.base import apply_overrides, follows_rcp_table
+    from timetotrain.train.memory import (
+        fits_from,
+        format_plan,
+        fp8_model,
+        nothing_fits,
+        plan,
+        plan_at_legal_gbs,
+        plan_doc,
+    )
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
@@ -312,8 +320,17 @@ def _cmd_plan(args) -> int:
 
         check_mx_parallel(fp8.recipe, args.parallel or f"on --gpus {args.gpus}")
     bf16, gpn = args.precision in ("bf16", "fp8"), args.gpus_per_node
-    tier, (n, rows, best), gbs_note = _plan_at_a_legal_gbs(
-        bench, tier, args, lambda t: plan(bench, t, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
+    # A layout or a GBS the user named is theirs: planned as given, or refused in one line.
+    searched = (
+        not args.parallel and "global_batch_size" not in tier.user_set and follows_rcp_table(bench, tier)
+    )
+    retier = lambda gbs: apply_overrides(bench, tier, [*(args.set or []), f"global_batch_size={gbs}"])  # noqa: E731
+    tier, (n, rows, best), gbs_note = plan_at_legal_gbs(
+        bench,
+        tier,
+        args.gpus,
+        lambda t: plan(bench, t, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8),
+        retier if searched else None,
     )
     larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
     sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
@@ -336,51 +353,6 @@ def _cmd_plan(args) -> int:
     if sim and not args.json:
         print(sim[1])
     return 0 if best is not None else 1
-
-
-def _plan_at_a_legal_gbs(bench, tier, args, plan_at):
-    """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over --gpus,
-    or nothing fits at it, and the user named no GBS and no layout, the plan at the smallest larger GBS of the benchmark's
-    RCP table (a legal closed-division batch size, with its RCP's LR and warmup: `apply_overrides`) where a
-    layout without tensor parallelism fits, else where any fits, said in the note. At 256 GPUs real
-    submissions run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
-    from timetotrain.suite.base import apply_overrides, follows_rcp_table
-    from timetotrain.train.memory import tp_degree
-
-    try:
-        own, refused = plan_at(tier), None
-    except UserError as e:
-        own, refused = None, e
-    if own is not None and own[2] is not None:
-        return tier, own, None
-    legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size)
-    if args.parallel or "global_batch_size" in tier.user_set or not follows_rcp_table(bench, tier):
-        legal = []  # a layout or a GBS the user named is theirs: planned as given, or refused in one line
-    fallback = None  # the smallest legal GBS where a layout with TP fits
-    for gbs in legal:
-        at = apply_overrides(bench, tier, [*(args.set or []), f"global_batch_size={gbs}"])
-        try:
-            found = plan_at(at)
-        except UserError:
-            continue
-        if found[2] is not None and tp_degree(found[2]) == 1:
-            return at, found, _gbs_note(bench, tier, at, args.gpus, refused, "a layout without TP")
-        if found[2] is not None and fallback is None:
-            fallback = at, found, _gbs_note(bench, tier, at, args.gpus, refused, "a layout")
-    if fallback:
-        return fallback
-    if refused:
-        raise refused
-    return tier, own, None
-
-
-def _gbs_note(bench, tier, at, gpus: int, refused, what: str) -> str:
-    why = "does not split over" if refused else "fits in no layout on"
-    return (
-        f"GBS: the tier's {tier.global_batch_size} {why} {gpus} GPUs; planned at {at.global_batch_size}, the "
-        f"smallest of the RCP table's ({', '.join(map(str, sorted(bench.rcp_hparams)))}) where {what} fits, "
-        f"with that RCP's LR {at.lr:g} and warmup {at.warmup_steps} steps"
-    )
 
 
 def _simulate(args, bench, tier, rows, best):

@@ -522,6 +522,46 @@ def plan(
     return n, rows, best
 
 
+def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
+    """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over `gpus`,
+    or nothing fits at it, and `retier` (GBS -> the tier at that GBS, with its RCP's LR and warmup) is given,
+    the plan at the smallest larger GBS of the benchmark's RCP table (a legal closed-division batch size)
+    where a layout without tensor parallelism fits, else where any fits, said in the note. At 256 GPUs real
+    submissions run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
+    try:
+        own, refused = plan_at(tier), None
+    except UserError as e:
+        own, refused = None, e
+    if own is not None and own[2] is not None:
+        return tier, own, None
+    legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size) if retier else []
+    fallback = None  # the smallest legal GBS where a layout with TP fits
+    for gbs in legal:
+        at = retier(gbs)
+        try:
+            found = plan_at(at)
+        except UserError:
+            continue
+        if found[2] is not None and tp_degree(found[2]) == 1:
+            return at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without TP")
+        if found[2] is not None and fallback is None:
+            fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout")
+    if fallback:
+        return fallback
+    if refused:
+        raise refused
+    return tier, own, None
+
+
+def _gbs_note(bench, tier, at, gpus: int, refused, what: str) -> str:
+    why = "does not split over" if refused else "fits in no layout on"
+    return (
+        f"GBS: the tier's {tier.global_batch_size} {why} {gpus} GPUs; planned at {at.global_batch_size}, the "
+        f"smallest of the RCP table's ({', '.join(map(str, sorted(bench.rcp_hparams)))}) where {what} fits, "
+        f"with that RCP's LR {at.lr:g} and warmup {at.warmup_steps} steps"
+    )
+
+
 # TP groups are at most 8 wide (one node's NVLink domain), so a world above 8 x the global batch leaves a
 # data-parallel rank without a sample: `fits_from` stops there.
 MAX_TP = 8
