@@ -205,3 +205,25 @@ def test_parallel_flag_for_hsdp():
         with pytest.raises(UserError, match=needle) as e:
             parallel.parse(spec, world)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.bad_input
+def test_parallel_flag_places_pipeline_and_context_ranks():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+
+    plan = parallel.parse("pp=2,vpp=2,fsdp=2,cp=2,tp=2", 16)
+    assert (plan.pp, plan.vpp, plan.cp, plan.world, plan.data_parallel) == (2, 2, 2, 16, 2)
+    # tp innermost, then cp, then the data-parallel ranks, pipeline stages outermost
+    assert plan.coords(0) == {"tp": 0, "cp": 0, "data": 0, "pp": 0}
+    assert plan.coords(13) == {"tp": 1, "cp": 0, "data": 1, "pp": 1}
+    assert [plan.data_rank(r) for r in range(16)] == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+    assert "pp=2, fsdp=2, cp=2, tp=2, vpp=2" in plan.describe()
+    for spec, world, needle in [
+        ("vpp=2,fsdp=2", 2, "use it with pp"),
+        ("pp=2,ep=2", 4, "ep does not combine with pp or cp"),
+        ("cp=2", 4, "needs 2 processes"),
+    ]:
+        with pytest.raises(UserError, match=needle) as e:
+            parallel.parse(spec, world)
+        assert "\n" not in str(e.value)

@@ -47,8 +47,8 @@ def parallel_keys(plan, micro_batch: int) -> list[tuple[str, object]]:
     on (integers >= 1, approved precision names). `plan` None: one process in fp32."""
     return [
         ("tensor_parallelism", getattr(plan, "tp", 1)),
-        ("pipeline_parallelism", 1),
-        ("context_parallelism", 1),
+        ("pipeline_parallelism", getattr(plan, "pp", 1)),
+        ("context_parallelism", getattr(plan, "cp", 1)),
         ("expert_parallelism", getattr(plan, "ep", 1)),
         ("micro_batch_size", micro_batch),
         ("lowest_numerical_precision_in_linear", "fp8" if _fp8(plan) else _precision(plan)),

@@ -47,7 +47,10 @@ from timetotrain.train.expert_parallel import (
 )
 from timetotrain.train.tensor_parallel import mark_stacked
 
-KINDS = ("dp", "dp_replicate", "fsdp", "ep", "tp")
+KINDS = ("pp", "dp", "dp_replicate", "fsdp", "ep", "cp", "tp")
+# Not a degree of the world: pipeline stages per rank (1: one stage, the 1F1B schedule; V > 1: V stages
+# per rank, round-robin, the interleaved 1F1B schedule).
+STAGE_KEYS = ("vpp",)
 PRECISIONS = ("fp32", "bf16", "fp8")
 
 
@@ -58,6 +61,9 @@ class Plan:
     fsdp: int = 1
     ep: int = 1
     tp: int = 1
+    pp: int = 1  # pipeline stages (outermost mesh dimension: see `coords`)
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
+    cp: int = 1  # context parallel: ranks that split one sample's sequence
     precision: str = "fp32"  # fp32 | bf16 | fp8
     activation_checkpointing: bool = False
     compile: bool = False
@@ -73,7 +79,7 @@ class Plan:
 
     @property
     def world(self) -> int:
-        return self.dp * self.dp_replicate * self.fsdp * self.tp
+        return self.pp * self.dp * self.dp_replicate * self.fsdp * self.cp * self.tp
 
     @property
     def data_parallel(self) -> int:
@@ -85,12 +91,26 @@ class Plan:
         """Parameters are DTensors: built on the meta device and filled per shard (step._build_sharded)."""
         return self.fsdp > 1 or self.tp > 1
 
+    def coords(self, rank: int) -> dict[str, int]:
+        """Global `rank`'s place on the mesh, pipeline outermost and tensor innermost:
+        (pp, dp_replicate, dp | fsdp, cp, tp), so rank = (((p * R + d) * S + f) * C + c) * T + t. TP groups
+        are consecutive ranks (one node's fast links carry its all-reduces), then the context-parallel
+        ranks of one sample, then the data-parallel ones; pipeline stages are the farthest apart (they
+        exchange one activation per micro-batch)."""
+        out = {}
+        for kind, size in (("tp", self.tp), ("cp", self.cp), ("data", self.data_parallel), ("pp", self.pp)):
+            out[kind] = rank % size
+            rank //= size
+        return out
+
     def data_rank(self, rank: int) -> int:
-        """Which sample stream global `rank` reads: the TP ranks of a group read the same one."""
-        return rank // self.tp
+        """Which sample stream global `rank` reads: the TP and CP ranks of a group read the same one (CP
+        ranks each keep their part of its sequence), and so do a pipeline's stages."""
+        return self.coords(rank)["data"]
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in KINDS if getattr(self, k) > 1] or ["single process"]
+        parts = [f"{k}={getattr(self, k)}" for k in KINDS + STAGE_KEYS if getattr(self, k) > 1]
+        parts = parts or ["single process"]
         return (
             ", ".join(parts)
             + (f", {self.precision}" if self.precision != "fp8" else f", fp8 {self.fp8_recipe} + {self.high}")
@@ -102,15 +122,16 @@ class Plan:
 def parse(spec: str | None, world: int, world_from: str = "torchrun started", **switches) -> Plan:
     """`None` means plain data parallel over all ranks. `world_from` says where `world` came from in the
     error line (`ttt run`: torchrun; `ttt plan`: its --gpus), so both commands read `--parallel` here."""
-    degrees = dict.fromkeys(KINDS, 1)
+    degrees = dict.fromkeys(KINDS + STAGE_KEYS, 1)
     if not spec:
         degrees["dp"] = world
     else:
         for item in spec.split(","):
             key, sep, val = item.strip().partition("=")
-            if key not in KINDS or not sep or not val.isdigit() or int(val) < 1:
+            if key not in KINDS + STAGE_KEYS or not sep or not val.isdigit() or int(val) < 1:
                 raise UserError(
-                    f"--parallel {spec!r}: use comma-separated degrees like dp=8 or fsdp=8 ({', '.join(KINDS)})"
+                    f"--parallel {spec!r}: use comma-separated degrees like dp=8 or fsdp=8 "
+                    f"({', '.join(KINDS + STAGE_KEYS)})"
                 )
             degrees[key] = int(val)
         if degrees["tp"] > 1 and (degrees["dp"] > 1 or degrees["ep"] > 1):
@@ -126,6 +147,16 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
             raise UserError(
                 f"--parallel {spec!r}: dp_replicate is HSDP's replica count and combines with fsdp only; use "
                 "dp_replicate=R,fsdp=S (or dp=N for plain data parallelism)"
+            )
+        if degrees["vpp"] > 1 and degrees["pp"] == 1:
+            raise UserError(
+                f"--parallel {spec!r}: vpp is the number of pipeline stages per rank; use it with pp, e.g. "
+                "pp=4,vpp=2"
+            )
+        if degrees["ep"] > 1 and (degrees["pp"] > 1 or degrees["cp"] > 1):
+            raise UserError(
+                f"--parallel {spec!r}: ep does not combine with pp or cp yet; use pp or cp with dp, fsdp, "
+                "dp_replicate,fsdp or tp"
             )
         if degrees["ep"] > 1 and degrees["fsdp"] > 1:
             if degrees["fsdp"] % degrees["ep"]:
@@ -167,6 +198,9 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     (`family.tensor_parallel`; a family without one refuses `tp`). Expert sharding comes first after it:
     it slices the experts of the initialised model (or of the meta model the sharded build fills later),
     before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
+    if plan.pp > 1 or plan.cp > 1:
+        kind = "pipeline (pp)" if plan.pp > 1 else "context (cp)"
+        raise UserError(f"--parallel: {kind} parallelism is not built yet; leave it out of --parallel")
     ep_group = None
     fsdp_mesh = None
     if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
