@@ -29,6 +29,13 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
   runs the band as masked math attention, which keeps fp32 scores, probabilities, upcast q/k/v and the
   keys repeated per query head: 5.35 GiB a layer against a full-attention layer's 3.40 at gpt_oss_20b's
   shape, 16,384 tokens per rank). The op has a fake implementation, so the simulation runs it.
+- `data_parallel(model, **kwargs)`: DDP, or for a model of fake tensors a stand-in that holds what DDP holds.
+  DDP's constructor checks the parameters' shapes across ranks by reading their data in C++, and its reducer
+  copies each gradient into its bucket there too: neither runs on fake tensors. What DDP adds to memory is its
+  buckets (the flat buffers the all-reduce runs on; ttt keeps `gradient_as_bucket_view` off, so they are a
+  second copy of the trained, not ignored, parameters' gradients, allocated in the constructor): the stand-in
+  says their bytes (`bucket_bytes`, the simulation adds them to every phase) and its forward is the module's.
+  The simulator reads a real DDP's own bucket sizes the same way (tests/test_simulate.py: equal).
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 @contextlib.contextmanager
@@ -119,3 +128,42 @@ def gpu_attention():
         yield
     finally:
         F.scaled_dot_product_attention, _GPU_KERNELS = sdpa, False
+
+
+class SimulatedDDP(nn.Module):
+    """DDP's forward and memory for a model of fake tensors (module docstring): no reducer, no collective."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.bucket_bytes = sum(
+            p.numel() * p.element_size()
+            for n, p in module.named_parameters()
+            if p.requires_grad and n not in ignored
+        )
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield
+
+
+def data_parallel(model: nn.Module, **kwargs) -> nn.Module:
+    """`DDP(model, **kwargs)`, or `SimulatedDDP` where the model's parameters are fake (module docstring)."""
+    if any(is_fake(p) for p in model.parameters()):
+        return SimulatedDDP(model)
+    return DDP(model, **kwargs)
+
+
+def ddp_bucket_bytes(wrapped: nn.Module) -> int:
+    """The bytes of DDP's gradient buckets, of a real DDP (its own logged sizes) or a stand-in; 0 without
+    DDP."""
+    if isinstance(wrapped, SimulatedDDP):
+        return wrapped.bucket_bytes
+    if isinstance(wrapped, DDP):
+        sizes = str(wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
+        return sum(int(x) for x in sizes.split(",") if x.strip())
+    return 0

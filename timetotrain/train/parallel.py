@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from timetotrain.errors import UserError
-from timetotrain.fakes import real_host
+from timetotrain.fakes import data_parallel, real_host
 from timetotrain.train import float8
 from timetotrain.train.embedding_parallel import shard_embeddings
 from timetotrain.train.expert_parallel import (
@@ -276,7 +276,8 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
             sharded = shard_embeddings(model, dist.get_rank(), plan.dp)
             if sharded:
                 DDP._set_params_and_buffers_to_ignore_for_model(model, sharded)
-        return DDP(
+        # (Under `ttt plan --simulate`, whose tensors are fake, a stand-in that holds DDP's buckets.)
+        return data_parallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
         ), ep_group
     return model, ep_group

@@ -53,8 +53,10 @@ What is simulated and what is assumed, as the report says it:
 - DTensor's shape propagation (it runs each op once on global-shaped fake tensors) happens outside the
   tracked fake mode, as in a real run (timetotrain/fakes.py): before, the first FSDP2 gradient clip showed
   world-size times the gradient shards.
-- Not simulated: DDP layouts (`dp=N`, `ep=N`): DDP's constructor checks parameter shapes across ranks in C++
-  by reading their data, which fake tensors have none of. Allocator fragmentation, NCCL buffers and the
+- DDP layouts (`dp=N`, `ep=N`) run with a stand-in for DDP (timetotrain/fakes.py: its constructor and reducer
+  read parameter and gradient data in C++, which fake tensors have none of) that holds DDP's buckets: a
+  second copy of the gradients, counted in every phase as "DDP buckets" (DDP's own bucket sizes in a real
+  run). Not simulated: DLRM's model-parallel tables (`ttt plan` counts them). Allocator fragmentation, NCCL buffers and the
   CUDA context are not tensors: `ttt plan`'s margin stands for them.
 """
 
@@ -73,7 +75,7 @@ from timetotrain.errors import UserError
 from timetotrain.train import distributed, prepare
 from timetotrain.train.synth import with_layers
 
-KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "gathered", "other")
+KINDS = ("parameters", "gradients", "optimizer", "buckets", "activations", "temporaries", "gathered", "other")
 
 
 @dataclass
@@ -90,6 +92,7 @@ class RankMemory:
     # "phase|module" -> kind -> bytes: each module's own peak in the forward and the backward (a block of
     # a ModuleList counts as one module), for extrapolating over depth (`_combine`); emptied after it.
     moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    buckets: int = 0  # DDP's gradient buckets (timetotrain/fakes.py), held from its constructor on
 
     @property
     def peak_phase(self) -> str:
@@ -251,11 +254,6 @@ def simulate_rank(
         bench, tier, Path(tempfile.gettempdir()), spec, precision, ac, False, device="cpu", seed=0,
         ranks=distributed.Dist(rank=rank, world=world, local_rank=0),
     )  # fmt: skip
-    if prep.plan.dp > 1:
-        raise UserError(
-            f"--simulate --parallel {spec}: DDP layouts (dp, ep without fsdp) cannot be simulated: DDP's "
-            "constructor reads parameter data, which fake tensors have none of; simulate fsdp or ep=N,fsdp=N"
-        )
     if fake:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -325,8 +323,12 @@ def simulate_rank(
                 if tr.opt.defaults.get("foreach"):
                     phases["optimizer step"]["optimizer"] += seen["temporary"]
                 where["optimizer step"] = "the optimizer (states + one fp32 temporary per parameter)"
+            # DDP's buckets exist from its constructor, before the tracker: in every phase and moment.
+            buckets = fakes.ddp_bucket_bytes(tr.model)
+            for kinds in (*phases.values(), *moments.values()):
+                kinds["buckets"] += buckets
             return RankMemory(
-                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare), moments,
+                rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare), moments, buckets,
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
@@ -431,7 +433,7 @@ def _combine(a: RankMemory, b: RankMemory, steps: float, depths: tuple[int, int]
     return RankMemory(
         a.rank, phases, where, lin(a.parameters, b.parameters, "the parameters"),
         lin(a.gradients, b.gradients, "the gradients"), lin(a.optimizer, b.optimizer, "the optimizer states"),
-        b.empty,
+        b.empty, buckets=lin(a.buckets, b.buckets, "DDP's buckets"),
     )  # fmt: skip
 
 
@@ -608,7 +610,9 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
     out.append(row("parameters + buffers", [m.parameters for m in ms]))
     out.append(row("gradients", [m.gradients for m in ms]))
     out.append(row("optimizer states", [m.optimizer for m in ms]))
-    out.append(row("  states together", [m.parameters + m.gradients + m.optimizer for m in ms],
+    if any(m.buckets for m in ms):
+        out.append(row("DDP buckets", [m.buckets for m in ms]))
+    out.append(row("  states together", [m.parameters + m.gradients + m.optimizer + m.buckets for m in ms],
                    est.states if est else None))  # fmt: skip
     for phase in PHASES:
         if not all(phase in m.phases for m in ms):
@@ -617,7 +621,7 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
         out.append(f"peak of the {phase} ({where}):")
         for kind, label in (
             ("parameters", "parameters + buffers"), ("gradients", "gradients"), ("optimizer", "optimizer"),
-            ("activations", "activations"), ("temporaries", "temporaries (backward)"),
+            ("buckets", "DDP buckets"), ("activations", "activations"), ("temporaries", "temporaries (backward)"),
             ("gathered", "gathered (FSDP2 unsharded)"), ("other", "other"),
         ):  # fmt: skip
             if any(m.phases[phase][kind] for m in ms):
