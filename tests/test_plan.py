@@ -28,10 +28,11 @@ REF = BENCH.tier("reference")
 
 
 def test_states_are_16_bytes_per_parameter_sharded_by_fsdp():
+    """Weights, gradients and Adam's two moments; DDP adds its buckets, a second copy of the gradients."""
     n = 8_030_261_248
     dp = estimate(BENCH, REF, n, 8, 80, "dp", False, 1, bf16=True)
     fsdp = estimate(BENCH, REF, n, 8, 80, "fsdp", False, 1, bf16=True)
-    assert dp.states == 16 * n and fsdp.states == 2 * n
+    assert dp.states == (16 + 4) * n and fsdp.states == 2 * n
     assert dp.compute_copies == 2 * n  # autocast's bf16 weight cache under DDP
 
 
@@ -90,7 +91,7 @@ def test_moe_family_hook_gives_the_gpt_oss_estimate():
     n, rows, best = plan(bench, tier, 8, 80, None)
     assert n == 20_488_418_112 == bench.family.param_count(tier.model)
     assert bench.family.active_param_count(tier.model) == 3_766_907_712
-    assert rows[0].states == 16 * n  # dp=8: states of all 20.5 B parameters on every GPU
+    assert rows[0].states == (16 + 4) * n  # dp=8: states of all 20.5 B parameters and DDP's buckets per GPU
     # Activations scale with the k routed copies: more per token than a dense block of the same width.
     dense_like = bench.family.activation_elements(tier.model) - 4 * tier.model.top_k * tier.model.dim
     assert bench.family.activation_elements(tier.model) > dense_like
@@ -304,7 +305,7 @@ def test_expert_parallel_rows():
     assert {r.parallel for r in ep_fsdp} == {"ep=8,fsdp=8"} and {r.parallel for r in ep_ddp} == {"ep=8"}
     for a, b, c in zip(fsdp_rows, ep_fsdp, ep_ddp, strict=True):
         assert b.states == a.states == 2 * n
-        assert c.states == pytest.approx(16 * (n - experts) + 2 * experts)
+        assert c.states == pytest.approx((16 + 4) * (n - experts) + 2 * experts)  # + DDP's buckets
         assert b.activations == a.activations
         # bf16 copies: FSDP2 gathers blocks without experts; the local expert slices' copies are cast once per
         # step and kept until it ends (models/common/weight_cast.py), for every layer, checkpointing or not.

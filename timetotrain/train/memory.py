@@ -338,8 +338,8 @@ def estimate(
         grads -= 4 * away
     elif kind == "ep,fsdp":
         grads += 4 * experts * (1 / ep - 1 / gpus)
-    if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py)
-        states += grads
+    if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
+        states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
     overlap = backward_overlap(tier.global_batch_size // gpus, micro, grads, act, end, peak)
     return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
 
