@@ -26,34 +26,35 @@ from timetotrain.train.simulate import KINDS, RankMemory, _combine, _in_child, s
 pytestmark = pytest.mark.distributed
 
 # FSDP2, expert parallelism beside it, and DDP (a stand-in under fake tensors: timetotrain/fakes.py) with
-# experts sliced beside it.
+# experts sliced beside it; float8 (torchao's emulated float8 on this CPU) under FSDP2 and under DDP.
 LAYOUTS = [
-    ("llama31_8b", "fsdp=2"),
-    ("gpt_oss_20b", "ep=2,fsdp=2"),
-    ("llama31_8b", "dp=2"),
-    ("gpt_oss_20b", "ep=2"),
+    ("llama31_8b", "fsdp=2", "fp32"),
+    ("gpt_oss_20b", "ep=2,fsdp=2", "fp32"),
+    ("llama31_8b", "dp=2", "fp32"),
+    ("gpt_oss_20b", "ep=2", "fp32"),
+    ("llama31_8b", "fsdp=2", "fp8"),
 ]
 
 
-def _measure_real(bench: str, spec: str, out: Path) -> None:
+def _measure_real(bench: str, spec: str, precision: str, out: Path) -> None:
     b, t = prepare.resolve_tier(bench, "tiny", [])
     rank = int(os.environ["RANK"])
-    m = simulate_rank(b, t, 2, spec, rank, "fp32", False, fake=False)
+    m = simulate_rank(b, t, 2, spec, rank, precision, False, fake=False)
     out.with_suffix(f".{rank}.json").write_text(json.dumps(dataclasses.asdict(m)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bench,spec", LAYOUTS)
-def test_simulated_bytes_match_a_real_gloo_run(bench, spec, tmp_path, capsys):
+@pytest.mark.parametrize("bench,spec,precision", LAYOUTS)
+def test_simulated_bytes_match_a_real_gloo_run(bench, spec, precision, tmp_path, capsys):
     """Through `ttt plan --simulate --json` (the plan rows carry the simulated column) against the real run."""
     out = tmp_path / "real"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), __file__, bench, spec, str(out)]  # fmt: skip
+           str(free_port()), __file__, bench, spec, precision, str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     main(["plan", bench, "--tier", "tiny", "--gpus", "2", "--gpu-mem", "1", "--parallel", spec, "--precision",
-          "fp32", "--simulate", "--json"])  # fmt: skip
+          precision, "--simulate", "--json"])  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     simulated = [r for r in doc["rows"] if r["simulated_gib"] is not None]
     assert len(simulated) == 1 and simulated[0]["parallel"] == spec, doc["rows"]
@@ -196,4 +197,4 @@ def test_a_peak_moved_where_no_moment_holds_it_is_refused():
 
 
 if __name__ == "__main__":
-    _measure_real(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    _measure_real(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))
