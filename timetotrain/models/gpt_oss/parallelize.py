@@ -50,32 +50,22 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         PrepareModuleInputOutput,
-        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
+    from timetotrain.models.common.sequence_parallel import gathered, sequence_parallel_ends
+
     colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
     check_shape(model.cfg, tp)
-    parallelize_module(
-        model.embed,
-        tp_mesh,
-        PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-        ),
-    )
+    sequence_parallel_ends(model, tp_mesh)
     for block in model.layers:
         plan = {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=True,
-            ),
+            "attn": gathered(4),  # (x, cos, sin, mask)
             "attn.qkv": colwise(),
             "attn.proj": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
@@ -95,10 +85,3 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
         parallelize_module(block, tp_mesh, plan)
         block.attn.n_heads //= tp
         block.attn.n_kv_heads //= tp
-    parallelize_module(
-        model.norm,
-        tp_mesh,
-        PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-    )
