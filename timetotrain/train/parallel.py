@@ -1,9 +1,9 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`, `ep=8,fsdp=8`,
-`tp=8,fsdp=32` or `tp=2,ep=4,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world size. `dp_replicate=R,fsdp=S` is HSDP:
-FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`,
+`ep=8,fsdp=8`, `tp=8,fsdp=32` or `tp=2,ep=4,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world
+size. `dp_replicate=R,fsdp=S` is HSDP: FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
 optimizer states 1/S each) and the R groups are replicas that average their gradient shards, so the
 all-gathers stay within S ranks (one node, say) and only the gradient all-reduce crosses groups; all R x S
 ranks read different samples. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
