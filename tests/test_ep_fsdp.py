@@ -270,7 +270,7 @@ def test_parse_ep_with_fsdp():
         ("ep=3,fsdp=4", 4, "ep must divide fsdp .* a multiple of E"),
         ("ep=4,fsdp=2", 2, "ep must divide fsdp"),
         ("ep=2,fsdp=2,dp=2", 4, "for dp x fsdp use HSDP"),
-        ("ep=2,tp=2,fsdp=2", 4, "tp combines with fsdp only"),
+        ("ep=2,tp=2,dp=2", 4, "tp does not combine with dp"),
     ]:
         with pytest.raises(UserError, match=needle):
             parallel.parse(spec, world)

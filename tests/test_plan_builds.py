@@ -22,6 +22,7 @@ WORLD = 4
 SMALL = {
     "fsdp": "fsdp=4",
     "tp": "tp=2,fsdp=2",
+    "tp,ep": "tp=2,ep=2",  # fsdp=2 implied (train/parallel.py)
     "ep,fsdp": "ep=4,fsdp=4",
     "ep": "ep=4",
     "hsdp": "dp_replicate=2,fsdp=2",

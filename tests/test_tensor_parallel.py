@@ -168,8 +168,8 @@ def test_parallel_flag_for_tensor_parallelism():
     assert [plan.data_rank(r) for r in range(4)] == [0, 0, 1, 1] and plan.sharded
     assert "tp=2" in plan.describe()
     for spec, world, needle in [
-        ("tp=2,dp=2", 4, "tp combines with fsdp only"),
-        ("tp=2,ep=2", 4, "tp combines with fsdp only"),
+        ("tp=2,dp=2", 4, "tp does not combine with dp"),
+        ("tp=2,ep=2", 2, "ep must divide fsdp"),  # (tp with ep: tests/test_layouts_moe.py)
         ("tp=2", 4, "needs 2 processes"),
     ]:
         with pytest.raises(UserError, match=needle):
@@ -179,12 +179,14 @@ def test_parallel_flag_for_tensor_parallelism():
 
 
 def test_a_family_without_a_plan_refuses_tp():
-    # The plan is the family's (ModelFamily.tensor_parallel); the MoE families have none, and the harness
-    # says so in one line before it builds a mesh.
+    # The plan is the family's (ModelFamily.tensor_parallel); DeepSeek-V3 has none (gpt_oss has one:
+    # tests/test_layouts_moe.py), and the harness says so in one line before it builds a mesh.
     from timetotrain.errors import UserError
-    from timetotrain.models import gpt_oss
+    from timetotrain.models import deepseek_v3
     from timetotrain.train import parallel
 
-    assert gpt_oss.FAMILY.tensor_parallel is None
-    with pytest.raises(UserError, match="--parallel tp=2: the gpt_oss family has no tensor-parallel plan"):
-        parallel.apply(torch.nn.Linear(2, 2), parallel.Plan(tp=2), torch.device("cpu"), gpt_oss.FAMILY)
+    assert deepseek_v3.FAMILY.tensor_parallel is None
+    with pytest.raises(
+        UserError, match="--parallel tp=2: the deepseek_v3 family has no tensor-parallel plan"
+    ):
+        parallel.apply(torch.nn.Linear(2, 2), parallel.Plan(tp=2), torch.device("cpu"), deepseek_v3.FAMILY)

@@ -27,6 +27,9 @@ All of them take the family's config dataclass (a tier's `model`):
   `--parallel tp` is refused for the family;
 - `tensor_parallel_check(cfg, tp)`: optional, the plan's own shape check without a model (a UserError
   naming what does not divide), which `ttt plan` asks before it estimates a TP layout;
+- `tensor_parallel_elements(cfg, tp)`: optional, `activation_elements` per token on one rank under the
+  family's TP plan, for a plan that does not cut the whole block (gpt_oss: the MoE runs whole on every TP
+  rank); None: the memory model's Megatron count (1/tp, the column-wise inputs whole);
 - `peak_block_elements(cfg)`: optional, for a stack of unlike blocks (qwen3_5_moe's hybrid layers), the
   largest block's `activation_elements`: activation checkpointing recomputes one block at a time, so the
   largest one is the peak (None: `activation_elements`, the blocks being alike);
@@ -67,6 +70,7 @@ class ModelFamily:
     with_layers: Callable[[Any, int], Any] | None = None
     tensor_parallel: Callable[[Any, Any], None] | None = None
     tensor_parallel_check: Callable[[Any, int], None] | None = None
+    tensor_parallel_elements: Callable[[Any, int], float] | None = None
     peak_block_elements: Callable[[Any], float] | None = None
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
     root_params: Callable[[Any, bool], int] | None = None

@@ -61,6 +61,15 @@ Where the numbers come from (an estimate, not a measurement):
   T runs over 2, 4, 8 where heads and FFN width divide and T divides a node (`--gpus-per-node`: the TP
   group stays in one node's NVLink domain). This estimate has not been validated on GPUs; the TP code is
   tested for exactness on CPU (gloo) only.
+- Tensor with expert parallelism (`tp=T,ep=E,fsdp=N`, an MoE family with a TP plan: gpt_oss; tried like
+  tp x fsdp, with the largest E dividing the experts and N, or what --parallel names): TP cuts only the
+  attention and the norms (1/(T x N) of them), the router is sharded over the N FSDP2 ranks and the
+  routed experts held as slices of 1/E (FSDP2 ignores them, so a gathered block has no experts and the
+  slices' bf16 copies are kept for the step, as under `ep,fsdp`). The activations are the family's count
+  under its plan (`ModelFamily.tensor_parallel_elements`): the attention's 1/T, the MoE whole, since
+  every TP rank of a group runs it on the group's whole tokens. `ttt plan --simulate` agrees at
+  gpt_oss_20b tp=2,ep=4,fsdp=32 on 64 GPUs (GBS 32, no AC): states 71.69 GiB simulated, 71.68 counted,
+  peak 107.0 against 106.8.
 - Expert parallelism (MoE families: candidates beside dp and fsdp whenever the experts split over --gpus,
   or what --parallel names): `ep=N` (DDP) keeps the replicated part whole and 1/N of the routed experts on
   every GPU, the autocast copies likewise; `ep=N,fsdp=N` shards both
@@ -188,9 +197,9 @@ def activation_bytes(
     family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1, full_logits: bool = False
 ) -> float:
     h = cfg.dim
-    per_block = tp_block_elements(family.activation_elements(cfg), h, tp)  # per token, module docstring
+    per_block = _tp_elements(family, cfg, family.activation_elements(cfg), tp)  # per token, module docstring
     # Under checkpointing one block is recomputed at a time: of unlike blocks, the largest is the peak.
-    peak = tp_block_elements((family.peak_block_elements or family.activation_elements)(cfg), h, tp)
+    peak = _tp_elements(family, cfg, (family.peak_block_elements or family.activation_elements)(cfg), tp)
     head = 4 * h * act_bytes
     if full_logits:
         # `Task.full_logits`: the fp32 log-softmax of every token's logits, kept for the backward, and there
@@ -232,8 +241,17 @@ def backward_end_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: i
     block = (
         (family.peak_block_elements or family.activation_elements) if ac else family.activation_elements
     )(cfg)
-    per_token = 2 * tp_block_elements(block, cfg.dim, tp) + (cfg.dim / tp if ac else 0)
+    per_token = 2 * _tp_elements(family, cfg, block, tp) + (cfg.dim / tp if ac else 0)
     return tokens * per_token * act_bytes + cfg.vocab_size * cfg.dim * 4
+
+
+def _tp_elements(family, cfg, elements: float, tp: int) -> float:
+    """A block's kept `elements` per token on one rank under `tp`: the family's own count where its plan
+    does not cut the whole block (`ModelFamily.tensor_parallel_elements`: gpt_oss's MoE runs whole on every
+    TP rank), else `tp_block_elements`."""
+    if tp > 1 and family.tensor_parallel_elements is not None:
+        return family.tensor_parallel_elements(cfg, tp)
+    return tp_block_elements(elements, cfg.dim, tp)
 
 
 def tp_block_elements(elements: float, h: int, tp: int) -> float:
@@ -287,7 +305,9 @@ def estimate(
     family, cfg = bench.family, tier.model
     ep = ep or gpus
     if tp > 1:
-        return _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8)
+        return _estimate_tp(
+            bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8, ep if kind == "tp,ep" else None
+        )
     sharded = kind in ("fsdp", "ep,fsdp", "hsdp")
     shards = gpus // replicas if sharded else 1
     trainable, frozen = bench.task.param_counts(family, tier)
@@ -367,33 +387,48 @@ def _root_copies(family, cfg, bf16: bool, experts: bool = True) -> float:
     return (2 if bf16 else 4) * max(0.0, rest)
 
 
-def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None) -> Estimate:
-    """tp x fsdp (module docstring). A task's frozen parameters (LoRA's base: every block weight but the
-    adapters, and the embedding and head) take the task's frozen bytes per parameter, not 16."""
+def _estimate_tp(
+    bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None, ep: int | None = None
+) -> Estimate:  # fmt: skip
+    """tp x fsdp, or tp x ep x fsdp with `ep` (module docstring). A task's frozen parameters (LoRA's base:
+    every block weight but the adapters, and the embedding and head) take the task's frozen bytes per
+    parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
+    over the fsdp ranks only, the experts too, or with `ep` held as slices of 1/ep (FSDP2 ignores them)."""
     family, cfg = bench.family, tier.model
     fsdp = gpus // tp
     block = family.block_params(cfg)
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
     trainable, frozen = bench.task.param_counts(family, tier)
+    # What TP does not cut (an MoE's router and experts): the model's, and of one gathered block.
+    whole = whole_block = experts = layer_experts = 0.0
+    if hasattr(cfg, "n_experts"):
+        experts, layer_experts = expert_params(family, cfg)
+        whole = experts + cfg.n_layers * cfg.dim * cfg.n_experts
+        whole_block = cfg.dim * cfg.n_experts + (0 if ep else layer_experts)
+    cut = blocks - whole  # per model: cut by TP, sharded by FSDP2
+    cut_block = block - (whole_block + (layer_experts if ep else 0))
     if frozen:  # the adapters sit in the blocks; everything else is frozen
         fb = bench.task.frozen_bytes(tier, bf16)
         states = (16 * trainable + fb * (blocks - trainable)) / (tp * fsdp) + fb * rest / fsdp
         grads = 4 * trainable / (tp * fsdp)
         trained_block = trainable / cfg.n_layers
     else:
-        states = 16 * (blocks / (tp * fsdp) + rest / fsdp)
+        held = (whole - experts) / fsdp + experts / (ep or fsdp)  # router over fsdp; experts over ep or fsdp
+        states = 16 * (cut / (tp * fsdp) + rest / fsdp + held)
         grads = states / 4  # 4 of the 16 B
-        trained_block = block
+        trained_block = cut_block + whole_block * tp  # (divided by tp below: whole_block is not cut)
     # Two unsharded blocks (module docstring) and, through the backward, the unsharded fp32 gradients of
     # the block FSDP2 reduce-scatters (reduce_dtype fp32, train/parallel.py): with checkpointing they
     # outweigh a block's activations (llama31_405b tp=2,fsdp=128 with AC: `--simulate` 59.4 GiB, the
-    # formula 52.9 without them, 58.8 with).
+    # formula 52.9 without them, 58.8 with). Under ep the local expert slices' bf16 copies, of every layer
+    # (the step's cast cache, as under `ep,fsdp`).
     copies = (
-        (2 if bf16 else 4) * 2 * block / tp
+        (2 if bf16 else 4) * 2 * (cut_block / tp + whole_block)
         + 4 * trained_block / tp
-        + _root_copies(family, cfg, bf16)
+        + _root_copies(family, cfg, bf16, experts=not ep)
         - _fp8_saving(fp8, True, True, tp)
+        + (2 * experts / ep if ep and bf16 else 0)
     )
     tokens = micro * bench.task.sample_items(tier)[1]
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
@@ -401,33 +436,37 @@ def _estimate_tp(bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 |
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
     overlap = backward_overlap(tier.global_batch_size // fsdp, micro, grads, act, end, peak)
-    return Estimate(f"tp={tp},fsdp={fsdp}", ac, micro, states, copies, act, margin, peak, overlap)
+    label = f"tp={tp},ep={ep},fsdp={fsdp}" if ep else f"tp={tp},fsdp={fsdp}"
+    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
 
 
-def _tp_degrees(cfg, gpus: int, gpus_per_node: int) -> list[int]:
-    """TP degrees to try: dividing the heads and the FFN width, and within one node (a TP group's
-    collectives sit on every block: they need the NVLink domain, not the network)."""
-    ok = hasattr(cfg, "n_kv_heads") and hasattr(cfg, "ffn_dim")
+def _tp_degrees(family, cfg, gpus: int, gpus_per_node: int) -> list[int]:
+    """TP degrees to try: where the family has a plan that accepts them (`tensor_parallel_check`: heads and
+    FFN width divide), and within one node (a TP group's collectives sit on every block: they need the
+    NVLink domain, not the network)."""
+    if family.tensor_parallel is None:
+        return []
     node = min(gpus, gpus_per_node)
-    return [t for t in (2, 4, 8) if ok and node % t == 0 and cfg.n_kv_heads % t == 0 and cfg.ffn_dim % t == 0]
+
+    def accepted(t: int) -> bool:
+        try:
+            if family.tensor_parallel_check is not None:
+                family.tensor_parallel_check(cfg, t)
+        except UserError:
+            return False
+        return True
+
+    return [t for t in (2, 4, 8) if node % t == 0 and accepted(t)]
 
 
 def _kind(p: parallel.Plan) -> str:
     if p.dp_replicate > 1:
         return "hsdp"
     if p.tp > 1:
-        return "tp"
+        return "tp,ep" if p.ep > 1 else "tp"
     if p.ep > 1:
         return "ep,fsdp" if p.fsdp > 1 else "ep"
     return "fsdp" if p.fsdp > 1 else "dp"
-
-
-def _check_tensor_parallel(family, tier, spec: str, tp: int) -> None:
-    """What `ttt run` would refuse when it applies the family's plan, said before building anything."""
-    if family.tensor_parallel is None:
-        raise UserError(f"--parallel {spec!r}: the {family.name} family has no tensor-parallel plan")
-    if family.tensor_parallel_check is not None:
-        family.tensor_parallel_check(tier.model, tp)
 
 
 def _check_supported(bench, tier) -> None:
@@ -483,15 +522,15 @@ def plan(
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
         local = parallel.check_batch_split(gbs, given)
         kind = _kind(given)
-        if kind.startswith("ep") and not hasattr(tier.model, "n_experts"):
+        if given.ep > 1 and not hasattr(tier.model, "n_experts"):
             raise UserError(
                 f"--parallel {parallel_spec!r}: expert parallelism needs a mixture-of-experts model"
             )
-        if kind.startswith("ep"):
+        if given.ep > 1:
             _check_experts(tier.model, parallel_spec, given.ep)
-        if kind == "tp":
-            _check_tensor_parallel(bench.family, tier, parallel_spec, given.tp)
-        rows = rows_of(kind, local, given.tp, given.ep if kind.startswith("ep") else None, given.dp_replicate)
+        if given.tp > 1:
+            parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp)
+        rows = rows_of(kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate)
     else:
         kinds = ["dp", "fsdp"]
         moe = hasattr(tier.model, "n_experts")
@@ -505,9 +544,16 @@ def plan(
             rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-            for t in _tp_degrees(tier.model, gpus, gpus_per_node):
-                if not hasattr(tier.model, "n_experts") and gbs % (gpus // t) == 0:  # TP ranks share samples
-                    rows += rows_of("tp", gbs // (gpus // t), t)
+            for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node):
+                data = gpus // t  # TP ranks share samples
+                if gbs % data:
+                    continue
+                if not moe:
+                    rows += rows_of("tp", gbs // data, t)
+                elif math.gcd(tier.model.n_experts, data) > 1:
+                    # An MoE family's plan (gpt_oss): the experts split over the data-parallel ranks by the
+                    # largest ep dividing both, as the hybrid above (train/parallel.py).
+                    rows += rows_of("tp,ep", gbs // data, t, ep=math.gcd(tier.model.n_experts, data))
         if not rows:
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks (nor "
@@ -576,6 +622,8 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
         return None
     if kind == "tp":
         return f"tp={given.tp},fsdp={world // given.tp}"
+    if kind == "tp,ep":  # the expert-parallel degree kept, as a hybrid's
+        return f"tp={given.tp},ep={given.ep},fsdp={world // given.tp}"
     if kind == "hsdp":  # the shard group kept, more replicas
         return f"dp_replicate={world // given.fsdp},fsdp={given.fsdp}"
     if kind == "ep,fsdp":  # a hybrid keeps its expert-parallel degree; ep=N,fsdp=N grows with the world
@@ -609,7 +657,7 @@ def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_
     divisors += [gbs // d for d in divisors]
     worlds = sorted({d * t for d in divisors for t in (1, 2, 4, MAX_TP)})
     for w in worlds:
-        if w <= gpus or (w > gpus_per_node and w % gpus_per_node) or (kind == "tp" and w % given.tp):
+        if w <= gpus or (w > gpus_per_node and w % gpus_per_node) or (kind.startswith("tp") and w % given.tp):
             continue
         spec = _spec_at(kind, given, w)
         try:
@@ -879,5 +927,10 @@ def format_plan(
             "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "
             "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
             "(one node). Method only: not validated on GPUs."
+        )
+    if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
+        out.append(
+            "tp x ep rows: attention cut by tp; the router and the routed experts not (every TP rank of a "
+            "group runs the MoE on its whole tokens: activations of the MoE whole), the experts 1/ep per GPU."
         )
     return "\n".join(out)

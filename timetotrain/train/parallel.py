@@ -1,9 +1,9 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
-`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`, `ep=8,fsdp=8`
-or `tp=8,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world size. `dp_replicate=R,fsdp=S` is HSDP:
-FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
+`--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`,
+`ep=8,fsdp=8`, `tp=8,fsdp=32` or `tp=2,ep=4,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world
+size. `dp_replicate=R,fsdp=S` is HSDP: FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
 optimizer states 1/S each) and the R groups are replicas that average their gradient shards, so the
 all-gathers stay within S ranks (one node, say) and only the gradient all-reduce crosses groups; all R x S
 ranks read different samples. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
@@ -17,8 +17,19 @@ bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep=E
 dividing N) is the expert-data-parallel hybrid: the ranks form an (N/E, E) mesh, consecutive E ranks are an
 expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) hold it
 replicated and average its gradients (`expert_parallel.average_expert_replicas`, once per step), and FSDP2
-still shards the rest over all N. Under DDP `ep` must equal the data-parallel degree. Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we
-need.
+still shards the rest over all N. Under DDP `ep` must equal the data-parallel degree.
+
+Tensor with expert parallelism, `tp=T,ep=E[,fsdp=N]` (an MoE family with a TP plan: gpt_oss,
+models/gpt_oss/parallelize.py): rank r = i * T + j is TP rank j of data-parallel rank i (tp innermost, as
+above); FSDP2 shards the rest over the N data-parallel ranks (N = world / T: `tp=T,ep=E` alone implies it,
+DDP taking no DTensors). TP cuts the attention; the router and the routed experts are not cut by TP: the
+MoE's input is gathered whole on each TP rank, so the T ranks of a group route the same tokens the same
+way and run the same experts. Expert parallelism splits the experts over the data-parallel index i, one
+expert-parallel group per TP index j: the ranks form an (N / E, E, T) mesh ("replica", "ep", "tp"); the
+group of rank (i, j) is the ranks (i', j) with i' // E = i // E, it holds slice i % E, and where N > E
+the N / E ranks (i + kE, j) holding the same slice average its gradients as in the hybrid above. The TP
+ranks of a group hold equal slices with equal gradients: no collective crosses the TP dimension for them.
+Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
 from __future__ import annotations
@@ -134,8 +145,15 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                     f"({', '.join(KINDS + STAGE_KEYS)})"
                 )
             degrees[key] = int(val)
-        if degrees["tp"] > 1 and (degrees["dp"] > 1 or degrees["ep"] > 1):
-            raise UserError(f"--parallel {spec!r}: tp combines with fsdp only; use tp=T or tp=T,fsdp=F")
+        if degrees["tp"] > 1 and degrees["dp"] > 1:
+            raise UserError(
+                f"--parallel {spec!r}: tp does not combine with dp (DDP takes no DTensors); use tp=T,fsdp=F "
+                "or tp=T,ep=E"
+            )
+        if degrees["tp"] > 1 and degrees["ep"] > 1 and degrees["fsdp"] == 1:
+            # The data-parallel ranks of a TP layout are FSDP2's (DDP takes no DTensors): `tp=T,ep=E` is
+            # `tp=T,ep=E,fsdp=world/T` (module docstring).
+            degrees["fsdp"] = max(1, world // degrees["tp"])
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(
                 f"--parallel {spec!r}: for dp x fsdp use HSDP, dp_replicate=R,fsdp=S (FSDP2 shards over S and "
@@ -158,11 +176,12 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 f"--parallel {spec!r}: ep does not combine with pp or cp yet; use pp or cp with dp, fsdp, "
                 "dp_replicate,fsdp or tp"
             )
-        if degrees["ep"] > 1 and degrees["fsdp"] > 1:
+        if degrees["ep"] > 1 and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
             if degrees["fsdp"] % degrees["ep"]:
+                tp = f"tp={degrees['tp']}," if degrees["tp"] > 1 else ""
                 raise UserError(
                     f"--parallel {spec!r}: ep must divide fsdp (the experts are split over groups of ep of "
-                    "the ranks FSDP2 shards the rest over); use ep=E,fsdp=N with N a multiple of E"
+                    f"the ranks FSDP2 shards the rest over); use {tp}ep=E,fsdp=N with N a multiple of E"
                 )
         elif degrees["ep"] > 1:
             degrees["dp"] = degrees["dp"] if degrees["dp"] > 1 else world
@@ -179,6 +198,15 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
     if plan.precision not in PRECISIONS:
         raise UserError(f"--precision {plan.precision!r}: choose {', '.join(PRECISIONS)}")
     return plan
+
+
+def check_tensor_parallel(family, cfg, spec: str | None, tp: int) -> None:
+    """What `apply` would refuse of `tp` for the family (no plan, or heads that do not divide), said before
+    building anything (`ttt run`'s preflight, `ttt plan`)."""
+    if family.tensor_parallel is None:
+        raise UserError(f"--parallel {spec}: the {family.name} family has no tensor-parallel plan")
+    if family.tensor_parallel_check is not None:
+        family.tensor_parallel_check(cfg, tp)
 
 
 def check_batch_split(global_batch_size: int, plan: Plan) -> int:
@@ -206,8 +234,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
         float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     if plan.tp > 1:
-        if family.tensor_parallel is None:
-            raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
+        check_tensor_parallel(family, getattr(model, "cfg", None), f"tp={plan.tp}", plan.tp)
         mesh = device_mesh(device.type, (plan.fsdp, plan.tp), ("fsdp", "tp"))
         styles = {}
         if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
@@ -226,9 +253,14 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         if plan.ep == plan.world:
             # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
             ep_group = dist.new_group(list(range(plan.ep)))
-        else:  # ep=E,fsdp=N (module docstring): rank r is expert rank r % E of group r // E
+        elif plan.tp == 1:  # ep=E,fsdp=N (module docstring): rank r is expert rank r % E of group r // E
             mesh = device_mesh(device.type, (plan.world // plan.ep, plan.ep), ("replica", "ep"))
             ep_group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
+        else:  # tp=T,ep=E,fsdp=N (module docstring): one expert-parallel group per TP index j
+            shape = (plan.data_parallel // plan.ep, plan.ep, plan.tp)
+            mesh = device_mesh(device.type, shape, ("replica", "ep", "tp"))
+            ep_group = mesh["ep"].get_group()
+            replicas = mesh["replica"].get_group() if shape[0] > 1 else None
         # FSDP2 casts only the parameters it manages to bf16; the expert slices it ignores compute under
         # autocast instead (DDP runs the whole forward under autocast already).
         bf16_experts = plan.compute == "bf16" and plan.fsdp > 1

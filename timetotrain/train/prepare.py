@@ -67,6 +67,8 @@ def preflight(
     )
     if precision == "fp8" and plan.world > 1:
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
+    if plan.tp > 1:
+        parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp)
     local = parallel.check_batch_split(tier.global_batch_size, plan)
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
     # an error, not "the default".

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from timetotrain.models.family import TP_STACKED_OVER
+from timetotrain.train.expert_parallel import expert_slice
 
 STACKED = "_ttt_tp_stacked"  # parameter attribute: (sub-tensors stacked along dim 0, TP degree)
 
@@ -67,13 +68,16 @@ def replicate_partial_grads(params) -> None:
 @torch.no_grad()
 def clip_grad_norm_tp(params, max_norm: float, world: int) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over parameters sharded and replicated over all `world` ranks in
-    any mix (TP and FSDP DTensors, plain tensors every rank holds whole): each local square sum counts
-    once per distinct copy (divided by the number of ranks holding it), one all-reduce gives the total."""
-    grads = [p.grad for p in params if p.grad is not None]
+    any mix (TP and FSDP DTensors, plain tensors every rank holds whole, expert slices each held by world /
+    ep ranks): each local square sum counts once per distinct copy (divided by the number of ranks holding
+    it), one all-reduce gives the total."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    for g in grads:
+    for p in params:
+        g = p.grad
         if isinstance(g, DTensor):
             shards = 1
             for i, placement in enumerate(g.placements):
@@ -83,13 +87,20 @@ def clip_grad_norm_tp(params, max_norm: float, world: int) -> torch.Tensor:
             local = g.to_local()
             total += local.float().pow(2).sum() * (shards / world)
         else:
-            total += g.float().pow(2).sum() / world
+            total += g.float().pow(2).sum() / (world * _held_by(p))
     dist.all_reduce(total)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
     return norm
+
+
+def _held_by(p: torch.Tensor) -> float:
+    """The share of all ranks holding the plain tensor `p`: 1, or 1 / ep for an expert slice (`tp=T,ep=E`:
+    each slice of 1 / ep of the experts sits on world / ep ranks, its TP ranks and replicas)."""
+    part = expert_slice(p)
+    return 1.0 if part is None else p.shape[0] / part[0]
 
 
 def mark_stacked(model: nn.Module) -> None:

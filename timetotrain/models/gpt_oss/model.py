@@ -41,6 +41,7 @@ from timetotrain.models.common.moe import MoE, TopKRouter
 from timetotrain.models.common.moe.telemetry import expert_load
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.gpt_oss.config import GptOssConfig
+from timetotrain.models.gpt_oss.parallelize import check_shape, tensor_parallel
 
 
 class GptOss(Decoder):
@@ -127,6 +128,12 @@ def activation_elements(cfg: GptOssConfig) -> float:
     fails its check, runs the band as masks (`layers.windowed_attention`), which keeps more; not counted.
     Checked against the tensors a block saves under `ttt plan --simulate`'s fake tensors at the reference
     shape, both kinds of layer (tests/test_plan.py)."""
+    return sum(_block_elements(cfg))
+
+
+def _block_elements(cfg: GptOssConfig) -> tuple[float, float, float]:
+    """`activation_elements` in three parts: (the attention with its norm, the MoE's norm, the router and
+    the routed copies)."""
     h, f, k, d = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.head_dim
     q, kv = cfg.n_heads * d, cfg.n_kv_heads * d
 
@@ -136,8 +143,16 @@ def activation_elements(cfg: GptOssConfig) -> float:
     qk_norm = norm(q, cfg.n_heads) + norm(kv, cfg.n_kv_heads) if cfg.qk_norm else 0
     attention = norm(h) + h + (q + 2 * kv) + qk_norm + (q + kv) + q + 2 * cfg.n_heads
     router = 2 * h + 4 * k + 2 * k
-    moe = norm(h) + router + k * (h + 2 * f + f + 2 + f + 8)
-    return attention + moe
+    return attention, norm(h), router + k * (h + 2 * f + f + 2 + f + 8)
+
+
+def tensor_parallel_elements(cfg: GptOssConfig, tp: int) -> float:
+    """`activation_elements` per token on one rank under the TP plan (parallelize.py): the attention, the
+    norms and their heads 1/tp (sequence parallelism, heads split), but the QKV input gathered whole (h)
+    and the MoE whole (router and routed copies: every TP rank of a group runs it on all the group's
+    tokens)."""
+    attention, moe_norm, routed = _block_elements(cfg)
+    return (attention - cfg.dim + moe_norm) / tp + cfg.dim + routed
 
 
 def telemetry(model: GptOss) -> tuple[dict, str]:
@@ -155,4 +170,7 @@ FAMILY = ModelFamily(
     block_params=lambda cfg: _layer_matmul_params(cfg, cfg.n_experts) + _norm_params(cfg) // cfg.n_layers,
     activation_elements=activation_elements,
     telemetry=telemetry,
+    tensor_parallel=tensor_parallel,
+    tensor_parallel_check=check_shape,
+    tensor_parallel_elements=tensor_parallel_elements,
 )

@@ -43,44 +43,30 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
     block linears when the harness swapped them for others (float8's, which scale a sharded input by its
     global amax); torch's ColwiseParallel / RowwiseParallel by default."""
     # heavy (0.5 s): only --parallel tp, and every command that names a llama benchmark imports this family
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
     from timetotrain.models.common.lora_parallel import parallelize_adapted
+    from timetotrain.models.common.sequence_parallel import gathered, sequence_parallel_ends
 
     colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
     check_shape(model.cfg, tp)
-    # The embedding's whole output, cut along the sequence for the first block.
-    parallelize_module(
-        model.embed,
-        tp_mesh,
-        PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-        ),
-    )
+    # The embedding's whole output cut along the sequence for the first block, the final norm's gathered.
+    sequence_parallel_ends(model, tp_mesh)
     for block in model.layers:
         if not hasattr(block.ffn, "fc1"):
             raise UserError("--parallel tp: only dense (SwiGLU) blocks have a tensor-parallel plan, not MoE")
-        gathered = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-            use_local_output=True,
-        )
         plan = {
             "attn_norm": SequenceParallel(),
-            "attn": gathered,
+            "attn": gathered(4),  # (x, cos, sin, mask)
             "ffn_norm": SequenceParallel(),
-            "ffn": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
+            "ffn": gathered(),
         }
         linears = {
             "attn.qkv": colwise(),
@@ -108,10 +94,3 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
         block.attn.n_kv_heads //= tp
         if block.attn.q_norm is not None:
             raise UserError("--parallel tp: attention with QK-norm has no tensor-parallel plan yet")
-    parallelize_module(
-        model.norm,
-        tp_mesh,
-        PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
-    )

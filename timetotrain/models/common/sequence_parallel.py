@@ -1,0 +1,35 @@
+"""What every decoder family's tensor-parallel plan shares (models/llama/parallelize.py,
+models/gpt_oss/parallelize.py): the residual stream between blocks is a DTensor cut along the sequence
+(`Shard(1)`, Megatron's sequence parallelism); the embedding stays whole and its output is cut, the final
+norm gathers the sequence back so the head and its fused loss see plain tensors, and a module that needs
+whole tokens (attention's QKV, a dense FFN, an MoE) gathers its first input."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# torch's TP package is heavy (0.5 s): the plans import this module inside their function, under --parallel tp.
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+
+
+def gathered(n_inputs: int = 1) -> PrepareModuleInput:
+    """The style of a module whose first input arrives cut along the sequence and must be whole (an
+    all-gather), the other `n_inputs - 1` passed through; the module sees plain tensors."""
+    rest = (None,) * (n_inputs - 1)
+    return PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+
+
+def sequence_parallel_ends(model: nn.Module, tp_mesh) -> None:
+    """The embedding's whole output cut along the sequence for the first block; the final norm's input
+    gathered back (module docstring)."""
+    parallelize_module(
+        model.embed,
+        tp_mesh,
+        PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        ),
+    )
+    parallelize_module(model.norm, tp_mesh, gathered())
