@@ -1,6 +1,7 @@
 """Gated DeltaNet under context parallelism (train/context_parallel_deltanet.py) on gloo against one process: the
 layer and the bare rule over the head-tail chunks (rank c holds chunks c and 2N-1-c), gathered back to sequence
-order, equal the single-process output (fp32), and so do the gradients of the inputs and of every weight.
+order, equal the single-process output (fp32), and so do the gradients of the inputs and of every weight; and so
+does a whole DeltaNet block (norm, layer, MoE) with its layer swapped by `context_parallel`, as the harness does.
 
 ONE torchrun of 4 ranks: CP over all 4 (ranks 1 and 2 are middle ranks, whose state and halo come from and go
 to other ranks both ways), then CP over two groups of 2 consecutive ranks side by side (the harness's CP groups,
@@ -11,6 +12,7 @@ states replaced by zeros, or the conv halo by zeros, fails by far (the test chec
 
 Run as a script (by torchrun) this file is the worker: every rank writes the relative errors of every case."""
 
+import copy
 import json
 import os
 import subprocess
@@ -23,6 +25,7 @@ from conftest import free_port
 
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
 from timetotrain.models.qwen3_5_moe.deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2_normalize
+from timetotrain.models.qwen3_5_moe.model import HybridBlock
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +33,7 @@ B = 2
 WORLD = 4
 CFG = Qwen35MoeConfig(
     dim=16, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=8, lin_k_heads=2, lin_v_heads=4, lin_k_dim=8,
-    lin_v_dim=6, n_experts=2, top_k=1, expert_ffn_dim=8, shared_ffn_dim=8, vocab_size=32, max_seq_len=2048,
+    lin_v_dim=6, n_experts=4, top_k=2, expert_ffn_dim=8, shared_ffn_dim=8, vocab_size=32, max_seq_len=2048,
 )  # fmt: skip
 # name -> (tokens per CP chunk, the layer's rule chunk)
 LAYER_CASES = {"layer": (75, 64), "layer_tiny_chunks": (2, 64)}
@@ -55,10 +58,27 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def normal(w: torch.Tensor, std: float) -> None:
+    torch.nn.init.normal_(w, std=std)
+
+
 def make_layer(chunk: int) -> GatedDeltaNet:
     torch.manual_seed(0)
     layer = GatedDeltaNet(CFG, chunk=chunk)
-    layer.init_weights(lambda w, std: torch.nn.init.normal_(w, std=std), 0.3, 0.3)
+    layer.init_weights(normal, 0.3, 0.3)
+    return weak_decay(layer)
+
+
+def make_block() -> HybridBlock:
+    """A whole DeltaNet block (norm, the layer, residual, MoE), the layer as the CP harness swaps it in."""
+    torch.manual_seed(0)
+    block = HybridBlock(CFG, 0)
+    block.init_weights(normal, 0.3, 0.3)
+    weak_decay(block.attn)
+    return block
+
+
+def weak_decay(layer: GatedDeltaNet) -> GatedDeltaNet:
     with torch.no_grad():
         layer.A_log.uniform_(0.002, 0.05).log_()  # weak decay: the state outlives a chunk
         layer.dt_bias.uniform_(-1.0, 1.0)
@@ -87,31 +107,32 @@ def gather(x: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-def compare_layer(chunk_tokens: int, chunk: int, group) -> dict[str, float]:
+def compare_layer(chunk_tokens: int, chunk: int, group, block: bool = False) -> dict[str, float]:
     import torch.distributed as dist
 
-    from timetotrain.train.context_parallel_deltanet import deltanet_cp_forward
+    from timetotrain.train.context_parallel_deltanet import context_parallel
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    layer = make_layer(chunk)
+    one = make_block() if block else make_layer(chunk)
+    cp = copy.deepcopy(one)
+    context_parallel(cp.attn if block else cp, group)
+    extra = (None, None) if block else ()  # a DeltaNet block ignores the RoPE tables
+
     g = torch.Generator().manual_seed(2)
     x = torch.randn(B, 2 * n * chunk_tokens, CFG.dim, generator=g, requires_grad=True)
     w = torch.randn(x.shape, generator=g)  # the loss's weights, so that each output has its own gradient
-    want = layer(x)
+    want = one(x, *extra)
     (want * w).sum().backward()
-    want_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
-    layer.zero_grad()
-
     x_local = local(x.detach(), rank, n, 1).requires_grad_()
-    got_local = deltanet_cp_forward(layer, x_local, group)
+    got_local = cp(x_local, *extra)
     (got_local * local(w, rank, n, 1)).sum().backward()
+
     errors = {"out": relative(whole(gather(got_local.detach(), group), 1), want.detach())}
     errors["grad x"] = relative(whole(gather(x_local.grad, group), 1), x.grad)
-    for name, p in layer.named_parameters():
-        dist.all_reduce(
-            p.grad, group=group
-        )  # each rank's part of the gradient: the loss is the sum over ranks
-        errors[f"grad {name}"] = relative(p.grad, want_grads[name])
+    mine = dict(cp.named_parameters())
+    for name, p in one.named_parameters():
+        dist.all_reduce(mine[name].grad, group=group)  # each rank's part: the loss is the sum over ranks
+        errors[f"grad {name}"] = relative(mine[name].grad, p.grad)
     return errors
 
 
@@ -136,6 +157,7 @@ def compare_rule(group) -> dict[str, float]:
 
 def run_cases(group) -> dict[str, dict[str, float]]:
     results = {name: compare_layer(*case, group) for name, case in LAYER_CASES.items()}
+    results["block"] = compare_layer(*LAYER_CASES["layer"], group, block=True)
     results["rule"] = compare_rule(group)
     return results
 
@@ -174,10 +196,12 @@ def results(tmp_path_factory) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [4, 2])
 def test_deltanet_under_cp_equals_one_process(results, cp):
-    n_errors = 2 + len(list(make_layer(64).parameters()))  # the output, the input's gradient, each weight's
     for rank_results in results:
         cases = rank_results[f"cp{cp}"]
-        assert set(cases) == {*LAYER_CASES, "rule"} and len(cases["layer"]) == n_errors
+        assert set(cases) == {*LAYER_CASES, "block", "rule"}
+        # the output, the input's gradient and each weight's
+        assert len(cases["layer"]) == 2 + len(list(make_layer(64).parameters()))
+        assert len(cases["block"]) == 2 + len(list(make_block().parameters()))
         for case, errors in cases.items():
             for quantity, error in errors.items():
                 assert error < TOL, (cp, case, quantity, error)

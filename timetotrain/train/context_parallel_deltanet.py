@@ -38,6 +38,10 @@ code, so the gradient of each chunk's A, B and tail is the sum over every later 
 in one process. The two all-gathers' backward passes cannot run out of order across ranks: the halo feeds the
 (A, B) pairs, so its gradient is complete only after the pairs' reduce-scatter.
 
+Entry points: `deltanet_cp_forward(layer, x, group)` (the layer's output for the rank's two chunks),
+`context_parallel(layer, group)` (swaps the layer's forward for it, so that its block calls it unchanged), and
+`gated_delta_rule_cp` (the bare rule). Training only: no decoding state, no padding mask.
+
 Cost: the rule runs d_k extra value columns (v-side work about (d_k + d_v) / d_v times one process's), plus
 an all-gather of 2N pairs per layer (Qwen3.5-397B, cp=8, one sample: 16 x 8 MiB fp32) and of the halos.
 """
@@ -167,3 +171,17 @@ def deltanet_cp_forward(layer: GatedDeltaNet, x: torch.Tensor, group=None) -> to
     q, k, v, g, beta = layer.rule_inputs(mixed, b, a, window)
     out = _rule_two_chunks(q, k, v, g, beta, group, layer.chunk)
     return layer.output(out, z, x.dtype).reshape(B, -1, x.shape[-1])
+
+
+def context_parallel(layer: GatedDeltaNet, group=None) -> None:
+    """From now on `layer` (as its block calls it: `layer(x, state, valid)`) computes under context parallelism
+    over `group`, `x` being the rank's two chunks (`deltanet_cp_forward`). Training only."""
+
+    def forward(x: torch.Tensor, state: LinearState | None = None, valid: torch.Tensor | None = None):
+        if state is not None or valid is not None:
+            raise ValueError(
+                "a context-parallel DeltaNet layer trains only: no decoding state, no padding mask"
+            )
+        return deltanet_cp_forward(layer, x, group)
+
+    layer.forward = forward
