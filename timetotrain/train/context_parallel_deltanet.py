@@ -53,7 +53,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from timetotrain.models.qwen3_5_moe.deltanet import GatedDeltaNet, LinearState, chunk_gated_delta_rule
+from timetotrain.models.qwen3_5_moe.deltanet import (
+    DELTANET_CHUNK,
+    GatedDeltaNet,
+    LinearState,
+    chunk_gated_delta_rule,
+)
 
 # `all_gather_into_tensor` / `reduce_scatter_tensor` are deprecated in recent torch for the `_single` names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -139,14 +144,14 @@ def _rule_two_chunks(q, k, v, g, beta, group, chunk: int) -> torch.Tensor:
 
 
 def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """`[B, 2 T_c, ...]` (the rank's two chunks side by side in time) -> `[2B, T_c, ...]` (row 2b + i), a view."""
+    """`[B, 2 T_c, ...]` (the rank's two chunks side by side in time) -> `[2B, T_c, ...]` (row 2b + i)."""
     B, T = x.shape[:2]
     if T % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks, got {T} positions")
     return x.reshape(2 * B, T // 2, *x.shape[2:])
 
 
-def gated_delta_rule_cp(q, k, v, g, beta, group=None, chunk: int = 64) -> torch.Tensor:
+def gated_delta_rule_cp(q, k, v, g, beta, group=None, chunk: int = DELTANET_CHUNK) -> torch.Tensor:
     """The bare rule under context parallelism: this rank's q, k, v `[B, H, 2 T_c, d]`, g, beta `[B, H, 2 T_c]`
     (chunks c and 2N-1-c side by side in time) -> its outputs `[B, H, 2 T_c, d_v]`, as `chunk_gated_delta_rule`
     over the whole sequence from a zero state would give them."""
