@@ -182,10 +182,32 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """`x` `[B, T, dim]` -> `[B, T, dim]`. `state`: continue from it and update it (decoding); `valid` `[B, T]`
         (False: a padding position): its input is zeroed, so it adds nothing to the conv window or the state."""
+        mixed, z, b, a = self.project(x, valid)
+        q, k, v, g, beta = self.rule_inputs(mixed, b, a, state)
+        initial = state.recurrent if state is not None else None
+        if state is not None and x.shape[1] == 1:
+            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+        else:
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, self.chunk)
+        if state is not None:
+            state.recurrent = final.detach()
+        return self.output(out, z, x.dtype)
+
+    # The three stages of `forward`, apart so that a context-parallel harness (train/context_parallel_deltanet.py)
+    # can exchange the conv window and the recurrent state between them.
+    def project(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The per-token input projections of `x` `[B, T, dim]`: the conv's input (q, k, v side by side), the
+        output gate z, and the write-strength and decay logits b, a, each `[B, T, .]`."""
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        B, T, _ = x.shape
-        mixed, z, b, a = self.in_proj(x).split(self.in_sizes, dim=-1)
+        return self.in_proj(x).split(self.in_sizes, dim=-1)
+
+    def rule_inputs(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: LinearState | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The conv over time (after `state`'s window, updated) and the heads: q, k `[B, H_v, T, d_k]`
+        (normalised, q scaled), v `[B, H_v, T, d_v]`, g, beta `[B, H_v, T]`, all fp32."""
+        B, T, _ = mixed.shape
         mixed = self._conv(mixed.transpose(1, 2), state).transpose(1, 2)
         key = self.k_heads * self.k_dim
         q, k, v = mixed.split([key, key, self.v_heads * self.v_dim], dim=-1)
@@ -202,14 +224,13 @@ class GatedDeltaNet(nn.Module):
         v = heads(v, self.v_heads, self.v_dim)
         beta = b.float().sigmoid().transpose(1, 2)
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
-        initial = state.recurrent if state is not None else None
-        if state is not None and T == 1:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
-        else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, self.chunk)
-        if state is not None:
-            state.recurrent = final.detach()
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, H_v, d_v]
+        return q, k, v, g, beta
+
+    def output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rule's output `[B, H_v, T, d_v]` (cast to the layer input's `dtype`), normalised per value head,
+        gated by z and projected: `[B, T, dim]`."""
+        B, _, T, _ = out.shape
+        out = out.transpose(1, 2).to(dtype)  # [B, T, H_v, d_v]
         z = z.reshape(B, T, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(B, T, -1))
 
