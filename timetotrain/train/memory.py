@@ -22,9 +22,11 @@ Where the numbers come from (an estimate, not a measurement):
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation (of unlike blocks the largest: `ModelFamily.peak_block_elements`, qwen3_5_moe's DeltaNet).
-  A task whose loss reads whole logits (`Task.full_logits`: GRPO's per-token log-probabilities) has them
-  counted whole instead of one chunk: the kept fp32 log-softmax and, in the backward, its fp32 gradient in
-  and out and the bf16 gradient (14 B per token and vocabulary entry).
+  GRPO's per-token log-probabilities go through the same chunked head (`head_loss.linear_logprobs`): it
+  keeps the compute-dtype hidden states (the h counted above for the hidden states' gradient) and computes a
+  chunk's logits again in the backward, where the fp32 head-weight gradient appears; one chunk of logits at
+  a time, fp32 plus its bf16 GEMM output (6 B an element under bf16, within the 8 counted). Until 2026-12 it
+  read whole logits (14 B per token and vocabulary entry: ~333 GiB for one 65,536-token sample).
 - The step's peak is the larger of its last backward's two ends (`backward_overlap`), not one sum: at the
   start every activation above and the gradients of the micro-batches before (none when the step is one
   micro-batch); at the end, in the first block, every gradient beside that block's activations and their
@@ -34,7 +36,7 @@ Where the numbers come from (an estimate, not a measurement):
   `ttt plan --simulate`: the sum, 70.7 GiB, was 11% over the simulated 63.9).
 - A task's own phases beside the step (`Task.plan_phases`: GRPO's rollout decode, each GPU's rollouts at
   once with their KV cache and recurrent state at the full sequence length, and its logprob check, a
-  no-grad forward over whole logits): the activations column holds the largest of these and the step's
+  no-grad forward through the chunked head): the activations column holds the largest of these and the step's
   (`Estimate.peak` names it), the model states being resident through all of them.
   A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
   flux (models/flux/) counts what each double and single MMDiT block keeps per token of the joint
@@ -193,25 +195,16 @@ class Estimate:
         return self.states + self.compute_copies + self.activations + self.margin - self.overlap
 
 
-def activation_bytes(
-    family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1, full_logits: bool = False
-) -> float:
+def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1) -> float:
     h = cfg.dim
     per_block = _tp_elements(family, cfg, family.activation_elements(cfg), tp)  # per token, module docstring
     # Under checkpointing one block is recomputed at a time: of unlike blocks, the largest is the peak.
     peak = _tp_elements(family, cfg, (family.peak_block_elements or family.activation_elements)(cfg), tp)
     head = 4 * h * act_bytes
-    if full_logits:
-        # `Task.full_logits`: the fp32 log-softmax of every token's logits, kept for the backward, and there
-        # its fp32 gradient in and out and, in bf16, the gradient cast for the head's matmul; fp32 dW.
-        head_fixed = cfg.vocab_size * cfg.dim * 4 + tokens * cfg.vocab_size * (
-            12 + (2 if act_bytes < 4 else 0)
-        )
-    else:
-        rows = chunk_rows(tokens, cfg.vocab_size)
-        # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
-        chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
-        head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
+    rows = chunk_rows(tokens, cfg.vocab_size)
+    # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
+    chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
+    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
     # Multi-token prediction (DeepSeek-V3, `mtp_layers` depths): each depth is one more block outside
     # `model.layers`, which activation checkpointing does not wrap, so it keeps all its activations; before it
     # its two input norms (3h each), the concatenation its projection reads (2h) and the block's input (h);
@@ -284,11 +277,9 @@ def _margin(gpu_mem_gib: float) -> float:
     return MARGIN_SHARE * gpu_mem_gib * GiB + GiB
 
 
-def _peak(
-    bench, tier, step_bytes: float, rows: int, act_bytes: int, chunked: bool = False
-) -> tuple[float, str]:
+def _peak(bench, tier, step_bytes: float, rows: int, act_bytes: int) -> tuple[float, str]:
     """The step's activations, or the task's larger phase (`Task.plan_phases`), with its name."""
-    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes, chunked)
+    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes)
     phases = {"the training step": step_bytes, **more}
     name = max(phases, key=phases.get)
     return phases[name], name
@@ -346,7 +337,7 @@ def estimate(
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
     else:
         tokens = micro * bench.task.sample_items(tier)[1]
-        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, full_logits=bench.task.full_logits)
+        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
         end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
@@ -431,7 +422,7 @@ def _estimate_tp(
         + (2 * experts / ep if ep and bf16 else 0)
     )
     tokens = micro * bench.task.sample_items(tier)[1]
-    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
+    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
@@ -673,21 +664,24 @@ def nothing_fits(
     """Why no world fits (when `fits_from` found none), in numbers: the smallest estimate on the largest world
     `ttt run` could take (one sample per data-parallel rank at most), its activations against what the
     device leaves beside the states, bf16 copies and margin, and what would be needed: the sequence split
-    over that many GPUs (context parallelism: activations / c), and for a task whose loss reads whole logits
-    (`Task.full_logits`) what a chunked head would leave."""
+    over that many GPUs (context parallelism: activations / c)."""
     plans = list(_larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))
     if not plans:
         plans = [(gpus, plan(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))]
     w, (_, rows, _) = plans[-1]
     r = min(rows, key=lambda e: e.total)
     cap = HEADROOM * gpu_mem_gib * GiB
-    fixed = r.states + r.compute_copies + r.margin - r.overlap
+    # Where the backward's end outweighs its start (a negative overlap: `backward_overlap`), the end is what
+    # the activations must fit in, not a part of the states.
+    fixed = r.states + r.compute_copies + r.margin - max(r.overlap, 0.0)
+    act = r.activations - min(r.overlap, 0.0)
+    peak = r.peak if r.overlap >= 0 else f"the end of {r.peak}'s backward"
     item, per_sample = bench.task.sample_items(tier)
     head = (
         f"on {w} GPUs, the most `ttt run` takes for GBS {tier.global_batch_size}, the smallest layout "
         f"({r.parallel}, activation checkpointing {'on' if r.ac else 'off'}, micro-batch {r.micro_batch}) "
-        f"for one sample of {per_sample:,} {item} needs ~{r.activations / GiB:,.0f} GiB of "
-        f"activations ({r.peak}) beside ~{fixed / GiB:,.0f} GiB of states, bf16 copies and margin, over the "
+        f"for one sample of {per_sample:,} {item} needs ~{act / GiB:,.0f} GiB of "
+        f"activations ({peak}) beside ~{fixed / GiB:,.0f} GiB of states, bf16 copies and margin, over the "
         f"{cap / GiB:,.0f} GiB usable ({HEADROOM:.0%} of {gpu_mem_gib:g} GiB)"
     )
     if fixed >= cap:
@@ -697,18 +691,9 @@ def nothing_fits(
         return math.ceil(act / (cap - fixed))
 
     need = (
-        f"needed: the sequence split over GPUs, context parallelism of at least {split(r.activations)} (or "
+        f"needed: the sequence split over GPUs, context parallelism of at least {split(act)} (or "
         f"tensor parallelism), which timetotrain does not have for the {bench.family.name} family"
     )
-    if bench.task.full_logits and family_decoder(bench):
-        tokens = r.micro_batch * per_sample
-        act = activation_bytes(bench.family, tier.model, tokens, 2 if bf16 else 4, r.ac, full_logits=False)
-        act, what = _peak(bench, tier, act, tier.global_batch_size // w, 2 if bf16 else 4, chunked=True)
-        need += (
-            "; were the logits read a chunk at a time (a chunked log-probability head, not written: the loss and "
-            f"the logprob check read them whole) ~{act / GiB:,.0f} GiB ({what}), "
-            + (f"still context parallelism of {split(act)}" if act > cap - fixed else "which would fit")
-        )
     # The device on which this estimate fits, its margin growing with it.
     total = (r.states + r.compute_copies + r.activations - r.overlap + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
     return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
