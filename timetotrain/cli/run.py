@@ -385,15 +385,19 @@ def _simulate(args, bench, tier, rows, best, given_ac: int | None):
     return cells, format_simulation(sim, est, args.gpu_mem), doc
 
 
-# `--ac-every K` of `ttt run`, `ttt synth` and `ttt plan` (train/parallel.py: Plan.activation_checkpointing).
-AC_EVERY = dict(
-    type=int,
-    default=None,
-    metavar="K",
-    help="selective activation checkpointing: checkpoint every K-th block (blocks 0, K, 2K, ...), the others "
-    "keep their activations; K=1 is --ac, K=2 halves the recomputation and keeps half the blocks' "
-    "activations. Between the two in memory and speed; `ttt plan --ac-every K` estimates it",
-)
+def _add_ac_flags(s, ac_help: str) -> None:
+    """`--ac` and `--ac-every K` of `ttt run`, `ttt synth` and `ttt plan` (train/parallel.py:
+    Plan.activation_checkpointing, which `parallel.ac_every` makes of the two)."""
+    s.add_argument("--ac", action="store_true", help=ac_help)
+    s.add_argument(
+        "--ac-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="selective activation checkpointing: checkpoint every K-th block (blocks 0, K, 2K, ...), the "
+        "others keep their activations; K=1 is --ac, K=2 halves the recomputation and keeps half the blocks' "
+        "activations. Between the two in memory and speed; `ttt plan --ac-every K` estimates it",
+    )
 
 
 def _add_scale_flags(s, precision_default: str | None) -> None:
@@ -413,13 +417,11 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
         "the rest bf16 on GPU, fp32 on CPU; needs pip install 'timetotrain[fp8]'"
         + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
     )
-    s.add_argument(
-        "--ac",
-        action="store_true",
-        help="activation checkpointing of every block: each keeps only its input and recomputes the rest in "
-        "the backward (least activation memory, about a third more compute)",
+    _add_ac_flags(
+        s,
+        "activation checkpointing of every block: each keeps only its input and recomputes the rest in the "
+        "backward (least activation memory, about a third more compute)",
     )
-    s.add_argument("--ac-every", **AC_EVERY)
     s.add_argument("--compile", action="store_true", help="torch.compile each block")
 
 
@@ -626,13 +628,11 @@ def add_commands(sub) -> None:
         help="with --simulate: build N and N+1 layers (flux: N and N+3 blocks) and extrapolate linearly to the "
         "tier's depth (default: the full depth)",
     )
-    s.add_argument(
-        "--ac",
-        action="store_true",
-        help="plan (and --simulate) with activation checkpointing of every block only (default: each layout "
-        "with and without it, and --simulate as the suggestion has it)",
+    _add_ac_flags(
+        s,
+        "plan (and --simulate) with activation checkpointing of every block only (default: each layout with "
+        "and without it, and --simulate as the suggestion has it)",
     )
-    s.add_argument("--ac-every", **AC_EVERY)
     s.set_defaults(func=_cmd_plan)
 
     s = sub.add_parser(

@@ -74,13 +74,7 @@ def linear_cross_entropy(
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    if h.shape[0] != y.shape[0]:
-        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
-    dev = h.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    rows = rows or chunk_rows(h.shape[0], weight.shape[0])
+    h, y, dtype, rows = _rows(hidden, weight, labels, "labels", rows)
     grads = torch.is_grad_enabled()
     want = (grads and h.requires_grad, grads and weight.requires_grad)
     valid = y != IGNORE_INDEX
@@ -88,6 +82,18 @@ def linear_cross_entropy(
     if reduction == "sum":
         return total
     return total / valid.sum()
+
+
+def _rows(hidden, weight, labels, name: str, rows: int | None):
+    """(hidden as `[n, d]`, labels as `[n]`, the dtype the matmuls run in: autocast's where it is on, the
+    chunk's rows) of a chunked head's inputs; `name` says what the labels are in the error."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} {name}")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    return h, y, dtype, rows or chunk_rows(h.shape[0], weight.shape[0])
 
 
 def logits_or_loss(
@@ -130,13 +136,7 @@ def linear_logprobs(
     computes each chunk's logits again (one more `[rows, d] x [d, vocab]` GEMM per chunk) and turns them
     into `(onehot - softmax) * grad / temperature` in place. Neither pass holds more than one chunk of
     logits (in the compute dtype and fp32); what autograd keeps is the hidden states in the compute dtype."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = targets.reshape(-1)
-    if h.shape[0] != y.shape[0]:
-        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} targets")
-    dev = h.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    rows = rows or chunk_rows(h.shape[0], weight.shape[0])
+    h, y, dtype, rows = _rows(hidden, weight, targets, "targets", rows)
     scale = None if temperature in (0.0, 1.0) else float(temperature)
     out = _LinearLogprobs.apply(h, weight, y, dtype, rows, scale)
     return out.view(targets.shape)
