@@ -3,6 +3,7 @@ into loss-ready rows, the global token-level mean across micro-batches, the roll
 pass@k, the eval points in samples, and the reference tier against the closed 6.1 rules (forbidden overrides
 refused before any log line)."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -133,6 +134,40 @@ def test_micro_batches_and_their_gradients_add_up_to_the_whole_batch():
             whole = total
     assert total == pytest.approx(whole, rel=1e-5)
     assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_chunked_log_probabilities_leave_the_step_and_the_check_unchanged(temperature, monkeypatch):
+    """GRPO's loss and the logprob check read the log-probabilities through the chunked head
+    (`completion_logprobs`): the step's loss and every parameter's gradient, and the check's values, equal
+    today's whole-logits path (`token_logprobs` of `model(tokens)`), at chunks that do not divide the rows."""
+    from timetotrain.models.common import head_loss
+    from timetotrain.tasks.grpo import completion_logprobs
+    from timetotrain.train.policy_gradient import policy_loss
+
+    monkeypatch.setattr(head_loss, "chunk_rows", lambda n, v: 13)
+    data = _data()
+    data.d = dataclasses.replace(data.d, train_temperature=temperature)
+    m = _model()
+    batch = data.prepare(m, data.batch(0))
+    tokens = batch["tokens"]
+    with torch.no_grad():
+        whole = token_logprobs(m(tokens[:, :-1]), tokens[:, 1:], temperature)
+        torch.testing.assert_close(completion_logprobs(m, tokens, temperature), whole, rtol=1e-6, atol=1e-6)
+    got = data.loss(m, batch)
+    got.backward()
+    got_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    logp = token_logprobs(m(tokens[:, :-1]), tokens[:, 1:], temperature)
+    b = batch
+    ref = policy_loss(
+        logp, b["gen_logp"], b["adv"], b["mask"], b["sample_mask"], b["norm"][0], cfg=data.loss_cfg
+    )
+    ref.backward()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert ref.item() != 0
+    for (name, p), g in zip(m.named_parameters(), got_grads, strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_ranks_own_whole_groups_and_a_split_that_cuts_one_is_refused():

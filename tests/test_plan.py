@@ -476,8 +476,9 @@ def test_plan_json_carries_nodes_launch_and_fits_from(capsys):
 def test_grpo_reference_says_what_one_sample_needs(capsys):
     """qwen35_397b_grpo reference on H200s (141 GiB): no world `ttt run` can take fits, and the plan says why in
     the estimate's own numbers. At 256 GPUs (GBS 256: one rollout per GPU) the smallest layout's one 65,536-token
-    sample keeps the whole logits (GRPO's per-token log-probabilities read them whole) beside the checkpointed
-    blocks; what it would take is the sequence split over GPUs, and the plan names the degree."""
+    sample keeps the checkpointed blocks and GRPO's chunked log-probability head (one chunk of logits, as a
+    causal LM's loss); what it would take is the sequence split over GPUs, and the plan names the degree. On
+    the RCPs' 256 x 288 GiB (GB300) it fits: until the head was chunked it needed ~333 GiB of activations."""
     bench = get("qwen35_397b_grpo")
     ref = bench.tier("reference")
     cfg, T = ref.model, ref.data.seq_len
@@ -486,31 +487,34 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     assert best is None
     r = min(rows, key=lambda e: e.total)
     assert (r.ac, r.micro_batch, r.peak) == (True, 1, "the training step")
-    # Whole logits (14 B an element: the kept fp32 log-softmax, its gradient in and out, the bf16 gradient)
-    # against the chunked head's one chunk: the difference is the logits' share.
-    chunked = activation_bytes(bench.family, cfg, T, 2, True)
-    whole = activation_bytes(bench.family, cfg, T, 2, True, full_logits=True)
-    assert r.activations == whole and whole - chunked > T * cfg.vocab_size * 13
+    assert r.activations == activation_bytes(bench.family, cfg, T, 2, True)
+    # No whole logits: a [tokens, vocab] fp32 array alone would be 61 GiB.
+    assert r.activations < 2.2 * T * cfg.vocab_size * 4
     cap = 0.9 * 141 * GiB
+    # The end of the backward (the DeltaNet block recomputed beside its gradients, every parameter gradient)
+    # outweighs its start: the activations must fit that.
+    assert r.overlap < 0
     fixed = r.states + r.compute_copies + r.margin
-    need = -(-r.activations // (cap - fixed))
+    act = r.activations - r.overlap
+    need = -(-act // (cap - fixed))
     why = nothing_fits(bench, ref, 8, 141, None)
     assert f"on 256 GPUs, the most `ttt run` takes for GBS {ref.global_batch_size}" in why
-    assert f"needs ~{r.activations / GiB:,.0f} GiB of activations (the training step)" in why
+    assert f"needs ~{act / GiB:,.0f} GiB of activations (the end of the training step's backward)" in why
     assert f"context parallelism of at least {need:.0f} (or tensor parallelism)" in why and need > 1
-    # Read in chunks, the step would still need the sequence split (the blocks alone outgrow the GPU).
-    assert f"~{chunked / GiB:,.0f} GiB (the training step), still context parallelism of 2" in why
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "141"]) == 1
     assert why in capsys.readouterr().out
     # The memory it names fits: a plan on such GPUs suggests that layout.
     more = float(why.rsplit("GPUs with ~", 1)[1].split(" GiB")[0].replace(",", "")) + 1
     assert plan(bench, ref, 256, more, None)[2] is not None
+    _, _, best = plan(bench, ref, 256, 288, None)
+    assert best is not None and best.ac and best.total <= 0.9 * 288 * GiB
 
 
 def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
     """A GPU decodes its share of the rollouts at once (KV cache of the full-attention layers, fp32 DeltaNet
     state and conv window of the others, at the full sequence length each) and runs the logprob check's
-    no-grad forward over whole logits: both by hand from the config."""
+    no-grad forward through the chunked head (its rows' hidden states, fp32 and bf16, and one chunk of
+    logits, bf16 and fp32): both by hand from the config."""
     bench = get("qwen35_397b_grpo")
     ref = bench.tier("reference")
     c, T = ref.model, ref.data.seq_len
@@ -522,31 +526,33 @@ def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
         * (c.lin_v_heads * c.lin_k_dim * c.lin_v_dim + c.conv_dim * (c.conv_kernel - 1))
     )
     phases = bench.task.plan_phases(bench.family, ref, 4, 2)
+    chunk = (256 << 20) // (4 * c.vocab_size)
     assert phases == {
         "the rollouts' decode": 4 * row,
-        "the logprob check": 4 * T * c.vocab_size * (2 + 4 + 4),
+        "the logprob check": 4 * T * c.dim * (4 + 2) + chunk * c.vocab_size * (2 + 4),
     }
-    # At 64 GPUs each holds 4 rollouts: the check's whole logits of all 4 outgrow one sample's step.
+    # At 64 GPUs each holds 4 rollouts: neither phase outgrows one sample's step any more (the check's whole
+    # logits of all 4 did, 569 GiB).
     _, rows, _ = plan(bench, ref, 64, 141, None)
     ac_rows = [r for r in rows if r.ac and r.micro_batch == 1]
-    assert ac_rows and all(r.peak == "the logprob check" for r in ac_rows)
+    assert ac_rows and all(r.peak == "the training step" for r in ac_rows)
 
 
-def test_grpo_whole_logits_kept_are_the_fp32_log_softmax():
-    """What autograd keeps of GRPO's head (`token_logprobs` of the whole logits, bf16 autocast on CPU): the fp32
-    log-softmax, 4 B per token and vocabulary entry, the part of the plan's 14 B that lives through the
-    backward (the rest are the backward's own gradients); the head's input is the block stack's output."""
-    from timetotrain.train.policy_gradient import token_logprobs
+def test_grpo_head_keeps_the_hidden_states_not_the_logits():
+    """What autograd keeps of GRPO's head (`completion_logprobs`: the model's per-token cross-entropy at the
+    sampling temperature, bf16 autocast on CPU): the bf16 copy of the final hidden states (the h the plan
+    counts for the hidden states' gradient) and the targets; no `[tokens, vocab]` array."""
+    from timetotrain.models.common.head_loss import logits_or_loss
 
     T, d, V = 64, 32, 1000
     head = torch.nn.Linear(d, V, bias=False)
     h = torch.randn(1, T, d, requires_grad=True)
     tokens = torch.randint(0, V, (1, T))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        kept, _ = _saved_bytes(lambda: token_logprobs(head(h), tokens), head)
-    # The fp32 log-softmax, the bf16 casts of the input and of the weight (the latter a bf16 copy, its own
-    # column of the plan), gather's index.
-    assert kept == T * V * 4 + T * d * 2 + V * d * 2 + T * 8
+        kept, out = _saved_bytes(lambda: logits_or_loss(h, head, tokens, "none", 0.7), head)
+    # The bf16 hidden states, the int64 targets and their bool mask (the weight is a state, not counted).
+    assert kept == T * d * 2 + T * 8 + T
+    out.sum().backward()
 
 
 # -- the legal batch sizes of the RCP table where the tier's does not split --

@@ -124,7 +124,8 @@ def _plan(bench, tier, args) -> dict:
     if precision is None:  # `ttt synth`'s default: bf16 on a GPU, fp32 on a CPU
         cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         precision = "bf16" if cuda else "fp32"
-    p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=args.ac,
+    ac = parallel.ac_every(args.ac, getattr(args, "ac_every", None), getattr(tier.model, "n_layers", None))
+    p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=ac,
                        compile=args.compile)  # fmt: skip
     local = parallel.check_batch_split(tier.global_batch_size, p)
     micro = min(tier.micro_batch_size, local)
@@ -151,7 +152,7 @@ def _plan(bench, tier, args) -> dict:
         fp8 = memory.fp8_model(bench, tier) if args.precision == "fp8" else None
         bf16 = args.precision in ("bf16", "fp8")
         est = memory.estimate(
-            bench, tier, 0, d.world, 0.0, kind, args.ac, micro, bf16, fp8=fp8, replicas=p.dp_replicate
+            bench, tier, 0, d.world, 0.0, kind, ac, micro, bf16, fp8=fp8, replicas=p.dp_replicate
         )
         doc["memory_per_rank_gib"] = round((est.total - est.margin) / memory.GiB, 3)
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate, without its margin"

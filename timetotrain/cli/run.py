@@ -124,6 +124,10 @@ def run_set(args, seeds: list[int], **fixed) -> list:
                          ("tensorboard", "tensorboard"), ("wandb", "wandb"), ("config", "config_doc")]
             if hasattr(args, a)
         }  # fmt: skip
+        if hasattr(args, "ac"):  # --ac and --ac-every K: one number (train/parallel.py)
+            from timetotrain.train.parallel import ac_every
+
+            flags["activation_checkpointing"] = ac_every(args.ac, getattr(args, "ac_every", None))
         results = []
         for i, seed in enumerate(seeds):
             if len(seeds) > 1:
@@ -162,6 +166,7 @@ def _cmd_synth(args) -> int:
         from timetotrain.cli import dryrun
 
         return dryrun.run(args, "synth")
+    from timetotrain.train.parallel import ac_every
     from timetotrain.train.synth import SynthOptions, format_table, synth
 
     summary = synth(
@@ -177,7 +182,7 @@ def _cmd_synth(args) -> int:
             precision=args.precision,
             seed=args.seed,
             parallel=args.parallel,
-            activation_checkpointing=args.ac,
+            activation_checkpointing=ac_every(args.ac, args.ac_every),
             compile=args.compile,
             layers=args.layers,
             tensorboard=Path(args.tensorboard) if args.tensorboard else None,
@@ -287,9 +292,12 @@ def _cmd_plan(args) -> int:
         plan_at_legal_gbs,
         plan_doc,
     )
+    from timetotrain.train.parallel import ac_every
 
     bench = suite.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
+    # --ac / --ac-every K: only that checkpointing is planned (None: each layout without and with it).
+    ac = ac_every(args.ac, args.ac_every, getattr(tier.model, "n_layers", None)) or None
     if args.precision != "fp8" and "fp8_recipe" in tier.user_set:
         raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
     if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM)
@@ -324,17 +332,19 @@ def _cmd_plan(args) -> int:
         bench,
         tier,
         args.gpus,
-        lambda t: plan(bench, t, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8),
+        lambda t: plan(bench, t, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8, ac),
         retier if searched else None,
     )
-    larger = None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
-    sim = _simulate(args, bench, tier, rows, best) if args.simulate else None
+    larger = (
+        None if best else fits_from(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8, ac)
+    )
+    sim = _simulate(args, bench, tier, rows, best, ac) if args.simulate else None
     show = plan_doc if args.json else format_plan
     extra = {"simulated": sim[0]} if sim else {}
     if fp8:
         extra["fp8"] = fp8
     if best is None and larger is None:  # no world fits: say why, in numbers, and what would be needed
-        extra["why"] = nothing_fits(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8)
+        extra["why"] = nothing_fits(bench, tier, args.gpus, args.gpu_mem, args.parallel, bf16, gpn, fp8, ac)
     out = show(
         bench, tier, n, rows, best, args.gpus, args.gpu_mem, bf16, gpus_per_node=gpn, larger=larger, **extra
     )
@@ -350,16 +360,16 @@ def _cmd_plan(args) -> int:
     return 0 if best is not None else 1
 
 
-def _simulate(args, bench, tier, rows, best):
+def _simulate(args, bench, tier, rows, best, given_ac: int | None):
     """`ttt plan --simulate`: ({(parallel, ac, micro): simulated peak + margin}, the report, as data). The
-    row simulated is the suggested one (its AC and micro-batch) when the layout fits, else AC as --ac says
-    at the tier's micro-batch."""
+    row simulated is the suggested one (its AC and micro-batch) when the layout fits, else AC as --ac or
+    --ac-every (`given_ac`) says at the tier's micro-batch."""
     from timetotrain.train.simulate import format_simulation, simulate
 
     if not args.parallel:
         raise UserError("--simulate needs --parallel: the layout to build (e.g. --parallel fsdp=8)")
-    ac = args.ac or (best is not None and best.ac)
-    if best is not None and not args.ac:
+    ac = given_ac or (best.ac if best is not None else 0)
+    if best is not None and not given_ac:
         tier = dataclasses.replace(tier, micro_batch_size=best.micro_batch)
     sim = simulate(bench, tier, args.gpus, args.parallel, args.rank, args.layers, args.precision, ac)
     est = next((r for r in rows if r.ac == ac and r.micro_batch == sim.micro_batch), None)
@@ -373,6 +383,21 @@ def _simulate(args, bench, tier, rows, best):
         "peak_phase": top.peak_phase,
     }
     return cells, format_simulation(sim, est, args.gpu_mem), doc
+
+
+def _add_ac_flags(s, ac_help: str) -> None:
+    """`--ac` and `--ac-every K` of `ttt run`, `ttt synth` and `ttt plan` (train/parallel.py:
+    Plan.activation_checkpointing, which `parallel.ac_every` makes of the two)."""
+    s.add_argument("--ac", action="store_true", help=ac_help)
+    s.add_argument(
+        "--ac-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="selective activation checkpointing: checkpoint every K-th block (blocks 0, K, 2K, ...), the "
+        "others keep their activations; K=1 is --ac, K=2 halves the recomputation and keeps half the blocks' "
+        "activations. Between the two in memory and speed; `ttt plan --ac-every K` estimates it",
+    )
 
 
 def _add_scale_flags(s, precision_default: str | None) -> None:
@@ -392,7 +417,11 @@ def _add_scale_flags(s, precision_default: str | None) -> None:
         "the rest bf16 on GPU, fp32 on CPU; needs pip install 'timetotrain[fp8]'"
         + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
     )
-    s.add_argument("--ac", action="store_true", help="activation checkpointing per block (less memory)")
+    _add_ac_flags(
+        s,
+        "activation checkpointing of every block: each keeps only its input and recomputes the rest in the "
+        "backward (least activation memory, about a third more compute)",
+    )
     s.add_argument("--compile", action="store_true", help="torch.compile each block")
 
 
@@ -599,10 +628,10 @@ def add_commands(sub) -> None:
         help="with --simulate: build N and N+1 layers (flux: N and N+3 blocks) and extrapolate linearly to the "
         "tier's depth (default: the full depth)",
     )
-    s.add_argument(
-        "--ac",
-        action="store_true",
-        help="with --simulate: activation checkpointing per block (default: as the suggestion has it, else off)",
+    _add_ac_flags(
+        s,
+        "plan (and --simulate) with activation checkpointing of every block only (default: each layout with "
+        "and without it, and --simulate as the suggestion has it)",
     )
     s.set_defaults(func=_cmd_plan)
 

@@ -224,15 +224,10 @@ class Task(ABC):
         """A line `ttt plan` adds about what its memory estimate leaves out and why, or None."""
         return None
 
-    # The loss reads whole `[tokens, vocab]` logits (GRPO's per-token log-probabilities), not the fused
-    # chunked head of `models/common/head_loss.py`: `ttt plan` counts them whole.
-    full_logits: bool = False
-
-    def plan_phases(self, family, tier, rows: int, act_bytes: int, chunked: bool = False) -> dict[str, float]:
+    def plan_phases(self, family, tier, rows: int, act_bytes: int) -> dict[str, float]:
         """`ttt plan`: the bytes per GPU of the task's own phases beside the training step's activations (GRPO:
         the rollouts' decode, the log-probability check), by name, for the `rows` samples of one GPU; the
-        plan takes the largest of these and the step. `chunked`: as if logits were read a chunk at a time
-        (what a chunked head would leave, which the plan reports where nothing fits). Default: none."""
+        plan takes the largest of these and the step. Default: none."""
         return {}
 
     def data_name(self, tier) -> str | None:

@@ -46,7 +46,6 @@ from timetotrain.train.policy_gradient import (
     group_advantages,
     logprob_error_mask,
     policy_loss,
-    token_logprobs,
 )
 from timetotrain.train.rollout import RolloutEngine, TorchRollout
 
@@ -109,6 +108,15 @@ def rollout_figures(sums: list[float]) -> dict[str, float]:
         "truncated": s["truncated"] / rollouts,
         "dropped": s["dropped"] / rollouts,
     }
+
+
+def completion_logprobs(model, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) of each next token of `tokens` `[B, T]` -> `[B, T - 1]` fp32, the
+    values of `token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], temperature)`, through the chunked head
+    (`head_loss.linear_logprobs`, via the model's per-token cross-entropy): neither the loss, its gradient
+    nor the logprob check holds `[tokens, vocab]` logits. Through `forward`, so that DDP and FSDP2's root
+    hooks run as for any step."""
+    return -model(tokens[:, :-1], tokens[:, 1:], reduction="none", temperature=temperature)
 
 
 class _Resolved:
@@ -211,7 +219,7 @@ class _Rollouts(RunData):
         tokens, mask, gen = tokens.to(self.device), mask.to(self.device), gen.to(self.device)
         sample_mask = sample_mask.to(self.device)
         if self.d.logprob_error_threshold is not None:
-            prev = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
+            prev = completion_logprobs(model, tokens, self.d.train_temperature)
             sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, self.d.logprob_error_threshold)
         n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1)
         self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
@@ -252,7 +260,7 @@ class _Rollouts(RunData):
         """This micro-batch's share of the global token-level loss, scaled so that the harness's mean over
         micro-batches (/ accum) and over ranks (DDP's average) gives exactly sum over the global batch / N."""
         tokens = batch["tokens"]
-        logp = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:], self.d.train_temperature)
+        logp = completion_logprobs(model, tokens, self.d.train_temperature)
         loss = policy_loss(
             logp, batch["gen_logp"], batch["adv"], batch["mask"], batch["sample_mask"], batch["norm"][0],
             cfg=self.loss_cfg,
@@ -422,31 +430,31 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
-    # `loss` and the logprob check take `token_logprobs` of the model's whole logits (no chunked head).
-    full_logits = True
-
-    def plan_phases(self, family, tier, rows: int, act_bytes: int, chunked: bool = False) -> dict[str, float]:
+    def plan_phases(self, family, tier, rows: int, act_bytes: int) -> dict[str, float]:
         """A GPU's phases beside the step, each with the model states resident: the decode of its `rows`
         rollouts at once (each row's cache at the full sequence length), and the logprob check's no-grad
-        forward (the whole logits of its rows: compute-precision logits, their fp32 copy and log-softmax;
-        `chunked`: one chunk of rows at a time)."""
-        d, V = tier.data, tier.model.vocab_size
+        forward through the chunked head (`completion_logprobs`): the hidden states of its rows (the final
+        norm's output, fp32 under autocast, and its compute-precision copy) and one chunk of logits
+        (compute precision and its fp32 copy)."""
+        d, V, dim = tier.data, tier.model.vocab_size, tier.model.dim
         phases = {}
         if family.decode_state_bytes is not None:
             phases["the rollouts' decode"] = rows * family.decode_state_bytes(
                 tier.model, d.seq_len, act_bytes
             )
         if d.logprob_error_threshold is not None:
-            tokens = chunk_rows(rows * d.seq_len, V) if chunked else rows * d.seq_len
-            phases["the logprob check"] = tokens * V * (act_bytes + 4 + 4)
+            tokens = rows * d.seq_len
+            logits = chunk_rows(tokens, V) * V * (act_bytes + (4 if act_bytes < 4 else 0))
+            phases["the logprob check"] = tokens * dim * (4 + act_bytes) + logits
         return phases
 
     def plan_note(self, tier) -> str | None:
         return (
-            "activations: the largest of the training step (whole logits: GRPO's per-token log-probabilities "
-            "are not the chunked head), the rollouts' decode (each GPU's rollouts at once, KV cache and DeltaNet "
-            f"state at {tier.data.seq_len:,} tokens) and the logprob check's forward (whole logits, no grad); the "
-            "prefill's own logits and a no-grad forward's block temporaries are not counted"
+            "activations: the largest of the training step (GRPO's per-token log-probabilities through the "
+            "chunked head, one chunk of logits at a time, as a causal LM's loss), the rollouts' decode (each "
+            f"GPU's rollouts at once, KV cache and DeltaNet state at {tier.data.seq_len:,} tokens) and the "
+            "logprob check's forward (no grad, one chunk of logits); the prefill's own logits and a no-grad "
+            "forward's block temporaries are not counted"
         )
 
     def hyperparameters(self, bench, tier, accum: int) -> list[tuple[str, object]]:

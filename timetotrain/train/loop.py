@@ -59,7 +59,7 @@ class RunOptions:
     verify_data: bool = True
     parallel: str | None = None  # e.g. "dp=8", "fsdp=8"; default: dp over all ranks
     precision: str = "fp32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: int = 0  # checkpoint every K-th block; 0 none, 1 all (train/parallel.py)
     compile: bool = False
     init_checkpoint: Path | None = None  # start from these weights (Hugging Face or ttt checkpoint folder)
     save_checkpoint: Path | None = None  # after run_stop, save the trained state here (a ttt checkpoint)

@@ -22,9 +22,15 @@ Where the numbers come from (an estimate, not a measurement):
   logits (fp32, with its compute-precision copies under bf16).
   Activation checkpointing per block keeps only each block's input (h) plus one block's activations during
   its recomputation (of unlike blocks the largest: `ModelFamily.peak_block_elements`, qwen3_5_moe's DeltaNet).
-  A task whose loss reads whole logits (`Task.full_logits`: GRPO's per-token log-probabilities) has them
-  counted whole instead of one chunk: the kept fp32 log-softmax and, in the backward, its fp32 gradient in
-  and out and the bf16 gradient (14 B per token and vocabulary entry).
+  Selective checkpointing (`--ac-every K`, train/parallel.py: blocks 0, K, 2K, ... wrapped) keeps that for
+  the ceil(n/K) wrapped blocks and the whole count for the others (of the family's average block: which kinds
+  a K wraps is not told apart). `ttt plan` estimates it where --ac-every names it; its default rows are
+  without and with checkpointing of every block, and `--ac` keeps the latter only.
+  GRPO's per-token log-probabilities go through the same chunked head (`head_loss.linear_logprobs`): it
+  keeps the compute-dtype hidden states (the h counted above for the hidden states' gradient) and computes a
+  chunk's logits again in the backward, where the fp32 head-weight gradient appears; one chunk of logits at
+  a time, fp32 plus its bf16 GEMM output (6 B an element under bf16, within the 8 counted). Until 2026-12 it
+  read whole logits (14 B per token and vocabulary entry: ~333 GiB for one 65,536-token sample).
 - The step's peak is the larger of its last backward's two ends (`backward_overlap`), not one sum: at the
   start every activation above and the gradients of the micro-batches before (none when the step is one
   micro-batch); at the end, in the first block, every gradient beside that block's activations and their
@@ -34,7 +40,7 @@ Where the numbers come from (an estimate, not a measurement):
   `ttt plan --simulate`: the sum, 70.7 GiB, was 11% over the simulated 63.9).
 - A task's own phases beside the step (`Task.plan_phases`: GRPO's rollout decode, each GPU's rollouts at
   once with their KV cache and recurrent state at the full sequence length, and its logprob check, a
-  no-grad forward over whole logits): the activations column holds the largest of these and the step's
+  no-grad forward through the chunked head): the activations column holds the largest of these and the step's
   (`Estimate.peak` names it), the model states being resident through all of them.
   A family that is not such a decoder counts its own bytes per micro-batch (`ModelFamily.activation_bytes`):
   flux (models/flux/) counts what each double and single MMDiT block keeps per token of the joint
@@ -174,7 +180,7 @@ def _fp8_saving(fp8: Fp8 | None, sharded: bool, fp32_linears: bool, tp: int = 1)
 @dataclass(frozen=True)
 class Estimate:
     parallel: str
-    ac: bool
+    ac: int  # activation checkpointing of every ac-th block; 0 none (train/parallel.py)
     micro_batch: int
     states: float
     compute_copies: float
@@ -193,25 +199,16 @@ class Estimate:
         return self.states + self.compute_copies + self.activations + self.margin - self.overlap
 
 
-def activation_bytes(
-    family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1, full_logits: bool = False
-) -> float:
+def activation_bytes(family, cfg, tokens: int, act_bytes: int, ac: int, tp: int = 1) -> float:
     h = cfg.dim
     per_block = _tp_elements(family, cfg, family.activation_elements(cfg), tp)  # per token, module docstring
     # Under checkpointing one block is recomputed at a time: of unlike blocks, the largest is the peak.
     peak = _tp_elements(family, cfg, (family.peak_block_elements or family.activation_elements)(cfg), tp)
     head = 4 * h * act_bytes
-    if full_logits:
-        # `Task.full_logits`: the fp32 log-softmax of every token's logits, kept for the backward, and there
-        # its fp32 gradient in and out and, in bf16, the gradient cast for the head's matmul; fp32 dW.
-        head_fixed = cfg.vocab_size * cfg.dim * 4 + tokens * cfg.vocab_size * (
-            12 + (2 if act_bytes < 4 else 0)
-        )
-    else:
-        rows = chunk_rows(tokens, cfg.vocab_size)
-        # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
-        chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
-        head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
+    rows = chunk_rows(tokens, cfg.vocab_size)
+    # fp32 dW, the fp32 logits chunk and, in bf16, that chunk's bf16 logits and gradient.
+    chunk_bytes = 4 + (2 * act_bytes if act_bytes < 4 else 0)
+    head_fixed = cfg.vocab_size * cfg.dim * 4 + rows * cfg.vocab_size * chunk_bytes
     # Multi-token prediction (DeepSeek-V3, `mtp_layers` depths): each depth is one more block outside
     # `model.layers`, which activation checkpointing does not wrap, so it keeps all its activations; before it
     # its two input norms (3h each), the concatenation its projection reads (2h) and the block's input (h);
@@ -226,18 +223,22 @@ def activation_bytes(
         * act_bytes
     )
     if ac:
-        body = cfg.n_layers * h / tp * act_bytes + max(peak * act_bytes, mtp)
+        # Every ac-th block wrapped (blocks 0, ac, 2 ac, ...): those keep their input, the rest everything.
+        wrapped = len(range(0, cfg.n_layers, int(ac)))
+        whole = (cfg.n_layers - wrapped) * per_block * act_bytes
+        body = wrapped * h / tp * act_bytes + whole + max(peak * act_bytes, mtp)
     else:
         body = cfg.n_layers * per_block * act_bytes + mtp
     return tokens * (body + head) + head_fixed * (1 + getattr(cfg, "mtp_layers", 0))
 
 
-def backward_end_bytes(family, cfg, tokens: int, act_bytes: int, ac: bool, tp: int = 1) -> float:
+def backward_end_bytes(family, cfg, tokens: int, act_bytes: int, ac: int, tp: int = 1) -> float:
     """What a step holds beside its gradients when its backward reaches the first block (`backward_overlap`):
     that block's activations (under checkpointing recomputed, of unlike blocks the largest, and its input)
     and, as its backward runs, their gradients, of the same shapes; and the fused loss's fp32 head-weight
     gradient, computed in the forward and held until FSDP2 reduces the root group after the whole backward
-    (the MTP depths' activations are freed by then: their backward comes first)."""
+    (the MTP depths' activations are freed by then: their backward comes first). The first block is wrapped
+    whenever any is (`--ac-every K` wraps blocks 0, K, ...)."""
     block = (
         (family.peak_block_elements or family.activation_elements) if ac else family.activation_elements
     )(cfg)
@@ -284,18 +285,16 @@ def _margin(gpu_mem_gib: float) -> float:
     return MARGIN_SHARE * gpu_mem_gib * GiB + GiB
 
 
-def _peak(
-    bench, tier, step_bytes: float, rows: int, act_bytes: int, chunked: bool = False
-) -> tuple[float, str]:
+def _peak(bench, tier, step_bytes: float, rows: int, act_bytes: int) -> tuple[float, str]:
     """The step's activations, or the task's larger phase (`Task.plan_phases`), with its name."""
-    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes, chunked)
+    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes)
     phases = {"the training step": step_bytes, **more}
     name = max(phases, key=phases.get)
     return phases[name], name
 
 
 def estimate(
-    bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: bool, micro: int, bf16: bool,
+    bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: int, micro: int, bf16: bool,
     tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None, replicas: int = 1,
 ):  # fmt: skip
     """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`. `ep`: the
@@ -343,10 +342,15 @@ def estimate(
         copies += _root_copies(family, cfg, bf16, experts=not kind.startswith("ep"))
     end = None
     if family.activation_bytes is not None:
-        act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, ac)
+        if ac > 1:
+            raise UserError(
+                f"--ac-every {ac}: ttt plan counts selective checkpointing for decoders; the {family.name} "
+                "family's count knows every block or none: plan it with --ac"
+            )
+        act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, bool(ac))
     else:
         tokens = micro * bench.task.sample_items(tier)[1]
-        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, full_logits=bench.task.full_logits)
+        act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
         end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
@@ -431,7 +435,7 @@ def _estimate_tp(
         + (2 * experts / ep if ep and bf16 else 0)
     )
     tokens = micro * bench.task.sample_items(tier)[1]
-    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp, full_logits=bench.task.full_logits)
+    act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
@@ -492,9 +496,11 @@ def _check_experts(cfg, spec: str, ep: int) -> None:
 
 def plan(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8, fp8: Fp8 | None = None,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None,
 ):  # fmt: skip
     """All candidate configurations with their estimates, and the suggested one (or None if none fits).
+    `ac`: only that activation checkpointing (`--ac`: 1, `--ac-every K`: K); None: each layout without and
+    with checkpointing of every block.
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
@@ -507,6 +513,7 @@ def plan(
     _check_supported(bench, tier)
     n = bench.family.param_count(tier.model)
     gbs = tier.global_batch_size
+    acs = (0, 1) if ac is None else (parallel.check_ac_every(ac, getattr(tier.model, "n_layers", None)),)
 
     def rows_of(
         kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1
@@ -514,7 +521,7 @@ def plan(
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
         return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
                          replicas=replicas)
-                for ac in (False, True) for m in micros]  # fmt: skip
+                for ac in acs for m in micros]  # fmt: skip
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
     cap = HEADROOM * gpu_mem_gib * GiB
@@ -633,7 +640,7 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
 
 def fits_from(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8, fp8: Fp8 | None = None,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None,
 ) -> tuple[int, Estimate] | None:  # fmt: skip
     """When nothing fits on --gpus: the smallest larger world size on which the same estimates suggest a
     layout (of the kind --parallel names, grown with the world; else the default candidates), with that
@@ -641,14 +648,14 @@ def fits_from(
     data-parallel ranks (a divisor of the global batch, times a TP degree of 1, 2, 4 or 8) and the world is
     whole nodes of --gpus-per-node (or fits in one), so the search is a few dozen plans, not a scan."""
     for w, (_, _, best) in _larger_plans(
-        bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8
+        bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8, ac
     ):
         if best is not None:
             return w, best
     return None
 
 
-def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8=None):
+def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8=None, ac=None):
     """(world, plan) of every world above `gpus` that `ttt run` could take, in increasing order (`fits_from`)."""
     gbs = tier.global_batch_size
     given = parallel.parse(parallel_spec, gpus, world_from="--gpus is") if parallel_spec else None
@@ -661,33 +668,36 @@ def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_
             continue
         spec = _spec_at(kind, given, w)
         try:
-            yield w, plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node, fp8)
+            yield w, plan(bench, tier, w, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)
         except UserError:  # this world splits neither the batch nor the experts: try the next one
             continue
 
 
 def nothing_fits(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8, fp8: Fp8 | None = None,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None,
 ) -> str:  # fmt: skip
     """Why no world fits (when `fits_from` found none), in numbers: the smallest estimate on the largest world
     `ttt run` could take (one sample per data-parallel rank at most), its activations against what the
     device leaves beside the states, bf16 copies and margin, and what would be needed: the sequence split
-    over that many GPUs (context parallelism: activations / c), and for a task whose loss reads whole logits
-    (`Task.full_logits`) what a chunked head would leave."""
-    plans = list(_larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))
+    over that many GPUs (context parallelism: activations / c)."""
+    plans = list(_larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8, ac))
     if not plans:
-        plans = [(gpus, plan(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8))]
+        plans = [(gpus, plan(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8, ac))]
     w, (_, rows, _) = plans[-1]
     r = min(rows, key=lambda e: e.total)
     cap = HEADROOM * gpu_mem_gib * GiB
-    fixed = r.states + r.compute_copies + r.margin - r.overlap
+    # Where the backward's end outweighs its start (a negative overlap: `backward_overlap`), the end is what
+    # the activations must fit in, not a part of the states.
+    fixed = r.states + r.compute_copies + r.margin - max(r.overlap, 0.0)
+    act = r.activations - min(r.overlap, 0.0)
+    peak = r.peak if r.overlap >= 0 else f"the end of {r.peak}'s backward"
     item, per_sample = bench.task.sample_items(tier)
     head = (
         f"on {w} GPUs, the most `ttt run` takes for GBS {tier.global_batch_size}, the smallest layout "
-        f"({r.parallel}, activation checkpointing {'on' if r.ac else 'off'}, micro-batch {r.micro_batch}) "
-        f"for one sample of {per_sample:,} {item} needs ~{r.activations / GiB:,.0f} GiB of "
-        f"activations ({r.peak}) beside ~{fixed / GiB:,.0f} GiB of states, bf16 copies and margin, over the "
+        f"({r.parallel}, activation checkpointing {parallel.ac_words(r.ac)}, micro-batch {r.micro_batch}) "
+        f"for one sample of {per_sample:,} {item} needs ~{act / GiB:,.0f} GiB of "
+        f"activations ({peak}) beside ~{fixed / GiB:,.0f} GiB of states, bf16 copies and margin, over the "
         f"{cap / GiB:,.0f} GiB usable ({HEADROOM:.0%} of {gpu_mem_gib:g} GiB)"
     )
     if fixed >= cap:
@@ -697,18 +707,9 @@ def nothing_fits(
         return math.ceil(act / (cap - fixed))
 
     need = (
-        f"needed: the sequence split over GPUs, context parallelism of at least {split(r.activations)} (or "
+        f"needed: the sequence split over GPUs, context parallelism of at least {split(act)} (or "
         f"tensor parallelism), which timetotrain does not have for the {bench.family.name} family"
     )
-    if bench.task.full_logits and family_decoder(bench):
-        tokens = r.micro_batch * per_sample
-        act = activation_bytes(bench.family, tier.model, tokens, 2 if bf16 else 4, r.ac, full_logits=False)
-        act, what = _peak(bench, tier, act, tier.global_batch_size // w, 2 if bf16 else 4, chunked=True)
-        need += (
-            "; were the logits read a chunk at a time (a chunked log-probability head, not written: the loss and "
-            f"the logprob check read them whole) ~{act / GiB:,.0f} GiB ({what}), "
-            + (f"still context parallelism of {split(act)}" if act > cap - fixed else "which would fit")
-        )
     # The device on which this estimate fits, its margin growing with it.
     total = (r.states + r.compute_copies + r.activations - r.overlap + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
     return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
@@ -742,7 +743,12 @@ def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None, t
     for key in sorted(tier.user_set - {"micro_batch_size", "fp8_recipe"}) if tier is not None else ():
         value = getattr(tier, key) if hasattr(tier, key) else getattr(tier.data, key)
         flags += f" --set {shlex.quote(f'{key}={value}')}"
-    return flags + (" --ac" if best.ac else "")
+    return flags + (" --ac" if best.ac == 1 else f" --ac-every {best.ac}" if best.ac else "")
+
+
+def ac_cell(ac: int) -> str:
+    """The AC column: off, on, 1/K (every K-th block)."""
+    return {0: "off", 1: "on"}.get(ac) or f"1/{ac}"
 
 
 def _fits(r: Estimate, gpu_mem_gib: float) -> str:
@@ -776,7 +782,8 @@ def plan_doc(
         "rows": [
             {
                 "parallel": r.parallel,
-                "ac": r.ac,
+                "ac": bool(r.ac),
+                "ac_every": r.ac,  # every ac_every-th block checkpointed; 0: none
                 "micro_batch": r.micro_batch,
                 "states_gib": r.states / GiB,
                 "compute_copies_gib": r.compute_copies / GiB,
@@ -802,12 +809,14 @@ def plan_doc(
         doc["fits_from"] = None
         if larger is not None:
             w, r = larger
-            doc["fits_from"] = {"gpus": w, "parallel": r.parallel, "ac": r.ac, "micro_batch": r.micro_batch,
+            doc["fits_from"] = {"gpus": w, "parallel": r.parallel, "ac": bool(r.ac), "ac_every": r.ac,
+                                "micro_batch": r.micro_batch,
                                 "total_gib": r.total / GiB}  # fmt: skip
     else:
         doc["suggestion"] = {
             "parallel": best.parallel,
-            "ac": best.ac,
+            "ac": bool(best.ac),
+            "ac_every": best.ac,
             "micro_batch": best.micro_batch,
             "total_gib": best.total / GiB,
             "run_flags": suggested_flags(best, bf16, fp8, tier),
@@ -828,7 +837,7 @@ def _fits_from_text(larger: tuple[int, Estimate] | None, why: str | None = None)
         )
     w, r = larger
     return (
-        f"fits from {w} GPUs ({r.parallel}, activation checkpointing {'on' if r.ac else 'off'}, micro-batch "
+        f"fits from {w} GPUs ({r.parallel}, activation checkpointing {parallel.ac_words(r.ac)}, micro-batch "
         f"{r.micro_batch}, ~{r.total / GiB:.0f} GiB per GPU)"
     )
 
@@ -887,7 +896,7 @@ def format_plan(
             got = simulated.get((r.parallel, r.ac, r.micro_batch))
             sim = f"{got / GiB:>10.1f}G" if got is not None else f"{'-':>11}"
         out.append(
-            f"{r.parallel:<{w}}{'on' if r.ac else 'off':<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
+            f"{r.parallel:<{w}}{ac_cell(r.ac):<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
             f"{r.total / GiB:>8.1f}G{sim}  {fits}"
         )
@@ -898,7 +907,7 @@ def format_plan(
     else:
         how = launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8)
         out.append(
-            f"suggestion: {best.parallel}, activation checkpointing {'on' if best.ac else 'off'}, micro-batch "
+            f"suggestion: {best.parallel}, activation checkpointing {parallel.ac_words(best.ac)}, micro-batch "
             f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):"
         )
         out.extend(f"  {line}" for line in format_launch(how))

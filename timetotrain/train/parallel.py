@@ -1,6 +1,11 @@
 """Parallelism applied from outside the model: data parallel (DDP) or fully sharded (FSDP2 per block),
 with activation checkpointing, torch.compile and mixed precision as switches.
 
+Activation checkpointing (`--ac`, `--ac-every K`: `Plan.activation_checkpointing`) wraps every K-th block of
+`model.layers`, blocks 0, K, 2K, ... (torchtitan's "selective" layer AC; K = 1 is every block): a wrapped block
+keeps only its input and recomputes its activations in the backward, the others keep theirs. Block 0 is always
+among the wrapped ones, so the backward's last block, which overlaps every gradient, is recomputed.
+
 `--parallel` takes comma-separated degrees, e.g. `dp=8`, `fsdp=8`, `dp_replicate=2,fsdp=8`, `ep=8`,
 `ep=8,fsdp=8`, `tp=8,fsdp=32` or `tp=2,ep=4,fsdp=32`; dp x dp_replicate x fsdp x tp must equal the world
 size. `dp_replicate=R,fsdp=S` is HSDP: FSDP2 on an (R, S) mesh, each group of S consecutive ranks shards the model (parameters, gradients and
@@ -76,7 +81,9 @@ class Plan:
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     cp: int = 1  # context parallel: ranks that split one sample's sequence
     precision: str = "fp32"  # fp32 | bf16 | fp8
-    activation_checkpointing: bool = False
+    # Checkpoint every K-th block of `model.layers` (blocks 0, K, 2K, ...): 0 none, 1 all (`--ac`), K
+    # `--ac-every K`. A bool is read as 0 or 1 (callers from before selective AC).
+    activation_checkpointing: int = 0
     compile: bool = False
     # Under fp8 (train/float8.py): torchao's recipe, and the precision of what float8 does not cover
     # (bf16 on GPUs, fp32 on CPUs: preflight chooses by device).
@@ -125,9 +132,52 @@ class Plan:
         return (
             ", ".join(parts)
             + (f", {self.precision}" if self.precision != "fp8" else f", fp8 {self.fp8_recipe} + {self.high}")
-            + (", AC" if self.activation_checkpointing else "")
+            + ac_text(self.activation_checkpointing, ", ")
             + (", compiled" if self.compile else "")
         )
+
+
+def ac_text(every: int, sep: str = "") -> str:
+    """How a run or a plan says its activation checkpointing: "" (none), "AC" (every block), "AC every 2nd
+    block"."""
+    every = int(every)
+    if every <= 1:
+        return f"{sep}AC" if every == 1 else ""
+    nth = {2: "2nd", 3: "3rd"}.get(every, f"{every}th")
+    return f"{sep}AC every {nth} block"
+
+
+def ac_words(every: int) -> str:
+    """Activation checkpointing in a sentence ("activation checkpointing ..."): off, on (every block), every
+    2nd block."""
+    return {0: "off", 1: "on"}.get(int(every)) or ac_text(every).removeprefix("AC ")
+
+
+def ac_every(ac: bool, every: int | None, blocks: int | None = None) -> int:
+    """`--ac` and `--ac-every K` as the one number `Plan.activation_checkpointing` holds: 0 none, 1 every block
+    (`--ac`), K (`--ac-every K`, with or without `--ac`). One line for a K below 1 or above `blocks`."""
+    if every is None:
+        return 1 if ac else 0
+    if every < 1:
+        raise UserError(_ac_error(every, blocks))
+    return check_ac_every(every, blocks)
+
+
+def check_ac_every(every: int, blocks: int | None) -> int:
+    """`every` as an int (0: no checkpointing), or one line when it cannot be applied to `blocks` blocks (None:
+    not known here; `apply` checks the built model's)."""
+    every = int(every)
+    if every < 0 or (blocks is not None and every > blocks):
+        raise UserError(_ac_error(every, blocks))
+    return every
+
+
+def _ac_error(every: int, blocks: int | None) -> str:
+    top = f" up to the model's {blocks} blocks" if blocks is not None else ""
+    return (
+        f"--ac-every {every}: checkpoint every K-th block, K from 1 (every block, as --ac){top}; 2 wraps "
+        "blocks 0, 2, 4, ..."
+    )
 
 
 def parse(spec: str | None, world: int, world_from: str = "torchrun started", **switches) -> Plan:
@@ -266,9 +316,11 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         bf16_experts = plan.compute == "bf16" and plan.fsdp > 1
         apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
     blocks = model.layers
-    if plan.activation_checkpointing:
+    every = check_ac_every(plan.activation_checkpointing, len(blocks))
+    if every:
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)
+            if i % every == 0:
+                blocks[i] = checkpoint_wrapper(block)
     if plan.compile:
         for block in blocks:
             block.compile()

@@ -42,7 +42,7 @@ def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark,
 
 
 def preflight(
-    bench: Benchmark, tier: Tier, logdir: Path, parallel_spec: str | None, precision: str, ac: bool,
+    bench: Benchmark, tier: Tier, logdir: Path, parallel_spec: str | None, precision: str, ac: int,
     compile: bool, micro_batch: int | None = None, micro_flag: str = "--set micro_batch_size",
     device: str | None = None, seed: int | None = None, ranks: distributed.Dist | None = None,
 ) -> Prepared:  # fmt: skip
@@ -62,6 +62,8 @@ def preflight(
         fp8 = {"fp8_recipe": tier.fp8_recipe, "high": "bf16" if dev.type == "cuda" else "fp32"}
     elif "fp8_recipe" in tier.user_set:
         raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
+    # Every ac-th block checkpointed (0: none); more than the model's blocks is refused before any log line.
+    ac = parallel.check_ac_every(ac, _blocks(tier.model))
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
@@ -89,6 +91,13 @@ def preflight(
         )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
     return Prepared(bench, tier, plan, d, logdir, local, local // micro)
+
+
+def _blocks(cfg) -> int | None:
+    """The blocks of `model.layers` a config builds, where it says (decoders, flux); None elsewhere."""
+    if hasattr(cfg, "n_double"):
+        return cfg.n_double + cfg.n_single
+    return getattr(cfg, "n_layers", None)
 
 
 def start_device(

@@ -62,6 +62,7 @@ What is simulated and what is assumed, as the report says it:
 
 from __future__ import annotations
 
+import math
 import resource
 import tempfile
 import time
@@ -73,6 +74,7 @@ import torch
 from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.train import distributed, prepare
+from timetotrain.train.parallel import ac_words
 from timetotrain.train.synth import with_layers
 
 KINDS = ("parameters", "gradients", "optimizer", "buckets", "activations", "temporaries", "gathered", "other")
@@ -239,7 +241,7 @@ def _empty_shards(model) -> list[str]:
 
 
 def simulate_rank(
-    bench, tier, world: int, spec: str, rank: int, precision: str, ac: bool, fake: bool = True
+    bench, tier, world: int, spec: str, rank: int, precision: str, ac: int, fake: bool = True
 ) -> RankMemory:  # fmt: skip
     """Build rank `rank` of `world` for `tier` (already at the depth to simulate) and run one step, counting
     its bytes. `fake=False` measures a real run instead, with the same tracker: this process is that rank of
@@ -365,7 +367,7 @@ class Simulation:
     world: int
     parallel: str
     precision: str
-    ac: bool
+    ac: int  # every ac-th block checkpointed; 0 none
     layers: tuple[int, int] | None  # the two simulated depths (None: full depth)
     full_layers: int
     ranks: dict[int, RankMemory]  # rank -> extrapolated bytes (a RankMemory of the full depth)
@@ -483,7 +485,7 @@ def _comparable_moments(a: RankMemory, b: RankMemory) -> list[str]:
 
 def simulate(
     bench, tier, world: int, spec: str, rank: int = 0, layers: int | None = None, precision: str = "bf16",
-    ac: bool = False,
+    ac: int = 0,
 ) -> Simulation:  # fmt: skip
     """Rank `rank` and the last rank of `world`, at the tier's depth or extrapolated from `layers`."""
     if not 0 <= rank < world:
@@ -493,6 +495,8 @@ def simulate(
     depths = None
     if layers is not None:
         least, unit = depth_unit(bench, tier)
+        if ac > 1:  # the added layers hold the same share of checkpointed blocks: whole periods of ac
+            unit = math.lcm(unit, ac)
         if layers < least:
             raise UserError(
                 f"--layers {layers}: simulate at least {least} layers here (the layers before them differ "
@@ -597,7 +601,7 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
     )
     out = [
         f"simulated: {sim.bench} {sim.tier}, {sim.parallel} on {sim.world} ranks (fake process group, fake "
-        f"tensors), {sim.precision}, AC {'on' if sim.ac else 'off'}, micro-batch {sim.micro_batch} ({accum}); {depth}",
+        f"tensors), {sim.precision}, AC {ac_words(sim.ac)}, micro-batch {sim.micro_batch} ({accum}); {depth}",
     ]
     w = max(14, *(len(h) + 2 for h in head))
     out.append(f"{'':<30}" + "".join(f"{h:>{w}}" for h in head) + f"{'formula':>{w}}")

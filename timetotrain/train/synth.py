@@ -45,7 +45,7 @@ class SynthOptions:
     seed: int | None = None
     echo: bool = False
     parallel: str | None = None  # e.g. "dp=8", "fsdp=8"; default: dp over all ranks
-    activation_checkpointing: bool = False
+    activation_checkpointing: int = 0  # checkpoint every K-th block; 0 none, 1 all (train/parallel.py)
     compile: bool = False
     layers: int | None = None  # replace the tier's layer count (reference width, fewer layers)
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)

@@ -151,11 +151,16 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        reduction: str = "mean",
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
-        -> their token cross-entropy instead, computed by `head_loss` without materialising the logits."""
-        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
+        -> their token cross-entropy instead, computed by `head_loss` without materialising the logits
+        (`reduction="none"`: per token, of the logits / `temperature`)."""
+        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction, temperature)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

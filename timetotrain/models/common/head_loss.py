@@ -27,6 +27,11 @@ eager mode; dW is that path's exactly where the fp32-output GEMM is missing (CPU
 where it runs (no bf16 rounding of each chunk's product). `lowp=False` keeps the fp32-buffer path
 (bench/head_loss.py measures both side by side: on a 2-core CPU, eager, they take the same time; the gain
 is the GPU's, from the fused pass and the fp32-output GEMM, which bench/gpu_probe.py measures).
+
+`linear_logprobs` is the same head for per-token log-probabilities at a temperature (GRPO's loss and logprob
+check, `reduction="none"` of `logits_or_loss`): their gradient is a different weight per token, known only in
+the backward, so there each chunk's logits are computed again (tests/test_head_logprobs.py: equal to the
+whole-logits path in value and gradients).
 """
 
 from __future__ import annotations
@@ -69,13 +74,7 @@ def linear_cross_entropy(
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    if h.shape[0] != y.shape[0]:
-        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} labels")
-    dev = h.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-    rows = rows or chunk_rows(h.shape[0], weight.shape[0])
+    h, y, dtype, rows = _rows(hidden, weight, labels, "labels", rows)
     grads = torch.is_grad_enabled()
     want = (grads and h.requires_grad, grads and weight.requires_grad)
     valid = y != IGNORE_INDEX
@@ -85,14 +84,139 @@ def linear_cross_entropy(
     return total / valid.sum()
 
 
+def _rows(hidden, weight, labels, name: str, rows: int | None):
+    """(hidden as `[n, d]`, labels as `[n]`, the dtype the matmuls run in: autocast's where it is on, the
+    chunk's rows) of a chunked head's inputs; `name` says what the labels are in the error."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{h.shape[0]} hidden rows but {y.shape[0]} {name}")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    return h, y, dtype, rows or chunk_rows(h.shape[0], weight.shape[0])
+
+
 def logits_or_loss(
-    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor | None, reduction: str = "mean"
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    labels: torch.Tensor | None,
+    reduction: str = "mean",
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """What a causal LM's `forward` returns from its final hidden states: the logits of `head` without
-    `labels`; with them, the token cross-entropy computed here without materialising the logits."""
+    `labels`; with them, the token cross-entropy computed here without materialising the logits: its mean
+    or sum, or with `reduction="none"` (as `F.cross_entropy`) each token's, `-log_softmax(logits /
+    temperature)` at its label (0 where ignored), through `linear_logprobs`. The temperature divides the
+    logits of that per-token form only (GRPO's log-probabilities at the sampling temperature)."""
     if labels is None:
         return head(hidden)
+    if reduction == "none":
+        return -linear_logprobs(hidden, head.weight, labels, temperature)
+    if temperature != 1.0:
+        raise ValueError(f"temperature {temperature} applies to reduction='none' only, not {reduction!r}")
     return linear_cross_entropy(hidden, head.weight, labels, reduction)
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """`log_softmax(hidden @ weight.T / temperature)` at `targets`, one chunk of rows at a time: `hidden`
+    `[..., d]`, `weight` `[vocab, d]`, `targets` `[...]` (int64; -100: ignored, log-probability 0, no
+    gradient) -> `[...]` in fp32 (fp64 for fp64 inputs). A temperature of 0 or 1 leaves the logits as they
+    are (as `policy_gradient.token_logprobs`: 0 means greedy sampling, whose log-probabilities are the
+    model's own). Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as
+    `token_logprobs(head(hidden).float(), ...)` does.
+
+    Unlike the cross-entropy above, the gradient wrt each token's log-probability is only known in the
+    backward (GRPO's per-token advantages and weights), so the forward keeps no logits: the backward
+    computes each chunk's logits again (one more `[rows, d] x [d, vocab]` GEMM per chunk) and turns them
+    into `(onehot - softmax) * grad / temperature` in place. Neither pass holds more than one chunk of
+    logits (in the compute dtype and fp32); what autograd keeps is the hidden states in the compute dtype."""
+    h, y, dtype, rows = _rows(hidden, weight, targets, "targets", rows)
+    scale = None if temperature in (0.0, 1.0) else float(temperature)
+    out = _LinearLogprobs.apply(h, weight, y, dtype, rows, scale)
+    return out.view(targets.shape)
+
+
+def _chunk_logprobs(z: torch.Tensor, zf: torch.Tensor, target, scale: float | None):
+    """Fill `zf` (fp32, `z`'s copy or `z` itself) with `exp(z / scale - max)` in place and return the
+    log-probabilities at `target` `[n, 1]` and the row sums of the exponentials: the same operations, in the
+    same order, as the log-sum-exp of `softmax_xent_grad_`."""
+    if zf is not z:
+        zf.copy_(z)
+    if scale is not None:
+        zf.div_(scale)
+    zmax = zf.amax(dim=1, keepdim=True)
+    z_target = zf.gather(1, target)
+    sumexp = zf.sub_(zmax).exp_().sum(dim=1, keepdim=True)
+    return z_target - zmax - sumexp.log(), sumexp
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, y, dtype, rows, scale):
+        dev = h.device
+        with torch.autocast(dev.type, enabled=False):
+            x = h.to(dtype)
+            acc = torch.promote_types(dtype, torch.float32)
+            valid = y != IGNORE_INDEX
+            target = torch.where(valid, y, 0).unsqueeze(1)
+            out = torch.empty(x.shape[0], dtype=acc, device=dev)
+            w = weight.to(dtype)
+            buf = torch.empty(min(rows, x.shape[0]), w.shape[0], dtype=dtype, device=dev)
+            fbuf = buf if dtype == acc else torch.empty(buf.shape, dtype=acc, device=dev)
+            for s in range(0, x.shape[0], rows):
+                z = buf[: x[s : s + rows].shape[0]]
+                torch.mm(x[s : s + rows], w.T, out=z)
+                lp, _ = _chunk_logprobs(z, fbuf[: z.shape[0]], target[s : s + rows], scale)
+                out[s : s + rows] = lp.squeeze(1)
+            out.masked_fill_(~valid, 0.0)
+        # The compute-dtype hidden states (the input itself where no cast is needed), not the logits.
+        ctx.save_for_backward(x, weight, target, valid)
+        ctx.meta = (h.dtype, dtype, rows, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, target, valid = ctx.saved_tensors
+        h_dtype, dtype, rows, scale = ctx.meta
+        want_dh, want_dw = ctx.needs_input_grad[:2]
+        dev = x.device
+        with torch.autocast(dev.type, enabled=False):
+            acc = torch.promote_types(dtype, torch.float32)
+            w = weight.to(dtype)
+            # d logp / d z = (onehot - softmax) / T on valid rows; the incoming gradient scales each row.
+            g = torch.where(valid, grad_out.to(acc), 0.0).unsqueeze(1)
+            if scale is not None:
+                g = g / scale
+            dh = torch.empty_like(x) if want_dh else None
+            dw = torch.empty(weight.shape, dtype=acc, device=dev) if want_dw else None
+            add_dw = (
+                _add_product_fp32 if want_dw and dtype != acc and _fp32_out_gemm(dev.type) else _add_product
+            )
+            buf = torch.empty(min(rows, x.shape[0]), w.shape[0], dtype=dtype, device=dev)
+            fbuf = buf if dtype == acc else torch.empty(buf.shape, dtype=acc, device=dev)
+            for s in range(0, x.shape[0], rows):
+                xs, gs = x[s : s + rows], g[s : s + rows]
+                z = buf[: xs.shape[0]]
+                torch.mm(xs, w.T, out=z)
+                e = fbuf[: z.shape[0]]
+                _, sumexp = _chunk_logprobs(z, e, target[s : s + rows], scale)
+                # softmax * -g + onehot * g, in place, then rounded into the compute-dtype buffer.
+                e.mul_(gs.neg() / sumexp).scatter_add_(1, target[s : s + rows], gs)
+                if e is not z:
+                    z.copy_(e)
+                if want_dh:
+                    torch.mm(z, w, out=dh[s : s + rows])
+                if want_dw:
+                    add_dw(dw, z.T, xs, first=s == 0)
+        grad_h = None if dh is None else dh.to(h_dtype)
+        grad_w = None if dw is None else dw.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:

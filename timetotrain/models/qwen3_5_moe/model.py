@@ -143,12 +143,14 @@ class Qwen35Moe(nn.Module):
         labels: torch.Tensor | None = None,
         reduction: str = "mean",
         cache: DecodeCache | None = None,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy. With
+        """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy
+        (`reduction="none"`: per token, of the logits / `temperature`: GRPO's log-probabilities, negated). With
         `cache`: decoding (`decode`), through `forward` so that FSDP2's root hooks gather the embedding and head."""
         if cache is not None:
             return self.decode(tokens, cache)
-        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction)
+        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction, temperature)
 
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.layers]
