@@ -1,0 +1,144 @@
+"""Pipeline parallelism (train/pipeline.py) on gloo against one process through the harness's own build and
+step, 20 steps each at a 4-layer llama31_8b shape: the global train_loss at rtol 1e-5 and the final trained
+weights gathered whole. `pp=2` (1F1B, two stages of two layers), `pp=2,vpp=2` (interleaved 1F1B, four
+stages of one layer, two per rank), `pp=2,fsdp=2` and `pp=2,tp=2` (each stage sharded or cut over its own
+two ranks). Four micro-batches of one sample per step (two per rank under fsdp=2), as the one process
+accumulates them. Run as a script (by torchrun) this file is the worker; it writes its losses per rank
+and rank 0 the gathered weights."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, small_llama
+
+from timetotrain.suite import get
+from timetotrain.tasks.causal_lm import lm_loss
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GBS, SEQ = 20, 4, 32
+CFG = small_llama(n_layers=4, max_seq_len=SEQ + 1)
+SCENARIOS = {"pp": "pp=2", "pp_vpp": "pp=2,vpp=2", "pp_fsdp": "pp=2,fsdp=2", "pp_tp": "pp=2,tp=2"}
+BY_WORLD = {2: ["pp", "pp_vpp"], 4: ["pp_fsdp", "pp_tp"]}
+# Where some parameters live: (the pipeline ranks holding it, its placements there).
+LAYOUT = {
+    "pp": {"embed.weight": ([0], "plain"), "layers.1.ffn.fc1.weight": ([0], "plain"), "head.weight": ([1], "plain")},
+    "pp_vpp": {"layers.0.attn.qkv.weight": ([0], "plain"), "layers.1.attn.qkv.weight": ([1], "plain"),
+               "layers.2.attn.qkv.weight": ([0], "plain"), "head.weight": ([1], "plain")},
+    "pp_fsdp": {"layers.3.attn.qkv.weight": ([2, 3], "(Shard(dim=0),)"), "embed.weight": ([0, 1], "(Shard(dim=0),)")},
+    "pp_tp": {"layers.0.attn.qkv.weight": ([0, 1], "(Shard(dim=0),)"), "layers.2.attn.proj.weight": ([2, 3], "(Shard(dim=1),)")},
+}  # fmt: skip
+
+
+def tier():
+    bench = get("llama31_8b")
+    t = bench.tier("tiny")
+    return bench, dataclasses.replace(
+        t, model=CFG, data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS, micro_batch_size=1,
+        lr=3e-3, warmup_steps=3, max_steps=100,
+    )  # fmt: skip
+
+
+def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
+    """Two random global batches in turn: memorised within 20 steps, so the loss falls."""
+    g = torch.Generator().manual_seed(3)
+    two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
+    return [two[s % 2].chunk(data_world)[data_rank] for s in range(STEPS)]
+
+
+def train(plan, rank: int = 0):
+    """The global train_loss of every step, this rank's trained weights gathered whole over its stage's
+    ranks, and their placements."""
+    from torch.distributed.tensor import DTensor
+
+    from timetotrain.train.step import build_training
+    from timetotrain.train.tensor_parallel import unstack
+
+    bench, t = tier()
+    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
+    accum = GBS // plan.data_parallel // t.micro_batch_size
+    steps = enumerate(batches(plan.data_rank(rank), plan.data_parallel))
+    fn = lambda m, b: lm_loss(m, b["tokens"], None)  # noqa: E731
+    losses = [tr.step(s, {"tokens": b}, accum, fn)[0].item() for s, b in steps]
+    weights, placed = {}, {}
+    for n, p in tr.bare.named_parameters():
+        if p.device.type == "meta":  # another stage's
+            continue
+        weights[n] = (unstack(p.full_tensor(), p) if isinstance(p, DTensor) else p).detach().clone()
+        placed[n] = str(getattr(p, "placements", "plain"))
+    return losses, weights, placed
+
+
+@functools.cache
+def one_process():
+    from timetotrain.train import parallel
+
+    return train(parallel.Plan())
+
+
+@functools.cache
+def workers(root: Path, nproc: int) -> tuple[list[dict], dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return ranks, torch.load(root / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("layouts_pp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_pipeline_trains_as_one_process(root, name):
+    nproc = next(w for w, names in BY_WORLD.items() if name in names)
+    folder = root / str(nproc)
+    folder.mkdir(exist_ok=True)
+    ranks, weights = workers(folder, nproc)
+    expected, final, _ = one_process()
+    for r in ranks:
+        assert r[name] == ranks[0][name]  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
+    for param, (holders, placements) in LAYOUT[name].items():  # the layout is the one named
+        assert [r for r in range(nproc) if param in ranks[r]["placements"][name]] == holders, param
+        assert ranks[holders[0]]["placements"][name][param] == placements, param
+    assert expected[-1] < expected[0] - 0.2  # it trained
+    got = weights[name]
+    assert got.keys() == final.keys() and final
+    for n, w in final.items():
+        torch.testing.assert_close(got[n], w, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, weights = {"placements": {}}, {}
+    for name in BY_WORLD[world]:
+        plan = parallel.parse(SCENARIOS[name], world)
+        results[name], mine, results["placements"][name] = train(plan, rank)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        weights[name] = {n: w for part in every for n, w in part.items()}
+    if rank == 0:
+        torch.save(weights, out / "weights.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
