@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,46 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+def test_split_balances_the_head_against_blocks():
+    from timetotrain.train.pipeline import describe_split, split_layers
+
+    assert split_layers([1.0] * 4, 0.5, 2) == [(0, 2), (2, 4)]
+    # A head worth three blocks takes blocks off the last stage; every stage keeps at least one.
+    assert split_layers([1.0] * 8, 3.0, 2) == [(0, 5), (5, 8)]
+    assert split_layers([1.0] * 4, 10.0, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    line = describe_split([(0, 1), (1, 2), (2, 3), (3, 4)], 2)
+    assert line.startswith("pipeline: stage 0 on rank 0 layer 0 (+embed), stage 1 on rank 1 layer 1")
+    assert line.endswith("stage 3 on rank 1 layer 3 (+norm, head)")
+
+
+@pytest.mark.bad_input
+def test_pipeline_preflight():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+    from timetotrain.train.pipeline import check
+
+    bench, t = tier()  # 4 layers
+    pp2, interleaved = parallel.parse("pp=2", 2), parallel.parse("pp=2,vpp=2", 2)
+    # The tier's micro-batch is an upper bound: the largest that gives the schedule enough micro-batches.
+    assert check(bench, t, pp2, 16, 16, False, "--set micro_batch_size") == 8
+    assert check(bench, t, interleaved, 12, 16, False, "--set micro_batch_size") == 6
+    assert check(bench, t, pp2, 16, 4, True, "--set micro_batch_size") == 4
+    for plan, local, micro, explicit, needle in [
+        (pp2, 16, 16, True, "needs 2 or more micro-batches per step"),
+        (interleaved, 12, 4, True, "needs a multiple of 2 micro-batches"),
+        (pp2, 1, 1, False, "does not split into 2 or more micro-batches"),
+        (parallel.parse("pp=4,vpp=2", 4), 16, 16, False, "8 stages but the model has 4 layers"),
+        (parallel.parse("pp=2,dp=2", 4), 16, 16, False, "with dp (use fsdp) is not built yet"),
+        (
+            parallel.parse("pp=2,dp_replicate=2,fsdp=2", 8),
+            16,
+            16,
+            False,
+            "with dp_replicate is not built yet",
+        ),
+    ]:
+        with pytest.raises(UserError, match=re.escape(needle)) as e:
+            check(bench, t, plan, local, micro, explicit, "--set micro_batch_size")
+        assert "\n" not in str(e.value)

@@ -66,7 +66,9 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     """Preflight for `pp`: what is not built says so, the stages fit the model's layers, and the micro-batch
     count suits the schedule. Returns the micro-batch size: the one asked for (`explicit`), else the
     largest that divides the per-rank batch `local` into enough micro-batches, at most `micro`."""
-    spec = plan.describe().split(", ")[0] if plan.pp > 1 else ""
+    spec = ",".join(
+        f"{k}={getattr(plan, k)}" for k in parallel.KINDS + parallel.STAGE_KEYS if getattr(plan, k) > 1
+    )
     for what, bad in (
         ("dp (use fsdp)", plan.dp > 1),
         ("dp_replicate", plan.dp_replicate > 1),
@@ -81,9 +83,8 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
         raise UserError(f"--parallel pp: {bench.name} has no pipeline split (a causal LM's decoder only)")
     if layers < stages:
         raise UserError(
-            f"--parallel pp={plan.pp}" + (f",vpp={plan.vpp}" if plan.vpp > 1 else "")
-            + f": {stages} stages but the model has {layers} layers; use fewer stages (--set n_layers=...)"
-        )  # fmt: skip
+            f"--parallel {spec}: {stages} stages but the model has {layers} layers; use fewer stages"
+        )
 
     def fits(m: int) -> bool:
         n = local // m
@@ -100,9 +101,7 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     for m in range(min(micro, local), 0, -1):
         if fits(m):
             return m
-    raise UserError(
-        f"--parallel pp={plan.pp}: the per-rank batch {local} does not split into {need} micro-batches"
-    )
+    raise UserError(f"--parallel {spec}: the per-rank batch {local} does not split into {need} micro-batches")
 
 
 def split_layers(costs: list[float], head: float, stages: int) -> list[tuple[int, int]]:
