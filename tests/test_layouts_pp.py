@@ -1,6 +1,6 @@
 """Pipeline parallelism (train/pipeline.py) on gloo against one process through the harness's own build and
-step, 20 steps each at a 4-layer llama31_8b shape: the global train_loss at rtol 1e-5 and the final trained
-weights gathered whole. `pp=2` (1F1B, two stages of two layers), `pp=2,vpp=2` (interleaved 1F1B, four
+step, 20 steps each at a 4-layer llama31_8b shape: the global train_loss at rtol 1e-5, the final trained
+weights gathered whole, and the first batch's gradients. `pp=2` (1F1B, two stages of two layers), `pp=2,vpp=2` (interleaved 1F1B, four
 stages of one layer, two per rank), `pp=2,fsdp=2` and `pp=2,tp=2` (each stage sharded or cut over its own
 two ranks). Four micro-batches of one sample per step (two per rank under fsdp=2), as the one process
 accumulates them. Run as a script (by torchrun) this file is the worker; it writes its losses per rank
@@ -59,21 +59,34 @@ def train(plan, rank: int = 0):
     ranks, and their placements."""
     from torch.distributed.tensor import DTensor
 
-    from timetotrain.train.step import build_training
+    from timetotrain.train.pipeline import Pipeline
+    from timetotrain.train.step import _forward_backward, build_training
     from timetotrain.train.tensor_parallel import unstack
 
     bench, t = tier()
     tr = build_training(bench, t, torch.device("cpu"), 7, plan)
     accum = GBS // plan.data_parallel // t.micro_batch_size
-    steps = enumerate(batches(plan.data_rank(rank), plan.data_parallel))
+    mine = batches(plan.data_rank(rank), plan.data_parallel)
     fn = lambda m, b: lm_loss(m, b["tokens"], None)  # noqa: E731
-    losses = [tr.step(s, {"tokens": b}, accum, fn)[0].item() for s, b in steps]
+    # The first batch's gradients, before any step: AdamW and clipping hardly see a gradient's scale, so
+    # the trained weights alone would not catch micro-batch gradients summed instead of averaged.
+    if isinstance(tr.model, Pipeline):
+        tr.model.forward_backward({"tokens": mine[0]}, accum, fn)
+    else:
+        _forward_backward(tr.model, {"tokens": mine[0]}, accum, fn, None)
+
+    def full(t, p):
+        return (unstack(t.full_tensor(), p) if isinstance(t, DTensor) else t).detach().clone()
+
     weights, placed = {}, {}
     for n, p in tr.bare.named_parameters():
-        if p.device.type == "meta":  # another stage's
-            continue
-        weights[n] = (unstack(p.full_tensor(), p) if isinstance(p, DTensor) else p).detach().clone()
-        placed[n] = str(getattr(p, "placements", "plain"))
+        if p.device.type != "meta":  # else another stage's
+            weights[f"grad of {n}"] = full(p.grad, p)
+    tr.opt.zero_grad(set_to_none=True)
+    losses = [tr.step(s, {"tokens": b}, accum, fn)[0].item() for s, b in enumerate(mine)]
+    for n, p in tr.bare.named_parameters():
+        if p.device.type != "meta":
+            weights[n], placed[n] = full(p, p), str(getattr(p, "placements", "plain"))
     return losses, weights, placed
 
 
@@ -117,7 +130,7 @@ def test_pipeline_trains_as_one_process(root, name):
     assert expected[-1] < expected[0] - 0.2  # it trained
     got = weights[name]
     assert got.keys() == final.keys() and final
-    for n, w in final.items():
+    for n, w in final.items():  # the first batch's gradients and the trained weights
         torch.testing.assert_close(got[n], w, rtol=1e-4, atol=1e-6, msg=n)
 
 
