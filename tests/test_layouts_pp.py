@@ -1,6 +1,6 @@
 """Pipeline parallelism (train/pipeline.py) on gloo against one process through the harness's own build and
 step, 20 steps each at a 4-layer llama31_8b shape: the global train_loss at rtol 1e-5, the final trained
-weights gathered whole, and the first batch's gradients. `pp=2` (1F1B, two stages of two layers), `pp=2,vpp=2` (interleaved 1F1B, four
+weights gathered whole, the first batch's gradients, and an evaluation forward-only through the stages. `pp=2` (1F1B, two stages of two layers), `pp=2,vpp=2` (interleaved 1F1B, four
 stages of one layer, two per rank), `pp=2,fsdp=2` and `pp=2,tp=2` (each stage sharded or cut over its own
 two ranks). Four micro-batches of one sample per step (two per rank under fsdp=2), as the one process
 accumulates them. Run as a script (by torchrun) this file is the worker; it writes its losses per rank
@@ -55,10 +55,11 @@ def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
 
 
 def train(plan, rank: int = 0):
-    """The global train_loss of every step, this rank's trained weights gathered whole over its stage's
-    ranks, and their placements."""
+    """The global train_loss of every step and then an evaluation's metric, this rank's first gradients
+    and trained weights gathered whole over its stage's ranks, and their placements."""
     from torch.distributed.tensor import DTensor
 
+    from timetotrain.tasks.base import evaluate_ratio
     from timetotrain.train.pipeline import Pipeline
     from timetotrain.train.step import _forward_backward, build_training
     from timetotrain.train.tensor_parallel import unstack
@@ -87,7 +88,13 @@ def train(plan, rank: int = 0):
     for n, p in tr.bare.named_parameters():
         if p.device.type != "meta":
             weights[n], placed[n] = full(p, p), str(getattr(p, "placements", "plain"))
-    return losses, weights, placed
+
+    def sums(model, chunk):  # as the causal LM's Evaluator: loss sum and token count per eval micro-batch
+        return model(chunk[:, :-1], labels=chunk[:, 1:], reduction="sum"), chunk[:, 1:].numel()
+
+    # Evaluation forward-only through the stages, in micro-batches of 3 and a shorter last one.
+    metric = evaluate_ratio(tr.model, mine[0].split(3), sums, torch.device("cpu"), plan.data_parallel)
+    return losses + [metric], weights, placed
 
 
 @functools.cache
@@ -127,7 +134,7 @@ def test_pipeline_trains_as_one_process(root, name):
     for param, (holders, placements) in LAYOUT[name].items():  # the layout is the one named
         assert [r for r in range(nproc) if param in ranks[r]["placements"][name]] == holders, param
         assert ranks[holders[0]]["placements"][name][param] == placements, param
-    assert expected[-1] < expected[0] - 0.2  # it trained
+    assert expected[-2] < expected[0] - 0.2  # it trained (the last figure is the evaluation's)
     got = weights[name]
     assert got.keys() == final.keys() and final
     for n, w in final.items():  # the first batch's gradients and the trained weights
