@@ -180,7 +180,7 @@ def test_split_balances_the_head_against_blocks():
 @pytest.mark.bad_input
 def test_pipeline_preflight():
     from timetotrain.errors import UserError
-    from timetotrain.train import parallel
+    from timetotrain.train import memory, parallel
     from timetotrain.train.pipeline import check
 
     bench, t = tier()  # 4 layers
@@ -206,3 +206,8 @@ def test_pipeline_preflight():
         with pytest.raises(UserError, match=re.escape(needle)) as e:
             check(bench, t, plan, local, micro, explicit, "--set micro_batch_size")
         assert "\n" not in str(e.value)
+    lora = get("llama2_70b_lora")
+    with pytest.raises(UserError, match="llama2_70b_lora has no pipeline split yet"):
+        check(lora, lora.tier("tiny"), pp2, 16, 16, False, "--set micro_batch_size")
+    with pytest.raises(UserError, match="no memory estimate for pipeline stages"):  # not estimated as dp
+        memory.plan(bench, bench.tier("reference"), 2, 80.0, "pp=2")

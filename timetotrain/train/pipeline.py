@@ -55,8 +55,9 @@ from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
 from timetotrain.models.common.head_loss import logits_or_loss
+from timetotrain.tasks.base import Task
 from timetotrain.train import parallel
-from timetotrain.train.shards import _FILLS, full_init, full_shape
+from timetotrain.train.shards import _FILLS, draw_full, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage boundary may carry (eval header)
@@ -79,8 +80,11 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
             raise UserError(f"--parallel {spec}: pipeline parallelism with {what} is not built yet")
     stages = plan.pp * plan.vpp
     layers = getattr(tier.model, "n_layers", None)
-    if layers is None or bench.task.on_policy:
-        raise UserError(f"--parallel pp: {bench.name} has no pipeline split (a causal LM's decoder only)")
+    # Tasks that adapt the model (LoRA adapters, GRPO's policy) or roll out on it have no stage build yet.
+    if layers is None or bench.task.on_policy or type(bench.task).adapt_model is not Task.adapt_model:
+        raise UserError(
+            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
+        )
     if layers < stages:
         raise UserError(
             f"--parallel {spec}: {stages} stages but the model has {layers} layers; use fewer stages"
@@ -273,14 +277,7 @@ class _DrawnElsewhere(TorchFunctionMode):
         target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
         if func not in _FILLS or not isinstance(target, torch.Tensor) or target.device.type != "meta":
             return func(*args, **kwargs)
-        dtype = (
-            torch.promote_types(target.dtype, torch.float32) if target.is_floating_point() else target.dtype
-        )
-        full = torch.empty(full_shape(target), dtype=dtype, device=self.device)
-        if args:
-            func(full, *args[1:], **kwargs)
-        else:
-            func(**{**kwargs, ("tensor" if "tensor" in kwargs else "self"): full})
+        draw_full(func, args, kwargs, target, self.device)  # and dropped
         return target
 
 
