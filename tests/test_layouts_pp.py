@@ -28,6 +28,7 @@ STEPS, GBS, SEQ = 20, 4, 32
 CFG = small_llama(n_layers=4, max_seq_len=SEQ + 1)
 SCENARIOS = {"pp": "pp=2", "pp_vpp": "pp=2,vpp=2", "pp_fsdp": "pp=2,fsdp=2", "pp_tp": "pp=2,tp=2"}
 BY_WORLD = {2: ["pp", "pp_vpp"], 4: ["pp_fsdp", "pp_tp"]}
+CHECKPOINTED = ("pp_vpp", "pp_fsdp")  # saved after training (--save-checkpoint), loaded (--init-checkpoint)
 # Where some parameters live: (the pipeline ranks holding it, its placements there).
 LAYOUT = {
     "pp": {"embed.weight": ([0], "plain"), "layers.1.ffn.fc1.weight": ([0], "plain"), "head.weight": ([1], "plain")},
@@ -94,14 +95,29 @@ def train(plan, rank: int = 0):
 
     # Evaluation forward-only through the stages, in micro-batches of 3 and a shorter last one.
     metric = evaluate_ratio(tr.model, mine[0].split(3), sums, torch.device("cpu"), plan.data_parallel)
-    return losses + [metric], weights, placed
+    return losses + [metric], weights, placed, tr
+
+
+def loaded(plan, path: Path) -> dict[str, torch.Tensor]:
+    """This rank's weights of a model built with `--init-checkpoint path`, gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    from timetotrain.train.step import build_training
+    from timetotrain.train.tensor_parallel import unstack
+
+    bench, t = tier()
+    tr = build_training(bench, t, torch.device("cpu"), 8, plan, init_checkpoint=path)
+    return {
+        n: (unstack(p.full_tensor(), p) if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in tr.bare.named_parameters()
+    }
 
 
 @functools.cache
 def one_process():
     from timetotrain.train import parallel
 
-    return train(parallel.Plan())
+    return train(parallel.Plan())[:3]
 
 
 @functools.cache
@@ -145,16 +161,22 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
 
     from timetotrain.train import parallel
+    from timetotrain.train.checkpoint import save_checkpoint
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, weights = {"placements": {}}, {}
     for name in BY_WORLD[world]:
         plan = parallel.parse(SCENARIOS[name], world)
-        results[name], mine, results["placements"][name] = train(plan, rank)
+        results[name], mine, results["placements"][name], tr = train(plan, rank)
         every = [None] * world
         dist.all_gather_object(every, mine)
         weights[name] = {n: w for part in every for n, w in part.items()}
+        if name in CHECKPOINTED:  # each stage writes its own entries; read back under the same layout
+            save_checkpoint(out / name, tr.bare, tr.opt, STEPS)
+            every = [None] * world
+            dist.all_gather_object(every, loaded(plan, out / name))
+            weights[f"{name} loaded"] = {n: w for part in every for n, w in part.items()}
     if rank == 0:
         torch.save(weights, out / "weights.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -211,3 +233,23 @@ def test_pipeline_preflight():
         check(lora, lora.tier("tiny"), pp2, 16, 16, False, "--set micro_batch_size")
     with pytest.raises(UserError, match="no memory estimate for pipeline stages"):  # not estimated as dp
         memory.plan(bench, bench.tier("reference"), 2, 80.0, "pp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHECKPOINTED)
+def test_pipeline_checkpoint_is_the_model(root, name):
+    """A checkpoint saved by the stages holds the trained model: loaded under the same layout and into one
+    process, the weights are the trained ones."""
+    from timetotrain.train import parallel
+
+    nproc = next(w for w, names in BY_WORLD.items() if name in names)
+    folder = root / str(nproc)
+    folder.mkdir(exist_ok=True)
+    _, weights = workers(folder, nproc)
+    trained = {n: w for n, w in weights[name].items() if not n.startswith("grad of")}
+    assert weights[f"{name} loaded"].keys() == trained.keys()
+    one = loaded(parallel.Plan(), folder / name)
+    assert one.keys() == trained.keys()
+    for n, w in trained.items():
+        torch.testing.assert_close(weights[f"{name} loaded"][n], w, rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(one[n], w, rtol=0, atol=0, msg=n)

@@ -137,15 +137,6 @@ def _run(opts: RunOptions) -> RunResult:
         prep.init_checkpoint = base.folder
     if base.note and d.main:
         print(f"ttt: {base.note}", file=sys.stderr)
-    if prep.plan.pp > 1 and (prep.init_checkpoint is not None or opts.save_checkpoint is not None):
-        flag = (
-            "--save-checkpoint"
-            if opts.save_checkpoint is not None
-            else "--init-checkpoint (or a tier's base)"
-        )
-        raise UserError(
-            f"{flag} with --parallel pp is not built yet (train/pipeline.py): leave one of them out"
-        )
     if opts.save_checkpoint is not None:
         _check_save_target(Path(opts.save_checkpoint))
     res = task.resolve(

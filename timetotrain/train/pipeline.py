@@ -33,7 +33,11 @@ sums each stage's squares over all ranks (`Training.tp_world` is the ranks of on
 (`Pipeline.forward`) runs the stages forward-only, one eval micro-batch at a time, and hands the last
 stage's result to every rank of the pipeline.
 
-Not built: checkpoints under pp, pp with dp / dp_replicate / ep / cp or fp8, families whose stack is not
+Checkpoints: `owned` is this rank's share under the model's names, so `--save-checkpoint` writes one
+folder (each stage its own entries, DCP) that any layout reads, and `--init-checkpoint` loads into the stages
+only what they hold (a ttt or a Hugging Face checkpoint).
+
+Not built: pp with dp / dp_replicate / ep / cp or fp8, families whose stack is not
 the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
 output (LoRA's, GRPO's).
 """
@@ -41,6 +45,7 @@ output (LoRA's, GRPO's).
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,6 +62,7 @@ from timetotrain.models.common.decoder import Decoder
 from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.tasks.base import Task
 from timetotrain.train import parallel
+from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.shards import _FILLS, draw_full, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
@@ -286,14 +292,13 @@ def _init(family, model, device, seed: int) -> None:
         family.init(model, torch.Generator(device=device).manual_seed(seed))
 
 
-def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, init_checkpoint=None):
+def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, init_checkpoint, timer: dict):
     """The model on the meta device -> TP over the whole (meta) model -> this rank's stages cut out,
     activation-checkpointed, compiled and sharded (FSDP2 per block and per stage) -> only they are
     allocated -> initialised from `seed + 1` -> one warm-up step through the schedule -> initialised from
-    `seed`. Returns (the model, its meta parts other ranks' stages; the `Pipeline`)."""
+    `seed`, or loaded from `init_checkpoint` (this rank's parameters of it; the seconds in `timer["load"]`).
+    Returns (this rank's stages as one module under the model's names, `owned`; the `Pipeline`)."""
     family, task = bench.family, bench.task
-    if init_checkpoint is not None:
-        raise UserError("--parallel pp with --init-checkpoint (or a tier's base) is not built yet")
     with real_host():
         with torch.device("meta"):
             model = family.build(tier.model)
@@ -357,5 +362,34 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
         pipe.forward_backward(data.batch(0), accum, data.loss)
     pipe.zero_grad(set_to_none=True)
     _init(family, model, device, seed)
+    mine = owned(stages)
+    if init_checkpoint is not None:
+        t0 = time.monotonic()
+        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier))
+        timer["load"] = time.monotonic() - t0
     pipe.train()
-    return model, pipe
+    return mine, pipe
+
+
+def owned(stages: list[Stage]) -> nn.Module:
+    """This rank's stages as one module under the model's own parameter names (`embed.weight`,
+    `layers.2.attn.qkv.weight`, ...): what its optimizer steps and what its checkpoints hold. A checkpoint
+    is then one folder every stage writes its own entries into, and any layout reads."""
+    mine = nn.Module()
+    for name in ("embed", "norm", "head"):
+        for stage in stages:
+            if getattr(stage, name) is not None:
+                setattr(mine, name, getattr(stage, name))
+    mine.layers = nn.ModuleDict({i: block for stage in stages for i, block in stage.layers.items()})
+    return mine
+
+
+def _load(path, mine: nn.Module, family, cfg, truncate_rows) -> None:
+    """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only."""
+    if check_init_source(path, family, cfg) == "hf":
+        names = {_clean_name(n) for n, _ in mine.named_parameters()}
+        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in names}
+        rows = {n: r for n, r in (truncate_rows or {}).items() if n in names}
+        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows)
+    else:
+        load_checkpoint(path, mine, None)

@@ -138,7 +138,7 @@ def build_training(
     plan = plan or parallel.Plan()
     timer: dict[str, float] = {}
     if plan.pp > 1:  # each rank builds, initialises and steps its own stages (train/pipeline.py)
-        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint)
+        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint, timer)
         ep_group = None
     elif plan.sharded:
         model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer)
@@ -146,11 +146,9 @@ def build_training(
         model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer)
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
     fused = None if not plan.sharded else False
-    # Under pp the optimizer steps this rank's stages (the rest of `model` is on the meta device).
-    owned = wrapped if plan.pp > 1 else model
-    opt = build_optimizer(owned, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
+    opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
     sched = schedule.for_tier(bench.schedule, tier)
-    params = [p for p in owned.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     after = None
     if plan.precision == "fp8" and plan.fsdp > 1:
         after = after_optimizer_step(model)
