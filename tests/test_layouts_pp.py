@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, small_llama
+from conftest import free_port, random_hf_llama, small_llama
 
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -177,6 +177,13 @@ def _worker(out: Path) -> None:
             every = [None] * world
             dist.all_gather_object(every, loaded(plan, out / name))
             weights[f"{name} loaded"] = {n: w for part in every for n, w in part.items()}
+    if world == 2:  # a Hugging Face checkpoint loaded into the stages (each reads its own tensors)
+        if rank == 0:
+            random_hf_llama(CFG).save_pretrained(out / "hf", safe_serialization=True)
+        dist.barrier()
+        every = [None] * world
+        dist.all_gather_object(every, loaded(parallel.parse("pp=2", world), out / "hf"))
+        weights["hf loaded"] = {n: w for part in every for n, w in part.items()}
     if rank == 0:
         torch.save(weights, out / "weights.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(results))
@@ -253,3 +260,16 @@ def test_pipeline_checkpoint_is_the_model(root, name):
     for n, w in trained.items():
         torch.testing.assert_close(weights[f"{name} loaded"][n], w, rtol=0, atol=0, msg=n)
         torch.testing.assert_close(one[n], w, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.slow
+def test_pipeline_loads_a_hugging_face_checkpoint(root):
+    from timetotrain.train import parallel
+
+    folder = root / "2"
+    folder.mkdir(exist_ok=True)
+    _, weights = workers(folder, 2)
+    one = loaded(parallel.Plan(), folder / "hf")
+    assert weights["hf loaded"].keys() == one.keys()
+    for n, w in one.items():
+        torch.testing.assert_close(weights["hf loaded"][n], w, rtol=0, atol=0, msg=n)

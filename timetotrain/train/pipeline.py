@@ -37,8 +37,8 @@ Checkpoints: `owned` is this rank's share under the model's names, so `--save-ch
 folder (each stage its own entries, DCP) that any layout reads, and `--init-checkpoint` loads into the stages
 only what they hold (a ttt or a Hugging Face checkpoint).
 
-Not built: pp with dp / dp_replicate / ep / cp or fp8, families whose stack is not
-the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
+Not built: pp with dp / dp_replicate / ep / cp or fp8, mixture-of-experts models, families whose stack
+is not the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
 output (LoRA's, GRPO's).
 """
 
@@ -90,6 +90,10 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     if layers is None or bench.task.on_policy or type(bench.task).adapt_model is not Task.adapt_model:
         raise UserError(
             f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
+        )
+    if hasattr(tier.model, "n_experts"):  # expert telemetry and router state live on the whole model
+        raise UserError(
+            f"--parallel {spec}: mixture-of-experts models ({bench.name}) have no pipeline split yet"
         )
     if layers < stages:
         raise UserError(
