@@ -80,7 +80,8 @@ def _device_type(batch: dict) -> str:
 @dataclass
 class Training:
     model: torch.nn.Module  # what to call: possibly a DDP wrapper
-    bare: torch.nn.Module  # the model itself (telemetry, checkpoints)
+    # The model itself (telemetry, checkpoints); under pp this rank's stages under the model's names.
+    bare: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: object  # step -> lr
     params: list
