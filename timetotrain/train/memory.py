@@ -527,6 +527,11 @@ def plan(
     cap = HEADROOM * gpu_mem_gib * GiB
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
+        if given.pp > 1:  # not counted as dp: a stage holds its layers' states and up to pp micro-batches
+            raise UserError(
+                f"--parallel {parallel_spec!r}: ttt plan has no memory estimate for pipeline stages yet; "
+                "`ttt run` and `ttt synth` build them (docs/scale.md, Pipeline parallelism)"
+            )
         local = parallel.check_batch_split(gbs, given)
         kind = _kind(given)
         if given.ep > 1 and not hasattr(tier.model, "n_experts"):

@@ -276,8 +276,10 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     (`family.tensor_parallel`; a family without one refuses `tp`). Expert sharding comes first after it:
     it slices the experts of the initialised model (or of the meta model the sharded build fills later),
     before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
-    if plan.pp > 1 or plan.cp > 1:
-        kind = "pipeline (pp)" if plan.pp > 1 else "context (cp)"
+    if plan.pp > 1:  # a pipeline's stages are built and wrapped by train/pipeline.build instead
+        raise ValueError("parallel.apply does not build pipeline stages: use train/pipeline.build")
+    if plan.cp > 1:
+        kind = "context (cp)"
         raise UserError(f"--parallel: {kind} parallelism is not built yet; leave it out of --parallel")
     ep_group = None
     fsdp_mesh = None

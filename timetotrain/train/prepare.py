@@ -15,7 +15,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train import distributed, float8, parallel, sdpa
+from timetotrain.train import distributed, float8, parallel, pipeline, sdpa
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -79,6 +79,11 @@ def preflight(
         raise UserError(
             f"{micro_flag}={micro} must divide the per-rank batch {local} into whole micro-batches"
         )
+    if (
+        plan.pp > 1
+    ):  # the schedule's micro-batches: at most the tier's size, enough of them (train/pipeline.py)
+        explicit = micro_batch is not None or "micro_batch_size" in tier.user_set
+        micro = pipeline.check(bench, tier, plan, local, micro, explicit, micro_flag)
     if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
         # Expert all-to-alls need every rank in every eval forward: equal eval shares.
         raise UserError(

@@ -118,16 +118,20 @@ class _FullInit(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.skip:  # the values come from elsewhere (a checkpoint): draw nothing
             return target
-        dtype = (
-            torch.promote_types(target.dtype, torch.float32) if target.is_floating_point() else target.dtype
-        )
-        full = torch.empty(full_shape(target), dtype=dtype, device=target.device)
-        if args:
-            func(full, *args[1:], **kwargs)
-        else:
-            func(**{**kwargs, ("tensor" if "tensor" in kwargs else "self"): full})
-        copy_full(target, full)
+        copy_full(target, draw_full(func, args, kwargs, target, target.device))
         return target
+
+
+def draw_full(func, args, kwargs, target: torch.Tensor, device) -> torch.Tensor:
+    """Run the initialiser `func(*args, **kwargs)` aimed at `target` on a new tensor of `target`'s full
+    shape on `device` instead (in fp32 at least, as the unsharded build draws), and return it."""
+    dtype = torch.promote_types(target.dtype, torch.float32) if target.is_floating_point() else target.dtype
+    full = torch.empty(full_shape(target), dtype=dtype, device=device)
+    if args:
+        func(full, *args[1:], **kwargs)
+    else:
+        func(**{**kwargs, ("tensor" if "tensor" in kwargs else "self"): full})
+    return full
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from timetotrain.fakes import real_host
 from timetotrain.models.common import weight_cast
 from timetotrain.tasks.base import split_batch
-from timetotrain.train import expert_parallel, parallel, schedule, sdpa
+from timetotrain.train import expert_parallel, parallel, pipeline, schedule, sdpa
 from timetotrain.train.checkpoint import init_from
 from timetotrain.train.float8 import after_optimizer_step
 from timetotrain.train.optim import build_optimizer, set_lr
@@ -31,6 +31,28 @@ def train_step(
     Returns the local loss as a device tensor: no host sync here. `autocast` (e.g. torch.bfloat16) runs the
     forward in that precision; weights and optimizer stay fp32. Under DDP/FSDP gradients are reduced once,
     on the last micro-batch."""
+    if isinstance(model, pipeline.Pipeline):  # the schedule runs the micro-batches (train/pipeline.py)
+        total = model.forward_backward(batch, accum, loss_fn)
+    else:
+        total = _forward_backward(model, batch, accum, loss_fn, autocast)
+    if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
+        expert_parallel.average_expert_replicas(model)
+    if tp_world is not None:  # replicated parameters that computed on cut inputs: their grads are partial
+        replicate_partial_grads(params)
+    if clip is not None:
+        if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
+            clip_grad_norm_tp(params, clip, tp_world)
+        elif ep_group is None:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        else:  # expert slices differ per rank: the global norm sums them across the group
+            expert_parallel.clip_grad_norm_ep(params, clip, ep_group)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+def _forward_backward(model, batch: dict, accum: int, loss_fn, autocast) -> torch.Tensor:
+    """The micro-batches' forwards and backwards; returns the step's loss (their mean)."""
     total = None
     dev = _device_type(batch)
     # One autocast context for the whole step, not one per micro-batch: autocast caches the bf16 copy of
@@ -48,19 +70,6 @@ def train_step(
                 with torch.autocast(dev, enabled=False):
                     loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-    if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
-        expert_parallel.average_expert_replicas(model)
-    if tp_world is not None:  # replicated parameters that computed on cut inputs: their grads are partial
-        replicate_partial_grads(params)
-    if clip is not None:
-        if tp_world is not None:  # TP and FSDP shards and whole copies mixed: count each element once
-            clip_grad_norm_tp(params, clip, tp_world)
-        elif ep_group is None:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        else:  # expert slices differ per rank: the global norm sums them across the group
-            expert_parallel.clip_grad_norm_ep(params, clip, ep_group)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
     return total
 
 
@@ -71,7 +80,8 @@ def _device_type(batch: dict) -> str:
 @dataclass
 class Training:
     model: torch.nn.Module  # what to call: possibly a DDP wrapper
-    bare: torch.nn.Module  # the model itself (telemetry, checkpoints)
+    # The model itself (telemetry, checkpoints); under pp this rank's stages under the model's names.
+    bare: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: object  # step -> lr
     params: list
@@ -79,7 +89,7 @@ class Training:
     autocast: torch.dtype | None = None
     world: int = 1
     ep_group: object = None  # expert-parallel process group, when experts are sharded
-    tp_world: int | None = None  # under tensor parallelism: the world the gradient norm is summed over
+    tp_world: int | None = None  # under tp or pp: the ranks of one stage, for the gradient norm's sum
     load_seconds: float | None = None  # how long reading --init-checkpoint took (logged before run_start)
     after_opt_step: object = None  # called after each optimizer step (float8 scales under FSDP2), or None
     _votes: torch.Tensor | None = None
@@ -128,7 +138,10 @@ def build_training(
     (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
     timer: dict[str, float] = {}
-    if plan.sharded:
+    if plan.pp > 1:  # each rank builds, initialises and steps its own stages (train/pipeline.py)
+        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint, timer)
+        ep_group = None
+    elif plan.sharded:
         model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer)
     else:
         model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer)
@@ -142,7 +155,9 @@ def build_training(
         after = after_optimizer_step(model)
     return Training(
         wrapped, model, opt, sched, params, bench.clip(tier), parallel.autocast_dtype(plan), plan.world,
-        ep_group=ep_group, tp_world=plan.world if plan.tp > 1 else None, load_seconds=timer.get("load"),
+        # The gradient norm sums each element once over the ranks of one stage, and over all stages.
+        ep_group=ep_group, tp_world=plan.world // plan.pp if plan.tp > 1 or plan.pp > 1 else None,
+        load_seconds=timer.get("load"),
         after_opt_step=after,
     )  # fmt: skip
 

@@ -210,7 +210,8 @@ def _synth(opts: SynthOptions) -> dict:
         tot_samples_s, tot_energy, have_energy = distributed.all_reduce(
             [local_samples_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
         )
-        tot_samples_s /= plan.tp  # the ranks of a tensor-parallel group step through the same samples
+        # The ranks of a tensor-parallel group, and of one pipeline, step through the same samples.
+        tot_samples_s /= plan.world // plan.data_parallel
         max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
         # Each rank's own figures, gathered once after the window (its clock has already been read).
         mine = [

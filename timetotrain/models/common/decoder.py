@@ -141,14 +141,19 @@ class Decoder(nn.Module):
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        return self.norm(self.blocks(self.embed(tokens), self.layers))
+
+    def blocks(self, x: torch.Tensor, layers) -> torch.Tensor:
+        """Embedded tokens `x` `[B, T, dim]` through `layers` (all of `self.layers`, or a consecutive run of
+        them: a pipeline stage's share), with the RoPE tables and window masks of length T."""
+        T = x.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        x = self.embed(tokens)
         # The dtype attention computes in: autocast's where it is on, else the activations'.
-        dev = tokens.device.type
+        dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        for block in self.layers:
-            x = block(x, cos, sin, self.window_mask(T, block.window, tokens.device, dtype))
-        return self.norm(x)
+        for block in layers:
+            x = block(x, cos, sin, self.window_mask(T, block.window, x.device, dtype))
+        return x
 
     def forward(
         self,

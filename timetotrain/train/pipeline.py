@@ -1,0 +1,399 @@
+"""Pipeline parallelism (`--parallel pp=P[,vpp=V]`) on torch.distributed.pipelining.
+
+The split. A decoder's `model.layers` are cut into S = P x V consecutive stages, the embedding on the first
+and the final norm with the head and its fused loss (models/common/head_loss.py) on the last. Each stage
+has at least one block; the cut minimises the largest stage's matmul parameters (a stage's FLOPs per token
+are proportional to them, attention aside), the head counting as `dim x vocab`, so a large vocabulary
+takes blocks off the last stage. Stage s lives on pipeline rank s mod P (with V > 1 each rank holds V
+stages, round-robin: the interleaved schedule's layout). rank 0 prints the split as one line.
+
+The stage modules (`Stage`) are built here, outside the model: each holds the family model's own block,
+embedding, norm and head modules (so parameter names, initialisation and the optimizer's masks are the
+model's) and runs them through `Decoder.blocks`, the stack's one definition. The other stages' modules
+stay on the meta device: a rank allocates only its stages. Initialisation draws every parameter's full
+tensor in the model's order, keeping only this rank's (`_drawn_elsewhere`, beside FSDP2's `full_init`),
+so every rank's weights equal the same parameters of a one-process model for the same seed.
+
+Meshes. One (pp, dp_replicate, data, tp) DeviceMesh in the rank layout of `parallel.Plan.coords`
+(pipeline outermost); a stage's FSDP2 and TP meshes are its slices, so the ranks of one stage shard and
+cut its parameters among themselves, and the pipeline group links the ranks that hold the same data and
+TP coordinates on consecutive stages. Under TP a stage boundary carries each rank's sequence shard of
+the residual stream as a plain tensor (the next stage wraps it back into its DTensor), so the schedule
+sees plain tensors only.
+
+One step. The micro-batches are the run's gradient accumulation (local batch / micro_batch_size): 1F1B
+(V = 1, `Schedule1F1B`) needs at least P of them, interleaved 1F1B (`ScheduleInterleaved1F1B`) a multiple
+of P. The task's loss function is called with a stand-in for the model (`_Capture`) to learn the model's
+inputs (tokens, labels), then the schedule runs them; the last stage's output is each micro-batch's mean
+loss, and the schedule divides the accumulated gradients by the micro-batch count: the step's loss and
+gradients are those of the unpipelined step (the mean over micro-batches of each one's mean loss).
+Only the last stage has the loss: `Pipeline.forward_backward` returns it times P there and 0 elsewhere,
+so that `Training.step`'s sum over all ranks of loss / world is the mean. The gradient norm for clipping
+sums each stage's squares over all ranks (`Training.tp_world` is the ranks of one stage). Evaluation
+(`Pipeline.forward`) runs the stages forward-only, one eval micro-batch at a time, and hands the last
+stage's result to every rank of the pipeline.
+
+Checkpoints: `owned` is this rank's share under the model's names, so `--save-checkpoint` writes one
+folder (each stage its own entries, DCP) that any layout reads, and `--init-checkpoint` loads into the stages
+only what they hold (a ttt or a Hugging Face checkpoint).
+
+Not built: pp with dp / dp_replicate / ep / cp or fp8, mixture-of-experts models, families whose stack
+is not the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
+output (LoRA's, GRPO's).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Shard
+from torch.overrides import TorchFunctionMode
+
+from timetotrain.errors import UserError
+from timetotrain.fakes import real_host
+from timetotrain.models.common.decoder import Decoder
+from timetotrain.models.common.head_loss import logits_or_loss
+from timetotrain.tasks.base import Task
+from timetotrain.train import parallel
+from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
+from timetotrain.train.shards import _FILLS, draw_full, full_init
+
+_MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage boundary may carry (eval header)
+
+
+def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bool, flag: str) -> int:
+    """Preflight for `pp`: what is not built says so, the stages fit the model's layers, and the micro-batch
+    count suits the schedule. Returns the micro-batch size: the one asked for (`explicit`), else the
+    largest that divides the per-rank batch `local` into enough micro-batches, at most `micro`."""
+    spec = ",".join(
+        f"{k}={getattr(plan, k)}" for k in parallel.KINDS + parallel.STAGE_KEYS if getattr(plan, k) > 1
+    )
+    for what, bad in (
+        ("dp (use fsdp)", plan.dp > 1),
+        ("dp_replicate", plan.dp_replicate > 1),
+        ("cp", plan.cp > 1),
+        ("--precision fp8", plan.precision == "fp8"),
+    ):
+        if bad:
+            raise UserError(f"--parallel {spec}: pipeline parallelism with {what} is not built yet")
+    stages = plan.pp * plan.vpp
+    layers = getattr(tier.model, "n_layers", None)
+    # Tasks that adapt the model (LoRA adapters, GRPO's policy) or roll out on it have no stage build yet.
+    if layers is None or bench.task.on_policy or type(bench.task).adapt_model is not Task.adapt_model:
+        raise UserError(
+            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
+        )
+    if hasattr(tier.model, "n_experts"):  # expert telemetry and router state live on the whole model
+        raise UserError(
+            f"--parallel {spec}: mixture-of-experts models ({bench.name}) have no pipeline split yet"
+        )
+    if layers < stages:
+        raise UserError(
+            f"--parallel {spec}: {stages} stages but the model has {layers} layers; use fewer stages"
+        )
+
+    def fits(m: int) -> bool:
+        n = local // m
+        return local % m == 0 and (n >= plan.pp if plan.vpp == 1 else n % plan.pp == 0)
+
+    need = f"{plan.pp} or more" if plan.vpp == 1 else f"a multiple of {plan.pp}"
+    if explicit:
+        if not fits(micro):
+            raise UserError(
+                f"{flag}={micro}: pipeline parallelism needs {need} micro-batches per step (the per-rank batch "
+                f"is {local})"
+            )
+        return micro
+    for m in range(min(micro, local), 0, -1):
+        if fits(m):
+            return m
+    raise UserError(f"--parallel {spec}: the per-rank batch {local} does not split into {need} micro-batches")
+
+
+def split_layers(costs: list[float], head: float, stages: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) layer ranges, one per stage, at least one layer each, minimising the largest
+    stage cost (the last stage also pays `head`). An exact search over cut points (L x S states)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest max-cost of the first i layers in s stages; cut[s][i]: where stage s starts
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                c = prefix[i] - prefix[j] + (head if s == stages and i == n else 0.0)
+                v = max(best[s - 1][j], c)
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    out, i = [], n
+    for s in range(stages, 0, -1):
+        out.append((cut[s][i], i))
+        i = cut[s][i]
+    return out[::-1]
+
+
+def describe_split(ranges: list[tuple[int, int]], pp: int) -> str:
+    parts = []
+    for s, (lo, hi) in enumerate(ranges):
+        extra = ["embed"] if s == 0 else []
+        extra += ["norm", "head"] if s == len(ranges) - 1 else []
+        where = f" on rank {s % pp}" if len(ranges) > pp else ""
+        layers = f"layer {lo}" if hi - lo == 1 else f"layers {lo}-{hi - 1}"
+        parts.append(f"stage {s}{where} {layers}" + (f" (+{', '.join(extra)})" if extra else ""))
+    return "pipeline: " + ", ".join(parts)
+
+
+class Stage(nn.Module):
+    """Stage blocks [lo, hi) of a `Decoder`: its embedding first on the first stage, its final norm and
+    head (the fused loss when labels are given) last on the last one. Inputs: tokens on the first stage,
+    else the previous stage's residual stream (under TP this rank's sequence shard of it)."""
+
+    def __init__(self, model: Decoder, lo: int, hi: int, first: bool, last: bool, tp_mesh=None):
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        # The model's helpers (RoPE tables, masks), outside the module tree: its parameters are not all ours.
+        self.__dict__["decoder"] = model
+        self.tp_mesh = tp_mesh
+        self.autocast: torch.dtype | None = None  # the forward's autocast dtype (the backward runs outside)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
+        if self.autocast is None:
+            return self._forward(x, labels, reduction)
+        with torch.autocast(x.device.type, dtype=self.autocast):
+            return self._forward(x, labels, reduction)
+
+    def _forward(self, x, labels, reduction):
+        if self.embed is not None:
+            x = self.embed(x)
+        elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+        x = self.decoder.blocks(x, self.layers.values())
+        if self.norm is None:
+            return x.to_local() if isinstance(x, DTensor) else x
+        return logits_or_loss(self.norm(x), self.head, labels, reduction)
+
+
+class _Capture:
+    """Stands for the model in a task's loss function: records the model's inputs instead of computing."""
+
+    call = None
+
+    def __call__(self, tokens, labels=None, reduction="mean"):
+        self.call = (tokens, labels, reduction)
+        return self
+
+
+def _own_output(output, target):
+    """The schedule's loss function: the last stage's output is already its micro-batch's mean loss."""
+    return output
+
+
+class Pipeline(nn.Module):
+    """This rank's stages and the schedule that runs them. Called like the model (`model(tokens, labels=,
+    reduction=)`) it evaluates: forward only, the result on every rank of the pipeline."""
+
+    def __init__(self, stages: list[Stage], indices: list[int], count: int, group, device, accum: int):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.indices, self.count, self.accum = indices, count, accum
+        self.group, self.device = group, device
+        self.pp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.last = count - 1 in indices
+        pipes = [
+            PipelineStage(s, i, count, device, group=group) for s, i in zip(stages, indices, strict=True)
+        ]
+        if len(pipes) == 1:
+            self.schedule = Schedule1F1B(pipes[0], accum, loss_fn=_own_output, scale_grads=True)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(pipes, accum, loss_fn=_own_output, scale_grads=True)
+
+    def forward_backward(self, batch: dict, accum: int, loss_fn) -> torch.Tensor:
+        """One step's forward and backward over `accum` micro-batches; the gradients (each stage's own) are
+        the mean over micro-batches. Returns this rank's share of the loss (module docstring)."""
+        if accum != self.accum:
+            raise ValueError(f"the pipeline schedule has {self.accum} micro-batches, the step {accum}")
+        capture = _Capture()
+        if loss_fn(capture, batch) is not capture or capture.call[1] is None or capture.call[2] != "mean":
+            raise UserError(
+                "--parallel pp: this task's loss is not the model's own mean loss; no pipeline split"
+            )
+        tokens, labels, _ = capture.call
+        losses: list[torch.Tensor] = []
+        self.schedule.step(tokens, target=labels, losses=losses, return_outputs=False, labels=labels)
+        if not self.last:
+            return torch.zeros((), device=tokens.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * (self.pp / accum)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
+        """Forward only through the stages in order, one activation handed from rank to rank; the last
+        stage's result (a loss; logits are not passed back) broadcast to the pipeline."""
+        if labels is None:
+            raise ValueError("a pipeline computes losses only: pass labels")
+        local = dict(zip(self.indices, self.stages, strict=True))
+        out = None
+        for s in range(self.count):
+            stage = local.get(s)
+            if stage is None:
+                continue
+            x = tokens if s == 0 else self._recv((s - 1) % self.pp)
+            out = stage(x, labels=labels, reduction=reduction)
+            if s < self.count - 1:
+                self._send(out, (s + 1) % self.pp)
+        result = out.float() if self.last else torch.zeros((), device=tokens.device)
+        dist.broadcast(result, group_src=(self.count - 1) % self.pp, group=self.group)
+        return result
+
+    def _send(self, x: torch.Tensor, peer: int) -> None:
+        head = torch.tensor([_DTYPES.index(x.dtype), *x.shape], dtype=torch.int64, device=x.device)
+        dist.send(head, group_dst=peer, group=self.group)
+        dist.send(x.contiguous(), group_dst=peer, group=self.group)
+
+    def _recv(self, peer: int) -> torch.Tensor:
+        head = torch.empty(4, dtype=torch.int64, device=self.device)
+        dist.recv(head, group_src=peer, group=self.group)
+        code, *shape = head.tolist()
+        x = torch.empty(shape, dtype=_DTYPES[code], device=self.device)
+        dist.recv(x, group_src=peer, group=self.group)
+        return x
+
+
+class _DrawnElsewhere(TorchFunctionMode):
+    """An initialiser on a parameter of another rank's stage (still on the meta device) draws the full
+    tensor on `device` and drops it, so the generator advances as in a one-process build."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if func not in _FILLS or not isinstance(target, torch.Tensor) or target.device.type != "meta":
+            return func(*args, **kwargs)
+        draw_full(func, args, kwargs, target, self.device)  # and dropped
+        return target
+
+
+def _init(family, model, device, seed: int) -> None:
+    with full_init(), _DrawnElsewhere(device):
+        family.init(model, torch.Generator(device=device).manual_seed(seed))
+
+
+def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, init_checkpoint, timer: dict):
+    """The model on the meta device -> TP over the whole (meta) model -> this rank's stages cut out,
+    activation-checkpointed, compiled and sharded (FSDP2 per block and per stage) -> only they are
+    allocated -> initialised from `seed + 1` -> one warm-up step through the schedule -> initialised from
+    `seed`, or loaded from `init_checkpoint` (this rank's parameters of it; the seconds in `timer["load"]`).
+    Returns (this rank's stages as one module under the model's names, `owned`; the `Pipeline`)."""
+    family, task = bench.family, bench.task
+    with real_host():
+        with torch.device("meta"):
+            model = family.build(tier.model)
+        task.adapt_model(model, tier, None, plan.compute)
+    plain = type(model).hidden is Decoder.hidden and type(model).forward is Decoder.forward
+    outside = {n.split(".")[0] for n, _ in model.named_parameters()} - set(_MODULES)
+    if not isinstance(model, Decoder) or not plain or outside:
+        raise UserError(f"--parallel pp: the {family.name} family's model has no pipeline split yet")
+    names = ("pp", "dp_replicate", "data", "tp")
+    mesh = parallel.device_mesh(
+        device.type, (plan.pp, plan.dp_replicate, plan.dp * plan.fsdp, plan.tp), names
+    )  # fmt: skip
+    tp_mesh = mesh["tp"] if plan.tp > 1 else None
+    if tp_mesh is not None:
+        if family.tensor_parallel is None:
+            raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
+        with real_host():
+            family.tensor_parallel(model, tp_mesh)  # every block, on the meta device: others' stay there
+        parallel.remark(model, plan)
+
+    count = plan.pp * plan.vpp
+    cfg = tier.model
+    ranges = split_layers(
+        [float(family.block_params(cfg))] * cfg.n_layers, float(cfg.dim * cfg.vocab_size), count
+    )
+    if dist.get_rank() == 0:
+        print(describe_split(ranges, plan.pp), file=sys.stderr, flush=True)
+    me = plan.coords(dist.get_rank())["pp"]
+    indices = list(range(me, count, plan.pp))
+    for s in indices:
+        for i in range(*ranges[s]):
+            if plan.activation_checkpointing:
+                model.layers[i] = checkpoint_wrapper(model.layers[i])
+            if plan.compile:
+                model.layers[i].compile()
+    stages = [Stage(model, *ranges[s], s == 0, s == count - 1, tp_mesh) for s in indices]
+    if plan.fsdp > 1:
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
+        )
+        for stage in stages:
+            for block in stage.layers.values():
+                fully_shard(block, mesh=mesh["data"], mp_policy=mp)
+            fully_shard(stage, mesh=mesh["data"], mp_policy=mp)
+    elif plan.compute == "bf16":  # FSDP2 casts the parameters itself; else autocast in each stage
+        for stage in stages:
+            stage.autocast = torch.bfloat16
+    for stage in stages:
+        stage.to_empty(device=device)
+    model.to_empty(device=device, recurse=False)  # the root's own buffers (RoPE tables)
+    parallel.remark(model, plan)
+
+    local = tier.global_batch_size // plan.data_parallel
+    accum = local // tier.micro_batch_size
+    pipe = Pipeline(stages, indices, count, mesh["pp"].get_group(), device, accum)
+    _init(family, model, device, seed + 1)
+    # One step through the schedule before the clock (kernels, allocator, and the schedule's own shape
+    # inference at the training micro-batch), from the `seed + 1` weights; its gradients are dropped.
+    data = task.synthetic(tier, local, torch.Generator(device=device).manual_seed(0), device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        pipe.forward_backward(data.batch(0), accum, data.loss)
+    pipe.zero_grad(set_to_none=True)
+    _init(family, model, device, seed)
+    mine = owned(stages)
+    if init_checkpoint is not None:
+        t0 = time.monotonic()
+        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier))
+        timer["load"] = time.monotonic() - t0
+    pipe.train()
+    return mine, pipe
+
+
+def owned(stages: list[Stage]) -> nn.Module:
+    """This rank's stages as one module under the model's own parameter names (`embed.weight`,
+    `layers.2.attn.qkv.weight`, ...): what its optimizer steps and what its checkpoints hold. A checkpoint
+    is then one folder every stage writes its own entries into, and any layout reads."""
+    mine = nn.Module()
+    for name in ("embed", "norm", "head"):
+        for stage in stages:
+            if getattr(stage, name) is not None:
+                setattr(mine, name, getattr(stage, name))
+    mine.layers = nn.ModuleDict({i: block for stage in stages for i, block in stage.layers.items()})
+    return mine
+
+
+def _load(path, mine: nn.Module, family, cfg, truncate_rows) -> None:
+    """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only."""
+    if check_init_source(path, family, cfg) == "hf":
+        names = {_clean_name(n) for n, _ in mine.named_parameters()}
+        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in names}
+        rows = {n: r for n, r in (truncate_rows or {}).items() if n in names}
+        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows)
+    else:
+        load_checkpoint(path, mine, None)
