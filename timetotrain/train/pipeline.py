@@ -332,9 +332,12 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
         print(describe_split(ranges, plan.pp), file=sys.stderr, flush=True)
     me = plan.coords(dist.get_rank())["pp"]
     indices = list(range(me, count, plan.pp))
+    # `--ac-every K` counts blocks over the whole model, as without stages: global block i is wrapped when
+    # i % K == 0, whichever stage holds it.
+    every = parallel.check_ac_every(plan.activation_checkpointing, cfg.n_layers)
     for s in indices:
         for i in range(*ranges[s]):
-            if plan.activation_checkpointing:
+            if every and i % every == 0:
                 model.layers[i] = checkpoint_wrapper(model.layers[i])
             if plan.compile:
                 model.layers[i].compile()
