@@ -251,6 +251,16 @@ def test_single_process_save_load_and_atomicity(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="no optimizer state; load it with optimizer=None"):
         load_checkpoint(model_only, fresh, fresh_opt)
     assert load_checkpoint(model_only, fresh, None) == (3, {})
+    # The metadata is untrusted: a malformed record of stacked (TP) row layouts is one line.
+    meta = model_only / ckpt.META
+    meta.write_text(json.dumps({"step": 3, "extra": {}, "stacked": {"layers.0.ffn.fc1.weight": "tp=2"}}))
+    with pytest.raises(UserError, match="'stacked' is not a map of names to \\[parts, tp\\]"):
+        load_checkpoint(model_only, fresh, None)
+    # Rows saved stacked for tp=2 are not put back into optimizer moments (a resume reads its own layout).
+    with pytest.raises(UserError, match="saved with its rows stacked for tp=2 and is read here for tp=1"):
+        ckpt._restacking(
+            path, dict(fresh.named_parameters()), {}, {"layers.0.ffn.fc1.weight": (2, 2)}, {}, True
+        )
 
     # A crash after the shards are written but before the rename leaves only the .partial folder.
     real_save = ckpt.dcp.save

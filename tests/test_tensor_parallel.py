@@ -52,16 +52,32 @@ def one_process(name: str) -> tuple[float, ...]:
     return tuple(train(name, parallel.Plan()))
 
 
-def train(name: str, plan, rank: int = 0) -> list[float]:
+def train(name: str, plan, rank: int = 0, save: Path | None = None) -> list[float]:
+    """The global train_loss of every step; with `save`, the trained model saved there as a checkpoint and,
+    by rank 0, its weights gathered whole beside it (`weights.pt`)."""
+    from timetotrain.train.checkpoint import save_checkpoint
     from timetotrain.train.step import build_training
 
     bench, t = tier(name)
     torch.manual_seed(0)
     tr = build_training(bench, t, torch.device("cpu"), 7, plan)
     data = batches(plan.data_rank(rank), plan.data_parallel)
-    return [
+    losses = [
         tr.step(s, b, 1, lambda m, b: lm_loss(m, b["tokens"], None))[0].item() for s, b in enumerate(data)
     ]
+    if save is not None:
+        from torch.distributed.tensor import DTensor
+
+        from timetotrain.train.tensor_parallel import unstack
+
+        save_checkpoint(save / "ckpt", tr.bare, None, STEPS)
+        whole = {
+            n: unstack(p.full_tensor(), p) if isinstance(p, DTensor) else p
+            for n, p in tr.bare.named_parameters()
+        }
+        if rank == 0:
+            torch.save({n: w.detach().clone() for n, w in whole.items()}, save / "weights.pt")
+    return losses
 
 
 def run_workers(tmp_path, nproc: int, spec: str) -> list[dict]:
@@ -116,6 +132,22 @@ def test_tensor_parallel_trains_as_one_process(tmp_path, request, nproc, spec):
             assert r[name] == ranks[0][name]  # every rank reports the same global loss
             torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
         assert expected[-1] < expected[0] - 0.5  # it trained: a plan that froze weights would not match
+    if nproc == 2:
+        _a_tp_checkpoint_reads_into_one_process(tmp_path)
+
+
+def _a_tp_checkpoint_reads_into_one_process(out: Path) -> None:
+    """A checkpoint saved under tp=2 holds fc1's rows in the TP-stacked order (train/tensor_parallel.py);
+    read into one process they are put back: every weight equals the trained model's, gathered whole."""
+    from timetotrain.train.checkpoint import load_checkpoint
+    from timetotrain.train.step import build_training
+
+    bench, t = tier("llama31_8b")
+    tr = build_training(bench, t, torch.device("cpu"), 1, None)
+    load_checkpoint(out / "ckpt", tr.bare, None)
+    want = torch.load(out / "weights.pt")
+    for n, p in tr.bare.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0, msg=n)
 
 
 def test_stacked_rows_round_trip():
@@ -139,7 +171,8 @@ def _worker(out: Path, spec: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = parallel.parse(spec, world)
     names = ["llama31_405b", "llama31_8b"] if plan.fsdp == 1 else ["llama31_405b"]
-    results = {name: train(name, plan, rank) for name in names}
+    # tp=2 alone: llama31_8b's trained model saved for the one-process read
+    results = {name: train(name, plan, rank, out if name == "llama31_8b" else None) for name in names}
     if (out / "hf").is_dir():  # the checkpoint scenario (tp=2,fsdp=2)
         from timetotrain.train.step import build_training
 

@@ -43,6 +43,7 @@ from timetotrain.progress import LiveLine
 from timetotrain.train import dcp_safe
 from timetotrain.train.expert_parallel import expert_dtensors
 from timetotrain.train.shards import copy_full, full_shape, is_part
+from timetotrain.train.tensor_parallel import stacked_layouts, unstack_rows
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -496,7 +497,9 @@ def save_checkpoint(
     """
     final = Path(dirpath)
     partial = final.with_name(final.name + ".partial")
-    meta = json.dumps({"step": int(step), "extra": extra or {}})  # fails here, before any writing
+    meta = {"step": int(step), "extra": extra or {}}
+    json.dumps(meta)  # fails here, before any writing
+    meta = json.dumps({**meta, "stacked": _stacked(model)})
     main = not _distributed() or dist.get_rank() == 0
     if main and partial.exists():
         shutil.rmtree(partial)  # left by a save that crashed
@@ -533,6 +536,7 @@ def load_checkpoint(
             f"{final}: not a complete checkpoint (no {META}){hint}; pass a folder save_checkpoint wrote"
         )
     meta = json.loads(fileio.read_bounded(final / META, fileio.SMALL_FILE, "checkpoint metadata").decode())
+    saved = _saved_stacking(final, meta)
     state = _state(model, optimizer)
     ours = {}  # checkpoint name -> our state-dict key, when `names` renames
     if names is not None:
@@ -545,6 +549,7 @@ def load_checkpoint(
                 renamed[name], ours[name] = t, key
         state["model"] = renamed
     _check_fits(final, state)
+    restack = _restacking(final, state["model"], ours, saved, stacked_layouts(model), optimizer is not None)
     with _no_single_process_warning():
         try:
             dcp.load(
@@ -559,6 +564,10 @@ def load_checkpoint(
             raise
         except _SHARD_ERRORS as e:
             raise _checkpoint_error(final, [e]) from None
+    with torch.no_grad():
+        for key, layout in restack.items():
+            t = state["model"][key]
+            t.copy_(unstack_rows(t.clone(), *layout))
     if optimizer is None:
         # Expert-slice views were read in place (they share the slices' storage): hand back the plain slices.
         model_sd = {ours.get(n, n): _local(t) for n, t in state["model"].items()}
@@ -567,6 +576,54 @@ def load_checkpoint(
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta["step"], meta["extra"]
+
+
+def _stacked(model: nn.Module) -> dict[str, list[int]]:
+    """The stacked row layouts (train/tensor_parallel.py: fc1's rows reordered per TP rank) of the parameters
+    every rank saves, by checkpoint name: DCP stores a stacked DTensor as the global tensor it stands for,
+    in that order, so a load into another layout must know it. Collective (pipeline stages differ)."""
+    mine = {_clean_name(n): list(v) for n, v in stacked_layouts(model).items()}
+    if not _distributed():
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: v for d in every for n, v in d.items()}
+
+
+def _saved_stacking(final: Path, meta) -> dict[str, tuple[int, int]]:
+    """The checkpoint's stacked layouts (`_stacked`), checked: its metadata is untrusted input. A folder
+    from before they were recorded has none."""
+    got = meta.get("stacked", {}) if isinstance(meta, dict) else None
+    ok = isinstance(got, dict) and all(
+        isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 1 for x in v)
+        for v in got.values()
+    )
+    if not ok:
+        raise UserError(
+            f"{final / META}: 'stacked' is not a map of names to [parts, tp]; not a ttt checkpoint"
+        )
+    return {n: tuple(v) for n, v in got.items()}
+
+
+def _restacking(final: Path, model_sd: dict, ours: dict, saved: dict, target: dict, optim: bool) -> dict:
+    """{state key: the saved layout to undo after reading} for parameters saved stacked and read into a
+    whole, unsharded tensor (one process, pipeline stages without TP); one line, before anything is read,
+    for a stacking that cannot be undone in place (another TP degree, FSDP2 shards, optimizer moments)."""
+    target = {_clean_name(n): v for n, v in target.items()}
+    out = {}
+    for key, t in model_sd.items():
+        was, want = saved.get(_clean_name(key)), target.get(_clean_name(ours.get(key, key)))
+        if was == want:
+            continue
+        if want is None and not isinstance(t, DTensor) and not optim:
+            out[key] = was
+            continue
+        raise UserError(
+            f"{final}: {_clean_name(key)} was saved with its rows stacked for tp={was[1] if was else 1} and is "
+            f"read here for tp={want[1] if want else 1}; load it under the saving run's tp degree, or into one "
+            "process or pipeline stages without tp (the model alone)"
+        )
+    return out
 
 
 # What reading a truncated or garbled shard, or one that is not plain tensors, raises (torch.load with

@@ -50,7 +50,16 @@ def unstack(full: torch.Tensor, param) -> torch.Tensor:
     stacked = getattr(param, STACKED, None)
     if stacked is None:
         return full
-    parts, tp = stacked
+    return unstack_rows(full, *stacked)
+
+
+def stacked_layouts(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{parameter name: (sub-tensors, TP degree)} of the stacked parameters of `model` (module docstring)."""
+    return {n: tuple(getattr(p, STACKED)) for n, p in model.named_parameters() if hasattr(p, STACKED)}
+
+
+def unstack_rows(full: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
+    """`unstack` of a tensor whose rows were stacked as `parts` sub-tensors over `tp` ranks."""
     per_rank = [r.chunk(parts, dim=0) for r in full.chunk(tp, dim=0)]
     return torch.cat([per_rank[r][p] for p in range(parts) for r in range(tp)], dim=0)
 
