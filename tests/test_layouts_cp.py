@@ -1,0 +1,192 @@
+"""Context parallelism (`--parallel cp=N`, train/context_parallel.py) on gloo against one process, through
+the harness's own build and step (`train/step.py`), 20 steps each: train_loss at rtol 1e-5 and the final
+trained weights.
+
+- llama31_8b under `cp=2`: plain causal GQA attention, each rank holding chunks (c, 3 - c) of four;
+- gpt_oss_20b under `cp=2`: its sliding-window layers with a window as wide as a chunk, so each rank's
+  queries need keys from the other rank's chunk just before theirs, beside full-attention layers, MoE;
+- deepseekv3_671b under `cp=2`: MLA, the sequence-wise aux loss (its expert counts summed over the
+  group) and multi-token prediction, whose token i + 1 at a chunk's last position lives on the other rank;
+- llama31_8b under `cp=2,fsdp=2` (4 ranks): FSDP2 sharding over the flattened (fsdp, cp) ranks.
+
+The end-of-document mask is on and the EOD ids are crowded into one chunk, so the ranks hold different
+numbers of labelled tokens: a loss normalised by local counts would not match. Run as a script (by
+torchrun) this file is the worker; it writes its losses per rank and rank 0 the gathered weights."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, small_deepseek_v3, small_llama
+
+from timetotrain.suite import get
+from timetotrain.tasks.causal_lm import lm_loss
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GBS, SEQ, EOD = 20, 4, 32, 3
+
+
+def gpt_oss_cfg():
+    from timetotrain.models.gpt_oss import GptOssConfig
+
+    return GptOssConfig(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4, top_k=2, expert_ffn_dim=32,
+        vocab_size=128, max_seq_len=SEQ, sliding_window=8, init_std=0.05,
+    )  # fmt: skip
+
+
+# name -> (benchmark, model config, --parallel); by the world size that runs it
+SCENARIOS = {
+    "llama": ("llama31_8b", lambda: small_llama(max_seq_len=SEQ), "cp=2"),
+    "gpt_oss": ("gpt_oss_20b", gpt_oss_cfg, "cp=2"),
+    "deepseek": ("deepseekv3_671b", small_deepseek_v3, "cp=2"),
+    "llama_fsdp": ("llama31_8b", lambda: small_llama(max_seq_len=SEQ), "cp=2,fsdp=2"),
+}
+BY_WORLD = {2: ["llama", "gpt_oss", "deepseek"], 4: ["llama_fsdp"]}
+# The final weights' absolute tolerance. DeepSeek's router weights and the embedding row of MTP's fill id get
+# gradients near zero, where rounding flips their sign and Adam turns either sign into a step of about lr:
+# 20 steps leave ~1e-3 between summation orders. Its first step's gradients agree at 1e-5 of each
+# tensor's largest, and its 20 losses at rtol 1e-5.
+WEIGHT_ATOL = {"deepseek": 2e-3}
+
+
+def tier(name: str):
+    bench_name, cfg, _ = SCENARIOS[name]
+    bench = get(bench_name)
+    t = bench.tier("tiny")
+    return bench, dataclasses.replace(
+        t, model=cfg(), data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS,
+        micro_batch_size=GBS, lr=3e-3, warmup_steps=3, max_steps=100, base=None,
+    )  # fmt: skip
+
+
+def batches(vocab: int, data_rank: int, data_world: int) -> list[torch.Tensor]:
+    """Two random global batches in turn (memorised within 20 steps, so the loss falls), with EOD ids
+    crowded into the first quarter of samples 0 and 2: CP rank 0 holds more masked positions than rank 1.
+    Each half of the batch holds as many as the other: data-parallel ranks average their means, which
+    equals one process's token mean only at equal counts (as for every dp layout)."""
+    g = torch.Generator().manual_seed(3)
+    two = [torch.randint(4, vocab, (GBS, SEQ + 1), generator=g) for _ in range(2)]
+    for b in two:
+        b[0::2, 1:7] = EOD
+        b[1::2, 12] = EOD
+    return [two[s % 2].chunk(data_world)[data_rank] for s in range(STEPS)]
+
+
+def train(name: str, plan, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The global train_loss of every step and the trained weights gathered whole (every rank calls)."""
+    from timetotrain.train.step import build_training
+
+    bench, t = tier(name)
+    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
+    steps = enumerate(batches(t.model.vocab_size, plan.data_rank(rank), plan.data_parallel))
+    losses = [tr.step(s, {"ids": b}, 1, lambda m, b: lm_loss(m, b["ids"], EOD))[0].item() for s, b in steps]
+    return losses, trained_weights(tr.bare)
+
+
+def trained_weights(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+@functools.cache
+def one_process(name: str):
+    from timetotrain.train import parallel
+
+    return train(name, parallel.Plan())
+
+
+@functools.cache
+def workers(root: Path, nproc: int) -> tuple[list[dict], dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return ranks, torch.load(root / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("layouts_cp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_context_parallel_trains_as_one_process(root, name):
+    nproc = next(w for w, names in BY_WORLD.items() if name in names)
+    folder = root / str(nproc)
+    folder.mkdir(exist_ok=True)
+    ranks, weights = workers(folder, nproc)
+    expected, final = one_process(name)
+    for r in ranks:
+        assert r[name] == ranks[0][name]  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert expected[-1] < expected[0] - 0.2  # it trained
+    got = weights[name]
+    assert got.keys() == final.keys() and final
+    for n, w in final.items():
+        torch.testing.assert_close(got[n], w, rtol=1e-4, atol=WEIGHT_ATOL.get(name, 1e-6), msg=n)
+
+
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results, weights = {}, {}
+    for name in BY_WORLD[world]:
+        plan = parallel.parse(SCENARIOS[name][2], world)
+        results[name], weights[name] = train(name, plan, rank)
+    if rank == 0:
+        torch.save(weights, out / "weights.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
+
+
+def test_head_tail_chunks():
+    from timetotrain.train.context_parallel import head_tail_positions
+
+    assert head_tail_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert head_tail_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    # every rank the same share of the causal triangle: sum over its positions of (p + 1) keys
+    shares = {int((head_tail_positions(64, 4, c) + 1).sum()) for c in range(4)}
+    assert len(shares) == 1
+    whole = torch.cat([head_tail_positions(24, 3, c) for c in range(3)]).sort().values
+    assert whole.tolist() == list(range(24))
+
+
+@pytest.mark.bad_input
+def test_cp_refusals():
+    from timetotrain.errors import UserError
+    from timetotrain.train import context_parallel, parallel
+
+    llama = get("llama31_8b")
+    t = llama.tier("tiny")
+    for spec, world, bench, needle in [
+        ("cp=2,tp=2", 4, llama, "cp combines with dp, fsdp"),
+        ("cp=3", 3, llama, "does not divide"),
+        ("cp=2", 2, get("qwen35_397b_grpo"), "no context-parallel attention"),
+    ]:
+        plan = parallel.parse(spec, world)
+        with pytest.raises(UserError, match=needle) as e:
+            context_parallel.check(bench.family, bench.tier("tiny") if bench is not llama else t, plan, spec)
+        assert "\n" not in str(e.value)
