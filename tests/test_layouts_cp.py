@@ -15,15 +15,18 @@ torchrun) this file is the worker; it writes its losses per rank and rank 0 the 
 
 import dataclasses
 import functools
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, small_deepseek_v3, small_llama
+from conftest import (
+    assert_trains_as_one_process,
+    layout_results_written,
+    layout_run,
+    small_deepseek_v3,
+    small_llama,
+)
 
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -80,6 +83,7 @@ def batches(vocab: int, data_rank: int, data_world: int) -> list[torch.Tensor]:
     return [two[s % 2].chunk(data_world)[data_rank] for s in range(STEPS)]
 
 
+@functools.cache  # the one-process runs, once per session
 def train(name: str, plan, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The global train_loss of every step and the trained weights gathered whole (every rank calls)."""
     from timetotrain.train.step import build_training
@@ -100,45 +104,14 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
     }
 
 
-@functools.cache
-def one_process(name: str):
-    from timetotrain.train import parallel
-
-    return train(name, parallel.Plan())
-
-
-@functools.cache
-def workers(root: Path, nproc: int) -> tuple[list[dict], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return ranks, torch.load(root / "weights.pt")
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("layouts_cp")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_context_parallel_trains_as_one_process(root, name):
-    nproc = next(w for w, names in BY_WORLD.items() if name in names)
-    folder = root / str(nproc)
-    folder.mkdir(exist_ok=True)
-    ranks, weights = workers(folder, nproc)
-    expected, final = one_process(name)
-    for r in ranks:
-        assert r[name] == ranks[0][name]  # every rank reports the same global loss
-        torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert expected[-1] < expected[0] - 0.2  # it trained
-    got = weights[name]
-    assert got.keys() == final.keys() and final
-    for n, w in final.items():
-        torch.testing.assert_close(got[n], w, rtol=1e-4, atol=WEIGHT_ATOL.get(name, 1e-6), msg=n)
+def test_context_parallel_trains_as_one_process(tmp_path_factory, name):
+    from timetotrain.train.parallel import Plan
+
+    ranks, weights = layout_run(__file__, tmp_path_factory.getbasetemp() / "layouts_cp", BY_WORLD, name)
+    expected, final = train(name, Plan())
+    assert_trains_as_one_process(ranks, weights, name, expected, final, WEIGHT_ATOL.get(name, 1e-6))
 
 
 def _worker(out: Path) -> None:
@@ -152,10 +125,7 @@ def _worker(out: Path) -> None:
     for name in BY_WORLD[world]:
         plan = parallel.parse(SCENARIOS[name][2], world)
         results[name], weights[name] = train(name, plan, rank)
-    if rank == 0:
-        torch.save(weights, out / "weights.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    layout_results_written(out, results, weights)
 
 
 if __name__ == "__main__":
