@@ -34,6 +34,10 @@ expert-parallel group per TP index j: the ranks form an (N / E, E, T) mesh ("rep
 group of rank (i, j) is the ranks (i', j) with i' // E = i // E, it holds slice i % E, and where N > E
 the N / E ranks (i + kE, j) holding the same slice average its gradients as in the hybrid above. The TP
 ranks of a group hold equal slices with equal gradients: no collective crosses the TP dimension for them.
+
+Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's sequence over C consecutive ranks:
+the model is wrapped last, its gradients averaged over the dp x cp ranks (DDP over all of them, FSDP2 over the
+flattened (fsdp, cp) ranks).
 Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
