@@ -155,6 +155,7 @@ def test_cp_refusals():
         ("cp=2,tp=2", 4, llama, "cp combines with dp, fsdp"),
         ("cp=3", 3, llama, "does not divide"),
         ("cp=2", 2, get("qwen35_397b_grpo"), "no context-parallel attention"),
+        ("cp=2", 2, get("llama2_70b_lora"), "this benchmark's data has none"),
     ]:
         plan = parallel.parse(spec, world)
         with pytest.raises(UserError, match=needle) as e:

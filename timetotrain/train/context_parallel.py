@@ -67,7 +67,12 @@ def check(family, tier, plan, spec: str | None) -> None:
             f"--parallel {spec}: the {family.name} family has no context-parallel attention; leave cp out"
         )
     seq = getattr(getattr(tier, "data", None), "seq_len", None)
-    if seq is None or seq % (2 * plan.cp):
+    if seq is None:  # (llama2_70b_lora: its blocks and LoRA dropout are not checked under cp)
+        raise UserError(
+            f"--parallel {spec}: cp splits the token windows of causal-LM pretraining; this benchmark's "
+            "data has none: leave cp out"
+        )
+    if seq % (2 * plan.cp):
         raise UserError(
             f"--parallel {spec}: cp={plan.cp} cuts each sequence into {2 * plan.cp} equal chunks, and the "
             f"sequence length {seq} does not divide; choose a cp that divides seq_len / 2"
