@@ -153,9 +153,14 @@ class _Shard(SequenceShard):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(window), scale=scale)
 
     def total(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().clone()
-        dist.all_reduce(t, group=self.group)
-        return t
+        return _summed(t, self.group)
+
+
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    """`t`, no gradient, summed over `group` (a copy)."""
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 class ContextParallel(nn.Module):
@@ -178,9 +183,7 @@ class ContextParallel(nn.Module):
                 m.sequence_sum = self._sum_counts
 
     def _sum_counts(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().clone()
-        dist.all_reduce(t, group=self.group)
-        return t
+        return _summed(t, self.group)
 
     def shard(self, seq_len: int, device: torch.device) -> _Shard:
         key = (seq_len, device)
