@@ -107,9 +107,11 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # (a reduce-scatter would move 1/N of it; gloo lacks one)
-        return grad.chunk(ctx.ranks, dim=2)[ctx.index].contiguous(), None, None, None
+        # A reduce-scatter over the sequence, which it splits along dim 0: this rank's part, summed.
+        whole = grad.movedim(2, 0).contiguous()
+        part = whole.new_empty((whole.shape[0] // ctx.ranks, *whole.shape[1:]))
+        dist.reduce_scatter_tensor(part, whole, group=ctx.group)
+        return part.movedim(0, 2).contiguous(), None, None, None
 
 
 class _SumShares(torch.autograd.Function):
