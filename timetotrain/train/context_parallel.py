@@ -26,10 +26,13 @@ process's), and each rank's backward carries N x its share, which the data-paral
 over all dp x cp ranks (DDP over every rank, or FSDP2 sharding over the flattened (fsdp, cp) ranks, as
 torchtitan does) divides back: the summed gradient is the one-process gradient of the global mean.
 
-Not built: CP with tp, ep or pp (refused by `check`), a ring exchange that overlaps the K/V transfer with
-the attention (the all-gather holds the whole sequence's K/V of one layer at a time), a GQA- or MLA-latent
-gather (K/V are gathered after the head expansion), the Gated DeltaNet layers (qwen3_5_moe: another
-helper's primitive; refused), and a fused kernel: the attention is SDPA with a boolean mask.
+qwen3_5_moe's Gated DeltaNet layers run `context_parallel_deltanet`'s forward (swapped in here): the same
+head-tail chunks, the recurrence's state handed on in sequence order.
+
+Not built: CP with tp, ep or pp (refused by `check`), GRPO (its rollouts' decoding and per-token
+log-probabilities; refused), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
+sequence's K/V of one layer at a time), a GQA- or MLA-latent gather (K/V are gathered after the head
+expansion), and a fused kernel: the attention is SDPA with a boolean mask.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from torch import nn
 
 from timetotrain.errors import UserError
 from timetotrain.models.common.sequence_shard import SequenceShard
+from timetotrain.models.qwen3_5_moe.deltanet import GatedDeltaNet
+from timetotrain.train import context_parallel_deltanet
 
 
 def head_tail_positions(seq_len: int, cp: int, c: int) -> torch.Tensor:
@@ -52,11 +57,12 @@ def head_tail_positions(seq_len: int, cp: int, c: int) -> torch.Tensor:
     return torch.cat([first, torch.arange((2 * cp - 1 - c) * n, (2 * cp - c) * n)])
 
 
-def check(family, tier, plan, spec: str | None) -> None:
+def check(bench, tier, plan, spec: str | None) -> None:
     """One line for what CP cannot run: other kinds it does not compose with, a family without the
-    `shard` argument, a sequence that does not cut into 2cp chunks."""
+    `shard` argument, an on-policy task (GRPO), a sequence that does not cut into 2cp chunks."""
     if plan.cp == 1:
         return
+    family = bench.family
     if plan.tp > 1 or plan.ep > 1 or plan.pp > 1:
         raise UserError(
             f"--parallel {spec}: cp combines with dp, fsdp and dp_replicate,fsdp only (not yet with tp, ep or pp)"
@@ -65,6 +71,11 @@ def check(family, tier, plan, spec: str | None) -> None:
     if forward is None or "shard" not in inspect.signature(forward).parameters:
         raise UserError(
             f"--parallel {spec}: the {family.name} family has no context-parallel attention; leave cp out"
+        )
+    if getattr(bench.task, "on_policy", False):
+        raise UserError(
+            f"--parallel {spec}: the {bench.name} task decodes rollouts and reads per-token log-probabilities, "
+            "which cp does not compute (it computes mean or summed losses): leave cp out"
         )
     seq = getattr(getattr(tier, "data", None), "seq_len", None)
     if seq is None:  # (llama2_70b_lora: its blocks and LoRA dropout are not checked under cp)
@@ -183,6 +194,8 @@ class ContextParallel(nn.Module):
         for m in bare.modules():
             if hasattr(m, "sequence_sum"):  # routers with a sequence-wise aux loss
                 m.sequence_sum = self._sum_counts
+            if isinstance(m, GatedDeltaNet):  # the recurrence handed on in sequence order
+                context_parallel_deltanet.context_parallel(m, self.group)
 
     def _sum_counts(self, t: torch.Tensor) -> torch.Tensor:
         return _summed(t, self.group)

@@ -567,7 +567,7 @@ def plan(
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp)
         if given.cp > 1:
-            context_parallel.check(bench.family, tier, given, parallel_spec)
+            context_parallel.check(bench, tier, given, parallel_spec)
         rows = rows_of(
             kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
         )

@@ -67,7 +67,7 @@ def preflight(
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
-    context_parallel.check(bench.family, tier, plan, parallel_spec)
+    context_parallel.check(bench, tier, plan, parallel_spec)
     if precision == "fp8" and plan.world > 1:
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     if plan.tp > 1:
