@@ -99,6 +99,62 @@ def ttt_command(*argv: str, nproc: int = 1) -> list[str]:
     ]  # fmt: skip
 
 
+def layout_workers(script: str, root: Path, nproc: int) -> tuple[list[dict], dict]:
+    """Run `script` (a test file that is also a torchrun worker, as tests/test_layouts.py) on `nproc` gloo
+    ranks writing into `root`: each rank's `rank{r}.json` and rank 0's `weights.pt`."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, str(root)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return ranks, torch.load(root / "weights.pt")
+
+
+def layout_results_written(out: Path, results: dict, weights: dict) -> None:
+    """A `layout_workers` rank's last act: its results, rank 0's weights, and the process group ended."""
+    import json
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save(weights, out / "weights.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+_LAYOUT_RUNS: dict = {}
+
+
+def layout_run(script: str, root: Path, by_world: dict[int, list[str]], name: str) -> tuple[list[dict], dict]:
+    """`layout_workers` for the world size that runs scenario `name`, once per (script, root, world)."""
+    nproc = next(w for w, names in by_world.items() if name in names)
+    key = (script, root, nproc)
+    if key not in _LAYOUT_RUNS:
+        folder = root / str(nproc)
+        folder.mkdir(parents=True, exist_ok=True)
+        _LAYOUT_RUNS[key] = layout_workers(script, folder, nproc)
+    return _LAYOUT_RUNS[key]
+
+
+def assert_trains_as_one_process(ranks, weights, name, expected, final, atol: float = 1e-6) -> None:
+    """Every rank's global train_loss of scenario `name` equals one process's `expected` at rtol 1e-5, the
+    run trained, and rank 0's gathered `weights` equal the one-process `final` ones."""
+    for r in ranks:
+        assert r[name] == ranks[0][name]  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert expected[-1] < expected[0] - 0.2  # it trained: a layout that froze some weights would not match
+    got = weights[name]
+    assert got.keys() == final.keys() and final
+    for n, w in final.items():
+        torch.testing.assert_close(got[n], w, rtol=1e-4, atol=atol, msg=n)
+
+
 def random_hf_llama(cfg):
     """An HF `LlamaForCausalLM` equivalent to our `LlamaConfig` `cfg`, fp32, eager attention, seeded random
     weights: std 0.03 gives logits of about +-1 (large enough that a wrong mapping shows, small enough that

@@ -49,7 +49,7 @@ def single(c4_prepared, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["dp=2", "fsdp=2"])
+@pytest.mark.parametrize("parallel", ["dp=2", "fsdp=2", "cp=2"])
 def test_two_processes_match_one(c4_prepared, tmp_path, single, parallel):
     proc = launch(c4_prepared, tmp_path, 2, "--max-steps", str(STEPS), "--parallel", parallel)
     assert proc.returncode != 0  # aborted at the step limit, as the single-process run
@@ -63,6 +63,7 @@ def test_two_processes_match_one(c4_prepared, tmp_path, single, parallel):
     keys = {r["key"]: r["value"] for r in recs}
     assert keys["gradient_accumulation_steps"] == 1 and keys["global_batch_size"] == 16
     assert parallel in keys["ttt_parallel"]
+    assert keys["context_parallelism"] == (2 if parallel == "cp=2" else 1)
 
 
 @pytest.mark.slow

@@ -14,15 +14,12 @@ writes its losses per rank and rank 0 the gathered weights."""
 
 import dataclasses
 import functools
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, small_llama
+from conftest import assert_trains_as_one_process, layout_results_written, layout_run, small_llama
 
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -126,17 +123,6 @@ def one_process(name: str):
     return train(name, parallel.Plan())
 
 
-@functools.cache
-def workers(root: Path, nproc: int) -> tuple[list[dict], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return ranks, torch.load(root / "weights.pt")
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
@@ -145,21 +131,11 @@ def root(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lora_tp", "lora_tp_fsdp", "hsdp"])
 def test_layout_trains_as_one_process(root, name):
-    nproc = next(w for w, names in BY_WORLD.items() if name in names)
-    folder = root / str(nproc)
-    folder.mkdir(exist_ok=True)
-    ranks, weights = workers(folder, nproc)
+    ranks, weights = layout_run(__file__, root, BY_WORLD, name)
     expected, final, _ = one_process(name)
-    for r in ranks:
-        assert r[name] == ranks[0][name]  # every rank reports the same global loss
-        torch.testing.assert_close(torch.tensor(r[name]), torch.tensor(expected), rtol=1e-5, atol=0)
     for param, placements in LAYOUT[name].items():  # the layout is the one named, not a fallback
         assert ranks[0]["placements"][name][param] == placements, param
-    assert expected[-1] < expected[0] - 0.2  # it trained: a layout that froze the adapters would not match
-    got = weights[name]
-    assert got.keys() == final.keys() and final
-    for n, w in final.items():
-        torch.testing.assert_close(got[n], w, rtol=1e-4, atol=1e-6, msg=n)
+    assert_trains_as_one_process(ranks, weights, name, expected, final)
 
 
 def _worker(out: Path) -> None:
@@ -173,10 +149,7 @@ def _worker(out: Path) -> None:
     for name in BY_WORLD[world]:
         plan = parallel.parse(SCENARIOS[name][3], world)
         results[name], weights[name], results["placements"][name] = train(name, plan, rank)
-    if rank == 0:
-        torch.save(weights, out / "weights.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    layout_results_written(out, results, weights)
 
 
 if __name__ == "__main__":

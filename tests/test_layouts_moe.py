@@ -13,14 +13,12 @@ gathered weights."""
 import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import layout_workers
 
 from timetotrain.models.gpt_oss import GptOssConfig
 from timetotrain.suite import get
@@ -112,13 +110,7 @@ def one_process():
 
 @functools.cache
 def workers(root: Path) -> tuple[list[dict], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return ranks, torch.load(root / "weights.pt")
+    return layout_workers(__file__, root, WORLD)
 
 
 @pytest.mark.slow

@@ -9,15 +9,13 @@ and rank 0 the gathered weights."""
 import dataclasses
 import functools
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, random_hf_llama, small_llama
+from conftest import layout_workers, random_hf_llama, small_llama
 
 from timetotrain.suite import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -122,13 +120,7 @@ def one_process():
 
 @functools.cache
 def workers(root: Path, nproc: int) -> tuple[list[dict], dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
-    return ranks, torch.load(root / "weights.pt")
+    return layout_workers(__file__, root, nproc)
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,7 @@ Where the numbers come from (an estimate, not a measurement):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ from dataclasses import dataclass
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
-from timetotrain.train import parallel
+from timetotrain.train import context_parallel, parallel
 from timetotrain.train.float8 import converter
 from timetotrain.train.launch import check_nodes, format_launch, launch_lines
 
@@ -295,12 +296,14 @@ def _peak(bench, tier, step_bytes: float, rows: int, act_bytes: int) -> tuple[fl
 
 def estimate(
     bench, tier, n_params: int, gpus: int, gpu_mem_gib: float, kind: str, ac: int, micro: int, bf16: bool,
-    tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None, replicas: int = 1,
+    tp: int = 1, fp8: Fp8 | None = None, ep: int | None = None, replicas: int = 1, cp: int = 1,
 ):  # fmt: skip
     """One row. `fp8` (with `bf16`: what float8 does not cover computes in bf16): `--precision fp8`. `ep`: the
     expert-parallel degree of an `ep` kind (default: all GPUs); below --gpus under FSDP2 (`ep=E,fsdp=N`) each
     slice of 1/E of the experts is held by N/E GPUs. `replicas`: HSDP's replica count of the `hsdp` kind
-    (`dp_replicate=R,fsdp=S`): everything FSDP2 holds is as under `fsdp=S`, a shard group of S GPUs."""
+    (`dp_replicate=R,fsdp=S`): everything FSDP2 holds is as under `fsdp=S`, a shard group of S GPUs.
+    `cp`: context parallelism (`context_parallel_bytes`); FSDP2 shards over the (fsdp, cp) ranks together,
+    which `gpus` counts already."""
     family, cfg = bench.family, tier.model
     ep = ep or gpus
     if tp > 1:
@@ -349,10 +352,13 @@ def estimate(
             )
         act = family.activation_bytes(cfg, micro, 2 if bf16 else 4, bool(ac))
     else:
-        tokens = micro * bench.task.sample_items(tier)[1]
+        tokens = micro * bench.task.sample_items(tier)[1] // cp
         act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
+        act += context_parallel_bytes(cfg, micro, bench.task.sample_items(tier)[1], cp, 2 if bf16 else 4, ac)
         end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
-    act, peak = _peak(bench, tier, act, tier.global_batch_size // gpus, 2 if bf16 else 4)
+    # A task phase counts whole samples: under cp a rank holds cp x as many, 1/cp of each, as many tokens
+    # as gbs / gpus whole ones (at least one: conservative where fewer).
+    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // gpus, 1), 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
     if kind == "hsdp":
@@ -364,8 +370,26 @@ def estimate(
         grads += 4 * experts * (1 / ep - 1 / gpus)
     if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
         states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
-    overlap = backward_overlap(tier.global_batch_size // gpus, micro, grads, act, end, peak)
+    overlap = backward_overlap(tier.global_batch_size * cp // gpus, micro, grads, act, end, peak)
     return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
+
+
+def context_parallel_bytes(cfg, micro: int, seq: int, cp: int, act_bytes: int, ac: int) -> float:
+    """What context parallelism adds to a rank's activations beside its 1/cp of the tokens (`micro`
+    sequences of `seq`; train/context_parallel.py): each attention layer's K and V gathered for
+    the whole sequence and, under GQA, repeated to every query head, which the attention keeps for its
+    backward (every layer's; under checkpointing the one block recomputed), and the boolean masks
+    (local queries x all keys, one per window kind)."""
+    if cp == 1:
+        return 0.0
+    if hasattr(cfg, "v_head_dim"):  # MLA: keys of nope + rope, values of v per head
+        per_token = cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    else:
+        per_token = 2 * cfg.n_heads * cfg.head_dim
+    # `ac` (--ac-every): every ac-th block checkpointed, which keeps nothing but while it is recomputed.
+    checkpointed = cfg.n_layers // ac if ac else 0
+    layers = cfg.n_layers - checkpointed + (1 if checkpointed else 0) + getattr(cfg, "mtp_layers", 0)
+    return layers * micro * seq * per_token * act_bytes + 2 * seq * seq / cp
 
 
 def expert_params(family, cfg) -> tuple[float, int]:
@@ -516,11 +540,11 @@ def plan(
     acs = (0, 1) if ac is None else (parallel.check_ac_every(ac, getattr(tier.model, "n_layers", None)),)
 
     def rows_of(
-        kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1
+        kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1, cp: int = 1
     ) -> list[Estimate]:
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
         return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
-                         replicas=replicas)
+                         replicas=replicas, cp=cp)
                 for ac in acs for m in micros]  # fmt: skip
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
@@ -542,7 +566,14 @@ def plan(
             _check_experts(tier.model, parallel_spec, given.ep)
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp)
-        rows = rows_of(kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate)
+        if given.cp > 1:
+            context_parallel.check(bench, tier, given, parallel_spec)
+        rows = rows_of(
+            kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
+        )
+        if given.cp > 1:  # the rows' labels name the data-parallel kind over all GPUs: name the layout
+            label = ",".join(f"{k}={getattr(given, k)}" for k in parallel.KINDS if getattr(given, k) > 1)
+            rows = [dataclasses.replace(r, parallel=label) for r in rows]
     else:
         kinds = ["dp", "fsdp"]
         moe = hasattr(tier.model, "n_experts")

@@ -34,6 +34,10 @@ expert-parallel group per TP index j: the ranks form an (N / E, E, T) mesh ("rep
 group of rank (i, j) is the ranks (i', j) with i' // E = i // E, it holds slice i % E, and where N > E
 the N / E ranks (i + kE, j) holding the same slice average its gradients as in the hybrid above. The TP
 ranks of a group hold equal slices with equal gradients: no collective crosses the TP dimension for them.
+
+Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's sequence over C consecutive ranks:
+the model is wrapped last, its gradients averaged over the dp x cp ranks (DDP over all of them, FSDP2 over the
+flattened (fsdp, cp) ranks).
 Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
@@ -54,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from timetotrain.errors import UserError
 from timetotrain.fakes import data_parallel, real_host
 from timetotrain.train import float8
+from timetotrain.train.context_parallel import ContextParallel
 from timetotrain.train.embedding_parallel import shard_embeddings
 from timetotrain.train.expert_parallel import (
     apply_expert_parallel,
@@ -278,9 +283,13 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
     if plan.pp > 1:  # a pipeline's stages are built and wrapped by train/pipeline.build instead
         raise ValueError("parallel.apply does not build pipeline stages: use train/pipeline.build")
-    if plan.cp > 1:
-        kind = "context (cp)"
-        raise UserError(f"--parallel: {kind} parallelism is not built yet; leave it out of --parallel")
+    wrapped, ep_group = _apply(model, plan, device, family)
+    if plan.cp > 1:  # outermost: it hands the model its part of each sequence (train/context_parallel.py)
+        wrapped = ContextParallel(wrapped, plan, dist.get_rank())
+    return wrapped, ep_group
+
+
+def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
     ep_group = None
     fsdp_mesh = None
     if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
@@ -331,9 +340,12 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
             # HSDP: on a 2-D mesh `fully_shard` shards over the last dimension (fsdp consecutive ranks) and
             # replicates over the first: a gradient reduce-scatter within a shard group, then an all-reduce
             # across the replicas; parameters are gathered within a shard group only.
-            fsdp_mesh = device_mesh(device.type, (plan.dp_replicate, plan.fsdp), ("dp_replicate", "fsdp"))
+            # Under cp the shard dimension is the flattened (fsdp, cp) ranks (consecutive: `Plan.coords`), so
+            # that the CP ranks' gradients are summed with the data-parallel ones.
+            shape = (plan.dp_replicate, plan.fsdp * plan.cp)
+            fsdp_mesh = device_mesh(device.type, shape, ("dp_replicate", "fsdp"))
         elif fsdp_mesh is None:  # the mesh `fully_shard` would make itself, made here (see `device_mesh`)
-            fsdp_mesh = device_mesh(device.type, (plan.fsdp,), ("fsdp",))
+            fsdp_mesh = device_mesh(device.type, (plan.fsdp * plan.cp,), ("fsdp",))
 
         # bf16 compute with fp32 master weights and an fp32 gradient reduce-scatter.
         mp = MixedPrecisionPolicy(
@@ -349,7 +361,7 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
         fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
         remark(model, plan)
         return model, ep_group
-    if plan.dp > 1:
+    if plan.dp > 1 or plan.cp > 1:  # cp alone too: its ranks' gradients are averaged like dp's
         if ep_group is not None:
             # Each rank holds different experts: DDP must neither broadcast nor average them.
             ignore_experts_in_ddp(model)

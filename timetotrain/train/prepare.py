@@ -15,7 +15,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.suite.base import Benchmark, Tier, apply_overrides
-from timetotrain.train import distributed, float8, parallel, pipeline, sdpa
+from timetotrain.train import context_parallel, distributed, float8, parallel, pipeline, sdpa
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -67,6 +67,7 @@ def preflight(
     plan = parallel.parse(
         parallel_spec, d.world, precision=precision, activation_checkpointing=ac, compile=compile, **fp8
     )
+    context_parallel.check(bench, tier, plan, parallel_spec)
     if precision == "fp8" and plan.world > 1:
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     if plan.tp > 1:

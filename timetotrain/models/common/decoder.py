@@ -17,7 +17,6 @@ import math
 import torch
 from torch import nn
 
-from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import (
     Attention,
     NativeWindow,
@@ -27,6 +26,7 @@ from timetotrain.models.common.layers import (
     rope_tables,
     sliding_window_mask,
 )
+from timetotrain.models.common.sequence_shard import SequenceShard, check_length, head_loss
 
 
 class Block(nn.Module):
@@ -136,23 +136,32 @@ class Decoder(nn.Module):
             self._window_masks[key] = mask
         return self._window_masks[key]
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states `[B, T, dim]`; lets a loss apply the head in chunks."""
-        T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        return self.norm(self.blocks(self.embed(tokens), self.layers))
+    def hidden(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        """Final-normed hidden states `[B, T, dim]`; lets a loss apply the head in chunks. Under a `shard`
+        (context parallelism, `sequence_shard.py`) `tokens` are the whole sequences and the states this
+        part's."""
+        check_length(tokens, self.cfg.max_seq_len)
+        tokens = tokens if shard is None else shard.local(tokens)
+        return self.norm(self.blocks(self.embed(tokens), self.layers, shard))
 
-    def blocks(self, x: torch.Tensor, layers) -> torch.Tensor:
+    def blocks(self, x: torch.Tensor, layers, shard: SequenceShard | None = None) -> torch.Tensor:
         """Embedded tokens `x` `[B, T, dim]` through `layers` (all of `self.layers`, or a consecutive run of
-        them: a pipeline stage's share), with the RoPE tables and window masks of length T."""
+        them: a pipeline stage's share), with the RoPE tables and window masks of length T (under a `shard`:
+        the tables at its global positions, and its attention kernel)."""
         T = x.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if shard is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:
+            cos, sin = self.rope_cos[shard.positions], self.rope_sin[shard.positions]
         # The dtype attention computes in: autocast's where it is on, else the activations'.
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         for block in layers:
-            x = block(x, cos, sin, self.window_mask(T, block.window, x.device, dtype))
+            if shard is None:
+                mask = self.window_mask(T, block.window, x.device, dtype)
+            else:
+                mask = shard.attend(block.window)
+            x = block(x, cos, sin, mask)
         return x
 
     def forward(
@@ -161,11 +170,13 @@ class Decoder(nn.Module):
         labels: torch.Tensor | None = None,
         reduction: str = "mean",
         temperature: float = 1.0,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """`tokens` `[B, T]` (int64) -> logits `[B, T, vocab_size]`; with `labels` `[B, T]` (-100 = ignored)
         -> their token cross-entropy instead, computed by `head_loss` without materialising the logits
-        (`reduction="none"`: per token, of the logits / `temperature`)."""
-        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction, temperature)
+        (`reduction="none"`: per token, of the logits / `temperature`). Under a `shard`: this part's share
+        of the mean or sum (`sequence_shard.py`)."""
+        return head_loss(self.hidden(tokens, shard), self.head, labels, reduction, shard, temperature)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

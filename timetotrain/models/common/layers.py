@@ -27,6 +27,7 @@ from torch import nn
 
 from timetotrain import fakes
 from timetotrain.models.common.fused import qkv_rope, swiglu
+from timetotrain.models.common.sequence_shard import ShardAttention
 
 # `enable_gqa` lets SDPA broadcast KV heads inside the kernel instead of us materialising repeated K/V.
 _SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -296,7 +297,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`x` `[B, T, dim]`; `cos`/`sin` `[T, head_dim // 2]`; `mask` None for full causal attention, else a
         boolean `[T, T]` mask (True = attend), the `[T / W, W, 2W]` blocks of a sliding-window band, or a
-        `NativeWindow` (the band by torch's windowed kernel, where `native_window_works`)."""
+        `NativeWindow` (the band by torch's windowed kernel, where `native_window_works`), or a
+        `ShardAttention` (context parallelism: this part's queries against the whole sequence)."""
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_kv_heads, self.group + 2, self.head_dim)
         if self.q_norm is None:
@@ -311,7 +313,9 @@ class Attention(nn.Module):
             out = native_windowed_attention(q, k, v, mask.window)
             return self.proj(out.reshape(B, T, self.n_heads * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is not None:
+        if isinstance(mask, ShardAttention):
+            out = mask(q, k, v)
+        elif mask is not None:
             # Repeat KV rather than `enable_gqa`: on CUDA the memory-efficient kernel takes an arbitrary mask
             # but not GQA; SDPA would otherwise fall back to the math kernel and materialise B*H*T*T scores.
             k = k.repeat_interleave(self.group, dim=1)

@@ -42,10 +42,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from timetotrain.models.common.decoder import Block, Decoder
-from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import RMSNORM_SAVED, FeedForward, RMSNorm, apply_rope
 from timetotrain.models.common.moe import GroupLimitedRouter, MoE
 from timetotrain.models.common.moe.telemetry import expert_load
+from timetotrain.models.common.sequence_shard import (
+    SequenceShard,
+    ShardAttention,
+    check_length,
+    head_loss,
+    labelled,
+    rope_at,
+)
 from timetotrain.models.deepseek_v3.config import DeepSeekV3Config
 from timetotrain.models.deepseek_v3.hf import hf_export, hf_mapping
 from timetotrain.models.family import ModelFamily
@@ -97,7 +104,10 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)  # one rotary key for all heads
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
         k = torch.cat((k_nope, k_rope.expand(B, T, H, self.rope)), dim=-1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        if isinstance(mask, ShardAttention):  # context parallelism: against the whole sequence's keys
+            out = mask(q, k, v.transpose(1, 2), scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
@@ -132,10 +142,10 @@ class MultiTokenPrediction(nn.Module):
         self.block = Block(cfg.dim, cfg.norm_eps, LatentAttention(cfg), make_ffn(cfg, layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, h: torch.Tensor, next_embed: torch.Tensor, cos, sin) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, next_embed: torch.Tensor, cos, sin, mask=None) -> torch.Tensor:
         """The depth's normed output: what the head sees and the next depth's `h`."""
         x = self.eh_proj(torch.cat((self.enorm(next_embed), self.hnorm(h)), dim=-1))
-        return self.norm(self.block(x, cos, sin))
+        return self.norm(self.block(x, cos, sin, mask))
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
         normal(self.eh_proj.weight, std)
@@ -165,46 +175,58 @@ class DeepSeekV3(Decoder):
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in list(self.layers) + [m.block for m in self.mtp] if isinstance(b.ffn, MoE)]
 
-    def trunk(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden states before the final norm `[B, T, dim]`, cos, sin) of the main layers."""
-        T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+    def trunk(
+        self, tokens: torch.Tensor, shard: SequenceShard | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden states before the final norm `[B, T, dim]`, cos, sin) of the main layers; under a `shard`
+        (`sequence_shard.py`) `tokens` are the whole sequences and all three this part's."""
+        check_length(tokens, self.cfg.max_seq_len)
+        tokens, cos, sin = rope_at(self.rope_cos, self.rope_sin, tokens, shard)
+        mask = None if shard is None else shard.attend(None)
         x = self.embed(tokens)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return x, cos, sin
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.trunk(tokens)[0])
+    def hidden(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        return self.norm(self.trunk(tokens, shard)[0])
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        reduction: str = "mean",
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
-        """As `Decoder.forward`; in training mode with `labels` the loss also carries the MTP and aux terms."""
-        h, cos, sin = self.trunk(tokens)
+        """As `Decoder.forward`; in training mode with `labels` the loss also carries the MTP and aux terms.
+        Under a `shard`, this part's share of each (`sequence_shard.py`; the routers' aux loss is a share
+        where context parallelism set their `sequence_sum`)."""
+        h, cos, sin = self.trunk(tokens, shard)
         h = self.norm(h)
-        out = logits_or_loss(h, self.head, labels, reduction)
+        out = head_loss(h, self.head, labels, reduction, shard)
         if labels is None or not self.training:
             return out
-        extra = self.mtp_loss(tokens, labels, h, cos, sin, reduction)
+        extra = self.mtp_loss(tokens, labels, h, cos, sin, reduction, shard)
         aux = [r.aux_loss for r in self.routers() if r.aux_loss is not None]
         if aux:
             total = torch.stack(aux).sum()
             # The aux loss is a per-token mean already; a summed loss scales it by the labelled tokens.
-            extra = extra + (total if reduction == "mean" else total * (labels != -100).sum())
+            extra = extra + (total if reduction == "mean" else total * labelled(labels))
         return out + extra
 
-    def mtp_loss(self, tokens, labels, h, cos, sin, reduction: str = "mean") -> torch.Tensor:
-        """`mtp_loss_weight / D * sum_k loss_k` over the D MTP depths (module docstring); 0 without MTP."""
+    def mtp_loss(self, tokens, labels, h, cos, sin, reduction: str = "mean", shard=None) -> torch.Tensor:
+        """`mtp_loss_weight / D * sum_k loss_k` over the D MTP depths (module docstring); 0 without MTP.
+        Under a `shard` the whole sequences are shifted, then this part kept: position i reads token
+        i + k wherever the part ends."""
         if not len(self.mtp):
             return h.new_zeros(())
         losses = []
+        mask = None if shard is None else shard.attend(None)
         for k, module in enumerate(self.mtp, start=1):
             # Causal attention: the wrapped-around last k positions only see themselves and have no target.
-            h = module(h, self.embed(_shift(tokens, k, 0)), cos, sin)
-            losses.append(logits_or_loss(h, self.head, _shift(labels, k, -100), reduction))
+            ahead = _shift(tokens, k, 0)
+            h = module(h, self.embed(ahead if shard is None else shard.local(ahead)), cos, sin, mask)
+            losses.append(head_loss(h, self.head, _shift(labels, k, -100), reduction, shard))
         return self.cfg.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
 
     def update_router_bias(self, reduce=None) -> None:

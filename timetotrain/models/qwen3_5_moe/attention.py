@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timetotrain.models.common.layers import apply_rope
+from timetotrain.models.common.sequence_shard import ShardAttention
 
 
 class CenteredRMSNorm(nn.Module):
@@ -108,7 +109,9 @@ class GatedAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
         group = H // self.n_kv_heads
-        if mask is None and cache is None:
+        if isinstance(mask, ShardAttention):  # context parallelism: against the whole sequence's keys
+            out = mask(q, k, v)
+        elif mask is None and cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         else:
             # An explicit mask (decoding): fold each KV head's query heads into its query rows instead of

@@ -20,10 +20,10 @@ import math
 import torch
 from torch import nn
 
-from timetotrain.models.common.head_loss import logits_or_loss
 from timetotrain.models.common.layers import FeedForward, rope_tables
 from timetotrain.models.common.moe import MoE, TopKRouter
 from timetotrain.models.common.moe.telemetry import expert_load
+from timetotrain.models.common.sequence_shard import SequenceShard, check_length, head_loss, rope_at
 from timetotrain.models.family import ModelFamily
 from timetotrain.models.qwen3_5_moe.attention import CenteredRMSNorm, GatedAttention, KVCache
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
@@ -63,7 +63,8 @@ class HybridBlock(nn.Module):
         self.ffn = make_moe(cfg)
 
     def forward(self, x, cos, sin, state=None, valid=None, mask=None) -> torch.Tensor:
-        """`state`/`valid`/`mask`: decoding only (`DecodeCache`); training passes `x, cos, sin`."""
+        """`state`/`valid`/`mask`: decoding only (`DecodeCache`); training passes `x, cos, sin` (and under
+        context parallelism `mask`, the attention's `ShardAttention`)."""
         h = self.attn_norm(x)
         if self.full_attention:
             h = self.attn(h, cos, sin, state, mask)
@@ -126,15 +127,17 @@ class Qwen35Moe(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states `[B, T, dim]` of unpadded (or right-padded) rows starting at position 0."""
-        T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+    def hidden(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> torch.Tensor:
+        """Final-normed hidden states `[B, T, dim]` of unpadded (or right-padded) rows starting at position 0.
+        Under a `shard` (context parallelism, `common/sequence_shard.py`) `tokens` are the whole sequences
+        and the states this part's; the DeltaNet layers must then run their CP forward
+        (train/context_parallel_deltanet.py), which the harness swaps in."""
+        check_length(tokens, self.cfg.max_seq_len)
+        tokens, cos, sin = rope_at(self.rope_cos, self.rope_sin, tokens, shard)
+        mask = None if shard is None else shard.attend(None)
         x = self.embed(tokens)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask=mask)
         return self.norm(x)
 
     def forward(
@@ -144,13 +147,15 @@ class Qwen35Moe(nn.Module):
         reduction: str = "mean",
         cache: DecodeCache | None = None,
         temperature: float = 1.0,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """`tokens` `[B, T]` -> logits `[B, T, vocab]`; with `labels` (-100 ignored) their cross-entropy
         (`reduction="none"`: per token, of the logits / `temperature`: GRPO's log-probabilities, negated). With
-        `cache`: decoding (`decode`), through `forward` so that FSDP2's root hooks gather the embedding and head."""
+        `cache`: decoding (`decode`), through `forward` so that FSDP2's root hooks gather the embedding and head.
+        Under a `shard`: this part's share of the mean or summed loss (`common/sequence_shard.py`)."""
         if cache is not None:
             return self.decode(tokens, cache)
-        return logits_or_loss(self.hidden(tokens), self.head, labels, reduction, temperature)
+        return head_loss(self.hidden(tokens, shard), self.head, labels, reduction, shard, temperature)
 
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.layers]

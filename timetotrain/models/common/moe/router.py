@@ -60,6 +60,10 @@ class GroupLimitedRouter(nn.Module):
         self.register_buffer("bias", torch.zeros(n_experts))  # persistent: it is part of the checkpoint
         self.register_buffer("load", torch.zeros(n_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # Set from outside under context parallelism (train/context_parallel.py): sums per-sequence counts
+        # (no gradient) over the ranks that hold parts of each sequence; the aux loss is then this part's
+        # share of the whole sequence's. None: each sequence is whole here.
+        self.sequence_sum = None
 
     def forward(self, x: torch.Tensor, seq_shape=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` `[N, dim]` -> (weights `[N, k]` fp32, expert ids `[N, k]`); `seq_shape` `[B, T]` with
@@ -84,7 +88,9 @@ class GroupLimitedRouter(nn.Module):
                 # `compute_routing_scores_for_aux_loss`), not from the routing decision itself.
                 with torch.no_grad():
                     plain = scores.topk(self.top_k, dim=-1).indices
-                aux = self.aux_coeff * sequence_aux_loss(scores, plain, seq_shape, self.top_k)
+                aux = self.aux_coeff * sequence_aux_loss(
+                    scores, plain, seq_shape, self.top_k, self.sequence_sum
+                )
                 # Inside a backward this forward is activation checkpointing's recomputation (computed all the
                 # same: it must save what the first forward saved), whose aux loss nobody backpropagates: kept
                 # on the module it would hold the recomputed block's graph until the next forward
@@ -120,17 +126,30 @@ def select_experts(biased: torch.Tensor, top_k: int, n_groups: int, topk_groups:
     return masked.topk(top_k, dim=-1).indices
 
 
-def sequence_aux_loss(scores: torch.Tensor, experts: torch.Tensor, seq_shape, top_k: int) -> torch.Tensor:
+def sequence_aux_loss(
+    scores: torch.Tensor, experts: torch.Tensor, seq_shape, top_k: int, sequence_sum=None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over the sequences (before the coefficient).
 
     Per sequence of T tokens: `sum_i f_i * P_i` with `f_i = E / (k T) * (tokens choosing expert i)` and `P_i`
     the mean over the T tokens of the scores normalised over all E experts, `s_i / sum_j s_j`. The
-    selection counts carry no gradient; `P` carries the router's. Equals 1 for perfectly uniform routing."""
+    selection counts carry no gradient; `P` carries the router's. Equals 1 for perfectly uniform routing.
+
+    With `sequence_sum` (context parallelism: these are parts of the sequences) the counts, and T, are the
+    whole sequences' and `P_i` sums this part's tokens only: the loss is linear in `P`, so the parts'
+    results add up to the whole sequence's (Megatron reduces the counts over its TP x CP group the same
+    way)."""
     b, t = (1, seq_shape[0]) if len(seq_shape) == 1 else seq_shape  # flat tokens: one sequence
     e = scores.shape[-1]
     probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    p = probs.view(b, t, e).mean(dim=1)  # [B, E]
     counts = torch.zeros(b, e, device=scores.device, dtype=scores.dtype)
     counts.scatter_add_(1, experts.view(b, t * top_k), counts.new_ones(b, t * top_k))
-    f = counts * (e / (top_k * t))
+    if sequence_sum is None:
+        p = probs.view(b, t, e).mean(dim=1)  # [B, E]
+        f = counts * (e / (top_k * t))
+    else:
+        counts = sequence_sum(counts)
+        whole = counts.sum(dim=-1, keepdim=True) / top_k  # every token makes k choices: T of the sequence
+        p = probs.view(b, t, e).sum(dim=1) / whole
+        f = counts * e / (top_k * whole)
     return (f * p).sum(dim=-1).mean()
