@@ -1,5 +1,7 @@
 """`ttt plan`: the memory estimate's arithmetic and its suggestion."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import strict_loads
@@ -592,3 +594,30 @@ def test_a_frozen_base_under_tp_is_charged_its_stored_bytes():
     _, tp_rows, _ = plan(bench, tier, 16, 80, "tp=2,fsdp=8")
     _, fsdp_rows, _ = plan(bench, tier, 8, 80, "fsdp=8")
     assert tp_rows[0].states == pytest.approx(fsdp_rows[0].states / 2, rel=0.01)
+
+
+def test_pipeline_stages_hold_their_layers_and_the_micro_batches_in_flight():
+    """llama31_405b at 512 x 80 GiB under pp=8 (train/memory.py `_pipeline_rows`): a stage's 16 layers
+    sharded over its 64 GPUs hold about what tp=8,fsdp=64 spreads over all 512 (the same 1/512 of the
+    layers; one of the embedding and head whole on the stage's GPUs instead of 1/64 of both); 1F1B keeps 8
+    micro-batches of the stage's layers in flight, interleaving (vpp=2) more; the suggestion launches as
+    `ttt run` takes it."""
+    from timetotrain.train import parallel, pipeline
+
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    _, pp_rows, best = plan(bench, tier, 512, 80, "pp=8,tp=8,fsdp=8")
+    _, flat, _ = plan(bench, tier, 512, 80, "tp=8,fsdp=64")
+    _, vpp_rows, _ = plan(bench, tier, 512, 80, "pp=8,vpp=2,tp=8,fsdp=8")
+    assert {r.parallel for r in pp_rows} == {"pp=8,tp=8,fsdp=8"}
+    one = {(r.ac, r.micro_batch): r for r in pp_rows}
+    assert one[(0, 1)].states == pytest.approx(flat[0].states, rel=0.2)
+    stage = dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=16))
+    _, stage_rows, _ = plan(bench, stage, 64, 80, "tp=8,fsdp=8")
+    assert one[(0, 1)].activations == pytest.approx(8 * stage_rows[0].activations)
+    interleaved = {(r.ac, r.micro_batch): r for r in vpp_rows}
+    assert interleaved[(0, 1)].activations > one[(0, 1)].activations
+    assert best is not None and best.total <= 0.9 * 80 * 2**30
+    given = parallel.parse(best.parallel, 512)
+    local = parallel.check_batch_split(tier.global_batch_size, given)
+    assert pipeline.check(bench, tier, given, local, best.micro_batch, True, "--set micro_batch_size")

@@ -121,7 +121,7 @@ from dataclasses import dataclass
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
-from timetotrain.train import context_parallel, parallel
+from timetotrain.train import context_parallel, parallel, pipeline
 from timetotrain.train.float8 import converter
 from timetotrain.train.launch import check_nodes, format_launch, launch_lines
 
@@ -551,12 +551,14 @@ def plan(
     cap = HEADROOM * gpu_mem_gib * GiB
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
-        if given.pp > 1:  # not counted as dp: a stage holds its layers' states and up to pp micro-batches
-            raise UserError(
-                f"--parallel {parallel_spec!r}: ttt plan has no memory estimate for pipeline stages yet; "
-                "`ttt run` and `ttt synth` build them (docs/scale.md, Pipeline parallelism)"
-            )
         local = parallel.check_batch_split(gbs, given)
+        if given.pp > 1:
+            pipeline.check(bench, tier, given, local, local, False, "--parallel")
+            rows = _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
+            best = max(
+                (r for r in rows if r.total <= cap), key=lambda r: (not r.ac, r.micro_batch), default=None
+            )
+            return n, rows, best
         kind = _kind(given)
         if given.ep > 1 and not hasattr(tier.model, "n_experts"):
             raise UserError(
@@ -613,6 +615,43 @@ def plan(
     return n, rows, best
 
 
+def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8) -> list[Estimate]:
+    """`pp=P[,vpp=V],...` (train/pipeline.py): the most loaded rank holds ceil(L / P) layers and one of the
+    embedding and the head (the first or the last stage), estimated as the layout without `pp` on the
+    GPUs of one stage for a model of that depth. Its activations are those of the micro-batches the
+    schedule keeps in flight on the first rank: 1F1B runs P forwards before its first backward, so P
+    micro-batches of the rank's layers; interleaved 1F1B (torch's ScheduleInterleaved1F1B) warms up with
+    (V - 1) P + 2 (P - 1) forwards of one virtual stage (L / (P V) layers) before its first backward, one
+    more in the steady state; at most the step's micro-batches. The head's activations are counted with each
+    micro-batch (the last stage holds one at a time): on the safe side. Not simulated (`--simulate` does
+    not build pipeline stages under fake tensors: torch's stage warm-up reads a tensor's value)."""
+    cfg = tier.model
+    pp, vpp = given.pp, given.vpp
+    layers = math.ceil(cfg.n_layers / pp)
+    stage = dataclasses.replace(tier, model=dataclasses.replace(cfg, n_layers=layers))
+    n_stage = bench.family.param_count(stage.model) - cfg.vocab_size * cfg.dim  # one of embedding and head
+    inner = dataclasses.replace(given, pp=1, vpp=1)
+    kind = _kind(inner)
+    rows = []
+    for ac in acs:
+        for m in (1, 2, 4, 8, 16):
+            accum = local // m if local % m == 0 else 0
+            if not (accum >= pp if vpp == 1 else accum and accum % pp == 0):
+                continue
+            if vpp == 1:
+                in_flight = min(accum, pp)
+            else:
+                chunks = min(accum * vpp, (vpp - 1) * pp + 2 * (pp - 1) + 1)
+                in_flight = chunks / vpp  # in micro-batches of the rank's whole share of layers
+            e = estimate(bench, stage, n_stage, gpus // pp, gpu_mem_gib, kind, ac, m, bf16, tp=inner.tp,
+                         fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
+            label = f"pp={pp}," + (f"vpp={vpp}," if vpp > 1 else "") + e.parallel
+            rows.append(
+                dataclasses.replace(e, parallel=label, activations=e.activations * in_flight, overlap=0.0)
+            )
+    return rows
+
+
 def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over `gpus`,
     or nothing fits at it, and `retier` (GBS -> the tier at that GBS, with its RCP's LR and warmup) is given,
@@ -663,6 +702,9 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
     or None (the default candidates) when no layout was given."""
     if given is None:
         return None
+    if given.pp > 1:  # the pipeline kept, the layout of one stage grown with the world
+        inner = _spec_at(kind, dataclasses.replace(given, pp=1, vpp=1), world // given.pp)
+        return f"pp={given.pp}," + (f"vpp={given.vpp}," if given.vpp > 1 else "") + inner
     if kind == "tp":
         return f"tp={given.tp},fsdp={world // given.tp}"
     if kind == "tp,ep":  # the expert-parallel degree kept, as a hybrid's
@@ -700,7 +742,9 @@ def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_
     divisors += [gbs // d for d in divisors]
     worlds = sorted({d * t for d in divisors for t in (1, 2, 4, MAX_TP)})
     for w in worlds:
-        if w <= gpus or (w > gpus_per_node and w % gpus_per_node) or (kind.startswith("tp") and w % given.tp):
+        if given is not None and w % (given.pp * given.tp):
+            continue
+        if w <= gpus or (w > gpus_per_node and w % gpus_per_node):
             continue
         spec = _spec_at(kind, given, w)
         try:
