@@ -235,3 +235,14 @@ def strict_loads(text: str):
         raise ValueError(f"{name} is not JSON")
 
     return json.loads(text, parse_constant=reject)
+
+
+def assert_parse_refuses(cases) -> None:
+    """Each (spec, world, needle): `--parallel spec` on `world` ranks is refused in one line saying `needle`."""
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+
+    for spec, world, needle in cases:
+        with pytest.raises(UserError, match=needle) as e:
+            parallel.parse(spec, world)
+        assert "\n" not in str(e.value), spec
