@@ -645,7 +645,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                 in_flight = chunks / vpp  # in micro-batches of the rank's whole share of layers
             e = estimate(bench, stage, n_stage, gpus // pp, gpu_mem_gib, kind, ac, m, bf16, tp=inner.tp,
                          fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
-            label = f"pp={pp}," + (f"vpp={vpp}," if vpp > 1 else "") + e.parallel
+            stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
+            label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
             rows.append(
                 dataclasses.replace(e, parallel=label, activations=e.activations * in_flight, overlap=0.0)
             )
