@@ -128,17 +128,18 @@ def test_plan_counts_the_frozen_base_without_optimizer_state():
     lora = lora_param_count(REF.model, 16)
     dp = next(r for r in rows if r.parallel == "dp=8")
     fsdp = next(r for r in rows if r.parallel == "fsdp=8")
-    assert dp.states == 16 * lora + 2 * n  # bf16 frozen base weights, no gradients or moments
-    assert fsdp.states == dp.states / 8
+    # bf16 frozen base weights, no gradients or moments; DDP's buckets hold the adapters' gradients only
+    assert dp.states == 20 * lora + 2 * n
+    assert fsdp.states == (16 * lora + 2 * n) / 8
     assert dp.compute_copies == 2 * lora  # autocast copies only the fp32 adapters
     assert best is not None and best.parallel == "fsdp=8"
     # fp32 compute keeps an fp32 base (4 B), as does a tier that opts out of the bf16 base.
     _, rows32, _ = plan(BENCH, REF, 8, 80, None, bf16=False)
-    assert next(r for r in rows32 if r.parallel == "dp=8").states == 16 * lora + 4 * n
+    assert next(r for r in rows32 if r.parallel == "dp=8").states == 20 * lora + 4 * n  # (+ buckets)
     fp32_base = dataclasses.replace(REF, data=dataclasses.replace(REF.data, bf16_base=False))
     _, rows_opt_out, _ = plan(BENCH, fp32_base, 8, 80, None)
     dp_opt_out = next(r for r in rows_opt_out if r.parallel == "dp=8")
-    assert dp_opt_out.states == 16 * lora + 4 * n and dp_opt_out.compute_copies == 2 * (lora + n)
+    assert dp_opt_out.states == 20 * lora + 4 * n and dp_opt_out.compute_copies == 2 * (lora + n)
 
 
 def test_plan_command_says_the_frozen_base_has_no_optimizer_state(capsys):
