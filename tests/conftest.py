@@ -155,6 +155,41 @@ def assert_trains_as_one_process(ranks, weights, name, expected, final, atol: fl
         torch.testing.assert_close(got[n], w, rtol=1e-4, atol=atol, msg=n)
 
 
+# llama31_8b tiny's short runs on gloo (OMP_NUM_THREADS=1) take the seed of the recorded FSDP2 golden
+# (tests/golden/llama31_8b_tiny_fsdp2.json), so that one run serves the files that read it: the golden
+# FSDP2 run is also test_distributed's FSDP2 side, the DDP run test_distributed's DDP side and the first of
+# test_reproducible's two DDP runs.
+LLAMA_SEED = 4242
+
+
+def launch_llama_tiny(data, logdir, nproc, *extra, env_extra=None, wait=True):
+    """`ttt run llama31_8b --tier tiny --seed LLAMA_SEED EXTRA` on `nproc` processes of one thread each."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), "--quiet"]
+    args += ["--seed", str(LLAMA_SEED), *extra]
+    cmd = ttt_command(*args, nproc=nproc)
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def llama_fsdp2_60(c4_prepared, tmp_path_factory):
+    """(process, logdir) of llama31_8b tiny under FSDP2 on 2 processes for the golden's 60 steps."""
+    out = tmp_path_factory.mktemp("llama_fsdp2_60")
+    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "60", "--parallel", "fsdp=2"), out
+
+
+@pytest.fixture(scope="session")
+def llama_ddp_40(c4_prepared, tmp_path_factory):
+    """(process, logdir) of llama31_8b tiny under DDP on 2 processes for 40 steps (two evals, the warmup's
+    end)."""
+    out = tmp_path_factory.mktemp("llama_ddp_40")
+    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "40", "--parallel", "dp=2"), out
+
+
 def random_hf_llama(cfg):
     """An HF `LlamaForCausalLM` equivalent to our `LlamaConfig` `cfg`, fp32, eager attention, seeded random
     weights: std 0.03 gives logits of about +-1 (large enough that a wrong mapping shows, small enough that
