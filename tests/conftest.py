@@ -190,6 +190,18 @@ def llama_ddp_40(c4_prepared, tmp_path_factory):
     return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "40", "--parallel", "dp=2"), out
 
 
+@pytest.fixture(scope="session")
+def criteo_tiny(tmp_path_factory):
+    """(process, folder) of `ttt data synth-criteo --scale tiny --seed 0`, made once for the dlrm_dcnv2 files
+    that train on it (tests/test_dlrm_dcnv2_tiny.py, tests/test_dlrm_dcnv2_distributed.py)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("criteo_tiny") / "data"
+    cmd = ttt_command("data", "synth-criteo", "--scale", "tiny", "--out", str(out), "--seed", "0")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600), out
+
+
 def random_hf_llama(cfg):
     """An HF `LlamaForCausalLM` equivalent to our `LlamaConfig` `cfg`, fp32, eager attention, seeded random
     weights: std 0.03 gives logits of about +-1 (large enough that a wrong mapping shows, small enough that
