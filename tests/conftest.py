@@ -202,6 +202,17 @@ def criteo_tiny(tmp_path_factory):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600), out
 
 
+@pytest.fixture(scope="session")
+def graph_tiny(tmp_path_factory) -> Path:
+    """`ttt data synth-graph --scale tiny --seed 0`, made once for the files that read it (tests/test_igbh.py,
+    tests/test_rgat_tiny.py)."""
+    from timetotrain.cli import main
+
+    out = tmp_path_factory.mktemp("graph_tiny") / "graph"
+    assert main(["data", "synth-graph", "--scale", "tiny", "--out", str(out), "--seed", "0"]) == 0
+    return out
+
+
 def random_hf_llama(cfg):
     """An HF `LlamaForCausalLM` equivalent to our `LlamaConfig` `cfg`, fp32, eager attention, seeded random
     weights: std 0.03 gives logits of about +-1 (large enough that a wrong mapping shows, small enough that
