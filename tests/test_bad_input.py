@@ -584,6 +584,7 @@ def test_bad_input(case: Case, request, tmp_path, capsys):
     assert {p: v for p, v in after.items() if p not in made} == before, "a file changed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv,needle",
     [
@@ -1171,6 +1172,7 @@ def test_full_disk_at_govreport_prepare_is_one_line(tmp_path, capsys, monkeypatc
     assert list(out.iterdir()) == []  # no array, manifest or temporary
 
 
+@pytest.mark.slow
 def test_full_disk_under_any_other_writer_is_one_line(tmp_path, capsys, monkeypatch):
     """`ttt synth`'s summary is written after its log: a full disk there is the CLI's one line, not a traceback
     (the finished log stays: it is a whole synth log)."""

@@ -55,6 +55,7 @@ EXPECTED = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("bench", "precision"), list(EXPECTED), ids=[f"{b}-{p}" for b, p in EXPECTED])
 def test_graph_breaks_per_block_kind(bench, precision):
     want = EXPECTED[bench, precision]
@@ -75,6 +76,7 @@ def test_what_stays_eager_is_named():
 # The same comparison over all five families (MLA, the router's aux loss under compile, the MoE loop path,
 # DeltaNet, flux) passed when run by hand on 2026-12-01 (loss bitwise, gradients within 9e-8); deepseekv3_671b
 # alone costs 10-25 s, so CI runs llama's compiled RoPE/SwiGLU branches, which every decoder family uses.
+@pytest.mark.slow
 @pytest.mark.parametrize("bench", ["llama31_8b"])
 def test_compiled_blocks_equal_eager_fp32(bench):
     """The compiled branches of RoPE and SwiGLU (common/fused.py, no `out=` into strided halves)."""

@@ -181,6 +181,7 @@ def test_llama2_70b_lora_blocks(tmp_path):
 # -- a live run: run_stop aborted, one line, and the log was .partial while the run was live --
 
 
+@pytest.mark.slow
 def test_flux1_run_aborts_when_its_encodings_are_cut(tmp_path, monkeypatch, capsys):
     from test_flux_task import write_dataset
 

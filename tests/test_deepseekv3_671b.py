@@ -94,6 +94,7 @@ def test_tiny_tier_shape():
     assert m.q_lora_rank and tier.eval_every_steps == 1 and tier.base is not None
 
 
+@pytest.mark.slow
 def test_synth_counts_active_and_mla_flops(tmp_path):
     from timetotrain.models import deepseek_v3 as ds
     from timetotrain.train.synth import SynthOptions, synth

@@ -113,7 +113,7 @@ def _losses(path):
 
 
 @pytest.mark.slow
-def test_dp2_train_loss_equals_one_process_for_20_steps(tmp_path):
+def test_dp2_train_loss_equals_one_process_for_20_steps(tmp_path, criteo_tiny):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def ttt(*argv, nproc=1):
@@ -121,9 +121,9 @@ def test_dp2_train_loss_equals_one_process_for_20_steps(tmp_path):
             ttt_command(*argv, nproc=nproc), env=env, capture_output=True, text=True, timeout=600
         )
 
-    made = ttt("data", "synth-criteo", "--scale", "tiny", "--out", str(tmp_path / "data"))
+    made, data = criteo_tiny  # conftest's, shared with tests/test_dlrm_dcnv2_tiny.py
     assert made.returncode == 0, made.stderr
-    common = ["run", "dlrm_dcnv2", "--tier", "tiny", "--data", str(tmp_path / "data"), "--seed", "7", "--max-steps",
+    common = ["run", "dlrm_dcnv2", "--tier", "tiny", "--data", str(data), "--seed", "7", "--max-steps",
               "20", "--quiet"]  # fmt: skip
     one = ttt(*common, "--logdir", str(tmp_path / "one"))
     two = ttt(*common, "--logdir", str(tmp_path / "two"), "--parallel", "dp=2", nproc=2)

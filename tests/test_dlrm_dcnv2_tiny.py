@@ -23,18 +23,18 @@ def ttt(*argv):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dlrm")
-    made = ttt("data", "synth-criteo", "--scale", "tiny", "--out", str(root / "data"), "--seed", "0")
+def run(tmp_path_factory, criteo_tiny):
+    made, data = criteo_tiny  # conftest's, shared with tests/test_dlrm_dcnv2_distributed.py
     assert made.returncode == 0, made.stderr
     assert "day 23" in made.stdout and "hidden model's validation AUC" in made.stdout
-    p = ttt("run", "dlrm_dcnv2", "--tier", "tiny", "--data", str(root / "data"), "--logdir", str(root / "logs"),
+    root = tmp_path_factory.mktemp("dlrm")
+    p = ttt("run", "dlrm_dcnv2", "--tier", "tiny", "--data", str(data), "--logdir", str(root / "logs"),
             "--seed", "100", "--quiet")  # fmt: skip
-    return root, p
+    return root, data, p
 
 
 def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
-    root, p = run
+    root, _, p = run
     assert p.returncode == 0, p.stderr[-2000:]
     log = root / "logs" / "dlrm_dcnv2" / "tiny" / "result_0.txt"
     records = mllog(log)
@@ -47,13 +47,13 @@ def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
 
 
 def test_untrained_model_misses_the_target(run):
-    root, _ = run
+    _, data_dir, _ = run
     bench = get("dlrm_dcnv2")
     tier = bench.tier("tiny")
     assert_first_eval_after_training(bench, tier)
     dev = torch.device("cpu")
     tr = build_training(bench, tier, dev, 0)
-    data = bench.task.open(tier, bench.task.resolve(tier, root / "data"), 0, 0, 1, dev)
+    data = bench.task.open(tier, bench.task.resolve(tier, data_dir), 0, 0, 1, dev)
     try:
         assert_misses_target(bench, tier, data.evaluate(tr.model))
     finally:

@@ -63,20 +63,6 @@ def test_tiny_reaches_target_and_passes_the_official_checker(c4_prepared, tmp_pa
 
 
 @pytest.mark.slow
-def test_step_limit_aborts_with_nonzero_exit_and_never_overwrites(c4_prepared, tmp_path):
-    for k in range(2):
-        proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "7", "--max-steps", "3"))
-        assert proc.returncode == 1, proc.stderr[-2000:]
-        log = tmp_path / "llama31_8b" / "tiny" / f"result_{k}.txt"
-        recs = mllog(log)
-        assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["status"] == "aborted"
-        assert [r["key"] for r in recs].count("run_stop") == 1
-        assert not check_log(log).ok  # the target was never met
-    first = (tmp_path / "llama31_8b" / "tiny" / "result_0.txt").read_text()
-    assert first.count("run_start") == 1  # the second run did not append to it
-
-
-@pytest.mark.slow
 def test_sigterm_aborts_with_flushed_log(c4_prepared, tmp_path):
     proc = subprocess.Popen(
         ttt_command(*tiny(c4_prepared, tmp_path, "--seed", "3")),
@@ -133,11 +119,23 @@ def test_sigint_is_also_an_abort(c4_prepared, tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_runs_gives_distinct_logged_seeds_and_numbered_files(c4_prepared, tmp_path):
+def test_step_limit_aborts_with_nonzero_exit_and_never_overwrites(c4_prepared, tmp_path):
+    """`--runs 3` gives distinct logged seeds and numbered files; each run stopped by the step limit is aborted
+    with one run_stop and fails the check; a later `ttt run` into the same folder starts a new file."""
     proc = ttt(*tiny(c4_prepared, tmp_path, "--runs", "3", "--max-steps", "2"))
-    assert proc.returncode == 1  # none can meet the target in 2 steps, but the set still completes
-    logs = sorted((tmp_path / "llama31_8b" / "tiny").glob("result_*.txt"))
-    assert [p.name for p in logs] == ["result_0.txt", "result_1.txt", "result_2.txt"]
-    seeds = [next(r["value"] for r in mllog(p) if r["key"] == "seed") for p in logs]
-    assert len(set(seeds)) == 3
+    # None can meet the target in 2 steps, but the set completes.
+    assert proc.returncode == 1, proc.stderr[-2000:]
     assert "0/3 runs met the target" in proc.stderr
+    first = (tmp_path / "llama31_8b" / "tiny" / "result_0.txt").read_text()
+    proc = ttt(*tiny(c4_prepared, tmp_path, "--seed", "7", "--max-steps", "3"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    logs = sorted((tmp_path / "llama31_8b" / "tiny").glob("result_*.txt"))
+    assert [p.name for p in logs] == ["result_0.txt", "result_1.txt", "result_2.txt", "result_3.txt"]
+    seeds = [next(r["value"] for r in mllog(p) if r["key"] == "seed") for p in logs]
+    assert len(set(seeds[:3])) == 3 and seeds[3] == 7
+    for log in logs:
+        recs = mllog(log)
+        assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["status"] == "aborted"
+        assert [r["key"] for r in recs].count("run_stop") == 1
+        assert not check_log(log).ok  # the target was never met
+    assert logs[0].read_text() == first and first.count("run_start") == 1  # the later run did not append

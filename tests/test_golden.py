@@ -13,12 +13,11 @@ recorded paths stay to each other (measured: the first ten steps within 1.2e-7, 
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import mllog, ttt_command
+from conftest import LLAMA_SEED, mllog
 
 from timetotrain.train.device import cpu_info
 
@@ -70,16 +69,14 @@ def golden_env(case: str) -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp2_reproduces_the_recorded_run_bit_for_bit(c4_prepared, tmp_path):
+def test_fsdp2_reproduces_the_recorded_run_bit_for_bit(llama_fsdp2_60):
     case = "llama31_8b_tiny_fsdp2"
     g = golden(case)
-    args = ["run", g["benchmark"], "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
-    args += ["--seed", str(g["seed"]), "--max-steps", str(g["steps"]), "--quiet", "--parallel", g["parallel"]]
-    proc = subprocess.run(
-        ttt_command(*args, nproc=2), env=golden_env(case), capture_output=True, text=True, timeout=600
-    )
+    # The run is conftest's, shared with tests/test_distributed.py: it is the recorded command.
+    assert (g["seed"], g["steps"], g["parallel"], g["threads"]) == (LLAMA_SEED, 60, "fsdp=2", 1)
+    proc, logdir = llama_fsdp2_60
     assert proc.returncode == 1, proc.stderr[-2000:]  # the step limit before the target: aborted by design
-    assert_matches_golden(tmp_path / g["benchmark"] / "tiny" / "result_0.txt", case)
+    assert_matches_golden(logdir / g["benchmark"] / "tiny" / "result_0.txt", case)
 
 
 def test_every_golden_case_is_checked():

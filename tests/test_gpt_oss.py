@@ -49,6 +49,7 @@ def test_eod_mask_ignores_the_token_after_eod():
     assert targets(tokens, 1).tolist() == [[7, 1, -100, 1, -100]]
 
 
+@pytest.mark.slow
 def test_synth_counts_active_flops(tmp_path):
     s = synth(SynthOptions("gpt_oss_20b", "tiny", steps=2, warmup_steps=1, logdir=tmp_path, seed=2))
     tier = BENCH.tier("tiny")

@@ -109,15 +109,9 @@ def test_split_is_the_references():
     assert torch.equal(train, perm[:600]) and torch.equal(val, perm[600:605])
 
 
-def _tiny_graph(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    graph_synth.generate(out, graph_synth.SCALES["tiny"], seed=0, log=lambda s: None)
-    return out
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return _tiny_graph(tmp_path_factory)
+def tiny(graph_tiny):
+    return graph_tiny  # conftest's `ttt data synth-graph --scale tiny --seed 0`, shared with test_rgat_tiny
 
 
 def _broken(src, tmp_path, how):

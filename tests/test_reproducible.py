@@ -37,12 +37,13 @@ def test_one_process_reruns_bit_for_bit(c4_prepared, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_rerun_bit_for_bit(c4_prepared, tmp_path):
+def test_ddp_two_processes_rerun_bit_for_bit(c4_prepared, tmp_path, llama_ddp_40):
+    # The first run is conftest's (shared with tests/test_distributed.py), made with the same command.
+    again = launch(c4_prepared, tmp_path, 2, "--max-steps", str(STEPS), "--parallel", "dp=2")
     runs = []
-    for k in range(2):
-        proc = launch(c4_prepared, tmp_path / str(k), 2, "--max-steps", str(STEPS), "--parallel", "dp=2")
+    for proc, logdir in (llama_ddp_40, (again, tmp_path)):
         assert proc.returncode == 1 and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
-        loss, evals, _ = curves(tmp_path / str(k))
+        loss, evals, _ = curves(logdir)
         runs.append((loss.tolist(), evals))
     (loss, evals), again = runs
     assert len(loss) == STEPS and len(evals) == 2

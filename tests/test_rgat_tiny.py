@@ -25,17 +25,15 @@ def ttt(*argv):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rgat")
-    made = ttt("data", "synth-graph", "--scale", "tiny", "--out", str(root / "graph"), "--seed", "0")
-    assert made.returncode == 0, made.stderr
-    p = ttt("run", "rgat", "--tier", "tiny", "--data", str(root / "graph"), "--logdir", str(root / "logs"),
+def run(tmp_path_factory, graph_tiny):
+    root = tmp_path_factory.mktemp("rgat")  # the graph is conftest's, shared with tests/test_igbh.py
+    p = ttt("run", "rgat", "--tier", "tiny", "--data", str(graph_tiny), "--logdir", str(root / "logs"),
             "--seed", "100", "--quiet")  # fmt: skip
-    return root, p
+    return root, graph_tiny, p
 
 
 def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
-    root, p = run
+    root, _, p = run
     assert p.returncode == 0, p.stderr[-2000:]
     log = root / "logs" / "rgat" / "tiny" / "result_0.txt"
     recs = mllog(log)
@@ -51,9 +49,9 @@ def test_tiny_run_reaches_the_target_and_passes_the_engine(run):
 
 def test_untrained_model_misses_the_target(run):
     """The freshly built model, before any step, on the tier's validation seeds (tests/untrained.py)."""
-    root, _ = run
+    _, graph, _ = run
     bench, dev = get("rgat"), torch.device("cpu")
-    data = bench.task.open(TINY, bench.task.resolve(TINY, root / "graph"), 0, 0, 1, dev)
+    data = bench.task.open(TINY, bench.task.resolve(TINY, graph), 0, 0, 1, dev)
     try:
         assert_misses_target(bench, TINY, data.evaluate(build_training(bench, TINY, dev, 0).model))
     finally:
@@ -62,7 +60,7 @@ def test_untrained_model_misses_the_target(run):
 
 def test_tiny_log_passes_the_official_checker(run):
     """common.yaml, then open_common.yaml and open_rgat.yaml, which it enqueues for an open rgat log."""
-    root, p = run
+    root, _, p = run
     assert p.returncode == 0, p.stderr[-2000:]
     assert official_chain_errors(root / "logs" / "rgat" / "tiny" / "result_0.txt") == {}
 
