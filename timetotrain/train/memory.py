@@ -647,8 +647,13 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                          fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
             stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
             label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
+            states = e.states
+            if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
+                states -= 4 * n_stage
             rows.append(
-                dataclasses.replace(e, parallel=label, activations=e.activations * in_flight, overlap=0.0)
+                dataclasses.replace(
+                    e, parallel=label, states=states, activations=e.activations * in_flight, overlap=0.0
+                )
             )
     return rows
 
