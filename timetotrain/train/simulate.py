@@ -720,7 +720,9 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
     head = [f"rank {r}" + (" (most loaded)" if r == top.rank and len(ranks) > 1 else "") for r in ranks]
     depth = (
         f"{sim.layers[0]} and {sim.layers[1]} of its {sim.full_layers} layers simulated, every count extrapolated "
-        "linearly to the full depth (valid where the added layers are identical: see timetotrain/train/simulate.py)"
+        "linearly to the full depth"
+        + (", per rank by its stages' layers" if "pp=" in sim.parallel else "")
+        + " (valid where the added layers are identical: see timetotrain/train/simulate.py)"
         if sim.layers
         else f"all {sim.full_layers} layers simulated"
     )
