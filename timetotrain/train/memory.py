@@ -628,7 +628,10 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     llama31_8b `pp=2,fsdp=4` (reference, no AC) 75.1 GiB against this 65.1, 1.15: the activations in flight
     agree (45.2 and 45.4 GiB), but under FSDP2 torch's schedule keeps each stage's gradients unsharded in
     fp32 until the last micro-batch's backward (15.8 GiB on rank 0, where this counts the reduced shards),
-    and the split gives the first stage 17 layers, not ceil(32 / 2); neither is counted here yet."""
+    and the split gives the first stage 17 layers, not ceil(32 / 2); neither is counted here yet. llama31_405b
+    `pp=8,tp=8,fsdp=8` with AC: 51.2 GiB against 56.1 (0.91), but by kind the in-flight multiple here takes
+    the recomputed block and the head 8 times (37.2 GiB of activations, the simulation's 3.8) and misses the
+    unsharded gradients and gathered parameters the schedule keeps (26.2 and 12.1 GiB)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
     layers = math.ceil(cfg.n_layers / pp)
