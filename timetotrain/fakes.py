@@ -36,6 +36,13 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
   second copy of the trained, not ignored, parameters' gradients, allocated in the constructor): the stand-in
   says their bytes (`bucket_bytes`, the simulation adds them to every phase) and its forward is the module's.
   The simulator reads a real DDP's own bucket sizes the same way (tests/test_simulate.py: equal).
+- `pipeline_schedule(schedule)`: a pipeline schedule's first step starts with a vote sent from stage to stage
+  and back (`_warmup_p2p`: whether every stage was given its input and output shapes, else each infers them
+  from a forward sent between ranks), read with `.item()`, which a fake tensor has no value for; and the
+  fake process group's receives return at once with nothing in them. ttt gives every stage its shapes
+  (train/pipeline.py `_examples`), so every rank votes the same: under fake tensors each stage takes the
+  vote's outcome from its own shapes, and the schedule runs as it would (its receives allocate fake buffers
+  of those shapes, the micro-batches it holds in flight are its own).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -167,3 +175,19 @@ def ddp_bucket_bytes(wrapped: nn.Module) -> int:
         sizes = str(wrapped._get_ddp_logging_data().get("bucket_sizes", ""))
         return sum(int(x) for x in sizes.split(",") if x.strip())
     return 0
+
+
+def pipeline_schedule(schedule) -> None:
+    """Under fake parameters, the schedule's warm-up vote decided on each rank from its stages' own shapes
+    (module docstring); a schedule of real tensors is left as it is."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    if not any(is_fake(p) for stage in stages for p in stage.submod.parameters()):
+        return
+
+    def vote(stages, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} has no static shapes to simulate")
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote

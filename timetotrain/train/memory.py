@@ -623,8 +623,15 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     micro-batches of the rank's layers; interleaved 1F1B (torch's ScheduleInterleaved1F1B) warms up with
     (V - 1) P + 2 (P - 1) forwards of one virtual stage (L / (P V) layers) before its first backward, one
     more in the steady state; at most the step's micro-batches. The head's activations are counted with each
-    micro-batch (the last stage holds one at a time): on the safe side. Not simulated (`--simulate` does
-    not build pipeline stages under fake tensors: torch's stage warm-up reads a tensor's value)."""
+    micro-batch (the last stage holds one at a time): on the safe side. One rank per stage (`pp=P` alone)
+    has no DDP, so none of its buckets. `--simulate` runs the schedule itself (timetotrain/train/simulate.py):
+    llama31_8b `pp=2,fsdp=4` (reference, no AC) 75.1 GiB against this 65.1, 1.15: the activations in flight
+    agree (45.2 and 45.4 GiB), but under FSDP2 torch's schedule keeps each stage's gradients unsharded in
+    fp32 until the last micro-batch's backward (15.8 GiB on rank 0, where this counts the reduced shards),
+    and the split gives the first stage 17 layers, not ceil(32 / 2); neither is counted here yet. llama31_405b
+    `pp=8,tp=8,fsdp=8` with AC: 51.2 GiB against 56.1 (0.91), but by kind the in-flight multiple here takes
+    the recomputed block and the head 8 times (37.2 GiB of activations, the simulation's 3.8) and misses the
+    unsharded gradients and gathered parameters the schedule keeps (26.2 and 12.1 GiB)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
     layers = math.ceil(cfg.n_layers / pp)
@@ -647,8 +654,13 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                          fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
             stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
             label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
+            states = e.states
+            if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
+                states -= 4 * n_stage
             rows.append(
-                dataclasses.replace(e, parallel=label, activations=e.activations * in_flight, overlap=0.0)
+                dataclasses.replace(
+                    e, parallel=label, states=states, activations=e.activations * in_flight, overlap=0.0
+                )
             )
     return rows
 

@@ -56,6 +56,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
+from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
@@ -144,6 +145,11 @@ def split_layers(costs: list[float], head: float, stages: int) -> list[tuple[int
     return out[::-1]
 
 
+def stage_costs(bench, cfg) -> tuple[list[float], float]:
+    """`split_layers`' costs of the model `cfg`: each block's matmul parameters, and the head's."""
+    return [float(bench.family.block_params(cfg))] * cfg.n_layers, float(cfg.dim * cfg.vocab_size)
+
+
 def describe_split(ranges: list[tuple[int, int]], pp: int) -> str:
     parts = []
     for s, (lo, hi) in enumerate(ranges):
@@ -207,7 +213,9 @@ class Pipeline(nn.Module):
     """This rank's stages and the schedule that runs them. Called like the model (`model(tokens, labels=,
     reduction=)`) it evaluates: forward only, the result on every rank of the pipeline."""
 
-    def __init__(self, stages: list[Stage], indices: list[int], count: int, group, device, accum: int):
+    def __init__(
+        self, stages: list[Stage], indices: list[int], count: int, group, device, accum: int, boundary: tuple
+    ):  # fmt: skip
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.indices, self.count, self.accum = indices, count, accum
@@ -216,12 +224,14 @@ class Pipeline(nn.Module):
         self.rank = dist.get_rank(group)
         self.last = count - 1 in indices
         pipes = [
-            PipelineStage(s, i, count, device, group=group) for s, i in zip(stages, indices, strict=True)
+            PipelineStage(s, i, count, device, *_examples(i, count, *boundary), group=group)
+            for s, i in zip(stages, indices, strict=True)
         ]
         if len(pipes) == 1:
             self.schedule = Schedule1F1B(pipes[0], accum, loss_fn=_own_output, scale_grads=True)
         else:
             self.schedule = ScheduleInterleaved1F1B(pipes, accum, loss_fn=_own_output, scale_grads=True)
+        fakes.pipeline_schedule(self.schedule)
 
     def forward_backward(self, batch: dict, accum: int, loss_fn) -> torch.Tensor:
         """One step's forward and backward over `accum` micro-batches; the gradients (each stage's own) are
@@ -274,6 +284,24 @@ class Pipeline(nn.Module):
         return x
 
 
+def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, tp: int) -> tuple:
+    """A stage's input and output as the schedule sees them, on the meta device, from one micro-batch's
+    tokens `[B, T]`: tokens into the first stage, this rank's sequence shard of the residual stream
+    `[B, T / tp, dim]` across each boundary, the micro-batch's loss out of the last. Given to
+    `PipelineStage`, they spare the schedule its shape inference (a forward and a backward through the
+    stage and the metadata sent between ranks in its first step) and are what a simulation's fake process
+    group cannot send (timetotrain/fakes.py)."""
+    meta = torch.device("meta")
+    stream = torch.empty(tokens[0], tokens[1] // tp, dim, dtype=dtype, device=meta, requires_grad=True)
+    x = torch.empty(tokens, dtype=torch.int64, device=meta) if index == 0 else stream
+    out = (
+        torch.empty((), dtype=torch.float32, device=meta, requires_grad=True)
+        if index == count - 1
+        else stream
+    )
+    return x, out
+
+
 class _DrawnElsewhere(TorchFunctionMode):
     """An initialiser on a parameter of another rank's stage (still on the meta device) draws the full
     tensor on `device` and drops it, so the generator advances as in a one-process build."""
@@ -315,7 +343,9 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
     mesh = parallel.device_mesh(
         device.type, (plan.pp, plan.dp_replicate, plan.dp * plan.fsdp, plan.tp), names
     )  # fmt: skip
-    tp_mesh = mesh["tp"] if plan.tp > 1 else None
+    with real_host():  # slicing a mesh finds this rank's coordinates in a tensor of rank ids (fakes.py)
+        tp_mesh = mesh["tp"] if plan.tp > 1 else None
+        data_mesh, pp_group = mesh["data"], mesh["pp"].get_group()
     if tp_mesh is not None:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
@@ -325,9 +355,7 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
 
     count = plan.pp * plan.vpp
     cfg = tier.model
-    ranges = split_layers(
-        [float(family.block_params(cfg))] * cfg.n_layers, float(cfg.dim * cfg.vocab_size), count
-    )
+    ranges = split_layers(*stage_costs(bench, cfg), count)
     if dist.get_rank() == 0:
         print(describe_split(ranges, plan.pp), file=sys.stderr, flush=True)
     me = plan.coords(dist.get_rank())["pp"]
@@ -346,10 +374,11 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
         )
-        for stage in stages:
-            for block in stage.layers.values():
-                fully_shard(block, mesh=mesh["data"], mp_policy=mp)
-            fully_shard(stage, mesh=mesh["data"], mp_policy=mp)
+        with real_host():  # on the meta device, as `step._build_sharded` (TP's meshes: fakes.py)
+            for stage in stages:
+                for block in stage.layers.values():
+                    fully_shard(block, mesh=data_mesh, mp_policy=mp)
+                fully_shard(stage, mesh=data_mesh, mp_policy=mp)
     elif plan.compute == "bf16":  # FSDP2 casts the parameters itself; else autocast in each stage
         for stage in stages:
             stage.autocast = torch.bfloat16
@@ -360,11 +389,18 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
 
     local = tier.global_batch_size // plan.data_parallel
     accum = local // tier.micro_batch_size
-    pipe = Pipeline(stages, indices, count, mesh["pp"].get_group(), device, accum)
-    _init(family, model, device, seed + 1)
-    # One step through the schedule before the clock (kernels, allocator, and the schedule's own shape
-    # inference at the training micro-batch), from the `seed + 1` weights; its gradients are dropped.
     data = task.synthetic(tier, local, torch.Generator(device=device).manual_seed(0), device)
+    capture = _Capture()
+    data.loss(capture, data.batch(0))
+    tokens = capture.call[0].shape
+    # The residual stream's dtype: FSDP2's compute dtype where it casts the parameters; under autocast (or
+    # none) the stream stays fp32 (autocast lowers matmuls, not the residual additions).
+    stream = torch.bfloat16 if plan.fsdp > 1 and plan.compute == "bf16" else torch.float32
+    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), cfg.dim, stream, plan.tp)
+    pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
+    _init(family, model, device, seed + 1)
+    # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;
+    # its gradients are dropped.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         pipe.forward_backward(data.batch(0), accum, data.loss)
     pipe.zero_grad(set_to_none=True)

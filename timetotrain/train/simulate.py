@@ -12,7 +12,13 @@ tensor would hold, by kind, through that step. Where fake tensors cannot run ttt
 What is simulated and what is assumed, as the report says it:
 - The step: with gradient accumulation only the first two micro-batches run (`--micro-batches` in the
   report): from the second on, each allocates what the one before did (the accumulated gradients exist from
-  the first), so the peak is reached by then; the loss of a shorter step is the same code.
+  the first), so the peak is reached by then; the loss of a shorter step is the same code. A pipeline's
+  step (`pp`, train/pipeline.py) is its schedule's, which needs at least P micro-batches and holds several
+  in flight: it runs P + 1 of them under 1F1B (rank r's warm-up leaves P - r forwards in flight; the next
+  backward and forward are its steady state, the gradients beside as many forwards, which every later
+  micro-batch repeats) and 2 P under interleaved 1F1B (its warm-up of (V - 1) P + 2 (P - 1) virtual-stage
+  forwards and its steady state), all of them where the step has fewer: the tiny tier's two on `pp=2`.
+  The micro-batches in flight are then the schedule's own, not assumed.
 - Depth (`layers`): the model is simulated at `L` and at `L + unit` repeated layers and every byte count is
   extrapolated linearly to the tier's depth (`depth_unit`). The unit is one layer, or the cycle of unlike
   layers: gpt-oss's sliding and full attention (two), qwen3_5_moe's DeltaNet and full attention (four),
@@ -21,6 +27,12 @@ What is simulated and what is assumed, as the report says it:
   layers sit in both simulated models (L starts past them). L is at least three repeated layers: FSDP2
   holds up to three gathered blocks in the backward, which fewer layers would not show. Without `layers`
   the full depth runs.
+  Under pipeline parallelism `layers` is per stage: the simulated depths are the smallest total the split
+  (train/pipeline.py, the head weighed against blocks) gives every stage at least `layers`, and that plus
+  one unit per stage; each simulated rank is extrapolated from its own stages' layer counts at the two
+  depths to its count at the tier's depth (its bytes grow with its own layers). Refused in one line where
+  a rank's count does not grow between the two, or with checkpointing every K > 1 blocks (counted over the
+  whole model, a stage's share of them moves with depth).
   Each module's own peak (a moment: the embedding, the head, each block of a ModuleList) is extrapolated
   too, and a phase's peak is the largest of them: where a step peaks moves with depth when one thing grows
   faster per layer than another shrinks (deepseekv3_671b on 8,192 GPUs, one micro-batch: at 6 and 7 layers
@@ -30,7 +42,14 @@ What is simulated and what is assumed, as the report says it:
   depths chosen do not extrapolate: the simulation refuses in one line and asks for more layers.
 - Ranks: FSDP2 cuts dim 0 as `torch.chunk` does, so the first ranks hold the largest shards and the last
   may hold fewer rows or none; the chosen rank and the last rank are simulated and the larger is "the most
-  loaded". (No pipeline parallelism: every rank holds a part of every layer.)
+  loaded". Under pipeline parallelism (ranks laid out pipeline outermost) rank 0 holds the first stage, the
+  last rank the last stage.
+- Pipeline stages: ttt gives each stage its input and output shapes, and under fake tensors the schedule's
+  warm-up vote is taken from them on each rank (timetotrain/fakes.py: the fake process group's receives
+  carry nothing); the schedule runs as in a real run, its receives allocating buffers of those shapes.
+  Under FSDP2 torch's schedule turns gradient reduction and resharding off until the last micro-batch's
+  backward (`set_requires_gradient_sync(False)`): each stage holds its gradients unsharded in fp32 through
+  the step, which the report shows as temporaries (llama31_8b `pp=2,fsdp=4`: 15.8 GiB on rank 0).
 - Steady state: the simulated step is the first, whose optimizer creates the AdamW moments in its step;
   from the second step on they exist through the forward and the backward, so their bytes (measured after
   the step) are added to those phases' peaks.
@@ -73,7 +92,7 @@ import torch
 
 from timetotrain import fakes
 from timetotrain.errors import UserError
-from timetotrain.train import distributed, prepare
+from timetotrain.train import distributed, parallel, pipeline, prepare
 from timetotrain.train.parallel import ac_words
 from timetotrain.train.synth import with_layers
 
@@ -147,6 +166,27 @@ def _tracker(model, opt, fsdp: bool):
         moments: dict[str, tuple[int, dict]] = {}
         stepped = False
 
+        def _again(self, module) -> None:
+            # A pipeline schedule calls its stage, a root module, once per micro-batch; the trackers take a
+            # root's second forward for a second iteration and refuse it. Its per-module statistics (which
+            # this class does not read) start again instead.
+            fqn = self._mod_tracker.get_known_fqn(module)
+            if not self._mod_tracker.is_bw and set(self._mod_tracker.parents) - {fqn} == {"Global"}:
+                self.memory_tracking.pop(module, None)
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            self._again(module)
+            super()._pre_fw_hook(module, inputs)
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):  # FSDPMemTracker's own check of the same
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def pre_forward(*args, **kwargs):
+                self._again(fsdp_mod)
+                return inner(*args, **kwargs)
+
+            return pre_forward
+
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             phase = (
@@ -169,7 +209,15 @@ def _tracker(model, opt, fsdp: bool):
                 snap = {dev: dict(d) for dev, d in self._curr_mem_snap.items()}
                 self.phase_peak[phase] = (total, snap, where)
 
-    t = Tracker(model, opt) if fsdp else Tracker()
+    if fsdp:
+        from torch.distributed.fsdp import FSDPModule
+
+        # A pipeline's stages are FSDP2 roots of their own inside `model`: the tracker instruments every
+        # FSDP2 module under its root, and asks only that the root be one.
+        t = Tracker(next(m for m in model.modules() if isinstance(m, FSDPModule)), opt)
+        t._root_mod = model
+    else:
+        t = Tracker()
     t.phase_peak = {}
     t.moments = {}
     if not fsdp:
@@ -252,16 +300,23 @@ def simulate_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    prep = prepare.preflight(
-        bench, tier, Path(tempfile.gettempdir()), spec, precision, ac, False, device="cpu", seed=0,
-        ranks=distributed.Dist(rank=rank, world=world, local_rank=0),
-    )  # fmt: skip
+    def preflight(tier):
+        return prepare.preflight(
+            bench, tier, Path(tempfile.gettempdir()), spec, precision, ac, False, device="cpu", seed=0,
+            ranks=distributed.Dist(rank=rank, world=world, local_rank=0),
+        )  # fmt: skip
+
+    prep = preflight(tier)
+    keep = pipeline_micro_batches(prep.plan.pp, prep.plan.vpp, prep.accum)
+    if keep < prep.accum:  # the schedule's steady state with fewer micro-batches (module docstring)
+        prep = preflight(replace(tier, global_batch_size=tier.global_batch_size // prep.accum * keep))
     if fake:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         prepare.start_device(prep, "cpu", seed=0)
         micro = prep.tier.micro_batch_size
-        accum = min(prep.accum, 2)  # module docstring: the second micro-batch repeats the first's allocations
+        # module docstring: the second micro-batch repeats the first's allocations; a pipeline's whole step
+        accum = prep.accum if prep.plan.pp > 1 else min(prep.accum, 2)
         with (
             FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
             fakes.global_shapes_untracked() if fake else contextlib.nullcontext(),
@@ -277,7 +332,8 @@ def simulate_rank(
                 prep.tier, micro * accum, torch.Generator().manual_seed(0), prep.device
             )
             batch = data.batch(0)
-            mt = _tracker(tr.bare, tr.opt, prep.plan.fsdp > 1)
+            # a pipeline's stages (FSDP2 roots under fsdp), else the model
+            mt = _tracker(tr.model if prep.plan.pp > 1 else tr.bare, tr.opt, prep.plan.fsdp > 1)
             seen: dict[str, dict] = {}
 
             def snap(name: str):
@@ -313,6 +369,8 @@ def simulate_rank(
             phases = {p: _by_kind(snap) for p, (_, snap, _) in mt.phase_peak.items()}
             where = {p: w for p, (_, _, w) in mt.phase_peak.items()}
             moments = {m: _by_kind(snap) for m, (_, snap) in mt.moments.items()}
+            if prep.plan.pp > 1:
+                where, moments = _rank_blocks(tr.bare, where, moments)
             # The step simulated is the first, whose AdamW moments appear in its optimizer step; from the
             # second on they exist through the forward and the backward too: the steady state adds them.
             for p in ("forward", "backward"):
@@ -334,6 +392,30 @@ def simulate_rank(
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
+
+
+def _rank_blocks(owned, where: dict, moments: dict) -> tuple[dict, dict]:
+    """A pipeline rank's blocks named by their place among its own (`layers.0` its first), not by the
+    model's index (`layers.21` on the last of 8 stages at 24 layers, `layers.28` at 32): extrapolation over
+    depth compares the same block of the shallower and the deeper model (`_same_place`)."""
+    import re
+
+    local = {g: str(i) for i, g in enumerate(owned.layers.keys())}
+
+    def name(fqn: str) -> str:
+        return re.sub(r"(^|\.)layers\.(\d+)", lambda m: f"{m[1]}layers.{local.get(m[2], m[2])}", fqn)
+
+    return {p: name(w) for p, w in where.items()}, {
+        f"{k.split('|', 1)[0]}|{name(k.split('|', 1)[1])}": v for k, v in moments.items()
+    }
+
+
+def pipeline_micro_batches(pp: int, vpp: int, accum: int) -> int:
+    """How many of a step's `accum` micro-batches a pipeline's simulated step runs: enough for every rank to
+    reach its schedule's steady state (module docstring); all of them without pipeline parallelism."""
+    if pp == 1:
+        return accum
+    return min(accum, pp + 1 if vpp == 1 else 2 * pp)
 
 
 def _line(e: BaseException) -> str:
@@ -375,6 +457,7 @@ class Simulation:
     accum: int
     seconds: float
     rss: int
+    ran: int = 0  # the micro-batches of a step simulated (`pipeline_micro_batches`; else at most 2)
 
     def most_loaded(self) -> RankMemory:
         return max(self.ranks.values(), key=lambda m: m.total)
@@ -493,6 +576,9 @@ def simulate(
     full = _depth(tier)
     t0 = time.monotonic()
     depths = None
+    plan = parallel.parse(spec, world, world_from="--gpus is")
+    if layers is not None and plan.pp > 1:
+        return _simulate_stages(bench, tier, world, spec, plan, rank, layers, precision, ac, t0)
     if layers is not None:
         least, unit = depth_unit(bench, tier)
         if ac > 1:  # the added layers hold the same share of checkpointed blocks: whole periods of ac
@@ -516,12 +602,60 @@ def simulate(
             for d in depths
         )
         ranks[r] = _combine(a, b, (full - depths[0]) / (depths[1] - depths[0]), depths)
-    local = tier.global_batch_size // _data_parallel(spec, world)
+    return _simulation(bench, tier, world, spec, plan, precision, ac, depths, ranks, t0)
+
+
+def _simulation(bench, tier, world, spec, plan, precision, ac, depths, ranks, t0) -> Simulation:
+    local = tier.global_batch_size // plan.data_parallel
     micro = min(tier.micro_batch_size, local)
+    if plan.pp > 1:  # the schedule's micro-batch, as `ttt run` chooses it
+        micro = pipeline.check(bench, tier, plan, local, micro, False, "--set micro_batch_size")
     return Simulation(
-        bench.name, tier.name, world, spec, precision, ac, depths, full, ranks, micro, local // micro,
-        time.monotonic() - t0, _max_rss(),
+        bench.name, tier.name, world, spec, precision, ac, depths, _depth(tier), ranks, micro, local // micro,
+        time.monotonic() - t0, _max_rss(), pipeline_micro_batches(plan.pp, plan.vpp, local // micro),
     )  # fmt: skip
+
+
+def _simulate_stages(bench, tier, world, spec, plan, rank, layers, precision, ac, t0) -> Simulation:
+    """`--layers` under pipeline parallelism: `layers` per stage at least. A rank's bytes grow with its own
+    stages' layers (the split, train/pipeline.py, gives the last stage fewer for the head), so each
+    simulated rank is extrapolated from its layer counts at the two simulated depths to its count at the
+    full depth (module docstring)."""
+    least, unit = depth_unit(bench, tier)
+    stages, full = plan.pp * plan.vpp, _depth(tier)
+    if ac > 1:
+        raise UserError(
+            f"--layers {layers}: with pipeline parallelism and --ac-every {ac} the checkpointed share of a "
+            "stage's layers changes with depth; simulate the full depth (no --layers)"
+        )
+    if layers < least:
+        raise UserError(f"--layers {layers}: simulate at least {least} layers per stage here")
+
+    def counts(depth: int) -> list[int]:  # layers per pipeline rank at `depth`
+        ranges = pipeline.split_layers(
+            *pipeline.stage_costs(bench, replace(tier.model, n_layers=depth)), stages
+        )
+        return [sum(hi - lo for lo, hi in ranges[p :: plan.pp]) for p in range(plan.pp)]
+
+    d1 = next((d for d in range(layers * stages, full + 1) if min(counts(d)) >= layers), full)
+    d2 = d1 + unit * stages
+    if d2 > full:
+        return simulate(bench, tier, world, spec, rank, None, precision, ac)
+    ranks = {}
+    for r in sorted({rank, world - 1}):
+        p = plan.coords(r)["pp"]
+        (a_n, b_n, f_n) = (counts(d)[p] for d in (d1, d2, full))
+        if b_n <= a_n:
+            raise UserError(
+                f"--layers {layers}: rank {r}'s stages hold {a_n} layers at {d1} and at {d2}, so its bytes do "
+                "not extrapolate over depth; simulate from more layers or the full depth (no --layers)"
+            )
+        a, b = (
+            _in_child(simulate_rank, bench, with_layers(bench, tier, d), world, spec, r, precision, ac)
+            for d in (d1, d2)
+        )
+        ranks[r] = _combine(a, b, (f_n - a_n) / (b_n - a_n), (a_n, b_n))
+    return _simulation(bench, tier, world, spec, plan, precision, ac, (d1, d2), ranks, t0)
 
 
 def _child(conn, fn, args) -> None:
@@ -569,12 +703,6 @@ def _depth(tier) -> int:
     return cfg.n_layers
 
 
-def _data_parallel(spec: str, world: int) -> int:
-    from timetotrain.train import parallel
-
-    return parallel.parse(spec, world, world_from="--gpus is").data_parallel
-
-
 def fits_text(peak: float) -> str:
     """Whether a peak fits devices of 80, 141 and 192 GiB, as `ttt plan` judges (margin, 90%)."""
     G = 2**30
@@ -592,12 +720,16 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
     head = [f"rank {r}" + (" (most loaded)" if r == top.rank and len(ranks) > 1 else "") for r in ranks]
     depth = (
         f"{sim.layers[0]} and {sim.layers[1]} of its {sim.full_layers} layers simulated, every count extrapolated "
-        "linearly to the full depth (valid where the added layers are identical: see timetotrain/train/simulate.py)"
+        "linearly to the full depth"
+        + (", per rank by its stages' layers" if "pp=" in sim.parallel else "")
+        + " (valid where the added layers are identical: see timetotrain/train/simulate.py)"
         if sim.layers
         else f"all {sim.full_layers} layers simulated"
     )
     accum = (
-        f"{min(sim.accum, 2)} of its {sim.accum} micro-batches run" if sim.accum > 1 else "one micro-batch"
+        f"{min(sim.accum, sim.ran or 2)} of its {sim.accum} micro-batches run"
+        if sim.accum > 1
+        else "one micro-batch"
     )
     out = [
         f"simulated: {sim.bench} {sim.tier}, {sim.parallel} on {sim.world} ranks (fake process group, fake "
