@@ -598,23 +598,25 @@ def test_a_frozen_base_under_tp_is_charged_its_stored_bytes():
 
 def test_pipeline_stages_hold_their_layers_and_the_micro_batches_in_flight():
     """llama31_405b at 512 x 80 GiB under pp=8 (train/memory.py `_pipeline_rows`): a stage's 16 layers
-    sharded over its 64 GPUs hold about what tp=8,fsdp=64 spreads over all 512 (the same 1/512 of the
-    layers; one of the embedding and head whole on the stage's GPUs instead of 1/64 of both); 1F1B keeps 8
-    micro-batches of the stage's layers in flight, interleaving (vpp=2) more; the suggestion launches as
-    `ttt run` takes it."""
+    sharded over its 64 GPUs hold the shards tp=8,fsdp=64 holds plus the stage's whole fp32 gradients (torch's
+    schedule turns FSDP2's reduction off until the last micro-batch); 1F1B keeps 8 micro-batches of the
+    stage's blocks in flight, interleaving (vpp=2) more; the suggestion launches as `ttt run` takes it."""
     from timetotrain.train import parallel, pipeline
 
     bench = get("llama31_405b")
     tier = bench.tier("reference")
-    _, pp_rows, best = plan(bench, tier, 512, 80, "pp=8,tp=8,fsdp=8")
+    n, pp_rows, best = plan(bench, tier, 512, 80, "pp=8,tp=8,fsdp=8")
     _, flat, _ = plan(bench, tier, 512, 80, "tp=8,fsdp=64")
     _, vpp_rows, _ = plan(bench, tier, 512, 80, "pp=8,vpp=2,tp=8,fsdp=8")
     assert {r.parallel for r in pp_rows} == {"pp=8,tp=8,fsdp=8"}
     one = {(r.ac, r.micro_batch): r for r in pp_rows}
-    assert one[(0, 1)].states == pytest.approx(flat[0].states, rel=0.2)
+    # About a stage's 1/8 of the model, per TP rank, less its shard (the most loaded stage holds 16 of the
+    # 126 layers and the embedding whole: 12% more)
+    whole_grads = 4 * n / 8 / 8 * (1 - 1 / 8)
+    assert one[(0, 1)].states - flat[0].states == pytest.approx(1.12 * whole_grads, rel=0.02)
     stage = dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=16))
     _, stage_rows, _ = plan(bench, stage, 64, 80, "tp=8,fsdp=8")
-    assert one[(0, 1)].activations == pytest.approx(8 * stage_rows[0].activations)
+    assert 4 * stage_rows[0].activations < one[(0, 1)].activations < 8 * stage_rows[0].activations
     interleaved = {(r.ac, r.micro_batch): r for r in vpp_rows}
     assert interleaved[(0, 1)].activations > one[(0, 1)].activations
     assert best is not None and best.total <= 0.9 * 80 * 2**30

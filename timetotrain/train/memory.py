@@ -616,29 +616,35 @@ def plan(
 
 
 def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8) -> list[Estimate]:
-    """`pp=P[,vpp=V],...` (train/pipeline.py): the most loaded rank holds ceil(L / P) layers and one of the
-    embedding and the head (the first or the last stage), estimated as the layout without `pp` on the
-    GPUs of one stage for a model of that depth. Its activations are those of the micro-batches the
-    schedule keeps in flight on the first rank: 1F1B runs P forwards before its first backward, so P
-    micro-batches of the rank's layers; interleaved 1F1B (torch's ScheduleInterleaved1F1B) warms up with
-    (V - 1) P + 2 (P - 1) forwards of one virtual stage (L / (P V) layers) before its first backward, one
-    more in the steady state; at most the step's micro-batches. The head's activations are counted with each
-    micro-batch (the last stage holds one at a time): on the safe side. One rank per stage (`pp=P` alone)
-    has no DDP, so none of its buckets. `--simulate` runs the schedule itself (timetotrain/train/simulate.py):
-    llama31_8b `pp=2,fsdp=4` (reference, no AC) 75.1 GiB against this 65.1, 1.15: the activations in flight
-    agree (45.2 and 45.4 GiB), but under FSDP2 torch's schedule keeps each stage's gradients unsharded in
-    fp32 until the last micro-batch's backward (15.8 GiB on rank 0, where this counts the reduced shards),
-    and the split gives the first stage 17 layers, not ceil(32 / 2); neither is counted here yet. llama31_405b
-    `pp=8,tp=8,fsdp=8` with AC: 51.2 GiB against 56.1 (0.91), but by kind the in-flight multiple here takes
-    the recomputed block and the head 8 times (37.2 GiB of activations, the simulation's 3.8) and misses the
-    unsharded gradients and gathered parameters the schedule keeps (26.2 and 12.1 GiB)."""
+    """`pp=P[,vpp=V],...` (train/pipeline.py): the most loaded rank holds the most layers the stage split
+    gives a rank (`pipeline.split_layers`, the head weighed in) and one of the embedding and the head,
+    estimated as the layout without `pp` on the GPUs of one stage for a model of that depth, with what
+    torch's schedule changes:
+    - the micro-batches in flight on the first rank: 1F1B runs P forwards before its first backward, so P
+      micro-batches of the rank's blocks' activations; interleaved 1F1B (ScheduleInterleaved1F1B) warms up
+      with (V - 1) P + 2 (P - 1) forwards of one virtual stage (L / (P V) layers), one more in the steady
+      state; at most the step's micro-batches. The rest (head and loss, the block AC recomputes) once;
+    - under FSDP2 it turns gradient reduction and resharding off until the last micro-batch: the stage's
+      gradients whole in fp32 and its parameters gathered (per TP rank), not shards and two blocks;
+    - one rank per stage (`pp=P` alone) has no DDP, so none of its buckets.
+    Against `--simulate` (which runs the schedule, timetotrain/train/simulate.py), peaks without the margin:
+    llama31_8b reference `pp=2,fsdp=4`, no AC, `--layers 3`: 75.1 GiB simulated; llama31_405b
+    `pp=8,tp=8,fsdp=8`, AC, full depth: 51.2 GiB simulated (the figures of this formula: docs/scale.md)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
-    layers = math.ceil(cfg.n_layers / pp)
-    stage = dataclasses.replace(tier, model=dataclasses.replace(cfg, n_layers=layers))
-    n_stage = bench.family.param_count(stage.model) - cfg.vocab_size * cfg.dim  # one of embedding and head
+    ranges = pipeline.split_layers([float(bench.family.block_params(cfg))] * cfg.n_layers,
+                                   float(cfg.dim * cfg.vocab_size), pp * vpp)  # fmt: skip
+    layers = max(sum(hi - lo for lo, hi in ranges[r::pp]) for r in range(pp))
+    n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
     inner = dataclasses.replace(given, pp=1, vpp=1)
     kind = _kind(inner)
+
+    def at(depth: int, ac: int, m: int) -> Estimate:  # the layout of one stage, for a model of `depth`
+        model = dataclasses.replace(cfg, n_layers=depth)
+        n = bench.family.param_count(model) - cfg.vocab_size * cfg.dim  # one of embedding and head
+        return estimate(bench, dataclasses.replace(tier, model=model), n, gpus // pp, gpu_mem_gib, kind, ac, m,
+                        bf16, tp=inner.tp, fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
+
     rows = []
     for ac in acs:
         for m in (1, 2, 4, 8, 16):
@@ -650,16 +656,27 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
             else:
                 chunks = min(accum * vpp, (vpp - 1) * pp + 2 * (pp - 1) + 1)
                 in_flight = chunks / vpp  # in micro-batches of the rank's whole share of layers
-            e = estimate(bench, stage, n_stage, gpus // pp, gpu_mem_gib, kind, ac, m, bf16, tp=inner.tp,
-                         fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
+
+            e = at(layers, ac, m)
+            # The blocks' activations (kept per micro-batch in flight) apart from the rest (the head and loss,
+            # the block recomputed under AC: one at a time): a layer's share is the difference of two depths.
+            blocks = (
+                layers * (e.activations - at(layers - 1, ac, m).activations) if layers > 1 else e.activations
+            )
             stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
             label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
-            states = e.states
+            states, copies = e.states, e.compute_copies
             if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
                 states -= 4 * n_stage
+            if inner.fsdp > 1:
+                # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
+                # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
+                states += 4 * n_stage / inner.tp * (1 - 1 / inner.fsdp)
+                copies = max(copies, (2 if bf16 else 4) * n_stage / inner.tp)
+            act = blocks * in_flight + (e.activations - blocks)
             rows.append(
                 dataclasses.replace(
-                    e, parallel=label, states=states, activations=e.activations * in_flight, overlap=0.0
+                    e, parallel=label, states=states, compute_copies=copies, activations=act, overlap=0.0
                 )
             )
     return rows
