@@ -60,3 +60,21 @@ def test_every_launch_line_parses_as_whole_nodes(name, gpus_per_node):
                 _check_torchrun(line, gpus, gpus_per_node)
     if not seen:  # rgat has no memory model (one line says so); qwen35_397b_grpo fits nowhere without CP
         pytest.skip(f"{name}: `ttt plan` suggests no layout on {GPUS} GPUs of 80 GiB")
+
+
+def test_a_context_parallel_suggestion_launches():
+    """The search's last resort (train/memory.py): gpt_oss_20b on 64 x 16 GiB, where only cp=C,fsdp=F
+    fits, on one node and on many; its launch line carries that --parallel, which `ttt run` parses."""
+    from timetotrain.train import parallel
+
+    bench = suite.get("gpt_oss_20b")
+    tier = bench.tier("reference")
+    for gpus_per_node in (8, 64):
+        _, _, best = plan(bench, tier, 64, 16, None, gpus_per_node=gpus_per_node)
+        assert ",cp=" in best.parallel
+        line = launch(bench, tier, best, 64, gpus_per_node)["command"].replace("$MASTER_ADDR", "head")
+        _check_torchrun(line, 64, gpus_per_node)
+        args = build_parser().parse_args(
+            get_args_parser().parse_args(shlex.split(line)[1:]).training_script_args
+        )
+        assert parallel.parse(args.parallel, 64).cp > 1

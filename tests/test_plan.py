@@ -623,3 +623,38 @@ def test_pipeline_stages_hold_their_layers_and_the_micro_batches_in_flight():
     given = parallel.parse(best.parallel, 512)
     local = parallel.check_batch_split(tier.global_batch_size, given)
     assert pipeline.check(bench, tier, given, local, best.micro_batch, True, "--set micro_batch_size")
+
+
+def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
+    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at any legal GBS, nor
+    on more GPUs; the search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits at the
+    tier's GBS with the smallest C that splits the batch and fits, and the launch line runs it. Where a
+    layout without CP fits (8 x 80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32), the suggestion is that one;
+    GRPO's on-policy task, which `ttt run` refuses under cp, gets no cp row and is told why."""
+    from timetotrain.train import context_parallel, parallel
+
+    bench = get("gpt_oss_20b")
+    tier = bench.tier("reference")
+    _, rows, best = plan(bench, tier, 64, 16, None)
+    cap = 0.9 * 16 * GiB
+    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel)
+    assert best.parallel == "fsdp=16,cp=4" and best.total <= cap
+    # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it.
+    assert {r.parallel for r in rows if "cp=" in r.parallel} == {"fsdp=16,cp=4", "fsdp=8,cp=8"}
+    given = parallel.parse(best.parallel, 64)
+    context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
+    assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    assert doc["global_batch_size"] == tier.global_batch_size
+    assert "--parallel fsdp=16,cp=4 " in doc["suggestion"]["launch"]["command"]
+    # Where a layout without CP fits, no CP row is even estimated.
+    assert not any("cp=" in r.parallel for r in plan(bench, tier, 8, 80, None)[1])
+    assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (32, "fsdp=32")
+    grpo = get("qwen35_397b_grpo")
+    _, rows, _ = plan(grpo, grpo.tier("reference"), 256, 141, None)
+    assert rows and not any("cp=" in r.parallel for r in rows)
+    assert "which `ttt run` refuses here (the qwen35_397b_grpo task decodes rollouts" in nothing_fits(
+        grpo, grpo.tier("reference"), 256, 141, None
+    )

@@ -54,6 +54,22 @@ Where the numbers come from (an estimate, not a measurement):
   FSDP2 shards within groups of S GPUs, so the states, the gathered bf16 copies and the root group are
   those of `fsdp=S`; the batch splits over all R x S GPUs, so the activations are those of `fsdp=R*S`.
   `ttt plan --simulate` builds it (a 2-D mesh under the fake process group) and counts the same states.
+  The search never suggests it: by this count it holds at least what `fsdp=R*S` holds on the same GPUs and
+  splits the batch over the same ranks, so it fits nowhere `fsdp` does not. What it saves is network
+  traffic (the all-gathers stay within S GPUs), which a memory plan does not weigh; name it with --parallel.
+- The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid);
+  where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
+  parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`), each planned
+  as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
+  split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
+  sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
+  prefers a legal larger GBS where a layout without CP fits to CP at the tier's GBS, so a suggestion made
+  before the search had CP stays. Pipeline parallelism is estimated when --parallel names it
+  (`_pipeline_rows`) but not searched: `--simulate` and tests/test_plan_builds.py cannot build pipeline
+  stages under the fake process group yet, so nothing proves a suggested `pp` layout builds for every
+  benchmark the search would offer it to; and by this count it rarely could win (a stage holds 1/P of the
+  layers on 1/P of the GPUs, the same states per GPU, and 1F1B keeps P micro-batches of its L/P layers in
+  flight, one micro-batch's worth of the whole model).
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
   alone fits or splits the batch (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
   and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
@@ -108,7 +124,8 @@ Where the numbers come from (an estimate, not a measurement):
   plans the larger worlds `ttt run` could take (whole nodes, a divisor of the global batch times a TP
   degree) in order and names the first that fits; when none does, `nothing_fits` says why in the numbers
   of the largest such world (one sample per data-parallel rank) and what would be needed: the sequence
-  split over GPUs (context parallelism, activations / c) or tensor parallelism, or a larger device.
+  split over GPUs (context parallelism, activations / c, with why the search offered none) or tensor
+  parallelism, or a larger device.
 """
 
 from __future__ import annotations
@@ -528,7 +545,8 @@ def plan(
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
-    fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits."""
+    fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits,
+    then cp x fsdp if none of those fits either (module docstring)."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
@@ -599,20 +617,46 @@ def plan(
                     # An MoE family's plan (gpt_oss): the experts split over the data-parallel ranks by the
                     # largest ep dividing both, as the hybrid above (train/parallel.py).
                     rows += rows_of("tp,ep", gbs // data, t, ep=math.gcd(tier.model.n_experts, data))
+        if not any(r.total <= cap for r in rows):
+            # Context parallelism only where nothing above fits or splits the batch (module docstring).
+            rows += _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac)
         if not rows:
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks (nor "
-                "over the fsdp ranks of a tensor-parallel layout): change --gpus or --set global_batch_size"
+                "over the fsdp ranks of a tensor- or context-parallel layout): change --gpus or --set "
+                "global_batch_size"
             )
     fitting = [r for r in rows if r.total <= cap]
     # Prefer no tensor parallelism, then the smallest TP degree (its collectives sit on every block), then
-    # no recomputation, then the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
+    # the smallest CP degree (its K/V all-gathers sit on every attention layer), then no recomputation, then
+    # the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
     best = max(
         fitting,
-        key=lambda r: (-tp_degree(r), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
+        key=lambda r: (-tp_degree(r), -degree(r, "cp"), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
         default=None,
     )
     return n, rows, best
+
+
+# Context-parallel degrees the search tries: a sample's sequence over up to one node's GPUs (its K/V
+# all-gathers sit on every attention layer).
+CP_DEGREES = (2, 4, 8)
+
+
+def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac) -> list[Estimate]:
+    """`cp=C,fsdp=gpus/C` for C in `CP_DEGREES` within a node, each planned as `--parallel` names it, so
+    through the checks `ttt run`'s preflight runs (`parallel.parse`, the batch split over gpus/C
+    data-parallel ranks, `context_parallel.check`); a layout those refuse is left out."""
+    rows = []
+    for c in CP_DEGREES:
+        if gpus % c or gpus // c < 2 or c > gpus_per_node:
+            continue
+        try:
+            spec = f"cp={c},fsdp={gpus // c}"
+            rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
+        except UserError:
+            continue
+    return rows
 
 
 def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8) -> list[Estimate]:
@@ -686,28 +730,41 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over `gpus`,
     or nothing fits at it, and `retier` (GBS -> the tier at that GBS, with its RCP's LR and warmup) is given,
     the plan at the smallest larger GBS of the benchmark's RCP table (a legal closed-division batch size)
-    where a layout without tensor parallelism fits, else where any fits, said in the note. At 256 GPUs real
-    submissions run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
+    where a layout without tensor or context parallelism fits, else where one without context parallelism
+    fits, said in the note; then a context-parallel layout at the tier's GBS, else at the smallest legal GBS
+    (CP is searched last, `plan`). At 256 GPUs real submissions run llama31_8b at such a GBS, where the
+    tier's 16 splits over no layout."""
     try:
         own, refused = plan_at(tier), None
     except UserError as e:
         own, refused = None, e
-    if own is not None and own[2] is not None:
+    if own is not None and own[2] is not None and degree(own[2], "cp") == 1:
         return tier, own, None
     legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size) if retier else []
     fallback = None  # the smallest legal GBS where a layout with TP fits
+    later_cp = None  # the smallest where only a context-parallel layout fits
     for gbs in legal:
         at = retier(gbs)
         try:
             found = plan_at(at)
         except UserError:
             continue
-        if found[2] is not None and tp_degree(found[2]) == 1:
-            return at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without TP")
-        if found[2] is not None and fallback is None:
-            fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout")
+        if found[2] is None:
+            continue
+        if degree(found[2], "cp") > 1:
+            later_cp = later_cp or (at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout"))
+        elif tp_degree(found[2]) == 1:
+            return at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without TP or CP")
+        elif fallback is None:
+            fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without CP")
+    # Context parallelism last: the search tries it only where nothing else fits (`plan`), and a legal GBS
+    # where something else fits is that search's answer too.
     if fallback:
         return fallback
+    if own is not None and own[2] is not None:
+        return tier, own, None
+    if later_cp:
+        return later_cp
     if refused:
         raise refused
     return tier, own, None
@@ -735,6 +792,8 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
     if given.pp > 1:  # the pipeline kept, the layout of one stage grown with the world
         inner = _spec_at(kind, dataclasses.replace(given, pp=1, vpp=1), world // given.pp)
         return f"pp={given.pp}," + (f"vpp={given.vpp}," if given.vpp > 1 else "") + inner
+    if given.cp > 1:  # the sequence split kept, the data-parallel layout grown with the world
+        return _spec_at(kind, dataclasses.replace(given, cp=1), world // given.cp) + f",cp={given.cp}"
     if kind == "tp":
         return f"tp={given.tp},fsdp={world // given.tp}"
     if kind == "tp,ep":  # the expert-parallel degree kept, as a hybrid's
@@ -772,7 +831,7 @@ def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_
     divisors += [gbs // d for d in divisors]
     worlds = sorted({d * t for d in divisors for t in (1, 2, 4, MAX_TP)})
     for w in worlds:
-        if given is not None and w % (given.pp * given.tp):
+        if given is not None and w % (given.pp * given.tp * given.cp):
             continue
         if w <= gpus or (w > gpus_per_node and w % gpus_per_node):
             continue
@@ -818,11 +877,23 @@ def nothing_fits(
 
     need = (
         f"needed: the sequence split over GPUs, context parallelism of at least {split(act)} (or "
-        f"tensor parallelism), which timetotrain does not have for the {bench.family.name} family"
+        f"tensor parallelism), {_why_no_cp(bench, tier, split(act))}"
     )
     # The device on which this estimate fits, its margin growing with it.
     total = (r.states + r.compute_copies + r.activations - r.overlap + GiB) / (HEADROOM - MARGIN_SHARE) / GiB
     return f"nor on more GPUs: {head}; {need}; or GPUs with ~{total:,.0f} GiB"
+
+
+def _why_no_cp(bench, tier, c: int) -> str:
+    """Why the search offered no context-parallel layout that fits: `ttt run` refuses cp for the benchmark
+    (`context_parallel.check`'s reason), or the degree needed is beyond `CP_DEGREES`."""
+    try:
+        context_parallel.check(bench, tier, parallel.Plan(cp=2, fsdp=2), "cp=2,fsdp=2")
+    except UserError as e:
+        return f"which `ttt run` refuses here ({str(e).split(': ', 1)[-1].removesuffix(': leave cp out')})"
+    if c > max(CP_DEGREES):
+        return f"beyond the cp={max(CP_DEGREES)} within a node that the search tries"
+    return "which the search tried at cp 2, 4 and 8 where the batch splits (each rank's gathered K/V counted)"
 
 
 def family_decoder(bench) -> bool:
@@ -840,6 +911,11 @@ def launch(
 
 def tp_degree(r: Estimate) -> int:
     return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
+
+
+def degree(r: Estimate, kind: str) -> int:
+    """The degree of `kind` (cp, pp, ...) in a row's layout, 1 where it has none."""
+    return next((int(v) for k, _, v in (p.partition("=") for p in r.parallel.split(",")) if k == kind), 1)
 
 
 def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None, tier=None) -> str:
@@ -1046,6 +1122,12 @@ def format_plan(
             "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "
             "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
             "(one node). Method only: not validated on GPUs."
+        )
+    if any(degree(r, "cp") > 1 for r in rows) and not any(degree(r, "cp") > 1 for r in rows[:1]):
+        out.append(
+            "cp rows (tried because no layout above fits or splits the batch): each sample's sequence split "
+            "over cp ranks (activations of 1/cp of its tokens, plus every attention layer's K and V gathered "
+            "whole); FSDP2 shards over the fsdp x cp ranks. Method only: not validated on GPUs."
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
