@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the checkout
 
-from timetotrain import suite  # noqa: E402
+from timetotrain.spec import registry  # noqa: E402
 
 # One benchmark per model family (its tiny tier is the config traced).
 FAMILIES = {
@@ -58,7 +58,7 @@ def setup(bench_name: str, device: torch.device, batch: int, seed: int = 0):
     """(the family's model at the tiny config, `loss(model)`: a training micro-batch's loss on random data).
     GRPO (on-policy) takes the token cross-entropy of its random tokens instead of its policy loss: before
     rollouts that loss has no gradient, and the blocks see the same inputs either way."""
-    b = suite.get(bench_name)
+    b = registry.get(bench_name)
     tier = b.tier("tiny")
     torch.manual_seed(seed)
     model = b.family.build(tier.model).to(device)

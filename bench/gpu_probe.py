@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/head_loss.py, 
 
 # Imported in `main`, after the first record: on a bare machine a missing wheel is then a record, not a
 # traceback before any output.
-suite = head_loss_bench = moe_cast_bench = compile_coverage_bench = None
+registry = head_loss_bench = moe_cast_bench = compile_coverage_bench = None
 
 
 class Records:
@@ -98,7 +98,7 @@ def synth(bench: str, tier: str, layers: int, *, compile: bool, precision: str, 
             device=device, precision=precision, compile=compile, layers=layers, seed=1234,
         )
     )  # fmt: skip
-    b = suite.get(bench)
+    b = registry.get(bench)
     t = dataclasses.replace(b.tier(tier), model=_layered(b, b.tier(tier), layers).model)
     seq = t.data.seq_len
     causal = b.family.flops_per_token(t.model, seq, causal=True)
@@ -132,7 +132,7 @@ def extrapolate(sweep: list[dict], bench: str, tier: str, full_layers: int) -> d
     icpt = my - slope * mx
     step = icpt + slope * full_layers
     tokens = sweep[0]["tokens_per_step"]
-    b = suite.get(bench)
+    b = registry.get(bench)
     t = _layered(b, b.tier(tier), full_layers)
     seq = t.data.seq_len
     tok_s = tokens / step
@@ -291,13 +291,13 @@ def main(argv=None) -> int:
         ao = torchao.__version__
     except ImportError:
         ao = None
-    global suite, head_loss_bench, moe_cast_bench, compile_coverage_bench
+    global registry, head_loss_bench, moe_cast_bench, compile_coverage_bench
     try:
         import compile_coverage as compile_coverage_bench
         import head_loss as head_loss_bench
         import moe_cast as moe_cast_bench
 
-        from timetotrain import suite
+        from timetotrain.spec import registry
     except ImportError as e:
         rec.write("env", "imports", status="failed", error=f"{e} (add its wheel to bench/wheels)")
         return 1
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     steps, warmup, gbs = (2, 1, 2) if smoke else (8, 3, 8)
     depths = (1, 2) if smoke else (2, 4, 8)
     base_layers = 2 if smoke else 4
-    full = suite.get("llama31_8b").tier(tier).model.n_layers
+    full = registry.get("llama31_8b").tier(tier).model.n_layers
     common = dict(device=device.type, steps=steps, warmup=warmup, gbs=gbs, out=out / "synth")
     min_synth = 0 if smoke else 45  # seconds a compiled synth needs at least (compile + steps)
 
@@ -357,8 +357,8 @@ def main(argv=None) -> int:
         backends = ("MATH",) if smoke else ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         shapes = {"llama31_8b": "llama31_8b", "gpt_oss_20b": "gpt_oss_20b"}
         for label, bench in shapes.items():
-            cfg = suite.get(bench).tier(tier).model
-            seq = 256 if smoke else suite.get(bench).tier(tier).data.seq_len
+            cfg = registry.get(bench).tier(tier).model
+            seq = 256 if smoke else registry.get(bench).tier(tier).data.seq_len
             for backend in backends:
                 rec.item(
                     "attention", f"{label}_{backend.lower()}",
@@ -367,8 +367,8 @@ def main(argv=None) -> int:
                     ),
                 )  # fmt: skip
     if wanted("window"):
-        cfg = suite.get("gpt_oss_20b").tier(tier).model
-        seq = 256 if smoke else suite.get("gpt_oss_20b").tier(tier).data.seq_len
+        cfg = registry.get("gpt_oss_20b").tier(tier).model
+        seq = 256 if smoke else registry.get("gpt_oss_20b").tier(tier).data.seq_len
         W = 32 if smoke else cfg.sliding_window
         rec.item(
             "window", "gptoss20b_window",

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from timetotrain.suite import get
-from timetotrain.suite.base import base_recipe
+from timetotrain.spec.benchmark import base_recipe
+from timetotrain.spec.registry import get
 from timetotrain.train.base_model import make_base
 
 

@@ -50,7 +50,7 @@ import torch
 
 from timetotrain.data import govreport, sentencepiece_tok
 from timetotrain.models.llama import LlamaConfig
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 

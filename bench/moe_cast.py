@@ -108,11 +108,11 @@ def measure(dim, ffn, experts, top_k, tokens, accum, layers, device, reps=5, war
 
 def active_experts() -> list[dict]:
     """Per MoE tier of the suite: tokens per micro-batch and the expected share of experts with no token."""
-    from timetotrain import suite
+    from timetotrain.spec import registry
 
     rows = []
-    for name in suite.names():
-        b = suite.get(name)
+    for name in registry.names():
+        b = registry.get(name)
         for tier in b.tiers:
             t = b.tier(tier)
             m = t.model

@@ -286,7 +286,7 @@ def official_errors(log: Path, ruleset: str, tier: str) -> list[str]:
     benchmark the round does not list, the test-only toy, by `common.yaml` alone)."""
     from mlperf_logging.compliance_checker import mlp_compliance, mlp_parser
 
-    from timetotrain.suite.official import official_benchmark
+    from timetotrain.spec.official import official_benchmark
 
     checker = mlp_compliance.make_checker("training", ruleset, quiet=True, werror=False)
     lines, errors = mlp_parser.parse_file(str(log), ruleset=ruleset)

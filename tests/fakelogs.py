@@ -34,9 +34,9 @@ def tier_log(
     """A run of `tier` that reaches the target at sample `converge_at` (None: never, then aborted) and
     whose run_start -> run_stop takes `minutes`; `steps`, a list of (samples_count, train_loss, figures or
     None), adds the per-step lines the loop writes (figures: GRPO's `ttt_rollout_stats`)."""
-    from timetotrain import suite
+    from timetotrain.spec import registry
 
-    bench = suite.get(benchmark)
+    bench = registry.get(benchmark)
     t = bench.tiers[tier]
     gbs = gbs or t.global_batch_size
     every = t.eval_every_samples

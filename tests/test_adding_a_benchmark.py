@@ -9,20 +9,20 @@ from pathlib import Path
 
 from timetotrain.mlperf import rule_files
 from timetotrain.models import family
-from timetotrain.suite import base as suite_base
-from timetotrain.tasks import base as task_base
+from timetotrain.spec import benchmark as spec_benchmark
+from timetotrain.spec import task as spec_task
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "adding-a-benchmark.md"
 
 # Section heading (its start) -> the objects whose hooks and fields the section may name.
 SECTIONS = {
-    "### The declaration": [suite_base.Benchmark, suite_base.Tier, suite_base.BaseRecipe, suite_base.Optimizer,
-                            suite_base.RcpHparams, suite_base.EndLRRule, suite_base],
+    "### The declaration": [spec_benchmark.Benchmark, spec_benchmark.Tier, spec_benchmark.BaseRecipe, spec_benchmark.Optimizer,
+                            spec_benchmark.RcpHparams, spec_benchmark.EndLRRule, spec_benchmark],
     "### The rule files": [rule_files],
     "### The RCPs": [],
-    "### The task": [task_base.Task, task_base.RunData, task_base.Metric, task_base],
-    "### The data recipe": [task_base.Task, task_base.DataRecipe],
+    "### The task": [spec_task.Task, spec_task.RunData, spec_task.Metric, spec_task],
+    "### The data recipe": [spec_task.Task, spec_task.DataRecipe],
     "### The model family": [family.ModelFamily],
 }  # fmt: skip
 PATH = re.compile(r"\b((?:timetotrain|tests|docs|bench)/[\w./<>*-]*[\w>]/?)")
@@ -113,7 +113,7 @@ def test_the_checks_fail_on_a_stale_doc():
         "See `timetotrain/runner/data.py` and timetotrain/suite/rcps/<name>_<tier>.json.\n"
     )
     assert wrong_hooks(stale) == [
-        "### The task: `prepare_data` is on none of ['Task', 'RunData', 'Metric', 'timetotrain.tasks.base']",
+        "### The task: `prepare_data` is on none of ['Task', 'RunData', 'Metric', 'timetotrain.spec.task']",
         "### The task: `resolve(tier, data_dir)` takes (tier, data_dir, verify, init_checkpoint)",
         "### The data recipe: `DataRecipe(name, steps)` takes (name, describe, steps, sources, call)",
         "### The model family: `ModelFamily(name, build)` takes (" + ", ".join(

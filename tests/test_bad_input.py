@@ -706,7 +706,7 @@ def hf_tiny(tmp_path_factory) -> Path:
     """llama31_8b tiny's freshly initialised weights as a Hugging Face folder (model.safetensors, config.json)."""
     from safetensors.torch import save_file
 
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
 
     bench = get("llama31_8b")
     cfg = bench.tier("tiny").model
@@ -768,7 +768,7 @@ def _inf_feature(d: Path, igbh) -> None:
 def _flux_nan(w: Path) -> None:
     """One train split of flux1 tiny's shapes (the scan comes after the shape check), its T5 states NaN."""
     from timetotrain.data import flux_encodings as enc
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.tasks.rectified_flow import shapes_of
 
     shapes = shapes_of(get("flux1").tier("tiny").model)
@@ -1041,7 +1041,7 @@ def test_checks_before_trust(case: Case, request, tmp_path, capsys, monkeypatch)
 
 def test_plan_and_run_read_parallel_through_one_parser(monkeypatch, tmp_path):
     """`ttt plan --parallel` is `ttt run --parallel`: the same `parallel.parse`, so fsdp=4,tp=2 keeps tp=2."""
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.train import memory, parallel, prepare
 
     seen = []
@@ -1217,7 +1217,7 @@ def test_a_token_count_file_no_manifest_vouches_for_is_not_trusted(how, c4_prepa
 def test_a_nan_past_the_bounded_scan_is_refused_at_load(hf_tiny, tmp_path):
     """The preflight scan reads the first values of each tensor; the load checks every value it copies."""
     from timetotrain.errors import UserError
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.train.checkpoint import check_init_source, init_from
 
     bench = get("llama31_8b")
@@ -1236,8 +1236,8 @@ def test_set_global_batch_size_at_405b_tiny_keeps_the_tiers_own_schedule():
     tiny it gave an LR 1,800 times smaller and a 288,000-step warmup. The tiny tier keeps its own values,
     which its rule file accepts; the reference still takes the rule's."""
     from timetotrain.mlperf.keys import check_rules
-    from timetotrain.suite import get
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.spec.registry import get
 
     bench = get("llama31_405b")
     tiny = bench.tier("tiny")
@@ -1260,8 +1260,8 @@ def test_set_global_batch_size_at_a_tiny_tier_keeps_its_lr_and_warmup(name, gbs)
     """The RCP table (LR and warmup per GBS) is the reference's: at llama31_8b tiny, `--set
     global_batch_size=32` (docs/getting-started.md's run config) gave the 8B model's LR 8e-4 and 128 warmup
     steps in place of the tier's 3e-3 and 20. A tiny tier keeps its own; the reference still takes the RCP's."""
-    from timetotrain.suite import get
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.spec.registry import get
 
     bench = get(name)
     tiny = bench.tier("tiny")

@@ -8,13 +8,13 @@ import pytest
 import yaml
 from fakelogs import tier_log
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.mlperf.compliance import hparam_violations, read_log_keys, rule_file
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
+from timetotrain.spec import registry
 
 # Every tier of ours that has a rule file of ours.
-TIERS = [(b, t) for b in suite.names() for t in suite.get(b).tiers if t != "reference"]
+TIERS = [(b, t) for b in registry.names() for t in registry.get(b).tiers if t != "reference"]
 
 
 def check(capsys, path, *flags) -> tuple[int, str, str]:
@@ -33,7 +33,7 @@ def relabel(src, dst, benchmark):
 
 
 def logged(bench_name, tier_name, as_benchmark):
-    bench = suite.get(bench_name)
+    bench = registry.get(bench_name)
     tier = bench.tiers[tier_name]
     keys = submission_keys(bench, tier, "org", "platform") + bench.hyperparameters(tier)
     # What every run logs after them (one process, fp32): required from 6.1 on (qwen35_397b_grpo tiny).
@@ -63,8 +63,8 @@ def test_a_tier_logged_as_another_benchmark_fails_that_rule_file(src, dst):
     (b_src, t_src), (b_dst, t_dst) = src, dst
     problems = hparam_violations([rule_file(b_dst, t_dst)], logged(b_src, t_src, b_dst))
     assert problems
-    src_model = suite.get(b_src).model_key(suite.get(b_src).tiers[t_src])
-    if src_model != suite.get(b_dst).model_key(suite.get(b_dst).tiers[t_dst]):
+    src_model = registry.get(b_src).model_key(registry.get(b_src).tiers[t_src])
+    if src_model != registry.get(b_dst).model_key(registry.get(b_dst).tiers[t_dst]):
         assert any(p.startswith("ttt_model") for p in problems), problems
 
 

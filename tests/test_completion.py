@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from timetotrain import suite
 from timetotrain.cli import build_parser, main
+from timetotrain.spec import registry
 
 pytestmark = pytest.mark.e2e  # runs bash on the script
 
@@ -37,7 +37,7 @@ def test_bash_script_is_valid_and_holds_every_command_and_benchmark(capsys, tmp_
     subprocess.run([BASH, "-n", str(f)], check=True)
     for cmd in _commands(build_parser()):
         assert cmd[-1] in text, cmd
-    for name in suite.names():
+    for name in registry.names():
         assert name in text
 
 

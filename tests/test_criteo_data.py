@@ -166,7 +166,7 @@ def test_eval_shares_are_equal_chunks_and_cover_the_validation_rows_once(micro, 
     validation rows over 3 ranks are 11 + 11 + 9, the last share padded and the padding dropped."""
     import torch
 
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.tasks import click_through_rate as ctr
 
     bench = get("dlrm_dcnv2")
@@ -199,7 +199,7 @@ def test_the_auroc_ranks_fp32_probabilities_as_the_reference_does(micro):
     there, a tie worth half, so a model that tells the classes apart only at such logits has AUC 0.5."""
     import torch
 
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.tasks import click_through_rate as ctr
     from timetotrain.tasks.auc import auc
 

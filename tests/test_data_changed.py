@@ -186,7 +186,7 @@ def test_flux1_run_aborts_when_its_encodings_are_cut(tmp_path, monkeypatch, caps
     from test_flux_task import write_dataset
 
     from timetotrain.cli import main
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.tasks import rectified_flow
 
     tiny = get("flux1").tier("tiny")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import small_deepseek_v3
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
 from timetotrain.train.step import build_training

@@ -9,8 +9,8 @@ from fakelogs import _line, logged_keys
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 
 BENCH = get("deepseekv3_671b")
 

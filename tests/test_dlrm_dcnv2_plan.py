@@ -1,12 +1,12 @@
 """`ttt plan dlrm_dcnv2`: per-rank embedding, dense and optimizer memory for the placement `ttt run` builds."""
 
-from timetotrain import suite
 from timetotrain.cli import main
+from timetotrain.spec import registry
 from timetotrain.train.embedding_memory import GiB, per_rank
 
 
 def test_reference_on_8_gpus_shards_the_tables():
-    bench = suite.get("dlrm_dcnv2")
+    bench = registry.get("dlrm_dcnv2")
     tier = bench.tier("reference")
     doc = per_rank(bench, tier, 8, 80)
     ranks = doc["ranks"]

@@ -12,15 +12,15 @@ import pytest
 from conftest import require
 from fakelogs import ttt_main
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.mlperf.score import score_tree
+from timetotrain.spec import registry
 
 pytestmark = pytest.mark.parity
 
 ORG = "Acme"
 T0 = 1_770_000_000_000
-BENCH = suite.get("dlrm_dcnv2")
+BENCH = registry.get("dlrm_dcnv2")
 REF = BENCH.tiers["reference"]
 TRAIN = REF.data.train_rows
 LR = {32768: 0.004, 40960: 0.004, 55296: 0.004, 65536: 0.004}
@@ -43,7 +43,7 @@ def _rec(t, event, key, value=None, **meta):
 
 def ref_log(path, system, seed, gbs, converge, start_ms, interval_ms=20_000):
     """A reference-tier run at `gbs` as `ttt run` logs it, meeting the target at eval `converge`."""
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
 
     tier = apply_overrides(BENCH, REF, [f"global_batch_size={gbs}", f"lr={LR[gbs]}"] if gbs != 65536 else [])
     every = BENCH.task.eval_every_steps(tier)

@@ -11,7 +11,7 @@ from conftest import mllog, ttt_command
 from untrained import assert_first_eval_after_training, assert_misses_target
 
 from timetotrain.errors import UserError
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.step import build_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -28,7 +28,7 @@ from conftest import small_deepseek_v3
 
 import timetotrain.train.expert_parallel as expert_parallel
 from timetotrain.models.gpt_oss import GptOssConfig
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.train.parallel import Plan
 from timetotrain.train.step import build_training

@@ -11,7 +11,7 @@ from timetotrain.data.cyclic_sampler import CyclicDraw
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataset, IndexedWriter
 from timetotrain.data.loader import ResolvedData
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 
 
 def bridge_stream(total: int, mbs: int, rank: int, dp: int):
@@ -103,7 +103,7 @@ def test_deepseek_evaluations_read_the_next_windows_of_the_seed_shuffled_set(tmp
 def test_llama31_405b_evaluates_whole_global_batches(gbs, windows):
     """pretrain_llama31.py: eval_batches = ceil(eval_tokens / GBS) global batches (limit_val_batches); the
     log still reports eval_samples 5,760."""
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
 
     bench = get("llama31_405b")
     tier = apply_overrides(bench, bench.tier("reference"), [f"global_batch_size={gbs}"])

@@ -15,7 +15,7 @@ from conftest import small_llama
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import official_rules_dir
 from timetotrain.mlperf.keys import parallel_keys
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import float8, parallel
 
 pytest.importorskip("torchao", reason="--precision fp8 needs torchao (the fp8 / test extras)")

@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import free_port, small_llama
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 
 pytest.importorskip("torchao", reason="--precision fp8 needs torchao (the fp8 / test extras)")

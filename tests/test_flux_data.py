@@ -16,7 +16,7 @@ from timetotrain.data import flux_encoders, flux_prepare
 from timetotrain.data import flux_encodings as enc
 from timetotrain.data.webdataset import Skips, read_pairs
 from timetotrain.errors import UserError
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.rectified_flow import shapes_of
 
 pytestmark = pytest.mark.parity

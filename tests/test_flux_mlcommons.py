@@ -19,7 +19,7 @@ from conftest import require
 from timetotrain.data import flux_encodings as enc
 from timetotrain.data import flux_mlcommons as mlc
 from timetotrain.errors import UserError
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks import rectified_flow as rf
 
 SHAPES = enc.Shapes(t5=(8, 32), clip=(16,), latent=(4, 8, 8))

@@ -10,8 +10,8 @@ from fakelogs import logged_keys, uncovered_rule_keys
 
 from timetotrain.data import flux_encodings as enc
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 from timetotrain.tasks import rectified_flow as rf
 from timetotrain.train import schedule
 

@@ -12,7 +12,7 @@ from untrained import assert_misses_target
 
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.rcp import rcp_path
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.step import build_training
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from test_golden import assert_matches_golden, golden
 
 from timetotrain.mlperf.compliance import check_log, hparam_violations, official_rules_dir, rule_file
 from timetotrain.models import gpt_oss as moe
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import targets
 from timetotrain.train.synth import SynthOptions, synth
 

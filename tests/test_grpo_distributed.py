@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import mllog, ttt_command
 
 from timetotrain.data import arithmetic
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.grpo import rollout_figures
 from timetotrain.train.base_model import check_init_base
 from timetotrain.train.checkpoint import load_checkpoint

@@ -1,4 +1,4 @@
-"""GRPO's advantages and loss (timetotrain/train/policy_gradient.py) against computations by hand on a batch of
+"""GRPO's advantages and loss (timetotrain/tasks/policy_gradient.py) against computations by hand on a batch of
 2 prompts x 4 generations, in the reference's conventions (docs/benchmarks/qwen35_397b_grpo.md): leave-one-out
 baseline and std, zero std left undivided, forced on-policy ratio or the clipped ratio, seq-mask-tis,
 token-level mean over the global batch's valid tokens."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from timetotrain.train.policy_gradient import (
+from timetotrain.tasks.policy_gradient import (
     STD_EPS,
     LossConfig,
     group_advantages,

@@ -16,12 +16,12 @@ from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import check_rules, config_keys, parallel_keys, submission_keys
 from timetotrain.models.qwen3_5_moe import Qwen35Moe, init_weights
 from timetotrain.models.qwen3_5_moe.generate import generate
+from timetotrain.spec.task import split_batch
 from timetotrain.suite import qwen35_397b_grpo as Q
-from timetotrain.tasks.base import split_batch
 from timetotrain.tasks.grpo import _Rollouts
+from timetotrain.tasks.policy_gradient import token_logprobs
+from timetotrain.tasks.rollout import TorchRollout, naive_generate
 from timetotrain.train import prepare
-from timetotrain.train.policy_gradient import token_logprobs
-from timetotrain.train.rollout import TorchRollout, naive_generate
 
 BENCH = Q.BENCHMARK
 
@@ -143,7 +143,7 @@ def test_the_chunked_log_probabilities_leave_the_step_and_the_check_unchanged(te
     today's whole-logits path (`token_logprobs` of `model(tokens)`), at chunks that do not divide the rows."""
     from timetotrain.models.common import head_loss
     from timetotrain.tasks.grpo import completion_logprobs
-    from timetotrain.train.policy_gradient import policy_loss
+    from timetotrain.tasks.policy_gradient import policy_loss
 
     monkeypatch.setattr(head_loss, "chunk_rows", lambda n, v: 13)
     data = _data()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from timetotrain.models.common.head_loss import linear_logprobs
-from timetotrain.train.policy_gradient import token_logprobs
+from timetotrain.tasks.policy_gradient import token_logprobs
 
 
 def _inputs(n=50, d=16, v=37, seed=0, dtype=torch.float32):

@@ -102,7 +102,7 @@ def test_chunk_rows():
 @pytest.mark.parametrize("bench", ["llama31_8b", "gpt_oss_20b"])
 def test_model_with_labels_gives_the_loss_of_its_logits_and_the_same_gradients(bench):
     """`model(tokens, labels=...)`, what every step and eval calls, equals cross-entropy of the model's logits."""
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
 
     b = get(bench)
     tier = b.tier("tiny")

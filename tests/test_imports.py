@@ -15,26 +15,22 @@ from pathlib import Path
 PACKAGE = "timetotrain"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-# Where each module stands, by the longest matching name (higher imports lower). A folder is one layer; the
-# few modules that lower layers read as declarations stand below the folder that holds them: the registry
-# (`suite/__init__`, which loads benchmark modules by name), the declaration types (`suite/base.py`,
-# `tasks/base.py`) and the official facts (`suite/official.py`). A module that no entry matches fails the
-# test, so a new folder has to be placed.
+# Where each module stands, by the longest matching name (higher imports lower): one rank per folder. What a
+# benchmark is (`spec/`: Benchmark, Tier, the Task interface, the official facts, the registry) stands low, so
+# the harness, the logs and the tasks read it without reaching up into `suite/`. The registry loads a
+# declaration of `suite/` by its name (importlib), the one sanctioned upward path, which an import statement
+# never is. A module that no entry matches fails the test, so a new folder has to be placed.
 LAYERS = {
     "timetotrain.__main__": 100,  # `python -m timetotrain`: the entry point, above everything
     "timetotrain.cli": 90,  # the `ttt` commands
     "timetotrain.suite": 70,  # one declaration per benchmark
-    "timetotrain.tasks": 60,  # kinds of training
+    "timetotrain.tasks": 60,  # kinds of training (and GRPO's rollouts, policy gradient and reward sandbox)
     "timetotrain.train": 50,  # the harness: the timed loop, the step, parallel plans, checkpoints
     "timetotrain.report": 50,  # `ttt report`'s plots and pages
     "timetotrain.mlperf": 40,  # the MLPerf log, compliance, scoring, packaging
-    "timetotrain.suite.__init__": 34,  # the registry: name -> Benchmark
-    "timetotrain.suite.base": 33,  # Benchmark, Tier, Optimizer, ...: what a benchmark declares
-    "timetotrain.tasks.base": 32,  # the Task interface the harness calls
-    "timetotrain.suite.official": 31,  # facts of the official MLPerf benchmarks
+    "timetotrain.spec": 30,  # what a benchmark declares, the Task interface, official facts, the registry
     "timetotrain.models": 20,
     "timetotrain.data": 20,
-    "timetotrain.tasks.envs": 20,  # reward environments: exact answers, the sandboxed code runner
     "timetotrain": 10,  # the ground: errors, fileio, progress, interrupt, lifeline, markup, shell, trees
 }
 
@@ -177,6 +173,29 @@ def test_every_import_runs_downhill_and_none_in_a_circle():
     assert missing == []
 
 
+def folder_edges(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """The imports between folders (LAYERS entries): folder -> the other folders its modules import."""
+    edges, _ = graph(sources)
+    packages = {m for m, (_, is_package) in sources.items() if is_package}
+    out: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        where_a = layer(a, a in packages)[0]
+        out.setdefault(where_a, set()).update(layer(b, b in packages)[0] for b in targets)
+        out[where_a].discard(where_a)
+    for targets in list(out.values()):
+        for t in targets:
+            out.setdefault(t, set())
+    return out
+
+
+def test_one_rank_per_folder_and_no_circle_between_folders():
+    # Each entry is a folder (or the entry point, or the ground), never a module carved out of a folder:
+    # what a reader sees in the tree is the layering the test enforces.
+    tops = {f"{PACKAGE}.{p.name}" for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert set(LAYERS) == tops | {PACKAGE, f"{PACKAGE}.__main__"}
+    assert circles(folder_edges(tree_sources())) == []
+
+
 def test_the_checker_sees_a_lazy_upward_import_a_circle_and_a_missing_module():
     # Planted sources through the same check: a train module importing cli inside a function (what a grep
     # for `^from` misses), a relative import up into tasks, two model modules importing each other, and an
@@ -208,3 +227,16 @@ def test_the_checker_sees_a_lazy_upward_import_a_circle_and_a_missing_module():
         m: ("" if m in planted_in or m == "timetotrain.models.b" else s, p) for m, (s, p) in planted.items()
     }
     assert check(clean) == ([], [], [])
+
+
+if __name__ == "__main__":
+    # `python tests/test_imports.py`: the folders, the imports between them, and what runs against the layers.
+    sources = tree_sources()
+    up, rings, missing = check(sources)
+    between = folder_edges(sources)
+    for folder in sorted(between, key=lambda f: -LAYERS[f]):
+        print(f"{LAYERS[folder]:>4} {folder}: imports {', '.join(sorted(between[folder])) or '-'}")
+    print(
+        f"folders {len(between)}, upward imports {len(up)}, circles of modules {len(rings)}, "
+        f"circles between folders {len(circles(between))}, missing modules {len(missing)}"
+    )

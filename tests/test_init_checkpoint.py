@@ -8,7 +8,7 @@ import torch
 from conftest import mllog, require, ttt_command
 
 from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.checkpoint import save_checkpoint
 from timetotrain.train.step import build_training
 

@@ -42,13 +42,13 @@ def test_check_json(tmp_path, capsys):
 
 
 def test_plan_json(capsys):
-    from timetotrain import suite
+    from timetotrain.spec import registry
     from timetotrain.train.memory import GiB, plan
 
     argv = ["plan", "llama31_8b", "--tier", "tiny", "--gpus", "1", "--gpu-mem", "8", "--json"]
     assert main(argv) == 0
     doc = strict_loads(capsys.readouterr().out)
-    bench = suite.get("llama31_8b")
+    bench = registry.get("llama31_8b")
     n, rows, best = plan(bench, bench.tier("tiny"), 1, 8, None)
     assert doc["parameters"] == n and len(doc["rows"]) == len(rows)
     assert [r["total_gib"] for r in doc["rows"]] == [r.total / GiB for r in rows]

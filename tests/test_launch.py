@@ -7,9 +7,9 @@ import shlex
 import pytest
 from torch.distributed.run import get_args_parser
 
-from timetotrain import suite
 from timetotrain.cli import build_parser
 from timetotrain.errors import UserError
+from timetotrain.spec import registry
 from timetotrain.train.embedding_memory import per_rank
 from timetotrain.train.memory import launch, plan
 
@@ -17,7 +17,7 @@ GPUS = (8, 64, 256)
 
 
 def _launches(name: str, gpus: int, gpus_per_node: int) -> list[dict]:
-    bench = suite.get(name)
+    bench = registry.get(name)
     tier = bench.tier("reference")
     if hasattr(tier.model, "table_sizes"):  # DLRM: the per-rank table plan
         return [per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]]
@@ -41,7 +41,7 @@ def _check_torchrun(line: str, gpus: int, gpus_per_node: int) -> None:
     build_parser().parse_args(args.training_script_args)  # exits (SystemExit) on a flag ttt does not know
 
 
-@pytest.mark.parametrize("name", [n for n in suite.names() if "reference" in suite.get(n).tiers])
+@pytest.mark.parametrize("name", [n for n in registry.names() if "reference" in registry.get(n).tiers])
 @pytest.mark.parametrize("gpus_per_node", [8, 4])
 def test_every_launch_line_parses_as_whole_nodes(name, gpus_per_node):
     seen = 0
@@ -67,7 +67,7 @@ def test_a_context_parallel_suggestion_launches():
     fits, on one node and on many; its launch line carries that --parallel, which `ttt run` parses."""
     from timetotrain.train import parallel
 
-    bench = suite.get("gpt_oss_20b")
+    bench = registry.get("gpt_oss_20b")
     tier = bench.tier("reference")
     for gpus_per_node in (8, 64):
         _, _, best = plan(bench, tier, 64, 16, None, gpus_per_node=gpus_per_node)

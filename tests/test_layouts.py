@@ -27,7 +27,7 @@ from conftest import (
     small_llama,
 )
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 from timetotrain.tasks.lora_sft import lm_block_loss
 

@@ -31,7 +31,7 @@ from conftest import (
     small_llama,
 )
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed

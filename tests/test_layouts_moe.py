@@ -21,7 +21,7 @@ import torch
 from conftest import assert_parse_refuses, layout_workers
 
 from timetotrain.models.gpt_oss import GptOssConfig
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed
@@ -196,7 +196,7 @@ def test_plan_counts_tp_with_ep_per_rank(capsys):
     share of the activations, which every TP rank keeps whole."""
     from timetotrain.cli import main
     from timetotrain.models.common.layers import attention_matmul_params
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
     from timetotrain.train.memory import plan
 
     bench = get("gpt_oss_20b")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import layout_workers, random_hf_llama, small_llama
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed
@@ -58,7 +58,7 @@ def train(plan, rank: int = 0):
     and trained weights gathered whole over its stage's ranks, and their placements."""
     from torch.distributed.tensor import DTensor
 
-    from timetotrain.tasks.base import evaluate_ratio
+    from timetotrain.spec.task import evaluate_ratio
     from timetotrain.train.pipeline import Pipeline
     from timetotrain.train.step import _forward_backward, build_training
     from timetotrain.train.tensor_parallel import unstack

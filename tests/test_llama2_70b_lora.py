@@ -17,7 +17,7 @@ from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import submission_keys
 from timetotrain.models.common.lora import lora_param_count
 from timetotrain.models.llama import LlamaConfig
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.lora_sft import LoRAData
 from timetotrain.train.step import build_training
 

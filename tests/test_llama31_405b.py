@@ -8,8 +8,8 @@ from fakelogs import logged_keys, tier_log, ttt_main, uncovered_rule_keys
 
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 from timetotrain.suite.llama31_405b import closed_lr
 
 BENCH = get("llama31_405b")
@@ -225,14 +225,14 @@ def test_embedding_and_head_keep_the_first_rows(tmp_path):
 def test_synth_reference_runs_one_block_at_the_exact_width(tmp_path, monkeypatch):
     """`ttt synth llama31_405b --tier reference` cannot hold 126 blocks on one GPU: it runs 1 at width
     16,384 and says so. Checked on the tiny tier's shape (the reference needs a GPU): the same path."""
-    from timetotrain import suite
+    from timetotrain.spec import registry
     from timetotrain.train.synth import SynthOptions, format_table, synth
 
     assert BENCH.synth_layers == {"reference": 1}
     from timetotrain.suite.llama31_405b import TINY
 
     patched = dataclasses.replace(BENCH, tiers={**BENCH.tiers, "tiny": TINY}, synth_layers={"tiny": 1})
-    monkeypatch.setattr(suite, "get", lambda name: patched)
+    monkeypatch.setattr(registry, "get", lambda name: patched)
     s = synth(SynthOptions("llama31_405b", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=3))
     assert (s["layers"], s["layers_of"]) == (1, 2)
     assert "1 of its 2 layers at the exact width (reduced depth)" in format_table(s)

@@ -39,7 +39,7 @@ from timetotrain.models.llama.hf import (
     qkv_to_hf,
     to_hf_state_dict,
 )
-from timetotrain.suite.base import Optimizer
+from timetotrain.spec.benchmark import Optimizer
 from timetotrain.train.checkpoint import HF_SINGLE, load_hf_checkpoint
 from timetotrain.train.optim import build_optimizer
 from timetotrain.train.step import train_step

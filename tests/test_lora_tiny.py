@@ -15,8 +15,8 @@ from conftest import mllog, official_errors, require, require_file, shared_data_
 from timetotrain.data import c4, govreport
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log
-from timetotrain.suite import get
-from timetotrain.suite.base import BaseRecipe
+from timetotrain.spec.benchmark import BaseRecipe
+from timetotrain.spec.registry import get
 from timetotrain.train import base_model
 from timetotrain.train.checkpoint import init_from
 

@@ -11,7 +11,7 @@ from conftest import small_llama
 
 from timetotrain.errors import UserError
 from timetotrain.models.gpt_oss import GptOss, GptOssConfig, init_weights
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import float8, parallel
 
 pytest.importorskip("torchao.prototype.moe_training", reason="MXFP8 needs torchao >= 0.18")

@@ -1,4 +1,4 @@
-"""The official-benchmark facts (timetotrain/suite/official.py) against the installed mlperf_logging:
+"""The official-benchmark facts (timetotrain/spec/official.py) against the installed mlperf_logging:
 each fact copied as data there is read back here from the package's own rule files, RCP files and
 checker code, so an mlperf_logging update that changes one fails here."""
 
@@ -14,7 +14,7 @@ import yaml
 from fakelogs import _line
 
 from timetotrain.mlperf.results import captured_logging, parse_log
-from timetotrain.suite import official
+from timetotrain.spec import official
 
 pytestmark = pytest.mark.parity
 
@@ -171,7 +171,7 @@ def test_min_mean_allowance_is_the_rcp_checkers(name, ruleset):
 
 def test_official_facts_import_nothing_heavy():
     code = (
-        "import sys, timetotrain.suite.official as o; o.get('rgat').rulesets; "
+        "import sys, timetotrain.spec.official as o; o.get('rgat').rulesets; "
         "print(sorted({'torch', 'numpy', 'scipy', 'matplotlib'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -18,20 +18,20 @@ import torch
 from conftest import mllog, official_errors
 from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
-from timetotrain import suite
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
+from timetotrain.spec import registry
 from timetotrain.tasks.grpo import rollout_figures
 from timetotrain.train import loop, prepare
 from timetotrain.train.base_model import InitBase
 
 pytestmark = pytest.mark.e2e
 
-PAIRS = [(b, t) for b in suite.names() for t in suite.get(b).tiers]
+PAIRS = [(b, t) for b in registry.names() for t in registry.get(b).tiers]
 RULESETS = [
     (b, t, rs)
     for b, t in PAIRS
-    for rs in dict.fromkeys([suite.get(b).ruleset, "6.1.0"])
+    for rs in dict.fromkeys([registry.get(b).ruleset, "6.1.0"])
     if b in get_allowed_benchmarks("training", rs)
 ]
 
@@ -82,7 +82,7 @@ class _Training:
 
 def loop_log(bench_name: str, tier: str, logdir: Path, monkeypatch) -> Path:
     """A run of `tier` through `train.loop.run` with stand-in model and data."""
-    task = suite.get(bench_name).task
+    task = registry.get(bench_name).task
     monkeypatch.setattr(task, "resolve", lambda *a, **k: SimpleNamespace(files=lambda: []))
     monkeypatch.setattr(task, "open", lambda tier, *a: _Data(tier, task.metric, task.on_policy))
     monkeypatch.setattr(prepare, "build", lambda prep: _Training())
@@ -119,7 +119,7 @@ def test_the_loop_log_of_every_tier_passes_the_official_common_rules(logs, bench
     keys = {r["key"] for r in mllog(log)}
     assert {"eval_accuracy", "block_start", "run_stop"} <= keys  # an eval point was logged
     # GRPO's per-step rollout figures are ttt keys of ours, which no official rule may reject.
-    assert (ROLLOUT_STATS_KEY in keys) == suite.get(bench).task.on_policy
+    assert (ROLLOUT_STATS_KEY in keys) == registry.get(bench).task.on_policy
     assert official_errors(log, ruleset, tier) == []
     verdict = check_log(log, ruleset)  # and `ttt check` agrees
     assert verdict.ok, verdict.output

@@ -304,16 +304,15 @@ def test_the_run_count_note_is_benchmark_metas_for_every_benchmark_of_the_rounds
 
     from mlperf_logging.benchmark_meta import get_allowed_benchmarks, get_result_file_counts
 
-    from timetotrain import suite
     from timetotrain.mlperf.package import _group_notes
     from timetotrain.mlperf.results import ResultGroup
-    from timetotrain.suite import official
+    from timetotrain.spec import official, registry
 
     counts = get_result_file_counts("training")
     rounds = {n for rs in official.RULESETS for n in get_allowed_benchmarks("training", rs)}
     assert {"llama31_405b", "llama31_8b", "deepseekv3_671b", "qwen35_397b_grpo"} <= rounds
     for name in sorted(rounds):
-        tiers = ["reference", "tiny"] if suite.known(name) else ["reference"]  # every tier of ours
+        tiers = ["reference", "tiny"] if registry.known(name) else ["reference"]  # every tier of ours
         for tier in tiers:
             log = SimpleNamespace(division="open")
             g = ResultGroup(Path("x"), [], [log] * 2, "o", "s", name, tier, "open", None)
@@ -332,11 +331,10 @@ def test_the_run_count_note_is_benchmark_metas_for_every_benchmark_of_the_rounds
 def test_a_reference_tier_runs_the_rounds_count():
     """The reference tiers declare the round's run count (what `ttt run --runs` and `ttt suite` default to):
     the same as benchmark_meta's, the one source `ttt package` and `ttt score` tell."""
-    from timetotrain import suite
-    from timetotrain.suite import official
+    from timetotrain.spec import official, registry
 
-    for name in suite.names():
-        assert suite.get(name).tiers["reference"].runs == official.result_files(name), name
+    for name in registry.names():
+        assert registry.get(name).tiers["reference"].runs == official.result_files(name), name
 
 
 def test_sigterm_during_package_leaves_nothing(tmp_path, capsys, monkeypatch):

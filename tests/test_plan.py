@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import strict_loads
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.models import flux
 from timetotrain.models.flux import Flux, FluxConfig
-from timetotrain.suite import get
+from timetotrain.spec import registry
+from timetotrain.spec.registry import get
 from timetotrain.tasks.rectified_flow import flow_loss
 from timetotrain.train.memory import (
     GiB,
@@ -433,7 +433,7 @@ def test_more_gpus_than_experts_get_the_expert_data_parallel_hybrid():
 
 
 def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
-    for name in suite.names():
+    for name in registry.names():
         code = main(["plan", name, "--gpus", "8", "--gpu-mem", "80"])
         out, err = capsys.readouterr()
         if code == 2:

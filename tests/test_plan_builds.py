@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
-from timetotrain import suite
 from timetotrain.errors import UserError
+from timetotrain.spec import registry
 from timetotrain.train import context_parallel, parallel, prepare
 from timetotrain.train.memory import _kind, plan
 from timetotrain.train.simulate import _in_child, simulate_rank
@@ -39,8 +39,8 @@ SMALL = {
 def _suggested_kinds() -> list[tuple[str, str]]:
     out = set()
     cp_families = set()  # one cp build per model family (llama31_8b's stands for llama31_405b's)
-    for name in suite.names():
-        bench = suite.get(name)
+    for name in registry.names():
+        bench = registry.get(name)
         if "reference" not in bench.tiers or "tiny" not in bench.tiers:
             continue
         tier = bench.tier("reference")

@@ -8,7 +8,7 @@ import torch
 from conftest import strict_loads
 
 from timetotrain.cli import main
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.memory import GiB, estimate, fp8_model, suggested_flags
 
 BENCH = get("llama31_8b")

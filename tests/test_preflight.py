@@ -272,11 +272,11 @@ def test_token_ids_against_the_model_vocabulary(c4_prepared, data_copy):
     one, else from a scan. With narrowing (the tiny tier) the same data is fine: ids are mapped."""
     import dataclasses
 
-    from timetotrain import suite
     from timetotrain.data import loader
     from timetotrain.errors import UserError
+    from timetotrain.spec import registry
 
-    tiny_data = suite.get("llama31_8b").tier("tiny").data
+    tiny_data = registry.get("llama31_8b").tier("tiny").data
     loader.resolve(tiny_data, c4_prepared, verify=False, vocab_size=4096, eval_samples=64)
     raw = dataclasses.replace(tiny_data, vocab_keep=None)
     with pytest.raises(UserError, match=r"c4-train_token_counts.npy.*model's vocabulary of 4,096"):

@@ -10,7 +10,7 @@ from conftest import random_hf_llama, require, small_llama
 from timetotrain import progress
 from timetotrain.models.llama import Llama
 from timetotrain.models.llama.hf import hf_mapping
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import base_model
 from timetotrain.train import checkpoint as ckpt
 from timetotrain.train.synth import SynthOptions, synth

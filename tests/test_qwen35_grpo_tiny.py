@@ -12,7 +12,7 @@ import pytest
 from conftest import mllog, ttt_command
 from untrained import assert_first_eval_after_training
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import base_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

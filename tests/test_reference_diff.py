@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from timetotrain.mlperf.logger import ResultLog
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 from timetotrain.train import prepare
 
 pytestmark = pytest.mark.parity
@@ -382,7 +382,7 @@ def harness(bench, tier, what: str):
 def test_reference_tier_matches_its_reference(name, gbs, sets, tmp_path):
     bench = get(name)
     tier = apply_overrides(bench, bench.tier("reference"), [f"global_batch_size={gbs}", *sets])
-    from timetotrain.suite.base import closed_violation
+    from timetotrain.spec.benchmark import closed_violation
 
     assert closed_violation(bench, tier) is None  # a closed configuration at this GBS
     logged = logged_init_block(bench, tier, tmp_path)

@@ -8,11 +8,11 @@ import pytest
 from conftest import require, require_file, shared_data_dir
 from fakelogs import curve_log, grpo_steps, rcp_only_log, tier_log, tiny_runs, ttt_main
 
-from timetotrain import report, suite
+from timetotrain import report
 from timetotrain.mlperf import rcp
 from timetotrain.mlperf.results import find_groups, parse_log
 from timetotrain.report import html
-from timetotrain.suite import official
+from timetotrain.spec import official, registry
 
 
 def color_pixels(png, hex_color: str, tol: float = 0.04) -> int:
@@ -91,7 +91,7 @@ def test_reference_plots_have_a_target_line_for_every_benchmark_the_summarizer_k
         assert target is not None and target == official.get(b).target, b
     assert report.target_of("retinanet", "reference") == 0.34
     assert report.target_of("retinanet", "tiny") is None  # a closed target says nothing of other tiers
-    assert report.target_of("llama31_8b", "tiny") == suite.get("llama31_8b").tiers["tiny"].target
+    assert report.target_of("llama31_8b", "tiny") == registry.get("llama31_8b").tiers["tiny"].target
 
 
 def test_legend_numbers_are_rounded_by_magnitude():
@@ -221,7 +221,7 @@ def test_a_grpo_run_gets_its_reward_curve_beside_train_loss(tmp_path):
     """GRPO logs carry a per-step `ttt_rollout_stats` beside `train_loss`: the report draws both, per run,
     in `<name>-training.png` and in the HTML page's training chart, with the values the logs hold."""
     logs = tmp_path / "logs" / "qwen35_397b_grpo" / "tiny"
-    gbs = suite.get("qwen35_397b_grpo").tier("tiny").global_batch_size
+    gbs = registry.get("qwen35_397b_grpo").tier("tiny").global_batch_size
     for i in range(2):
         tier_log(
             logs / f"result_{i}.txt", 100 + i, 640, 0.4, benchmark="qwen35_397b_grpo", steps=grpo_steps(i)

@@ -13,7 +13,7 @@ import torch
 from conftest import mllog
 
 from timetotrain.data import graph_synth, igbh
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.node_classification import GraphData, _Seeds
 from timetotrain.train import loop
 

@@ -11,8 +11,8 @@ from timetotrain.data import graph_synth
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 from timetotrain.tasks.node_classification import _Seeds
 from timetotrain.train.loop import _point
 

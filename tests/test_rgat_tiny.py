@@ -12,7 +12,7 @@ from conftest import mllog, ttt_command
 from test_rgat_logs import official_chain_errors
 from untrained import assert_misses_target
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.suite.rgat import TINY
 from timetotrain.train.step import build_training
 

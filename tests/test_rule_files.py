@@ -9,13 +9,13 @@ import pytest
 import toy_benchmark
 import yaml
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.mlperf import rule_files
 from timetotrain.mlperf.rule_files import Layer, assemble, merge, parse_layer, shipped_path, tiers_with_rules
+from timetotrain.spec import registry
 
-BENCHES = [suite.get(n) for n in suite.names()] + [toy_benchmark.BENCHMARK]
+BENCHES = [registry.get(n) for n in registry.names()] + [toy_benchmark.BENCHMARK]
 TIERS = [(b, t) for b in BENCHES for t in tiers_with_rules(b)]
 IDS = [f"{b.name}-{t}" for b, t in TIERS]
 

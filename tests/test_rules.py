@@ -8,8 +8,8 @@ from fakelogs import logged_keys, uncovered_rule_keys
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
 from timetotrain.mlperf.keys import check_rules, submission_keys
-from timetotrain.suite import get
-from timetotrain.suite.base import apply_overrides
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 
 BENCH = get("llama31_8b")
 CLOSED = [official_rules_dir() / f for f in BENCH.closed_rules]

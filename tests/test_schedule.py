@@ -101,8 +101,8 @@ def test_gpt_oss_reference_schedule_is_megatron_core_with_primus_decay(gbs, lr, 
     import torch
     from conftest import require
 
-    from timetotrain.suite import get
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.spec.registry import get
     from timetotrain.train.schedule import for_tier
 
     core = require("megatron.core.optimizer_param_scheduler")
@@ -145,8 +145,8 @@ def test_gpt_oss_reproduces_the_lrs_its_official_rcp_run_logged():
     that step: num_steps = s / GBS + 1, the argument our schedule takes (see the megatron-core test above).
     Float equality: the decay over 1.2M - 2W steps (lr_decay_iters = 1.2M - W, ending at that iteration)
     gives these bits; a cosine over max_steps - W missed them by about 1e-8."""
-    from timetotrain.suite import get
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.spec.registry import get
     from timetotrain.train.schedule import for_tier
 
     bench = get("gpt_oss_20b")
@@ -160,7 +160,7 @@ def test_gpt_oss_reproduces_the_lrs_its_official_rcp_run_logged():
 def test_llama_and_tiny_schedules_still_end_at_max_steps():
     """NeMo's decay argument counts after the warmup, so llama31_8b still reaches its end LR at max_steps;
     gpt_oss_20b tiny keeps the cosine to max_steps its golden runs were recorded with."""
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.train.schedule import for_tier
 
     llama = get("llama31_8b")
@@ -179,8 +179,8 @@ def test_llama_and_tiny_schedules_still_end_at_max_steps():
 
 def test_megatron_warmup_must_end_before_the_decay_does():
     from timetotrain.errors import UserError
-    from timetotrain.suite import get
-    from timetotrain.suite.base import apply_overrides
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.spec.registry import get
 
     bench = get("gpt_oss_20b")
     apply_overrides(bench, bench.tier("reference"), ["warmup_steps=599999"])  # cosine over 599,999..600,001

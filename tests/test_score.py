@@ -153,7 +153,7 @@ def test_in_process_compliance_agrees_with_ttt_check(tmp_path):
 def test_rcp_line_prints_epochs_with_four_decimals_and_units():
     from timetotrain.mlperf.rcp import RcpResult
     from timetotrain.mlperf.score import rcp_line
-    from timetotrain.suite import official
+    from timetotrain.spec import official
 
     epochs = RcpResult(
         "Pass",

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from timetotrain.cli import main
 from timetotrain.errors import UserError
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import parallel
 from timetotrain.train.memory import activation_bytes, estimate, plan
 

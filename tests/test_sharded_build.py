@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import free_port, random_hf_llama, small_llama
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.lora_sft import LoRAData, lm_block_loss
 
 pytestmark = pytest.mark.distributed

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from timetotrain.cli import main
 from timetotrain.data import govreport
 from timetotrain.errors import UserError
-from timetotrain.suite import base as suite_base
-from timetotrain.suite import get
+from timetotrain.spec import benchmark as spec_benchmark
+from timetotrain.spec.registry import get
 from timetotrain.train import base_model
 from timetotrain.train.checkpoint import check_init_source
 
@@ -66,7 +66,7 @@ def test_a_tampered_shipped_base_is_refused_in_one_line(damage, tmp_path, monkey
         weights.write_bytes(bytes(data))
     else:
         weights.unlink()
-    monkeypatch.setattr(suite_base, "BASES", tmp_path)
+    monkeypatch.setattr(spec_benchmark, "BASES", tmp_path)
     with pytest.raises(UserError) as e:
         base_model.check_init_base(bench, tier, None)
     msg = str(e.value)
@@ -203,7 +203,7 @@ def test_a_tampered_base_json_of_the_installed_base_is_refused(tamper, tmp_path,
         doc = json.loads((folder / base_model.BASE_JSON).read_text())
         doc["steps"] += 1
         (folder / base_model.BASE_JSON).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    monkeypatch.setattr(suite_base, "BASES", tmp_path)  # as if the installed folder were edited
+    monkeypatch.setattr(spec_benchmark, "BASES", tmp_path)  # as if the installed folder were edited
     with pytest.raises(UserError, match=r"base.json has sha256 .* reinstall timetotrain"):
         base_model.check_init_base(bench, tier, None)
 

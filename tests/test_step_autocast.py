@@ -6,7 +6,7 @@ this CPU)."""
 import torch
 from conftest import small_llama
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.step import train_step
 
 

@@ -8,9 +8,9 @@ import pytest
 from conftest import require_file, shared_data_dir
 from fakelogs import tier_log, tiny_runs, ttt_main
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.mlperf.structure import check_structure
+from timetotrain.spec import registry
 
 
 def _records(path):
@@ -90,7 +90,7 @@ def test_a_log_no_submitter_would_send_fails_ttt_check_beside_the_official_pass(
     assert finding.startswith(f"{path}:{at + 1}: " + needle.format(first=first)), finding
     assert summary == (
         f"FAIL: {path} (official mlperf_logging engine: PASS, rules: "
-        f"{suite.get('llama31_8b').rules_dir / 'llama31_8b_tiny.yaml'}; ttt's own checks: FAIL, 1 finding)"
+        f"{registry.get('llama31_8b').rules_dir / 'llama31_8b_tiny.yaml'}; ttt's own checks: FAIL, 1 finding)"
     )
 
 
@@ -114,16 +114,16 @@ def test_check_json_shows_both_verdicts_and_the_finding_lines(tmp_path, capsys, 
 # runs of the others pass `ttt check` in their end-to-end tests (test_dlrm_dcnv2_tiny, test_rgat_tiny, ...).
 FAKEABLE = [
     (b, t)
-    for b in suite.names()
-    for t, v in suite.get(b).tiers.items()
-    if hasattr(v.data, "seq_len") and not suite.get(b).task.metric.higher_is_better
+    for b in registry.names()
+    for t, v in registry.get(b).tiers.items()
+    if hasattr(v.data, "seq_len") and not registry.get(b).task.metric.higher_is_better
 ]
 
 
 @pytest.mark.parametrize("bench,tier", FAKEABLE)
 @pytest.mark.parametrize("converged", [True, False])
 def test_the_logs_ttt_run_writes_pass(tmp_path, bench, tier, converged):
-    t = suite.get(bench).tiers[tier]
+    t = registry.get(bench).tiers[tier]
     log = tier_log(
         tmp_path / "result_0.txt",
         1,

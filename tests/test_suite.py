@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import require_file, shared_data_dir, ttt_command
 
-from timetotrain import suite
 from timetotrain.cli import main
 from timetotrain.cli.suite_driver import Suite, SuiteOptions, finished_seeds, recipe_for, select
 from timetotrain.data import govreport
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import check_log
+from timetotrain.spec import registry
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,7 @@ def suite_cmd(tmp_path, runs: int, *extra: str) -> list[str]:
 
 def test_every_registered_tier_is_found_and_its_data_recipe_named():
     tiny = select("tiny", None)
-    assert {b.name for b in tiny} == {n for n in suite.names() if "tiny" in suite.get(n).tiers}
+    assert {b.name for b in tiny} == {n for n in registry.names() if "tiny" in registry.get(n).tiers}
     src = require_file(shared_data_dir())
     for b in tiny:
         tier = b.tiers["tiny"]
@@ -65,7 +65,7 @@ def test_bad_suite_input_is_one_line(tmp_path):
     with pytest.raises(UserError, match="no benchmark has it"):
         select("huge", None)
     with pytest.raises(UserError, match="no c4-train"):
-        recipe_for(suite.get("llama31_8b"), suite.get("llama31_8b").tiers["tiny"], tmp_path)
+        recipe_for(registry.get("llama31_8b"), registry.get("llama31_8b").tiers["tiny"], tmp_path)
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_tasks_outside_the_two_kinds_prepare_their_tiny_data(name, tmp_path):
     """`ttt suite --data SRC` reaches rgat and flux1 through their tasks' recipes (in-process calls): the
     tiny data a recipe writes is what the tier's resolve accepts; a reference tier, whose data no recipe
     makes, is a one-line error and has no data name."""
-    bench = suite.get(name)
+    bench = registry.get(name)
     src = require_file(shared_data_dir())
     recipe = bench.task.data_recipe(bench.tier("tiny"), src)
     assert recipe.name == bench.task.data_name(bench.tier("tiny")) and recipe.call is not None
@@ -149,13 +149,13 @@ def test_data_prepare_for_runs_the_tasks_recipe(tmp_path, monkeypatch, capsys):
     and llama2_70b_lora's two `ttt data prepare govreport` steps (in this process)."""
     monkeypatch.setenv("TTT_EXTRA_BENCHMARKS", "toy_benchmark")
     (tmp_path / "src").mkdir()
-    toy = suite.get("toy_classify")
+    toy = registry.get("toy_classify")
     argv = ["data", "prepare", "--for", "toy_classify", "--tier", "tiny", "--src", str(tmp_path / "src")]
     assert main([*argv, "--out", str(tmp_path / "toy")]) == 0
     toy.task.resolve(toy.tier("tiny"), tmp_path / "toy")
     assert "2,048 toy points" in capsys.readouterr().out
     src = require_file(shared_data_dir())
-    lora = suite.get("llama2_70b_lora")
+    lora = registry.get("llama2_70b_lora")
     out = tmp_path / "gov"
     argv = ["data", "prepare", "--for", lora.name, "--tier", "tiny", "--src", str(src), "--out", str(out)]
     assert main(argv) == 0

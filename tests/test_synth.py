@@ -211,7 +211,7 @@ def test_fsdp_bf16_under_torchrun(tmp_path):
 
 def test_flux_layers_keep_the_double_single_proportion():
     from timetotrain.models import flux
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
 
     ref = get("flux1").tier("reference").model
     split = {n: (c.n_double, c.n_single) for n in (1, 2, 3, 6, 57) for c in [flux.with_layers(ref, n)]}
@@ -223,7 +223,7 @@ def test_flux_synth_with_layers_counts_the_reduced_model(tmp_path):
     import dataclasses
 
     from timetotrain.models import flux
-    from timetotrain.suite import get
+    from timetotrain.spec.registry import get
     from timetotrain.train.synth import format_table
 
     opts = SynthOptions("flux1", "tiny", steps=2, warmup_steps=0, logdir=tmp_path, seed=1, layers=3)

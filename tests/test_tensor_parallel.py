@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import free_port, small_llama
 
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ from conftest import require_file, shared_data_dir
 from untrained import assert_first_eval_after_training, assert_misses_target
 
 from timetotrain.data import c4, govreport
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 

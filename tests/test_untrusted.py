@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from timetotrain.cli import main
 from timetotrain.errors import UserError
-from timetotrain.suite import get
+from timetotrain.spec.registry import get
 from timetotrain.train import checkpoint as ckpt
 from timetotrain.train import dcp_safe
 from timetotrain.train.optim import build_adamw

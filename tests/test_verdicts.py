@@ -7,7 +7,6 @@ import warnings
 import pytest
 from fakelogs import rcp_only_log, tiny_runs
 
-from timetotrain import suite
 from timetotrain.cli.suite_driver import score_row
 from timetotrain.markup import md
 from timetotrain.mlperf.rcp import NOT_ENOUGH_RUNS, check_reference, official_rcp_path
@@ -15,6 +14,7 @@ from timetotrain.mlperf.results import captured_logging, parse_log, result_files
 from timetotrain.mlperf.score import format_text, score_tree
 from timetotrain.report import summary_markdown
 from timetotrain.report.html import render
+from timetotrain.spec import registry
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -31,7 +31,7 @@ def test_fewer_than_three_runs_read_the_same_everywhere(tmp_path, n):
     assert f"| {md(want)} |" in summary and "Fail" not in summary
     page = render(tmp_path)
     assert f"<td class='pending'>not enough runs ({n} of &gt;= 3)</td>" in page
-    row = score_row(suite.get("llama31_8b"), folder)
+    row = score_row(registry.get("llama31_8b"), folder)
     assert row.rcp == want and "Fail" not in row.note
 
 

@@ -25,8 +25,8 @@ from torch import nn
 
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
-from timetotrain.suite.base import Benchmark, Optimizer, Tier
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.spec.benchmark import Benchmark, Optimizer, Tier
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
 
 FILE = "toy_clusters.npz"
 

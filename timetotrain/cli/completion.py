@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from timetotrain import suite
+from timetotrain.spec import registry
 
 # Option and positional dests whose values are benchmark names or tier names.
 _BENCH_DESTS = {"benchmark", "for_bench"}
@@ -20,8 +20,8 @@ _TIER_DESTS = {"tier"}
 
 
 def _tables(root: argparse.ArgumentParser) -> dict[str, dict[str, str]]:
-    names = suite.names()
-    tiers = sorted({t for n in names for t in suite.get(n).tiers})
+    names = registry.names()
+    tiers = sorted({t for n in names for t in registry.get(n).tiers})
     subs, opts, valued, choices, pos = {}, {}, {}, {}, {}
 
     def walk(p: argparse.ArgumentParser, path: str) -> None:

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from timetotrain import lifeline, suite
+from timetotrain import lifeline
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
+from timetotrain.spec import registry
 from timetotrain.train.seeds import check_seed
 
 if TYPE_CHECKING:  # tasks/ imports torch, which `ttt --help` should not wait for
-    from timetotrain.tasks.base import DataRecipe
+    from timetotrain.spec.task import DataRecipe
 
 _GOVREPORT_ONLY = ("block", "select", "rows", "truncate_input", "packing")
 
@@ -56,7 +57,7 @@ def _prepare_for(args) -> int:
         raise UserError(f"{stray[0]} does not go with --for: the recipe of --for {args.for_bench} decides it")
     if args.tier is None:
         raise UserError(f"--for {args.for_bench} needs --tier T: the tier whose data to prepare")
-    bench = suite.get(args.for_bench)
+    bench = registry.get(args.for_bench)
     tier = bench.tier(args.tier)
     src = Path(args.src)
     if not src.is_dir():
@@ -171,7 +172,7 @@ def _prepare_flux(args) -> int:
         raise UserError("--empty-encodings applies to importing MLCommons' preprocessed encodings (--src)")
     if not args.encoders:
         raise UserError("flux needs --encoders: `standin` (the tiny tier) or a folder with t5/, clip/, vae/")
-    tier = suite.get("flux1").tier(
+    tier = registry.get("flux1").tier(
         _flux_tier(args) or ("tiny" if args.encoders == "standin" else "reference")
     )
     shapes = shapes_of(tier.model)
@@ -207,7 +208,7 @@ def _import_flux(args, parts) -> int:
         )
     if args.select != "all":
         raise UserError(f"--select {args.select} applies to image/caption tars, not to --src {args.src}")
-    tier = suite.get("flux1").tier(_flux_tier(args) or "reference")
+    tier = registry.get("flux1").tier(_flux_tier(args) or "reference")
     shapes = shapes_of(tier.model)
     out = Path(args.out)
     empty = flux_mlcommons.find_empty(args.src, args.empty_encodings)

@@ -13,10 +13,11 @@ import dataclasses
 
 import torch
 
-from timetotrain import strictjson, suite
+from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.suite.base import SETTABLE, apply_overrides, setting
+from timetotrain.spec import registry
+from timetotrain.spec.benchmark import SETTABLE, apply_overrides, setting
 from timetotrain.train import distributed, embedding_memory, memory, parallel, synth
 
 # The options shown besides the tier's settings (the rest only shape the output of the command).
@@ -29,7 +30,7 @@ def _set_keys(items: list[str]) -> set[str]:
 
 
 def resolve(args, command: str = "run") -> dict:
-    bench = suite.get(args.benchmark)
+    bench = registry.get(args.benchmark)
     declared = bench.tier(args.tier)
     sets = list(args.set or [])
     conf = (args.config_doc or {}).get("values", {}) if getattr(args, "config_doc", None) else {}
@@ -143,7 +144,7 @@ def _plan(bench, tier, args) -> dict:
     if p.tp > 1:
         doc["memory_per_rank_gib_reason"] = "tensor-parallel layouts: see ttt plan"
         return doc
-    if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM), as ttt plan does
+    if bench.family.embedding_tables is not None:  # tables sharded over the dp ranks, as ttt plan counts them
         per = embedding_memory.per_rank(bench, tier, d.world, 1e9)
         doc["memory_per_rank_gib"] = round(per["ranks"][per["worst_rank"]]["total"] / memory.GiB, 3)
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate for the most loaded rank's tables"

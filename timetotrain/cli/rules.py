@@ -1,19 +1,19 @@
 """`ttt rules build`: assemble the rule files of our tiers from their layers (timetotrain/mlperf/rule_files.py).
 
-The assembler is imported when the command runs: it imports torch (through suite.base, 1.5 s), which
+The assembler is imported when the command runs: it imports torch (through spec.benchmark, 1.5 s), which
 `ttt --help` should not wait for."""
 
 from __future__ import annotations
 
 import argparse
 
-from timetotrain import suite
+from timetotrain.spec import registry
 
 
 def _cmd_build(args) -> int:
     from timetotrain.mlperf.rule_files import build
 
-    benches = [suite.get(n) for n in (args.benchmark or suite.names(listed_only=False))]
+    benches = [registry.get(n) for n in (args.benchmark or registry.names(listed_only=False))]
     built = build(benches, check_only=args.check)
     for b in built:
         state = ("differs from its layers" if args.check else "written") if b.changed else "up to date"

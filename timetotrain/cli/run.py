@@ -13,18 +13,19 @@ import math
 import sys
 from pathlib import Path
 
-from timetotrain import fileio, strictjson, suite
+from timetotrain import fileio, strictjson
 from timetotrain.cli import config
 from timetotrain.errors import UserError
 from timetotrain.interrupt import raise_on_signals
+from timetotrain.spec import registry
 from timetotrain.train.abort import Aborter
 from timetotrain.train.seeds import run_seeds
 
 
 def _cmd_list(args) -> int:
     rows = []
-    for name in suite.names():
-        b = suite.get(name)
+    for name in registry.names():
+        b = registry.get(name)
         for t in b.tiers.values():
             rows.append(
                 {
@@ -52,8 +53,8 @@ def _cmd_list(args) -> int:
             f"{r['eval_samples']:>12,}{r['global_batch_size']:>7}{r['sample']:>14}{r['runs']:>6}  {r['description']}"
         )
     print("\ntarget: the eval metric a run must meet to stop with success:")
-    for name in suite.names():
-        print(f"  {name}: {suite.get(name).metric}")
+    for name in registry.names():
+        print(f"  {name}: {registry.get(name).metric}")
     print("eval cadence and eval set are in samples; runs: the number of runs a submission needs.")
     return 0
 
@@ -244,11 +245,11 @@ def _points_key(rec: dict) -> str:
 
 
 def _cmd_base(args) -> int:
-    bench = suite.get(args.benchmark)
+    bench = registry.get(args.benchmark)
     tier = bench.tier(args.tier)
     if tier.base is None:
         with_base = [
-            f"{b} --tier {t.name}" for b in suite.names() for t in suite.get(b).tiers.values() if t.base
+            f"{b} --tier {t.name}" for b in registry.names() for t in registry.get(b).tiers.values() if t.base
         ]
         raise UserError(
             f"{args.benchmark} --tier {args.tier} starts from no base of ours (random init or a real checkpoint); "
@@ -282,7 +283,7 @@ def _cmd_base(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from timetotrain.suite.base import apply_overrides, follows_rcp_table
+    from timetotrain.spec.benchmark import apply_overrides, follows_rcp_table
     from timetotrain.train.memory import (
         fits_from,
         format_plan,
@@ -294,13 +295,13 @@ def _cmd_plan(args) -> int:
     )
     from timetotrain.train.parallel import ac_every
 
-    bench = suite.get(args.benchmark)
+    bench = registry.get(args.benchmark)
     tier = apply_overrides(bench, bench.tier(args.tier), args.set or [])
     # --ac / --ac-every K: only that checkpointing is planned (None: each layout without and with it).
     ac = ac_every(args.ac, args.ac_every, getattr(tier.model, "n_layers", None)) or None
     if args.precision != "fp8" and "fp8_recipe" in tier.user_set:
         raise UserError(f"--set fp8_recipe={tier.fp8_recipe} applies to --precision fp8 only")
-    if hasattr(tier.model, "table_sizes"):  # embedding tables sharded over dp ranks (DLRM)
+    if bench.family.embedding_tables is not None:  # embedding tables sharded over the dp ranks
         from timetotrain.train.embedding_memory import format_per_rank, per_rank
 
         if args.parallel and not args.parallel.startswith("dp="):

@@ -9,15 +9,16 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from timetotrain import fileio, strictjson, suite
+from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
+from timetotrain.spec import registry
 
 
 def _data_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
     source, prepared = None, {}
     for v in values:
         name, eq, folder = v.partition("=")
-        if eq and suite.known(name):
+        if eq and registry.known(name):
             if not Path(folder).is_dir():
                 raise UserError(
                     f"--data {v}: {folder} is not a folder: pass a folder `ttt data prepare` wrote"

@@ -1,7 +1,7 @@
 """`ttt suite`'s driver: every benchmark that has a tier, N runs each, scored into one results folder
 (cli/suite.py parses the flags and imports this module only when the command runs).
 
-The benchmarks come from the registry (`timetotrain.suite.names()` and each one's tiers), so a benchmark
+The benchmarks come from the registry (`timetotrain.registry.names()` and each one's tiers), so a benchmark
 added there joins the suite with no change here. A tier's data is what its task's recipe makes
 (`Task.data_name`, `Task.data_recipe`): this module never names a data spec. Each step is a `ttt` child
 process (data prepare, base, run), so each keeps its own signal handling, progress and clean-up; only a
@@ -37,14 +37,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timetotrain import fileio, lifeline, suite
+from timetotrain import fileio, lifeline
 from timetotrain.cli.data import make_data
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
 from timetotrain.mlperf.results import find_groups, parse_log, result_files
 from timetotrain.mlperf.score import score_group
-from timetotrain.tasks.base import DataRecipe
+from timetotrain.spec import registry
+from timetotrain.spec.task import DataRecipe
 from timetotrain.train.seeds import run_seeds
 
 STATE = "suite.json"
@@ -187,12 +188,12 @@ def set_aside_signalled(folder: Path) -> list[tuple[Path, Path, object, str]]:
 
 def select(tier: str, only: list[str] | None) -> list:
     if only:
-        benches = [suite.get(n) for n in only]  # any registered name, listed or not
+        benches = [registry.get(n) for n in only]  # any registered name, listed or not
         missing = [b.name for b in benches if tier not in b.tiers]
         if missing:
             raise UserError(f"--only {missing[0]} has no tier {tier!r}: choose among its tiers or drop it")
         return benches
-    benches = [suite.get(n) for n in suite.names() if tier in suite.get(n).tiers]
+    benches = [registry.get(n) for n in registry.names() if tier in registry.get(n).tiers]
     if not benches:
         raise UserError(f"--tier {tier!r}: no benchmark has it (see `ttt list`)")
     return benches

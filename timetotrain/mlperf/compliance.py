@@ -20,10 +20,10 @@ import mlperf_logging.compliance_checker as cc
 import yaml
 from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
-from timetotrain import fileio, suite
+from timetotrain import fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.structure import Finding, check_structure, records
-from timetotrain.suite import official
+from timetotrain.spec import official, registry
 
 RULESET = "6.0.0"
 
@@ -36,7 +36,7 @@ def rule_file(benchmark: str, tier: str) -> Path | None:
     """None means: the official ruleset entry point (common.yaml), as for a real submission."""
     if tier == "reference":
         return None
-    path = suite.get(benchmark).rules_dir / f"{benchmark}_{tier}.yaml"
+    path = registry.get(benchmark).rules_dir / f"{benchmark}_{tier}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no rule file for {benchmark} tier {tier} at {path}")
     return path
@@ -86,14 +86,14 @@ def log_rules(path: Path, keys: dict[str, object], ruleset: str = RULESET) -> Pa
         raise UserError(
             f"{path}: submission_benchmark {bench!r} is not a benchmark of MLPerf Training {ruleset} ({where})"
         )
-    if not suite.known(bench):
+    if not registry.known(bench):
         raise UserError(
             f"{path}: submission_benchmark {bench!r} of ttt_tier {tier!r} is not a timetotrain benchmark "
-            f"(ours: {', '.join(suite.names())})"
+            f"(ours: {', '.join(registry.names())})"
         )
-    if tier not in suite.get(bench).tiers:
+    if tier not in registry.get(bench).tiers:
         raise UserError(
-            f"{path}: ttt_tier {tier!r} is not a tier of {bench} (its tiers: {', '.join(suite.get(bench).tiers)})"
+            f"{path}: ttt_tier {tier!r} is not a tier of {bench} (its tiers: {', '.join(registry.get(bench).tiers)})"
         )
     try:
         return rule_file(bench, tier)
@@ -142,10 +142,10 @@ def check_log(path: Path, ruleset: str = RULESET) -> Verdict:
     with tempfile.TemporaryDirectory() as tmp:
         engine_ruleset, config = ruleset, f"training_{ruleset}/common.yaml"
         if rules is not None:
-            # heavy (1.5 s: torch, through suite.base): `ttt --help` imports this module
+            # heavy (1.5 s: torch, through spec.benchmark): `ttt --help` imports this module
             from timetotrain.mlperf.rule_files import assemble
 
-            bench, tier = suite.get(str(keys["submission_benchmark"])), str(keys["ttt_tier"])
+            bench, tier = registry.get(str(keys["submission_benchmark"])), str(keys["ttt_tier"])
             engine_ruleset = tier_ruleset(bench, ruleset)
             config = str(rules)
             if engine_ruleset != bench.ruleset:

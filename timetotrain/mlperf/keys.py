@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
-from timetotrain.suite.base import Benchmark, Tier, closed_violation
+from timetotrain.spec.benchmark import Benchmark, Tier, closed_violation
 
 
 def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[tuple[str, object]]:
@@ -21,7 +21,7 @@ def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[t
 
 def check_rules(bench: Benchmark, tier: Tier) -> None:
     """Refuse, before any log line, a configuration the rule file of its division would reject, and a
-    closed one that breaks a training rule no rule file checks (`suite.base.closed_violation`)."""
+    closed one that breaks a training rule no rule file checks (`spec.benchmark.closed_violation`)."""
     if tier.name == "reference":
         if tier.division != "closed":
             return

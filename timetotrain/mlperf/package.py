@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import __version__, fileio, interrupt, suite
+from timetotrain import __version__, fileio, interrupt
 from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
 from timetotrain.shell import Var, comment, line, quote
-from timetotrain.suite import official
-from timetotrain.suite.base import setting
+from timetotrain.spec import official, registry
+from timetotrain.spec.benchmark import setting
 
 TODO = "TODO: fill in"
 STATUS_CHOICES = (
@@ -183,7 +183,7 @@ def _select(groups: list[ResultGroup], tier: str | None, root: Path) -> list[Res
             raise UserError(
                 f"{g.folder}: the logs name no submission_benchmark; pass folders of MLPerf result logs"
             )
-        if official.get(g.benchmark) is None and not suite.known(g.benchmark):
+        if official.get(g.benchmark) is None and not registry.known(g.benchmark):
             # The official checker would only say "Skipping benchmark" and pass the rest.
             raise UserError(
                 f"{g.logs[0].path}: submission_benchmark {g.benchmark!r} is neither an MLPerf Training "
@@ -408,7 +408,7 @@ _SETTINGS = {
 
 
 def _overrides(log: RunLog) -> list[str]:
-    bench = suite.get(log.benchmark)
+    bench = registry.get(log.benchmark)
     tier = bench.tiers.get(log.tier)
     if tier is None:
         return []
@@ -416,7 +416,7 @@ def _overrides(log: RunLog) -> list[str]:
     names = {**_SETTINGS, **{key: name for name, key in bench.task.settable.items()}}
     gbs = log.keys.get("global_batch_size", tier.global_batch_size)
     # At a GBS without an RCP a closed run must name its LR and warmup, even where they equal the tier's
-    # (suite.base.closed_violation).
+    # (spec.benchmark.closed_violation).
     chosen = {"lr", "warmup_steps"} if bench.rcp_hparams and gbs not in bench.rcp_hparams else set()
     for key, name in names.items():
         if key in log.keys and (log.keys[key] != setting(tier, name) or name in chosen):
@@ -481,7 +481,7 @@ def run_and_time(g: ResultGroup, ordered: list[RunLog], org: str, system: str) -
     else:
         head.append(': "${DATA:?set DATA to the folder prepared by ttt data prepare}"')
     head.append('LOGDIR="${LOGDIR:-./logs}"')
-    if g.benchmark not in suite.names():
+    if g.benchmark not in registry.names():
         msg = f"timetotrain does not implement {g.benchmark} yet; these logs came from elsewhere"
         return "\n".join(head + [f"echo {quote(msg)} >&2", "exit 1"]) + "\n"
     runs = [(lg, *_inputs(lg, org, system)) for lg in ordered]

@@ -28,7 +28,7 @@ from mlperf_logging.rcp_checker import rcp_checker
 from timetotrain import __version__, fileio
 from timetotrain.errors import UserError
 from timetotrain.mlperf.results import NOT_CONVERGED, RunLog, captured_logging, parse_log
-from timetotrain.suite import official
+from timetotrain.spec import official
 
 ALPHA = 0.05
 TOLERANCE = 1e-4  # bisection stops below this width, in the benchmark's own unit (samples or epochs)

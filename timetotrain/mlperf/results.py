@@ -26,7 +26,7 @@ from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import log_rules, read_log_keys
 from timetotrain.mlperf.structure import check_structure, model_mismatch
-from timetotrain.suite import official
+from timetotrain.spec import official
 
 TOKEN = ":::MLLOG "
 _RESULT_RE = re.compile(r"^result_(.*)\.txt$")

@@ -29,9 +29,9 @@ import yaml
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
-from timetotrain.suite import base as suite_base
-from timetotrain.suite.base import Benchmark
-from timetotrain.suite.official import official_benchmark
+from timetotrain.spec import benchmark as suite_base
+from timetotrain.spec.benchmark import Benchmark
+from timetotrain.spec.official import official_benchmark
 
 # Our layers live beside the shipped rule files, in the suite package (the common ones; each benchmark's
 # own sit in its `rules_dir`/src).

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from timetotrain import fileio, strictjson, suite
+from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import RULESET
 from timetotrain.mlperf.rcp import RcpResult, check_reference, check_tier, olympic_mean, submission_points
 from timetotrain.mlperf.results import NOT_CONVERGED, ResultGroup, find_groups, official_compliance
-from timetotrain.suite import official
+from timetotrain.spec import official, registry
 
 
 @dataclass
@@ -70,8 +70,8 @@ class Score:
 def required_runs(benchmark: str, tier: str) -> int | None:
     """The runs a score of `tier` counts: the round's (benchmark_meta, `official.result_files`) for the
     reference tier and any benchmark not ours; our own tiers' (their RCPs were set on that many)."""
-    if tier != "reference" and benchmark in suite.names() and tier in suite.get(benchmark).tiers:
-        return suite.get(benchmark).tiers[tier].runs
+    if tier != "reference" and benchmark in registry.names() and tier in registry.get(benchmark).tiers:
+        return registry.get(benchmark).tiers[tier].runs
     return official.result_files(benchmark)
 
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from timetotrain import fileio, suite
+from timetotrain import fileio
 from timetotrain.errors import UserError
-from timetotrain.suite import official
+from timetotrain.spec import official, registry
 
 TOKEN = ":::MLLOG "
 
@@ -115,14 +115,14 @@ def _our_tier(recs: list[_Record]):
     """(benchmark, tier as the run ran it) for a log of one of our benchmarks and tiers, else None. A tier
     changed with --set (`ttt_set`) is changed here the same way: its target may be another."""
     bench, tier = _first(recs, "submission_benchmark"), str(_first(recs, "ttt_tier") or "reference")
-    if not isinstance(bench, str) or not suite.known(bench) or tier not in suite.get(bench).tiers:
+    if not isinstance(bench, str) or not registry.known(bench) or tier not in registry.get(bench).tiers:
         return None
-    b = suite.get(bench)
+    b = registry.get(bench)
     sets = _first(recs, "ttt_set")
     t = b.tiers[tier]
     if isinstance(sets, list) and sets and all(isinstance(s, str) for s in sets):
-        # suite.base imports torch, and `ttt --help` imports this module (through cli.results)
-        from timetotrain.suite.base import apply_overrides
+        # spec.benchmark imports torch, and `ttt --help` imports this module (through cli.results)
+        from timetotrain.spec.benchmark import apply_overrides
 
         try:
             t = apply_overrides(b, t, sets)
@@ -168,9 +168,9 @@ def model_mismatch(keys: dict[str, object]) -> str | None:
     model of the benchmark it names. Logs without the key (other harnesses') are not judged here."""
     logged = keys.get("ttt_model")
     bench, tier = str(keys.get("submission_benchmark", "")), str(keys.get("ttt_tier", "reference"))
-    if logged is None or not suite.known(bench) or tier not in suite.get(bench).tiers:
+    if logged is None or not registry.known(bench) or tier not in registry.get(bench).tiers:
         return None
-    b = suite.get(bench)
+    b = registry.get(bench)
     expected = b.model_key(b.tiers[tier])
     if logged == expected:
         return None

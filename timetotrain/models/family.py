@@ -38,6 +38,10 @@ All of them take the family's config dataclass (a tier's `model`):
 - `root_params(cfg, experts)`: optional, the parameters outside `model.layers` (FSDP2's root group), for a
   family whose layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks); None: the
   total less `n_layers` blocks.
+- `embedding_tables(cfg)`: optional, the family's embedding tables (an `EmbeddingTables`) held in a
+  `models/common/embedding_bag.FusedEmbeddingBag`, which the harness shards by rows over the
+  data-parallel ranks (train/embedding_parallel.py) and `ttt plan` counts per rank
+  (train/embedding_memory.py); None: no sharded tables, every layout of the decoders applies.
 """
 
 from __future__ import annotations
@@ -51,6 +55,17 @@ import torch
 # Set by a `tensor_parallel` plan on a module to the TP degree: its `weight` DTensor stands for two stacked
 # sub-tensors with each rank's slices side by side (train/tensor_parallel.py reads it).
 TP_STACKED_OVER = "_ttt_tp_stacked_over"
+
+
+@dataclass(frozen=True)
+class EmbeddingTables:
+    """What the harness needs to know of a family's embedding tables, without importing the family."""
+
+    sizes: tuple[int, ...]  # rows of each table
+    hots: tuple[int, ...]  # ids one sample looks up in each table
+    dim: int
+    # Elements the rest of the model keeps per sample for the backward (the pooled rows included).
+    sample_activation_elements: float
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class ModelFamily:
     peak_block_elements: Callable[[Any], float] | None = None
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
     root_params: Callable[[Any, bool], int] | None = None
+    embedding_tables: Callable[[Any], EmbeddingTables] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

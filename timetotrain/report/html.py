@@ -34,7 +34,7 @@ from timetotrain.report.plots import (
     training_panels,
 )
 from timetotrain.report.summary import _slug
-from timetotrain.suite import official
+from timetotrain.spec import official
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

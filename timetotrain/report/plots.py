@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from timetotrain import fileio, suite
+from timetotrain import fileio
 from timetotrain.markup import mpl
 from timetotrain.mlperf.results import ResultGroup
 from timetotrain.mlperf.score import Score
-from timetotrain.suite import official
+from timetotrain.spec import official, registry
 
 # Marks in colors outside matplotlib's default cycle, so they never look like one of the runs.
 RUNS_COLOR, RCP_MEAN_COLOR, RCP_MIN_COLOR = "#000080", "#006400", "#dc143c"
@@ -18,8 +18,8 @@ RUNS_COLOR, RCP_MEAN_COLOR, RCP_MIN_COLOR = "#000080", "#006400", "#dc143c"
 
 def target_of(benchmark: str, tier: str) -> float | None:
     """Our tier's target for benchmarks timetotrain implements; the closed target for reference logs."""
-    if benchmark in suite.names() and tier in suite.get(benchmark).tiers:
-        return suite.get(benchmark).tiers[tier].target
+    if benchmark in registry.names() and tier in registry.get(benchmark).tiers:
+        return registry.get(benchmark).tiers[tier].target
     facts = official.get(benchmark)
     return facts.target if facts is not None and tier == "reference" else None
 
@@ -32,8 +32,8 @@ def metric_label(benchmark: str) -> str:
     if facts is not None:
         better = "higher" if facts.higher_is_better else "lower"
         return f"eval_accuracy: {facts.metric_label}, {better} is better"
-    if benchmark in suite.names():
-        return f"eval_accuracy: {suite.get(benchmark).metric}"
+    if benchmark in registry.names():
+        return f"eval_accuracy: {registry.get(benchmark).metric}"
     return "eval_accuracy"
 
 

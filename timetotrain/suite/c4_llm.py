@@ -3,7 +3,7 @@ constants, the shape of their tiers, and the synthetic batch."""
 
 from __future__ import annotations
 
-from timetotrain.suite.base import Optimizer, Tier
+from timetotrain.spec.benchmark import Optimizer, Tier
 from timetotrain.tasks.causal_lm import LMData
 
 # Ours (`ttt data prepare c4`) first, then the names of MLCommons' preprocessed dataset, of which the

@@ -19,7 +19,7 @@ import dataclasses
 
 from timetotrain.models.common.layers import YarnScaling
 from timetotrain.models.deepseek_v3 import DEEPSEEK_V3, FAMILY, DeepSeekV3Config
-from timetotrain.suite.base import Benchmark, RcpHparams, ShippedBase, Tier, base_recipe
+from timetotrain.spec.benchmark import Benchmark, RcpHparams, ShippedBase, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from timetotrain.data import criteo, criteo_synth
 from timetotrain.models.dlrm_dcnv2 import FAMILY, DLRMConfig
-from timetotrain.suite.base import Benchmark, Optimizer, RcpHparams, Tier
+from timetotrain.spec.benchmark import Benchmark, Optimizer, RcpHparams, Tier
 from timetotrain.tasks.click_through_rate import ClickThroughRate, CTRData
 
 # Days 0..22 and the validation half of day 23 (closed_dlrm_dcnv2.yaml: eval_samples == 89,137,319).

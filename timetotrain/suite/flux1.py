@@ -10,7 +10,7 @@ docs/benchmarks/flux1.md has the details.
 from __future__ import annotations
 
 from timetotrain.models.flux import FAMILY, FluxConfig
-from timetotrain.suite.base import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
+from timetotrain.spec.benchmark import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
 from timetotrain.tasks.rectified_flow import FluxData, RectifiedFlow
 
 # GBS -> base LR and warmup steps of the 6.0 RCPs (rcps_flux1.json).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from timetotrain.models.gpt_oss import FAMILY, GPT_OSS_20B, GptOssConfig
-from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
+from timetotrain.spec.benchmark import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 

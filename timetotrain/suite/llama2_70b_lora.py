@@ -13,7 +13,15 @@ measures fine-tuning throughput without data or checkpoint.
 from __future__ import annotations
 
 from timetotrain.models.llama import FAMILY, LLAMA2_70B, LlamaConfig
-from timetotrain.suite.base import Benchmark, EndLRRule, Optimizer, RcpHparams, ShippedBase, Tier, base_recipe
+from timetotrain.spec.benchmark import (
+    Benchmark,
+    EndLRRule,
+    Optimizer,
+    RcpHparams,
+    ShippedBase,
+    Tier,
+    base_recipe,
+)
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, TRAIN_PREFIXES, VAL_PREFIXES
 from timetotrain.tasks.causal_lm import CausalLM, LMData
 from timetotrain.tasks.lora_sft import LoRAData, LoRAFineTune

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from timetotrain.models.llama import FAMILY, LLAMA31_405B, LlamaConfig
-from timetotrain.suite.base import Benchmark, EndLRRule, ShippedBase, Tier, base_recipe
+from timetotrain.spec.benchmark import Benchmark, EndLRRule, ShippedBase, Tier, base_recipe
 from timetotrain.suite.c4_llm import CLOSED_ADAMW
 from timetotrain.suite.c4_llm import TRAIN_PREFIXES as OUR_TRAIN
 from timetotrain.suite.c4_llm import VAL_PREFIXES as OUR_VAL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from timetotrain.models.llama import FAMILY, LLAMA31_8B, LlamaConfig
-from timetotrain.suite.base import Benchmark, EndLRRule, RcpHparams
+from timetotrain.spec.benchmark import Benchmark, EndLRRule, RcpHparams
 from timetotrain.suite.c4_llm import CLOSED_ADAMW, reference_tier, tiny_tier
 from timetotrain.tasks.causal_lm import CausalLM
 

@@ -15,10 +15,10 @@ import math
 
 from timetotrain.models.qwen3_5_moe import FAMILY, QWEN35_397B, Qwen35MoeConfig
 from timetotrain.models.qwen3_5_moe.generate import generate
-from timetotrain.suite.base import Benchmark, Optimizer, RcpHparams, ShippedBase, Tier, base_recipe
+from timetotrain.spec.benchmark import Benchmark, Optimizer, RcpHparams, ShippedBase, Tier, base_recipe
 from timetotrain.tasks.answer_sft import AnswerData, AnswerSFT
 from timetotrain.tasks.grpo import GRPO, GRPOData, reference_first_eval_step
-from timetotrain.train.rollout import TorchRollout
+from timetotrain.tasks.rollout import TorchRollout
 
 REFERENCE_GBS = 256
 GENERATIONS = 16  # closed: num_generations_per_prompt == 16

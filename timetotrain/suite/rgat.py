@@ -6,7 +6,7 @@ from __future__ import annotations
 from timetotrain.data.graph_synth import SCALES
 from timetotrain.data.igbh import NODE_TYPES, RELATIONS
 from timetotrain.models.rgat import FAMILY, RGATConfig
-from timetotrain.suite.base import Benchmark, Optimizer, RcpHparams, Tier
+from timetotrain.spec.benchmark import Benchmark, Optimizer, RcpHparams, Tier
 from timetotrain.tasks.node_classification import (
     GraphData,
     NodeClassification,

@@ -1,1 +1,1 @@
-"""Kinds of training (causal LM pretraining, ...): data, loss, evaluation and log keys (tasks/base.py)."""
+"""Kinds of training (causal LM pretraining, ...): data, loss, evaluation and log keys (spec/task.py)."""

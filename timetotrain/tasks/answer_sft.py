@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from timetotrain.data import arithmetic
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from timetotrain.data import loader, sources
 from timetotrain.data.cyclic_sampler import CyclicDraw, reference_val_samples
 from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)

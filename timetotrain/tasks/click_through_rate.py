@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from timetotrain.data import criteo, criteo_synth
 from timetotrain.errors import UserError
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.auc import auc, gather
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,10 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.moe import MoE
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
-from timetotrain.train.parallel import forwards_are_collective
-from timetotrain.train.policy_gradient import (
+from timetotrain.tasks.policy_gradient import (
     LOGPROB_ERROR_THRESHOLD,
     TIS_MAX,
     TIS_MIN,
@@ -47,7 +46,8 @@ from timetotrain.train.policy_gradient import (
     logprob_error_mask,
     policy_loss,
 )
-from timetotrain.train.rollout import RolloutEngine, TorchRollout
+from timetotrain.tasks.rollout import RolloutEngine, TorchRollout
+from timetotrain.train.parallel import forwards_are_collective
 
 
 def reference_first_eval_step(gbs: int) -> int:

@@ -25,7 +25,7 @@ from timetotrain.data.mapped import MappedFiles
 from timetotrain.data.vocab_table import load_vocab_table
 from timetotrain.errors import UserError
 from timetotrain.models.common.lora import QKV_PARTS, apply_lora, base_names, init_lora, lora_param_count
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)

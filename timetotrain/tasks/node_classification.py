@@ -23,7 +23,7 @@ from timetotrain.data import graph_synth, igbh
 from timetotrain.data.sampler import NeighbourSampler
 from timetotrain.errors import UserError
 from timetotrain.models import rgat
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 SEED_TYPE = "paper"
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from timetotrain.data import flux_encoders, flux_prepare
 from timetotrain.data import flux_encodings as enc
 from timetotrain.errors import UserError
-from timetotrain.tasks.base import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
 
 EVAL_TIMESTEPS = 8
 _EVAL_TAG = 0xE7A1  # separates the eval generators' seeds from the training steps'

@@ -2,7 +2,7 @@
 
 A fine-tuning tier of our own (llama2_70b_lora `tiny`) cannot start from a real pretrained checkpoint on a
 laptop, so it starts from a small base pretrained here on the shared C4 sample. The recipe is data
-(`suite.base.BaseRecipe`: a pretraining tier of an unlisted benchmark, a seed); this module runs it with the
+(`spec.benchmark.BaseRecipe`: a pretraining tier of an unlisted benchmark, a seed); this module runs it with the
 same model build, optimizer, schedule and training step as a timed run, and writes a Hugging Face folder
 (`config.json`, `model.safetensors`) that `ttt run --init-checkpoint` loads and HF/PEFT can load too, plus:
 
@@ -17,7 +17,7 @@ the cached folder after checking its weights against `base.json`. On one machine
 the weights are bitwise reproducible; across machines float reductions may differ (ATen's kernel width, MKL's
 code path and thread count), which is why the run that uses a base logs the sha256 of its weights
 (`ttt_init_checkpoint_sha256`), not just the key, and why the tiers ship the bits this recipe made once
-(`suite.base.ShippedBase`, pinned by sha256): a run without `--init-checkpoint` loads them on every host
+(`spec.benchmark.ShippedBase`, pinned by sha256): a run without `--init-checkpoint` loads them on every host
 (`check_init_base`), and `ttt base` says whether this host reproduced them.
 """
 
@@ -40,7 +40,7 @@ from timetotrain.data.manifest import sha256_file
 from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
-from timetotrain.suite.base import BASES, BaseRecipe, ShippedBase
+from timetotrain.spec.benchmark import BASES, BaseRecipe, ShippedBase
 from timetotrain.train.checkpoint import HF_INDEX
 from timetotrain.train.device import cpu_model
 from timetotrain.train.step import build_training

@@ -31,39 +31,33 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
         raise UserError(f"--gpu-mem {gpu_mem_gib:g} must be a positive, finite number of GiB")
     local = gbs // gpus
     rowwise = bench.optimizer.rowwise
-    shards = place(cfg.table_sizes, gpus) if gpus > 1 else None
+    tables = bench.family.embedding_tables(cfg)
+    shards = place(tables.sizes, gpus) if gpus > 1 else None
     dense = bench.family.block_params(cfg)
-    n = cfg.interaction_dim
-    per_sample_act = (
-        sum(cfg.bottom) * 2  # Linear outputs and ReLU outputs
-        + cfg.dcn_layers * (2 * n + cfg.dcn_rank)
-        + n  # x0
-        + sum(cfg.top) * 2
-        + cfg.tables * cfg.dim
-    )
+    all_hots = sum(tables.hots)
     ranks = []
     for r in range(gpus):
         if shards is None:
-            rows, tables = cfg.rows, list(range(cfg.tables))
+            rows, mine_tables = sum(tables.sizes), list(range(len(tables.sizes)))
         else:
             mine = [s for s in shards if s.rank == r]
-            rows, tables = sum(s.rows[1] - s.rows[0] for s in mine), sorted({s.table for s in mine})
-        hots = sum(cfg.multi_hot[t] for t in tables)
-        weights = (rows + 1) * cfg.dim * 4
+            rows, mine_tables = sum(s.rows[1] - s.rows[0] for s in mine), sorted({s.table for s in mine})
+        hots = sum(tables.hots[t] for t in mine_tables)
+        weights = (rows + 1) * tables.dim * 4
         state = (rows + 1) * 4 if rowwise else weights
-        grad = 2 * gbs * hots * (cfg.dim * 4 + 8)
-        exchange = gbs * cfg.hots * 4 + 2 * 2 * gbs * len(tables) * cfg.dim * 4
+        grad = 2 * gbs * hots * (tables.dim * 4 + 8)
+        exchange = gbs * all_hots * 4 + 2 * 2 * gbs * len(mine_tables) * tables.dim * 4
         ranks.append(
             {
                 "rank": r,
                 "table_rows": rows,
-                "tables": len(tables),
+                "tables": len(mine_tables),
                 "embedding_weights": weights,
                 "embedding_optimizer": state,
                 "embedding_gradient": grad,
                 "dense_weights_grads_optimizer": 3 * 4 * dense,
                 "ddp_buckets": 4 * dense if gpus > 1 else 0,
-                "activations": 4 * local * per_sample_act,
+                "activations": 4 * local * tables.sample_activation_elements,
                 "exchange": exchange if gpus > 1 else 0,
             }
         )

@@ -25,7 +25,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
-from timetotrain.models.dlrm_dcnv2.model import FusedEmbeddingBag
+from timetotrain.models.common.embedding_bag import FusedEmbeddingBag
 
 
 @dataclass(frozen=True)

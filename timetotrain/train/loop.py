@@ -6,7 +6,7 @@ an eval at every eval point -> run_stop success at the first eval meeting the ta
 task's metric says), else aborted and exit != 0.
 
 The loop knows a benchmark only through its task (data, loss, evaluation, metric) and model family
-(build, init, telemetry): tasks/base.py. Under torchrun every rank runs this function; only global rank 0
+(build, init, telemetry): spec/task.py. Under torchrun every rank runs this function; only global rank 0
 writes the log. Each rank trains on its contiguous share of every global batch and evaluates its share of
 the eval set; losses are averaged and eval sums reduced across ranks, so `samples_count` and every logged
 figure are global.

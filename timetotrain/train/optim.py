@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from timetotrain.suite.base import Optimizer
+from timetotrain.spec.benchmark import Optimizer
 from timetotrain.train.adagrad import SparseAdagrad
 
 
@@ -29,7 +29,7 @@ def param_groups(model: nn.Module, weight_decay: float, mask: str = "megatron") 
 def build_optimizer(
     model: nn.Module, spec, lr: float, fused: bool | None = None, foreach: bool = True
 ) -> torch.optim.Optimizer:
-    """`spec` is a `suite.base.Optimizer`. `fused=None` picks the fused kernel where the device has one, else
+    """`spec` is a `spec.benchmark.Optimizer`. `fused=None` picks the fused kernel where the device has one, else
     the foreach implementation (sharded DTensor parameters need foreach: pass fused=False), or with
     `foreach=False` the per-parameter loop (parameters of different meshes or placements in one list, as
     tensor parallelism leaves them, cannot share a foreach kernel)."""

@@ -61,7 +61,7 @@ from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
 from timetotrain.models.common.head_loss import logits_or_loss
-from timetotrain.tasks.base import Task
+from timetotrain.spec.task import Task
 from timetotrain.train import parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.shards import _FILLS, draw_full, full_init

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from timetotrain import suite
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
-from timetotrain.suite.base import Benchmark, Tier, apply_overrides
+from timetotrain.spec import registry
+from timetotrain.spec.benchmark import Benchmark, Tier, apply_overrides
 from timetotrain.train import context_parallel, distributed, float8, parallel, pipeline, sdpa
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
@@ -37,7 +37,7 @@ class Prepared:
 
 
 def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
-    bench = suite.get(benchmark)
+    bench = registry.get(benchmark)
     return bench, apply_overrides(bench, bench.tier(tier), sets)
 
 
@@ -90,7 +90,7 @@ def preflight(
         raise UserError(
             f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
         )
-    if hasattr(tier.model, "table_sizes") and plan.dp != plan.world:
+    if bench.family.embedding_tables is not None and plan.dp != plan.world:
         # Embedding tables shard over the data-parallel ranks themselves (train/embedding_parallel.py).
         raise UserError(
             f"--parallel {parallel_spec}: a model with embedding tables runs --parallel dp=N only"

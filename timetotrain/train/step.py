@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from timetotrain.fakes import real_host
 from timetotrain.models.common import weight_cast
-from timetotrain.tasks.base import split_batch
+from timetotrain.spec.task import split_batch
 from timetotrain.train import expert_parallel, parallel, pipeline, schedule, sdpa
 from timetotrain.train.checkpoint import init_from
 from timetotrain.train.float8 import after_optimizer_step

@@ -1,5 +1,5 @@
 """Choosing the next token from logits, shared by the decode loops (a family's cached `generate` and the
-cache-free oracle in train/rollout.py) so that both draw the same random numbers in the same order: greedy
+cache-free oracle in tasks/rollout.py) so that both draw the same random numbers in the same order: greedy
 at temperature 0, else nucleus (top-p) sampling with `torch.multinomial` from the caller's generator. The
 log-probability returned is log_softmax(logits / temperature) at the chosen token, before the top-p cut
 (the distribution the policy-gradient ratio compares with), or of the plain logits when greedy."""

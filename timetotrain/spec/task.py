@@ -1,7 +1,7 @@
 """The interface between a kind of training (a task) and the harness.
 
 The timed loop (`train/loop.py`), `ttt synth` (`train/synth.py`) and `ttt plan` (`train/memory.py`) know a
-benchmark only through this interface and `suite.base.Benchmark`; they never learn a benchmark's name.
+benchmark only through this interface and `spec.benchmark.Benchmark`; they never learn a benchmark's name.
 docs/adding-a-benchmark.md walks through it.
 
 A task answers, for a tier of a benchmark:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
-from timetotrain.tasks.base import Task
+from timetotrain.spec.task import Task
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,9 @@ class Tier:
 
 
 # The shipped bases: package data (pyproject.toml), safetensors weights and their Hugging Face config.
-BASES = Path(__file__).parent / "bases"
+# The shipped data of the declarations (bases, rule files) lies beside them in `suite/`.
+SUITE_DIR = Path(__file__).parents[1] / "suite"
+BASES = SUITE_DIR / "bases"
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ class Benchmark:
     # Where the rule files of our (non-reference) tiers live, as `<name>_<tier>.yaml`, assembled by
     # `ttt rules build` from `src/<name>_<tier>.yaml` there (mlperf/rule_files.py); the official engine checks
     # the logs of those tiers against them.
-    rules_dir: Path = Path(__file__).parent / "rules"
+    rules_dir: Path = SUITE_DIR / "rules"
 
     @property
     def metric(self) -> str:
