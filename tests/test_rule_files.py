@@ -8,11 +8,20 @@ import dataclasses
 import pytest
 import toy_benchmark
 import yaml
+from mlperf_logging.benchmark_meta import get_allowed_benchmarks
 
 from timetotrain.cli import main
 from timetotrain.errors import UserError
 from timetotrain.mlperf import rule_files
-from timetotrain.mlperf.rule_files import Layer, assemble, merge, parse_layer, shipped_path, tiers_with_rules
+from timetotrain.mlperf.rule_files import (
+    Layer,
+    assemble,
+    merge,
+    parse_layer,
+    shipped_path,
+    source_path,
+    tiers_with_rules,
+)
 from timetotrain.spec import registry
 
 BENCHES = [registry.get(n) for n in registry.names()] + [toy_benchmark.BENCHMARK]
@@ -44,8 +53,10 @@ def test_each_shipped_rule_file_holds_every_official_common_check(bench, tier):
     those official layers fail."""
     ours = records(shipped_path(bench, tier).read_text())
     official = [layer for layer in rule_files.layers(bench, tier) if layer.official]
-    # <division>_common.yaml lists the round's benchmarks: the test-only toy is judged without it.
-    assert len(official) == (1 if bench.name == "toy_classify" else 2)
+    # <division>_common.yaml lists the round's benchmarks: one the round does not list (the test-only toy,
+    # one in development) is judged without it.
+    listed = bench.name in get_allowed_benchmarks("training", bench.ruleset)
+    assert len(official) == (2 if listed else 1)
     for layer in official:
         for name, rec in records(layer.path.read_text()).items():
             assert set(checks(rec)) <= set(checks(ours[name])), (layer.label, name)
@@ -63,6 +74,23 @@ def test_target_check_is_the_tier_target_with_the_metric_direction(bench, tier):
     for value in (t.target * (1 - 1e-3), t.target, t.target * (1 + 1e-3)):
         passed = eval(expr, {}, {"v": {"value": value, "metadata": {}}})
         assert passed == bench.task.metric.met(value, t.target), (expr, value, bench.task.metric.describe())
+
+
+@pytest.mark.parametrize("bench,tier", TIERS, ids=IDS)
+def test_each_rule_file_checks_the_model_of_its_tier(bench, tier):
+    """`ttt_model` (Benchmark.model_key) is logged after the hyperparameters, and the tier's own layer requires
+    it exactly: two tiers can log the same hyperparameters (llama31_8b and gpt_oss_20b tiny), so it is what
+    makes a log that names the wrong benchmark fail (tests/test_check.py relabels every tier as every other)."""
+    key = bench.model_key(bench.tier(tier))
+    rec = records(shipped_path(bench, tier).read_text()).get("ttt_model")
+    assert rec is not None, (
+        f"{source_path(bench, tier)} has no ttt_model record: add one with REQ EXACTLY_ONE and "
+        f"CHECK: \" v['value'] == {key} \" (docs/adding-a-benchmark.md, The rule files)"
+    )
+    assert rec["REQ"] == "EXACTLY_ONE"
+    other = {**key, "parameters": key["parameters"] + 1}
+    assert all(eval(c, {}, {"v": {"value": key}}) for c in checks(rec)), (checks(rec), key)
+    assert not all(eval(c, {}, {"v": {"value": other}}) for c in checks(rec)), checks(rec)
 
 
 def _layer(tmp_path, name, text, official=False):

@@ -10,20 +10,19 @@ from conftest import require_file, shared_data_dir
 from untrained import assert_first_eval_after_training, assert_misses_target
 
 from timetotrain.data import c4, govreport
+from timetotrain.spec import registry
 from timetotrain.spec.registry import get
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 
-TIERS = [
-    "llama31_8b", "gpt_oss_20b", "deepseekv3_671b", "llama31_405b", "llama2_70b_lora", "flux1", "rgat",
-    "qwen35_397b_grpo",
-]  # fmt: skip
+# Every tier of ours (every tier but the reference), of every registered benchmark.
+OURS = [(n, t) for n in registry.names() for t in registry.get(n).tiers if t != "reference"]
 
 
-@pytest.mark.parametrize("name", TIERS)
-def test_first_eval_comes_after_real_training(name):
+@pytest.mark.parametrize("name,tier", OURS, ids=[f"{n}-{t}" for n, t in OURS])
+def test_first_eval_comes_after_real_training(name, tier):
     bench = get(name)
-    assert_first_eval_after_training(bench, bench.tier("tiny"))
+    assert_first_eval_after_training(bench, bench.tier(tier))
 
 
 @pytest.mark.parametrize("name", ["llama31_8b", "gpt_oss_20b"])

@@ -35,7 +35,7 @@ from timetotrain.spec.official import official_benchmark
 
 # Our layers live beside the shipped rule files, in the suite package (the common ones; each benchmark's
 # own sit in its `rules_dir`/src).
-SRC = Path(suite_base.__file__).parent / "rules" / "src"
+SRC = suite_base.SUITE_DIR / "rules" / "src"
 # Occurrence requirements from the weakest to the strictest (the engine's REQ values that we use).
 _REQ_ORDER = ("OPTIONAL", "AT_LEAST_ONE_OR", "AT_LEAST_ONE", "EXACTLY_ONE")
 _CODE_FIELDS = ("PRE", "POST")
