@@ -221,7 +221,7 @@ def _run(opts: RunOptions) -> RunResult:
             # -- the clock runs: dataset access from here on --
             if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
                 live.update("opening the data ...", force=True)
-            data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
+            data = task.open(tier, res, seed, prep.share, device)
             fetch = loader.Prefetcher(data, 0, device)
             gbs, accum = tier.global_batch_size, prep.accum
             log_from = task.first_logged_eval_step(tier)

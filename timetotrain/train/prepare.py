@@ -15,6 +15,7 @@ from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.spec import registry
 from timetotrain.spec.benchmark import Benchmark, Tier, apply_overrides
+from timetotrain.spec.task import Share
 from timetotrain.train import context_parallel, distributed, float8, parallel, pipeline, sdpa
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
@@ -29,11 +30,16 @@ class Prepared:
     plan: parallel.Plan
     dist: distributed.Dist
     logdir: Path
-    local_batch: int  # samples per rank per step
+    share: Share  # this rank's part of every global batch, handed to `Task.open`
     accum: int  # micro-batches per rank per step
     device: torch.device | None = None
     seed: int | None = None
     init_checkpoint: Path | None = None  # weights to start from instead of the benchmark's init
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per rank per step."""
+        return self.share.local
 
 
 def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
@@ -72,7 +78,8 @@ def preflight(
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     if plan.tp > 1:
         parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp)
-    local = parallel.check_batch_split(tier.global_batch_size, plan)
+    share = parallel.batch_share(tier.global_batch_size, plan, d.rank)
+    local = share.local
     # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
     # an error, not "the default".
     micro = micro_batch if micro_batch is not None else min(tier.micro_batch_size, local)
@@ -96,7 +103,7 @@ def preflight(
             f"--parallel {parallel_spec}: a model with embedding tables runs --parallel dp=N only"
         )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
-    return Prepared(bench, tier, plan, d, logdir, local, local // micro)
+    return Prepared(bench, tier, plan, d, logdir, share, local // micro)
 
 
 def _blocks(cfg) -> int | None:
