@@ -5,7 +5,7 @@ its division."""
 from __future__ import annotations
 
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, tier_rule_file
 from timetotrain.spec.benchmark import Benchmark, Tier, closed_violation
 
 
@@ -27,7 +27,7 @@ def check_rules(bench: Benchmark, tier: Tier) -> None:
             return
         files = [official_rules_dir() / f for f in bench.closed_rules]
     else:
-        files = [rule_file(bench.name, tier.name)]
+        files = [tier_rule_file(bench, tier.name)]
     # With the keys every run logs after the hyperparameters (one process, fp32 here: the rules only ask
     # that they are present and well formed), which rule files from 6.1 on require.
     logged = submission_keys(bench, tier, "x", "x") + bench.hyperparameters(tier)
