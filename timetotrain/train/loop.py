@@ -128,7 +128,7 @@ def _run(opts: RunOptions) -> RunResult:
         opts.activation_checkpointing, opts.compile, device=opts.device, seed=opts.seed,
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
-    check_rules(bench, tier)
+    check_rules(bench, tier, prep.hyperparameters)
     # The tier's shipped base (against its pinned sha256s), or a `ttt base` folder (against its base.json),
     # is hashed before anything parses it.
     base = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)

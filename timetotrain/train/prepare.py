@@ -32,6 +32,9 @@ class Prepared:
     logdir: Path
     share: Share  # this rank's part of every global batch, handed to `Task.open`
     accum: int  # micro-batches per rank per step
+    # The log's hyperparameter block, computed once: `mlperf.keys.check_rules` checks it, `log_init_keys`
+    # logs it.
+    hyperparameters: list[tuple[str, object]]
     device: torch.device | None = None
     seed: int | None = None
     init_checkpoint: Path | None = None  # weights to start from instead of the benchmark's init
@@ -103,7 +106,8 @@ def preflight(
             f"--parallel {parallel_spec}: a model with embedding tables runs --parallel dp=N only"
         )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
-    return Prepared(bench, tier, plan, d, logdir, share, local // micro)
+    accum = local // micro
+    return Prepared(bench, tier, plan, d, logdir, share, accum, bench.hyperparameters(tier, accum))
 
 
 def _blocks(cfg) -> int | None:
@@ -136,7 +140,7 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
     for k, v in submission_keys(prep.bench, tier, org, plat):
         log.event(k, v)
     log.event("seed", prep.seed)
-    for k, v in prep.bench.hyperparameters(tier, prep.accum):
+    for k, v in prep.hyperparameters:
         log.event(k, v)
     for k, v in parallel_keys(prep.plan, tier.micro_batch_size) + config_keys(prep.bench, tier):
         log.event(k, v)
