@@ -133,7 +133,7 @@ def _run(opts: RunOptions) -> RunResult:
     # is hashed before anything parses it.
     base = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
     if base.folder is not None:
-        check_init_source(base.folder, bench.family, tier.model)
+        prep.init_kind = check_init_source(base.folder, bench.family, tier.model)
         prep.init_checkpoint = base.folder
     if base.note and d.main:
         print(f"ttt: {base.note}", file=sys.stderr)

@@ -38,6 +38,7 @@ class Prepared:
     device: torch.device | None = None
     seed: int | None = None
     init_checkpoint: Path | None = None  # weights to start from instead of the benchmark's init
+    init_kind: str | None = None  # what `checkpoint.check_init_source` found there: "hf" or "ours"
 
     @property
     def local_batch(self) -> int:
@@ -154,4 +155,6 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
 
 def build(prep: Prepared) -> Training:
     torch.manual_seed(prep.seed)
-    return build_training(prep.bench, prep.tier, prep.device, prep.seed, prep.plan, prep.init_checkpoint)
+    return build_training(
+        prep.bench, prep.tier, prep.device, prep.seed, prep.plan, prep.init_checkpoint, prep.init_kind
+    )
