@@ -1,7 +1,8 @@
 """A rank's share of the data is computed once, by the harness (`train/parallel.batch_share` ->
 `spec.task.Share`), and the tasks only read it: the ranks' shares of a global batch tile it exactly once, the
 ranks' batches of a step are together the one-process batch, sample for sample, and each way of splitting an
-eval set covers it as its reference does."""
+eval set covers it as its reference does. Its micro-batch is settled once too, from the tier's bound
+(`Benchmark.micro_batch`, `train/prepare.settle_micro_batch`)."""
 
 import dataclasses
 import random
@@ -13,13 +14,15 @@ import torch
 
 from timetotrain.data import arithmetic
 from timetotrain.errors import UserError
+from timetotrain.spec.benchmark import apply_overrides
+from timetotrain.spec.registry import get
 from timetotrain.spec.task import Share
 from timetotrain.suite import qwen35_397b_grpo as Q
 from timetotrain.tasks.answer_sft import _Answers
 from timetotrain.tasks.grpo import _Rollouts
 from timetotrain.tasks.lora_sft import _Blocks
 from timetotrain.tasks.node_classification import GraphData, _Seeds
-from timetotrain.train import parallel
+from timetotrain.train import distributed, parallel, prepare
 
 CPU = torch.device("cpu")
 
@@ -112,3 +115,23 @@ def test_the_ranks_batches_of_a_step_are_the_one_process_batch(world):
         for step in (0, 1, 5):
             together = torch.cat([rows(d, step) for d in ranks])
             assert torch.equal(together, rows(one[name][0][0], step)), (name, step)
+
+
+def test_the_micro_batch_is_settled_once_from_the_tiers_bound(tmp_path):
+    """`--set global_batch_size` leaves the tier's micro_batch_size as given (a bound); one process runs at
+    most its GBS, a rank at most its share, and a task whose batch does not cut (rgat) all of it at once."""
+    bench = get("llama31_8b")
+    declared = bench.tier("tiny")
+    tier = apply_overrides(bench, declared, ["global_batch_size=8"])
+    assert tier.micro_batch_size == declared.micro_batch_size > 8
+    assert (bench.micro_batch(tier), bench.grad_accum(tier), bench.micro_batch(tier, 4)) == (8, 1, 4)
+    ranks = distributed.Dist(rank=1, world=2, local_rank=0)
+    prep = prepare.preflight(bench, tier, tmp_path, None, "fp32", 0, False, device="cpu", ranks=ranks)
+    assert (prep.share, prep.tier.micro_batch_size, prep.accum) == (Share(1, 2, 4, 4), 4, 1)
+    assert dict(prep.hyperparameters)["gradient_accumulation_steps"] == 1
+    with pytest.raises(UserError, match="must divide the per-rank batch 4"):
+        prepare.settle_micro_batch(bench, tier, prep.plan, 4, given=3)
+    rgat = get("rgat")
+    gbs = rgat.tier("tiny").global_batch_size
+    whole = apply_overrides(rgat, rgat.tier("tiny"), [f"global_batch_size={2 * gbs}"])
+    assert (rgat.micro_batch(whole), rgat.micro_batch(whole, gbs)) == (2 * gbs, gbs)

@@ -37,7 +37,7 @@ def check_rules(
     if hyperparameters is None:
         hyperparameters = bench.hyperparameters(tier)
     logged = submission_keys(bench, tier, "x", "x") + hyperparameters
-    logged += parallel_keys(None, tier.micro_batch_size) + config_keys(bench, tier)
+    logged += parallel_keys(None, bench.micro_batch(tier)) + config_keys(bench, tier)
     problems = hparam_violations(files, logged)
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""

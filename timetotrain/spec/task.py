@@ -166,7 +166,7 @@ class Task(ABC):
     # that records it (e.g. {"seq_len": "max_sequence_length"}).
     settable: dict[str, str] = {}
     # True for a task whose batch cannot be cut into micro-batches (a sampled subgraph): its micro-batch
-    # is the whole per-rank batch, so `--set global_batch_size` takes micro_batch_size along.
+    # is the whole per-rank batch, whatever the tier's micro_batch_size (`Benchmark.micro_batch`).
     whole_batches: bool = False
     # The `run_stop` status of a run that reaches max_steps without meeting the target (signals and errors
     # are always "aborted"): the word the task's reference logs.

@@ -355,10 +355,6 @@ class GRPO(Task):
                 f"--set global_batch_size={tier.global_batch_size}: GBS is prompts x {d.generations} "
                 "generations, so it must be a multiple of num_generations_per_prompt"
             )
-        if tier.micro_batch_size > tier.global_batch_size:
-            raise UserError(
-                f"micro_batch_size {tier.micro_batch_size} is over the GBS {tier.global_batch_size}"
-            )
 
     def eval_every_steps(self, tier) -> int:
         return tier.data.eval_every_steps

@@ -230,7 +230,7 @@ class NodeClassification(Task):
     whole_batches = True
 
     def validate(self, tier) -> None:
-        if tier.micro_batch_size != tier.global_batch_size:
+        if "micro_batch_size" in tier.user_set and tier.micro_batch_size != tier.global_batch_size:
             raise UserError(
                 f"--set micro_batch_size={tier.micro_batch_size}: a sampled subgraph is one batch; node "
                 "classification has no gradient accumulation (micro_batch_size = global_batch_size)"

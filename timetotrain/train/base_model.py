@@ -187,7 +187,7 @@ def make_base(
         t_steps = time.monotonic()
         for step in range(tier.max_steps):
             batch = {k: v.to(dev) for k, v in data.batch(step).items()}
-            losses.append(tr.step(step, batch, tier.grad_accum, data.loss)[0])
+            losses.append(tr.step(step, batch, bench.grad_accum(tier), data.loss)[0])
             # The first step at once (it says the run is moving and how long a step takes), then as often
             # as the line allows; the loss is read off the device only for a line that prints.
             if live and (step == 0 or live.due()):

@@ -84,18 +84,7 @@ def preflight(
         parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp)
     share = parallel.batch_share(tier.global_batch_size, plan, d.rank)
     local = share.local
-    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
-    # an error, not "the default".
-    micro = micro_batch if micro_batch is not None else min(tier.micro_batch_size, local)
-    if micro <= 0 or local % micro:
-        raise UserError(
-            f"{micro_flag}={micro} must divide the per-rank batch {local} into whole micro-batches"
-        )
-    if (
-        plan.pp > 1
-    ):  # the schedule's micro-batches: at most the tier's size, enough of them (train/pipeline.py)
-        explicit = micro_batch is not None or "micro_batch_size" in tier.user_set
-        micro = pipeline.check(bench, tier, plan, local, micro, explicit, micro_flag)
+    micro = settle_micro_batch(bench, tier, plan, local, micro_batch, micro_flag)
     if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
         # Expert all-to-alls need every rank in every eval forward: equal eval shares.
         raise UserError(
@@ -109,6 +98,24 @@ def preflight(
     tier = dataclasses.replace(tier, micro_batch_size=micro)
     accum = local // micro
     return Prepared(bench, tier, plan, d, logdir, share, accum, bench.hyperparameters(tier, accum))
+
+
+def settle_micro_batch(
+    bench: Benchmark, tier: Tier, plan: parallel.Plan, local: int, given: int | None = None,
+    flag: str = "--set micro_batch_size",
+) -> int:  # fmt: skip
+    """The micro-batch a rank of `plan` with `local` samples a step runs: `given` (`ttt synth --micro-batch`),
+    else the tier's for that batch (`Benchmark.micro_batch`), checked to cut `local` into whole micro-batches
+    (an explicit 0 is an error, not "the default"); under pipeline parallelism, the schedule's
+    (`pipeline.check`: at most that size, enough of them). The one place a run's micro-batch is settled
+    (`ttt run` and `ttt synth` through `preflight`, `ttt plan --simulate`)."""
+    micro = given if given is not None else bench.micro_batch(tier, local)
+    if micro <= 0 or local % micro:
+        raise UserError(f"{flag}={micro} must divide the per-rank batch {local} into whole micro-batches")
+    if plan.pp > 1:
+        explicit = given is not None or "micro_batch_size" in tier.user_set
+        micro = pipeline.check(bench, tier, plan, local, micro, explicit, flag)
+    return micro
 
 
 def _blocks(cfg) -> int | None:
