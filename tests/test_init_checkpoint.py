@@ -7,6 +7,7 @@ import subprocess
 import pytest
 import torch
 from conftest import mllog, require, ttt_command
+from test_e2e_tiny import tiny
 
 from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs
 from timetotrain.spec.registry import get
@@ -133,20 +134,8 @@ def test_a_run_checks_its_init_checkpoint_and_computes_its_hyperparameters_once(
     monkeypatch.setattr(loop, "check_init_source", counted)
     monkeypatch.setattr(checkpoint, "check_init_source", counted)
     monkeypatch.setattr(Benchmark, "hyperparameters", computed)
-    args = [
-        "run",
-        "llama31_8b",
-        "--tier",
-        "tiny",
-        "--data",
-        str(c4_prepared),
-        "--logdir",
-        str(tmp_path / "logs"),
-    ]
-    assert (
-        main([*args, "--seed", "4", "--max-steps", "1", "--quiet", "--init-checkpoint", str(tmp_path / "ck")])
-        == 1
-    )
+    ck = ["--init-checkpoint", str(tmp_path / "ck")]
+    assert main(tiny(c4_prepared, tmp_path / "logs", "--seed", "4", "--max-steps", "1", *ck)) == 1
     assert checks == [tmp_path / "ck"]
     assert len(blocks) == 1
     logged = {r["key"]: r["value"] for r in mllog(tmp_path / "logs" / "llama31_8b" / "tiny" / "result_0.txt")}
