@@ -60,7 +60,8 @@ class _Env:
 
 def _data(world=1, rank=0, engine=None, tier=Q.TINY):
     return _Rollouts(
-        tier, _problems(64), _problems(16, seed=1), 3, Share.of(tier.global_batch_size, rank, world), torch.device("cpu"),
+        tier, _problems(64), _problems(16, seed=1), 3, Share.of(tier.global_batch_size, rank, world),
+        torch.device("cpu"),
         engine or TorchRollout(generate), _Env(),
     )  # fmt: skip
 

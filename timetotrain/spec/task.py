@@ -48,8 +48,9 @@ class Share:
 
     @classmethod
     def of(cls, global_batch: int, rank: int = 0, world: int = 1) -> Share:
-        """Rank `rank`'s contiguous part of a `global_batch` that `world` divides (checked by the caller:
-        `train/parallel.batch_share`, which says so in one line); the defaults: one process, the whole batch."""
+        """Rank `rank`'s contiguous part of a `global_batch` that `world` divides (checked first by the
+        caller: `train/parallel.batch_share`, which says so in one line); the defaults: one process, the
+        whole batch."""
         if global_batch % world or not 0 <= rank < world:
             raise ValueError(f"rank {rank} of {world} has no equal share of a batch of {global_batch}")
         local = global_batch // world

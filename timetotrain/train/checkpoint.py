@@ -483,7 +483,8 @@ def init_from(
     """Replace the initialised weights of the bare `model` with a checkpoint's: before parallelism, or into
     FSDP2 shards (each rank reads what it holds). `names`: as `load_hf_checkpoint`'s, for a model that has
     more parameters than the checkpoint (LoRA adapters added before sharding). `kind`: what the preflight's
-    `check_init_source` found there ("hf" or "ours"), so a run checks its checkpoint once; None checks here."""
+    `check_init_source` found there ("hf" or "ours"), so a run checks its checkpoint once; None: checked
+    here."""
     if (kind or check_init_source(path, family, cfg)) == "hf":
         load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows, names=names)
     else:

@@ -134,8 +134,8 @@ def build_training(
 ) -> Training:  # fmt: skip
     """The model, initialised by the benchmark's own rule from `seed` (the same on every rank) or loaded from
     `init_checkpoint` (a Hugging Face or ttt checkpoint folder; `init_kind`: which, as the preflight's
-    `checkpoint.check_init_source` found, else checked at the load), adapted by the task (LoRA), warmed up once
-    and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
+    `checkpoint.check_init_source` found, else checked at the load), adapted by the task (LoRA), warmed up
+    once and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
     from the warm-up survives. Sharded plans (`fsdp > 1` or `tp > 1`) never hold the whole model on a rank
     (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
