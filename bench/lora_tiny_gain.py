@@ -51,6 +51,7 @@ import torch
 from timetotrain.data import govreport, sentencepiece_tok
 from timetotrain.models.llama import LlamaConfig
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 
@@ -178,7 +179,13 @@ def main() -> None:
             tier, model=base_model(base, tier.model), data=dataclasses.replace(tier.data, vocab_keep=keep)
         )
     model = build_training(bench, tier, dev, args.seed, None, base).model
-    data = bench.task.open(tier, bench.task.resolve(tier, out, init_checkpoint=base), args.seed, 0, 1, dev)
+    data = bench.task.open(
+        tier,
+        bench.task.resolve(tier, out, init_checkpoint=base),
+        args.seed,
+        Share.of(tier.global_batch_size),
+        dev,
+    )
     if args.mode == "lora+head":
         d = tier.data
         add_head_adapter(

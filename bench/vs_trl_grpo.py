@@ -29,6 +29,7 @@ import torch
 
 from timetotrain.data import arithmetic
 from timetotrain.models.qwen3_5_moe import FAMILY
+from timetotrain.spec.task import Share
 from timetotrain.suite import qwen35_397b_grpo as Q
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.grpo import _Rollouts
@@ -42,7 +43,14 @@ def problems(n: int) -> list[arithmetic.Problem]:
 
 def ours(model, train, steps: int) -> list[float]:
     data = _Rollouts(
-        Q.TINY, train, train[:8], 0, 0, 1, torch.device("cpu"), Q.BENCHMARK.task.engine, ExactAnswer()
+        Q.TINY,
+        train,
+        train[:8],
+        0,
+        Share.of(Q.TINY.global_batch_size),
+        torch.device("cpu"),
+        Q.BENCHMARK.task.engine,
+        ExactAnswer(),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     times = []

@@ -15,6 +15,7 @@ from timetotrain.cli import main
 from timetotrain.data import criteo, criteo_synth
 from timetotrain.errors import UserError
 from timetotrain.models.dlrm_dcnv2 import CRITEO_MULTI_HOT, CRITEO_TABLE_SIZES
+from timetotrain.spec.task import Share
 
 MICRO = dataclasses.replace(
     criteo_synth.SCALES["tiny"], table_sizes=tuple(min(n, 50) for n in criteo_synth.SCALES["tiny"].table_sizes),
@@ -185,7 +186,7 @@ def test_eval_shares_are_equal_chunks_and_cover_the_validation_rows_once(micro, 
     for world in (1, 3):
         for rank in range(world):
             files = criteo.open_files(micro, MICRO.table_sizes, MICRO.multi_hot)
-            days = ctr._Days(files, spec, 6, rank, world, torch.device("cpu"))
+            days = ctr._Days(files, spec, 6, Share.of(6, rank, world), torch.device("cpu"))
             calls.append([])
             days.evaluate(Model())
             files.close()
@@ -206,7 +207,7 @@ def test_the_auroc_ranks_fp32_probabilities_as_the_reference_does(micro):
     assert torch.sigmoid(torch.tensor([20.0, 25.0])).tolist() == [1.0, 1.0]
     spec = get("dlrm_dcnv2").tier("tiny").data
     files = criteo.open_files(micro, MICRO.table_sizes, MICRO.multi_hot)
-    days = ctr._Days(files, spec, 6, 0, 1, torch.device("cpu"))
+    days = ctr._Days(files, spec, 6, Share.of(6), torch.device("cpu"))
     labels = torch.from_numpy(days.val.take(0, len(days.val))[1]).float()
     by_row = {
         tuple(d): y for d, y in zip(days.val.take(0, len(days.val))[0].tolist(), labels.tolist(), strict=True)

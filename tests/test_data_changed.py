@@ -15,6 +15,7 @@ import torch
 
 from timetotrain.data.mapped import DataChangedError, MappedFiles
 from timetotrain.errors import UserError
+from timetotrain.spec.task import Share
 
 pytestmark = pytest.mark.e2e
 
@@ -150,7 +151,7 @@ def test_rgat_node_features(tmp_path):
     igbh.build_csc(files, log=lambda s: None)
     graph = igbh.open_graph(files)
     train, val = igbh.split(len(graph.labels))
-    data = _Seeds(graph, train, val, GraphData(), gbs=8, rank=0, world=1, seed=0, device=CPU)
+    data = _Seeds(graph, train, val, GraphData(), gbs=8, share=Share.of(8), seed=0, device=CPU)
     data.batch(0)
     feats = tmp_path / "author" / igbh.FEAT_FILE
     cut(feats)
@@ -169,7 +170,13 @@ def test_llama2_70b_lora_blocks(tmp_path):
     for split, n in (("train", 9), ("validation", 2)):
         ids = rng.integers(0, 32_000, (n, 32))
         govreport._save(tmp_path, split, ids, ids, {"tokenizer": {"name": "llama2"}})
-    data = BENCH.task.open(small_tier(), _Resolved(tmp_path, None), seed=0, rank=0, world=1, device=CPU)
+    data = BENCH.task.open(
+        small_tier(),
+        _Resolved(tmp_path, None),
+        seed=0,
+        share=Share.of(small_tier().global_batch_size),
+        device=CPU,
+    )
     data.batch(0)
     ids_file = tmp_path / govreport.array_names("train")[0]
     rewrite(ids_file)

@@ -14,6 +14,7 @@ from conftest import mllog
 from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataset
 from timetotrain.data.loader import TokenSource
+from timetotrain.spec.task import Share
 
 pytestmark = pytest.mark.distributed
 
@@ -90,7 +91,8 @@ def test_sharding_sees_every_sample_once_per_epoch(c4_prepared):
     gbs, world = 16, 2
     seen = []
     for rank in range(world):
-        src = TokenSource(win, gbs, None, rank, world)
+        share = Share.of(gbs, rank, world)
+        src = TokenSource(win, gbs, None, share.local, share.offset)
         for step in range(per_epoch // gbs):
             start = step * gbs + src.offset
             seen.extend(win.sample_id(i) for i in range(start, start + src.local))

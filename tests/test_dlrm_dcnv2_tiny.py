@@ -12,6 +12,7 @@ from untrained import assert_first_eval_after_training, assert_misses_target
 
 from timetotrain.errors import UserError
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.train.step import build_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -53,7 +54,7 @@ def test_untrained_model_misses_the_target(run):
     assert_first_eval_after_training(bench, tier)
     dev = torch.device("cpu")
     tr = build_training(bench, tier, dev, 0)
-    data = bench.task.open(tier, bench.task.resolve(tier, data_dir), 0, 0, 1, dev)
+    data = bench.task.open(tier, bench.task.resolve(tier, data_dir), 0, Share.of(tier.global_batch_size), dev)
     try:
         assert_misses_target(bench, tier, data.evaluate(tr.model))
     finally:

@@ -12,6 +12,7 @@ from timetotrain.data.gpt_dataset import GPTWindows
 from timetotrain.data.indexed import IndexedDataset, IndexedWriter
 from timetotrain.data.loader import ResolvedData
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 
 
 def bridge_stream(total: int, mbs: int, rank: int, dp: int):
@@ -81,20 +82,22 @@ def test_deepseek_evaluations_read_the_next_windows_of_the_seed_shuffled_set(tmp
     windows = GPTWindows(IndexedDataset(res.val_prefix), 16, (5 // 1 + 1) * 4, 7, megatron_len=True)
     assert windows.num_epochs == 1 and windows.total_samples == (600 - 1) // 16  # megatron's len: 37
     cpu = torch.device("cpu")
-    ev = bench.task._evaluator(tier, res, 7, 0, 1, cpu, None, None)
+    ev = bench.task._evaluator(tier, res, 7, Share.of(tier.global_batch_size), cpu, None, None)
     model = _Recorder()
     for _ in range(8):  # past the end of one pass: the stream wraps into the next permutation
         ev(model)
     stream = bridge_stream(windows.total_samples, 1, 0, 1)
     assert torch.equal(torch.cat(model.seen), windows.batch([next(stream) for _ in range(8 * 6)]))
     for rank in range(2):  # two data-parallel ranks: each its 3 of the 6 from its own bucket
-        ev = bench.task._evaluator(tier, res, 7, rank, 2, cpu, None, None)
+        ev = bench.task._evaluator(tier, res, 7, Share.of(tier.global_batch_size, rank, 2), cpu, None, None)
         stream = bridge_stream(windows.total_samples, 1, rank, 2)
         assert np.concatenate([ev.draw(k) for k in range(8)]).tolist() == [next(stream) for _ in range(8 * 3)]
     first = windows.batch(list(CyclicDraw(37, 1, 0, 1).indices(0, 6)))
     assert not torch.equal(first, windows.batch(list(CyclicDraw(37, 1, 0, 1).indices(6, 6))))
     model = _Recorder()
-    bench.task._evaluator(tier, res, 8, 0, 1, cpu, None, None)(model)  # another seed, other windows
+    bench.task._evaluator(tier, res, 8, Share.of(tier.global_batch_size), cpu, None, None)(
+        model
+    )  # another seed, other windows
     again = torch.cat(model.seen)  # one window per micro-batch of 1
     assert again.shape == first.shape and not torch.equal(again, first)
 

@@ -20,6 +20,7 @@ from timetotrain.data import flux_encodings as enc
 from timetotrain.data import flux_mlcommons as mlc
 from timetotrain.errors import UserError
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks import rectified_flow as rf
 
 SHAPES = enc.Shapes(t5=(8, 32), clip=(16,), latent=(4, 8, 8))
@@ -195,7 +196,7 @@ def test_stored_timesteps_drive_the_eval_and_empty_encodings_keep_their_batch_di
     resolved = BENCH.task.resolve(tier, root)
     assert torch.equal(resolved.empty[0], torch.from_numpy(t5_empty[0]))  # stored without the batch dim
     assert np.load(root / "empty_encodings" / "t5_empty.npy").shape == SHAPES.t5
-    data = BENCH.task.open(tier, resolved, 0, 0, 1, torch.device("cpu"))
+    data = BENCH.task.open(tier, resolved, 0, Share.of(tier.global_batch_size), torch.device("cpu"))
     t = torch.cat([data.eval_chunk(c)["t"] for c in range(3)])
     assert t.tolist() == [s / 8 for s in stored]
     with pytest.raises(UserError, match=r"fixes one eval timestep per sample .* evaluates each sample at 8"):
@@ -205,7 +206,9 @@ def test_stored_timesteps_drive_the_eval_and_empty_encodings_keep_their_batch_di
     _, _, val = make(10, seed=1, timesteps=[i % 8 for i in range(10)], prefix="coco")
     info, _ = imported(save_to_disk(tmp_path / "modulo", val), root, "validation")
     assert info["timesteps"]["equal_to_index_mod_divisor"] is True
-    data = BENCH.task.open(tier, BENCH.task.resolve(tier, root), 0, 0, 1, torch.device("cpu"))
+    data = BENCH.task.open(
+        tier, BENCH.task.resolve(tier, root), 0, Share.of(tier.global_batch_size), torch.device("cpu")
+    )
     assert torch.equal(data.eval_chunk(1)["t"], rf.eval_timesteps(torch.arange(4, 8)))
 
     # MLCommons' empty encodings read directly (no dtype.txt, batch dim kept) give the same tensors

@@ -12,6 +12,7 @@ from timetotrain.data import flux_encodings as enc
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
 from timetotrain.spec.benchmark import apply_overrides
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks import rectified_flow as rf
 from timetotrain.train import schedule
 
@@ -58,7 +59,9 @@ def tier_for(cfg, **changes):
 
 def open_data(tmp_path, tier, seed=0, rank=0, world=1):
     resolved = BENCH.task.resolve(tier, tmp_path)
-    return BENCH.task.open(tier, resolved, seed, rank, world, torch.device("cpu"))
+    return BENCH.task.open(
+        tier, resolved, seed, Share.of(tier.global_batch_size, rank, world), torch.device("cpu")
+    )
 
 
 # ------------------------------------------------------------------------------------------------ objective

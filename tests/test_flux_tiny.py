@@ -13,6 +13,7 @@ from untrained import assert_misses_target
 from timetotrain.mlperf.compliance import check_log
 from timetotrain.mlperf.rcp import rcp_path
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.train.step import build_training
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +37,9 @@ def test_tiny_tier_to_target_and_scored(tmp_path):
         assert made.returncode == 0, made.stderr[-2000:]
     # Before any step, the freshly built model on the tier's eval set misses the target (tests/untrained.py).
     dev = torch.device("cpu")
-    data = BENCH.task.open(TINY, BENCH.task.resolve(TINY, tmp_path / "enc"), 0, 0, 1, dev)
+    data = BENCH.task.open(
+        TINY, BENCH.task.resolve(TINY, tmp_path / "enc"), 0, Share.of(TINY.global_batch_size), dev
+    )
     try:
         assert_misses_target(BENCH, TINY, data.evaluate(build_training(BENCH, TINY, dev, 0).model))
     finally:

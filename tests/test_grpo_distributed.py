@@ -28,6 +28,7 @@ from conftest import mllog, ttt_command
 
 from timetotrain.data import arithmetic
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks.grpo import rollout_figures
 from timetotrain.train.base_model import check_init_base
 from timetotrain.train.checkpoint import load_checkpoint
@@ -110,8 +111,13 @@ def test_two_processes_take_the_step_one_process_takes_over_their_rollouts(probl
     torch.manual_seed(SEED)
     tr = build_training(BENCH, TINY, cpu, SEED, init_checkpoint=base.folder)
     res = BENCH.task.resolve(TINY, problems, verify=False)
-    ranks = [BENCH.task.open(TINY, res, SEED, r, WORLD, cpu) for r in range(WORLD)]
-    one = BENCH.task.open(TINY, res, SEED, 0, 1, cpu)  # the loss of one process over the global batch
+    ranks = [
+        BENCH.task.open(TINY, res, SEED, Share.of(TINY.global_batch_size, r, WORLD), cpu)
+        for r in range(WORLD)
+    ]
+    one = BENCH.task.open(
+        TINY, res, SEED, Share.of(TINY.global_batch_size), cpu
+    )  # the loss of one process over the global batch
     accum = TINY.global_batch_size // TINY.micro_batch_size
     for step in range(STEPS):
         parts = [d.rollouts(tr.bare, d.batch(step)) for d in ranks]

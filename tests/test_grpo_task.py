@@ -16,7 +16,7 @@ from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import check_rules, config_keys, parallel_keys, submission_keys
 from timetotrain.models.qwen3_5_moe import Qwen35Moe, init_weights
 from timetotrain.models.qwen3_5_moe.generate import generate
-from timetotrain.spec.task import split_batch
+from timetotrain.spec.task import Share, split_batch
 from timetotrain.suite import qwen35_397b_grpo as Q
 from timetotrain.tasks.grpo import _Rollouts
 from timetotrain.tasks.policy_gradient import token_logprobs
@@ -60,7 +60,8 @@ class _Env:
 
 def _data(world=1, rank=0, engine=None, tier=Q.TINY):
     return _Rollouts(
-        tier, _problems(64), _problems(16, seed=1), 3, rank, world, torch.device("cpu"),
+        tier, _problems(64), _problems(16, seed=1), 3, Share.of(tier.global_batch_size, rank, world),
+        torch.device("cpu"),
         engine or TorchRollout(generate), _Env(),
     )  # fmt: skip
 

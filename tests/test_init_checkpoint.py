@@ -1,11 +1,13 @@
 """Starting a run from a checkpoint: `build_training(..., init_checkpoint=...)` and `ttt run
 --init-checkpoint` load Hugging Face or ttt weights in place of the benchmark's init, during init."""
 
+import json
 import subprocess
 
 import pytest
 import torch
 from conftest import mllog, require, ttt_command
+from test_e2e_tiny import tiny
 
 from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs
 from timetotrain.spec.registry import get
@@ -103,3 +105,38 @@ def test_ttt_run_saves_a_checkpoint_init_checkpoint_reads(c4_prepared, tmp_path,
     args[args.index(str(ck))] = str(tmp_path / "notes")
     assert main(args) == 2  # anything else is not
     assert "--save-checkpoint" in capsys.readouterr().err and list((tmp_path / "notes").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_run_checks_its_init_checkpoint_and_computes_its_hyperparameters_once(
+    c4_prepared, tmp_path, monkeypatch
+):
+    """The preflight's `check_init_source` (which scans a Hugging Face folder's tensors) is the run's only
+    one: the load takes its finding. And the hyperparameter block the rules check is the one the log holds,
+    computed once."""
+    from timetotrain.cli import main
+    from timetotrain.spec.benchmark import Benchmark
+    from timetotrain.train import checkpoint, loop
+
+    save_checkpoint(
+        tmp_path / "ck", build_training(BENCH, TIER, torch.device("cpu"), seed=7).bare, None, step=0
+    )
+    checks, check, blocks, block = [], checkpoint.check_init_source, [], Benchmark.hyperparameters
+
+    def counted(*a, **k):
+        checks.append(a[0])
+        return check(*a, **k)
+
+    def computed(*a, **k):
+        blocks.append(block(*a, **k))
+        return blocks[-1]
+
+    monkeypatch.setattr(loop, "check_init_source", counted)
+    monkeypatch.setattr(checkpoint, "check_init_source", counted)
+    monkeypatch.setattr(Benchmark, "hyperparameters", computed)
+    ck = ["--init-checkpoint", str(tmp_path / "ck")]
+    assert main(tiny(c4_prepared, tmp_path / "logs", "--seed", "4", "--max-steps", "1", *ck)) == 1
+    assert checks == [tmp_path / "ck"]
+    assert len(blocks) == 1
+    logged = {r["key"]: r["value"] for r in mllog(tmp_path / "logs" / "llama31_8b" / "tiny" / "result_0.txt")}
+    assert all(logged[k] == json.loads(json.dumps(v)) for k, v in blocks[0])  # as the log's JSON holds it

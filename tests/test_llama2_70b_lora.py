@@ -18,6 +18,7 @@ from timetotrain.mlperf.keys import submission_keys
 from timetotrain.models.common.lora import lora_param_count
 from timetotrain.models.llama import LlamaConfig
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks.lora_sft import LoRAData
 from timetotrain.train.step import build_training
 
@@ -105,7 +106,9 @@ def test_eval_loss_is_the_hf_trainer_mean_of_per_block_means(tmp_path):
     tier = dataclasses.replace(tier, eval_samples=len(ids))
     task = BENCH.task
     tr = build_training(BENCH, tier, torch.device("cpu"), seed=1)
-    data = task.open(tier, task.resolve(tier, tmp_path), 1, 0, 1, torch.device("cpu"))
+    data = task.open(
+        tier, task.resolve(tier, tmp_path), 1, Share.of(tier.global_batch_size), torch.device("cpu")
+    )
     got = data.evaluate(tr.model)
     with torch.no_grad():
         tr.model.eval()
@@ -279,7 +282,9 @@ def test_eval_loss_equals_hf_trainer_evaluate(tmp_path):
     )
     tr = build_training(BENCH, tier, torch.device("cpu"), 1, None, tmp_path / "hf")
     task = BENCH.task
-    ours = task.open(tier, task.resolve(tier, data_dir), 1, 0, 1, torch.device("cpu")).evaluate(tr.model)
+    ours = task.open(
+        tier, task.resolve(tier, data_dir), 1, Share.of(tier.global_batch_size), torch.device("cpu")
+    ).evaluate(tr.model)
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "trainer"), per_device_eval_batch_size=1, report_to=[], use_cpu=True,

@@ -14,6 +14,7 @@ from conftest import mllog
 
 from timetotrain.data import graph_synth, igbh
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks.node_classification import GraphData, _Seeds
 from timetotrain.train import loop
 
@@ -99,7 +100,7 @@ def test_an_epoch_is_whole_batches_over_one_shuffle():
     in every epoch, each epoch its own shuffle; the loop's epoch_num is steps / batches."""
     graph = types.SimpleNamespace(csc={}, num_nodes={"paper": 10})
     train = torch.arange(100, 110)
-    ranks = [_Seeds(graph, train, train[:2], GraphData(), 4, r, 2, 7, "cpu") for r in (0, 1)]
+    ranks = [_Seeds(graph, train, train[:2], GraphData(), 4, Share.of(4, r, 2), 7, "cpu") for r in (0, 1)]
     assert ranks[0].samples_per_epoch == 12
     epochs = [torch.cat([d.seeds(s) for s in range(3 * e, 3 * e + 3) for d in ranks]) for e in (0, 1)]
     for seeds in epochs:

@@ -13,6 +13,7 @@ from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir,
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.spec.benchmark import apply_overrides
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.tasks.node_classification import _Seeds
 from timetotrain.train.loop import _point
 
@@ -109,7 +110,7 @@ def test_each_rank_evaluates_an_equal_share_as_the_reference():
     graph = graph_synth.in_memory(graph_synth.scaled(graph_synth.SCALES["tiny"], 0.01), seed=0)
     val = torch.arange(1003)
     shares = [
-        _Seeds(graph, torch.arange(64), val, tier.data, 8, rank, 4, 1, torch.device("cpu")).val
+        _Seeds(graph, torch.arange(64), val, tier.data, 8, Share.of(8, rank, 4), 1, torch.device("cpu")).val
         for rank in range(4)
     ]
     assert [len(s) for s in shares] == [250] * 4

@@ -13,6 +13,7 @@ from test_rgat_logs import official_chain_errors
 from untrained import assert_misses_target
 
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.suite.rgat import TINY
 from timetotrain.train.step import build_training
 
@@ -51,7 +52,7 @@ def test_untrained_model_misses_the_target(run):
     """The freshly built model, before any step, on the tier's validation seeds (tests/untrained.py)."""
     _, graph, _ = run
     bench, dev = get("rgat"), torch.device("cpu")
-    data = bench.task.open(TINY, bench.task.resolve(TINY, graph), 0, 0, 1, dev)
+    data = bench.task.open(TINY, bench.task.resolve(TINY, graph), 0, Share.of(TINY.global_batch_size), dev)
     try:
         assert_misses_target(bench, TINY, data.evaluate(build_training(bench, TINY, dev, 0).model))
     finally:

@@ -197,3 +197,17 @@ def test_reproduction_names_the_chosen_hparams_of_a_gbs_without_rcp():
     sets = _overrides(SimpleNamespace(benchmark="llama31_8b", tier="reference", keys=keys))
     assert sets == ["global_batch_size=48", "lr=0.0004", "warmup_steps=16"]
     check_rules(BENCH, apply_overrides(BENCH, BENCH.tier("reference"), sets))
+
+
+def test_check_rules_reads_the_rule_file_of_the_benchmark_it_is_given(tmp_path):
+    """Found from the object (its `rules_dir`), not by looking its name up in the registry again: a
+    benchmark the registry does not hold is checked against its own file."""
+    from toy_benchmark import BENCHMARK
+
+    from timetotrain.spec import registry
+
+    assert not registry.known(BENCHMARK.name)
+    check_rules(BENCHMARK, BENCHMARK.tier("tiny"))
+    elsewhere = dataclasses.replace(BENCH, rules_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        check_rules(elsewhere, BENCH.tier("tiny"))

@@ -12,6 +12,7 @@ from untrained import assert_first_eval_after_training, assert_misses_target
 from timetotrain.data import c4, govreport
 from timetotrain.spec import registry
 from timetotrain.spec.registry import get
+from timetotrain.spec.task import Share
 from timetotrain.train.base_model import shipped_base
 from timetotrain.train.step import build_training
 
@@ -31,7 +32,9 @@ def test_untrained_model_misses_the_target(name, c4_prepared):
     tier = bench.tier("tiny")
     dev = torch.device("cpu")
     tr = build_training(bench, tier, dev, 0)  # the benchmark's own init, no step taken
-    data = bench.task.open(tier, bench.task.resolve(tier, c4_prepared), 0, 0, 1, dev)
+    data = bench.task.open(
+        tier, bench.task.resolve(tier, c4_prepared), 0, Share.of(tier.global_batch_size), dev
+    )
     try:
         assert_misses_target(bench, tier, data.evaluate(tr.model))
     finally:
@@ -44,7 +47,13 @@ def starting_eval(bench, tier, data_dir) -> float:
     dev = torch.device("cpu")
     base = shipped_base(tier.base)
     tr = build_training(bench, tier, dev, 0, None, base)
-    data = bench.task.open(tier, bench.task.resolve(tier, data_dir, init_checkpoint=base), 0, 0, 1, dev)
+    data = bench.task.open(
+        tier,
+        bench.task.resolve(tier, data_dir, init_checkpoint=base),
+        0,
+        Share.of(tier.global_batch_size),
+        dev,
+    )
     try:
         return data.evaluate(tr.model)
     finally:

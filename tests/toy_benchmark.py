@@ -26,7 +26,7 @@ from torch import nn
 from timetotrain.errors import UserError
 from timetotrain.models.family import ModelFamily
 from timetotrain.spec.benchmark import Benchmark, Optimizer, Tier
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task
 
 FILE = "toy_clusters.npz"
 
@@ -98,13 +98,13 @@ class ClusterData:
 
 
 class _Points(RunData):
-    def __init__(self, x, y, xv, yv, gbs, rank, world, seed, device):
+    def __init__(self, x, y, xv, yv, gbs, share: Share, seed, device):
         self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
         self.samples_per_epoch = len(y)
-        lo, hi = len(yv) * rank // world, len(yv) * (rank + 1) // world
-        self.xv, self.yv = torch.from_numpy(xv[lo:hi]).to(device), torch.from_numpy(yv[lo:hi]).to(device)
-        self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
-        self.seed, self.world, self.device = seed, world, device
+        part = share.part(len(yv))  # this rank's contiguous part of the validation points
+        self.xv, self.yv = torch.from_numpy(xv[part]).to(device), torch.from_numpy(yv[part]).to(device)
+        self.gbs, self.local, self.offset = gbs, share.local, share.offset
+        self.seed, self.world, self.device = seed, share.world, device
         self._perm: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -178,7 +178,7 @@ class Classify(Task):
             )
         return Resolved(path)
 
-    def open(self, tier, resolved, seed, rank, world, device):
+    def open(self, tier, resolved, seed, share, device):
         d = np.load(resolved.path)
         return _Points(
             d["x_train"],
@@ -186,8 +186,7 @@ class Classify(Task):
             d["x_val"],
             d["y_val"],
             tier.global_batch_size,
-            rank,
-            world,
+            share,
             seed,
             device,
         )

@@ -129,7 +129,7 @@ def _plan(bench, tier, args) -> dict:
     p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=ac,
                        compile=args.compile)  # fmt: skip
     local = parallel.check_batch_split(tier.global_batch_size, p)
-    micro = min(tier.micro_batch_size, local)
+    micro = bench.micro_batch(tier, local)
     doc = {
         "world_size": d.world,
         "parallel": p.describe(),

@@ -227,16 +227,20 @@ def vocab_table(counts_file: Path, keep: int) -> torch.Tensor:
 
 
 class TokenSource:
-    """Global batches in step order; `shard` gives a rank its contiguous part of each global batch."""
+    """Global batches of `gbs` windows in step order, of which this rank reads the `local` from `offset` on
+    (its share, which the harness computes: `spec.task.Share`); by default the whole batch."""
 
     def __init__(
-        self, windows: GPTWindows, gbs: int, table: torch.Tensor | None, rank: int = 0, world: int = 1
+        self,
+        windows: GPTWindows,
+        gbs: int,
+        table: torch.Tensor | None,
+        local: int | None = None,
+        offset: int = 0,
     ):
-        if gbs % world:
-            raise UserError(f"global_batch_size {gbs} is not divisible by the {world} data-parallel ranks")
         self.windows, self.gbs, self.table = windows, gbs, table
-        self.local = gbs // world
-        self.offset = rank * self.local
+        self.local = gbs if local is None else local
+        self.offset = offset
 
     def batch(self, step: int) -> torch.Tensor:
         start = step * self.gbs + self.offset

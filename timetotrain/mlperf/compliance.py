@@ -15,6 +15,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlperf_logging.compliance_checker as cc
 import yaml
@@ -25,6 +26,9 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.structure import Finding, check_structure, records
 from timetotrain.spec import official, registry
 
+if TYPE_CHECKING:  # spec/benchmark.py imports torch, which `ttt run`'s seed check must not wait for
+    from timetotrain.spec.benchmark import Benchmark
+
 RULESET = "6.0.0"
 
 
@@ -33,12 +37,18 @@ def official_rules_dir() -> Path:
 
 
 def rule_file(benchmark: str, tier: str) -> Path | None:
-    """None means: the official ruleset entry point (common.yaml), as for a real submission."""
+    """The rule file of a benchmark named in a log (`tier_rule_file`)."""
+    return tier_rule_file(registry.get(benchmark), tier)
+
+
+def tier_rule_file(bench: Benchmark, tier: str) -> Path | None:
+    """Our rule file of `bench`'s `tier`, in the benchmark's own `rules_dir`; None means the official ruleset
+    entry point (common.yaml), as for a real submission."""
     if tier == "reference":
         return None
-    path = registry.get(benchmark).rules_dir / f"{benchmark}_{tier}.yaml"
+    path = bench.rules_dir / f"{bench.name}_{tier}.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"no rule file for {benchmark} tier {tier} at {path}")
+        raise FileNotFoundError(f"no rule file for {bench.name} tier {tier} at {path}")
     return path
 
 

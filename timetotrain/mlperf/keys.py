@@ -5,7 +5,7 @@ its division."""
 from __future__ import annotations
 
 from timetotrain.errors import UserError
-from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, rule_file
+from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir, tier_rule_file
 from timetotrain.spec.benchmark import Benchmark, Tier, closed_violation
 
 
@@ -19,19 +19,25 @@ def submission_keys(bench: Benchmark, tier: Tier, org: str, plat: str) -> list[t
     ]
 
 
-def check_rules(bench: Benchmark, tier: Tier) -> None:
+def check_rules(
+    bench: Benchmark, tier: Tier, hyperparameters: list[tuple[str, object]] | None = None
+) -> None:
     """Refuse, before any log line, a configuration the rule file of its division would reject, and a
-    closed one that breaks a training rule no rule file checks (`spec.benchmark.closed_violation`)."""
+    closed one that breaks a training rule no rule file checks (`spec.benchmark.closed_violation`).
+    `hyperparameters`: the block the run will log (`train/prepare.Prepared.hyperparameters`), so that what
+    is checked is what is logged; None (`ttt check`, no run): the block of one process."""
     if tier.name == "reference":
         if tier.division != "closed":
             return
         files = [official_rules_dir() / f for f in bench.closed_rules]
     else:
-        files = [rule_file(bench.name, tier.name)]
+        files = [tier_rule_file(bench, tier.name)]
     # With the keys every run logs after the hyperparameters (one process, fp32 here: the rules only ask
     # that they are present and well formed), which rule files from 6.1 on require.
-    logged = submission_keys(bench, tier, "x", "x") + bench.hyperparameters(tier)
-    logged += parallel_keys(None, tier.micro_batch_size) + config_keys(bench, tier)
+    if hyperparameters is None:
+        hyperparameters = bench.hyperparameters(tier)
+    logged = submission_keys(bench, tier, "x", "x") + hyperparameters
+    logged += parallel_keys(None, bench.micro_batch(tier)) + config_keys(bench, tier)
     problems = hparam_violations(files, logged)
     if problems:
         hint = " (or --set division=open)" if tier.name == "reference" else ""

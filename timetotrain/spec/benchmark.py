@@ -23,6 +23,8 @@ class Tier:
     model: Any  # the family's config dataclass
     data: Any  # the task's data spec (e.g. tasks.causal_lm.LMData)
     global_batch_size: int
+    # An upper bound, declared or --set: the micro-batch a rank runs is settled from it for the rank's batch
+    # in one place (`Benchmark.micro_batch`; a run's in `train/prepare.settle_micro_batch`).
     micro_batch_size: int
     lr: float
     end_lr: float
@@ -59,10 +61,6 @@ class Tier:
     # depend on the thread count, so the tier's RCP runs are only repeated at theirs. Logged as
     # `ttt_cpu_threads`, which `ttt package`'s run_and_time.sh exports again.
     cpu_threads: int | None = None
-
-    @property
-    def grad_accum(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
 
     @property
     def eval_every_steps(self) -> int:
@@ -253,11 +251,23 @@ class Benchmark:
             )
         return self.tiers[name]
 
+    def micro_batch(self, tier: Tier, local: int | None = None) -> int:
+        """The micro-batch of a rank that trains `local` samples a step (None: the whole global batch, one
+        process): the tier's `micro_batch_size` (an upper bound: more ranks mean smaller per-rank batches),
+        or all `local` at once for a task whose batch does not cut (`Task.whole_batches`)."""
+        local = tier.global_batch_size if local is None else local
+        return local if self.task.whole_batches else min(tier.micro_batch_size, local)
+
+    def grad_accum(self, tier: Tier) -> int:
+        """Micro-batches of one process's step."""
+        return tier.global_batch_size // self.micro_batch(tier)
+
     def hyperparameters(self, tier: Tier, accum: int | None = None) -> list[tuple[str, object]]:
         """The task's MLPerf hyperparameters, then `ttt_model`: the model a run trains. Two of our tiers
         can log the same hyperparameters (llama31_8b and gpt_oss_20b tiny do), so without it a log that
-        names the wrong submission_benchmark would pass that benchmark's rule file."""
-        hp = self.task.hyperparameters(self, tier, accum or tier.grad_accum)
+        names the wrong submission_benchmark would pass that benchmark's rule file. `accum`: the run's
+        gradient accumulation (`train/prepare.Prepared.accum`); None: one process's."""
+        hp = self.task.hyperparameters(self, tier, accum or self.grad_accum(tier))
         return hp + [("ttt_model", self.model_key(tier))]
 
     def clip(self, tier: Tier) -> float | None:
@@ -343,10 +353,6 @@ def apply_overrides(bench: Benchmark, tier: Tier, sets: list[str]) -> Tier:
             changes["end_lr"] = rcp.end_lr
         else:
             changes["end_lr"] = changes["lr"] * tier.end_lr / tier.lr
-    if "micro_batch_size" not in changes and gbs is not None and bench.task.whole_batches:
-        changes["micro_batch_size"] = gbs
-    if "micro_batch_size" not in changes and gbs is not None and tier.micro_batch_size > gbs:
-        changes["micro_batch_size"] = gbs
     new = dataclasses.replace(tier, **changes, user_set=tier.user_set | given)
     validate(bench, new)
     return new
@@ -400,7 +406,7 @@ def validate(bench: Benchmark, t: Tier) -> None:
     for key in ("global_batch_size", "micro_batch_size", "max_steps", "eval_samples", "eval_every_samples"):
         if getattr(t, key) <= 0:
             raise UserError(f"--set {key}={getattr(t, key)}: must be positive")
-    if t.global_batch_size % t.micro_batch_size:
+    if t.global_batch_size % bench.micro_batch(t):
         raise UserError(
             f"--set micro_batch_size={t.micro_batch_size} must divide global_batch_size={t.global_batch_size}"
         )

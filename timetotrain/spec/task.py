@@ -7,7 +7,8 @@ docs/adding-a-benchmark.md walks through it.
 A task answers, for a tier of a benchmark:
 - what its quality metric is (`Metric`: direction, and whether eval points count samples or epochs);
 - where its data is (`resolve`, the preflight: present and checksummed, before any log line) and how to
-  open it after `run_start` (`open` -> `RunData`: this rank's batches, the loss, the evaluation);
+  open it after `run_start` (`open` -> `RunData`: this rank's batches, the loss, the evaluation) for the
+  rank's `Share` of every batch, which the harness computes;
 - what a random batch is (`synthetic`, for `ttt synth` and the warm-up before the clock);
 - how many FLOPs one training sample costs, and what one sample holds ("tokens" x seq_len, "images" x 1);
 - which hyperparameter keys the log carries;
@@ -31,6 +32,50 @@ import torch
 import torch.distributed as dist
 
 Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One data-parallel rank's part of the data: of every global batch, the `local` samples from `offset`
+    on, as rank `rank` of `world`. The harness makes it once, after checking the split (`Share.of` from
+    `train/parallel.batch_share`), and hands it to `Task.open`; a task reads it and derives no share of its
+    own. Its methods are the ways the references split an eval set over the ranks, each written once here."""
+
+    rank: int
+    world: int
+    local: int  # samples of each global batch this rank trains on
+    offset: int  # where they start in the global batch
+
+    @classmethod
+    def of(cls, global_batch: int, rank: int = 0, world: int = 1) -> Share:
+        """Rank `rank`'s contiguous part of a `global_batch` that `world` divides (checked first by the
+        caller: `train/parallel.batch_share`, which says so in one line); the defaults: one process, the
+        whole batch."""
+        if global_batch % world or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of {world} has no equal share of a batch of {global_batch}")
+        local = global_batch // world
+        return cls(rank, world, local, rank * local)
+
+    def part(self, n: int) -> slice:
+        """This rank's contiguous part of `n` items cut as evenly as they go (sizes differ by one at most)."""
+        return slice(n * self.rank // self.world, n * (self.rank + 1) // self.world)
+
+    def equal_part(self, n: int) -> slice:
+        """This rank's `n // world` contiguous items: equal parts, the last `n % world` items in none."""
+        size = n // self.world
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def padded_part(self, n: int) -> range:
+        """This rank's `ceil(n / world)` contiguous positions: equal parts that cover all `n` items, the
+        last part running past `n` by what the caller pads."""
+        size = -(-n // self.world)
+        return range(self.rank * size, (self.rank + 1) * size)
+
+    def strided(self, n: int, padded: bool = False) -> range:
+        """Items rank, rank + world, ... of `n` (round robin); `padded`: as many for every rank,
+        `ceil(n / world)`, positions past `n` included for the caller to count as nothing."""
+        stop = -(-n // self.world) * self.world if padded else n
+        return range(self.rank, stop, self.world)
 
 
 @dataclass(frozen=True)
@@ -122,7 +167,7 @@ class Task(ABC):
     # that records it (e.g. {"seq_len": "max_sequence_length"}).
     settable: dict[str, str] = {}
     # True for a task whose batch cannot be cut into micro-batches (a sampled subgraph): its micro-batch
-    # is the whole per-rank batch, so `--set global_batch_size` takes micro_batch_size along.
+    # is the whole per-rank batch, whatever the tier's micro_batch_size (`Benchmark.micro_batch`).
     whole_batches: bool = False
     # The `run_stop` status of a run that reaches max_steps without meeting the target (signals and errors
     # are always "aborted"): the word the task's reference logs.
@@ -141,8 +186,9 @@ class Task(ABC):
         base's narrowed vocabulary); most tasks ignore it."""
 
     @abstractmethod
-    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
-        """The data of one run for one of `world` data-parallel ranks; called after `run_start`."""
+    def open(self, tier, resolved, seed: int, share: Share, device: torch.device) -> RunData:
+        """The data of one run for one data-parallel rank, whose part of every global batch (and place among
+        the ranks) is `share`; called after `run_start`."""
 
     @abstractmethod
     def synthetic(self, tier, local_batch: int, generator: torch.Generator, device: torch.device) -> RunData:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from timetotrain.data import arithmetic
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,11 @@ def _rows(problems, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Answers(RunData):
-    def __init__(self, train, val, width, gbs, rank, world, device):
+    def __init__(self, train, val, width, gbs, share: Share, device):
         self.tokens, self.labels = _rows(train, width)
-        self.val = _rows(val[rank::world], width)
-        self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
-        self.world, self.device = world, device
+        self.val = _rows([val[i] for i in share.strided(len(val))], width)
+        self.gbs, self.local, self.offset = gbs, share.local, share.offset
+        self.world, self.device = share.world, device
 
     def batch(self, step: int) -> Batch:
         n = len(self.tokens)
@@ -106,11 +106,11 @@ class AnswerSFT(Task):
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint=None):
         return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
 
-    def open(self, tier, resolved, seed, rank, world, device) -> RunData:
+    def open(self, tier, resolved, seed, share, device) -> RunData:
         d = tier.data
         train = arithmetic.read(resolved.paths[0], d.digits)
         val = arithmetic.read(resolved.paths[1], d.digits)[: tier.eval_samples]
-        return _Answers(train, val, d.width, tier.global_batch_size, rank, world, device)
+        return _Answers(train, val, d.width, tier.global_batch_size, share, device)
 
     def synthetic(self, tier, local_batch, generator, device) -> RunData:
         return _RandomAnswers(tier.data.width, local_batch, generator, device)

@@ -24,7 +24,7 @@ from timetotrain.data import loader, sources
 from timetotrain.data.cyclic_sampler import CyclicDraw, reference_val_samples
 from timetotrain.data.tokenizer import EOS_IDS
 from timetotrain.errors import UserError
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,10 @@ class Evaluator:
         self.tokens = self._load(range(len(windows))) if draw is None else None
 
     @classmethod
-    def fixed(cls, windows, n: int, table, device, micro_batch: int, rank=0, world=1, eod_id=None):
+    def fixed(cls, windows, n: int, table, device, micro_batch: int, share: Share, eod_id=None):
         """The first `n` windows, this rank's contiguous share of them."""
-        lo, hi = n * rank // world, n * (rank + 1) // world
-        return cls(_Slice(windows, lo, hi), table, device, micro_batch, world, eod_id)
+        part = share.part(n)
+        return cls(_Slice(windows, part.start, part.stop), table, device, micro_batch, share.world, eod_id)
 
     def _load(self, indices) -> torch.Tensor:
         tokens = self.windows.batch(list(indices))
@@ -269,33 +269,32 @@ class CausalLM(Task):
             self._eod_id(tier, loader.vocab_table(res.counts_file, tier.data.vocab_keep))
         return res
 
-    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
+    def open(self, tier, resolved, seed: int, share: Share, device: torch.device) -> RunData:
         data = tier.data
         table = loader.vocab_table(resolved.counts_file, data.vocab_keep) if data.vocab_keep else None
         eod_id = self._eod_id(tier, table)
         train = loader.open_train(resolved, data.seq_len, tier.max_steps * tier.global_batch_size, seed)
-        source = loader.TokenSource(train, tier.global_batch_size, table, rank, world)
-        return _TokenData(
-            source, self._evaluator(tier, resolved, seed, rank, world, device, table, eod_id), eod_id
-        )
+        source = loader.TokenSource(train, tier.global_batch_size, table, share.local, share.offset)
+        return _TokenData(source, self._evaluator(tier, resolved, seed, share, device, table, eod_id), eod_id)
 
-    def _evaluator(self, tier, resolved, seed, rank, world, device, table, eod_id) -> Evaluator:
+    def _evaluator(self, tier, resolved, seed, share: Share, device, table, eod_id) -> Evaluator:
         n, seq, micro = self.eval_windows(tier), tier.data.seq_len, tier.micro_batch_size
         if tier.data.val_draw == "first":
             windows = loader.open_val(resolved, seq, n)
-            return Evaluator.fixed(windows, n, table, device, micro, rank, world, eod_id)
+            return Evaluator.fixed(windows, n, table, device, micro, share, eod_id)
         # Megatron-Bridge's cyclic validation sampler: rank r reads its share of each evaluation from its own
         # bucket, at the positions its stream has reached (data/cyclic_sampler.py).
         gbs = tier.global_batch_size
         want = reference_val_samples(tier.max_steps, self.eval_every_steps(tier), gbs)
         windows = loader.open_val_shuffled(resolved, seq, want, seed)
-        sampler = CyclicDraw(len(windows), micro, rank, world)
-        share = n * (rank + 1) // world - n * rank // world
+        sampler = CyclicDraw(len(windows), micro, share.rank, share.world)
+        part = share.part(n)
+        count = part.stop - part.start  # this rank's windows of each evaluation
 
         def draw(k: int):
-            return sampler.indices(k * share, share)
+            return sampler.indices(k * count, count)
 
-        return Evaluator(windows, table, device, micro, world, eod_id, draw)
+        return Evaluator(windows, table, device, micro, share.world, eod_id, draw)
 
     def eval_windows(self, tier) -> int:
         """The windows one evaluation reads: `eval_samples`, or whole global batches covering them (or, with

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from timetotrain.data import criteo, criteo_synth
 from timetotrain.errors import UserError
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task
 from timetotrain.tasks.auc import auc, gather
 
 
@@ -68,19 +68,18 @@ def _to_batch(rows: tuple, device=None) -> Batch:
 
 
 class _Days(RunData):
-    def __init__(self, files: criteo.CriteoFiles, spec: CTRData, gbs: int, rank: int, world: int, device):
+    def __init__(self, files: criteo.CriteoFiles, spec: CTRData, gbs: int, share: Share, device):
         self.files, self.spec = files, spec
         self.train = criteo.Rows(files.days[:-1])
         self.val = criteo.Rows(files.days[-1:], count=files.val_rows)
         self.batches = criteo.batches(len(self.train), gbs)
         self.samples_per_epoch = self.batches * gbs
-        self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
-        self.rank, self.world, self.device = rank, world, device
+        self.gbs, self.local, self.offset = gbs, share.local, share.offset
+        self.rank, self.world, self.device = share.rank, share.world, device
         # This rank's contiguous share of the validation rows (the AUC gathers every share). Every rank scores
         # the same number of equal chunks, the last share padded with repeats of the last row (dropped before
         # the AUC): sharded tables run collectives in each forward, which every rank must join alike.
-        self.share = -(-len(self.val) // world)
-        self.val_start = rank * self.share
+        self.val_rows = share.padded_part(len(self.val))
 
     def batch(self, step: int) -> Batch:
         self.files.mapped.check_unchanged()  # before touching mapped pages: a file cut short is a SIGBUS
@@ -96,8 +95,8 @@ class _Days(RunData):
         model.eval()
         scores, labels = [], []
         n_val = len(self.val)
-        for a in range(self.val_start, self.val_start + self.share, self.spec.eval_batch):
-            n = min(self.spec.eval_batch, self.val_start + self.share - a)
+        for a in range(self.val_rows.start, self.val_rows.stop, self.spec.eval_batch):
+            n = min(self.spec.eval_batch, self.val_rows.stop - a)
             real = max(min(n, n_val - a), 0)
             self.files.mapped.check_unchanged()
             rows = self.val.take(a, real) if real else self.val.take(n_val - 1, 1)
@@ -239,8 +238,8 @@ class ClickThroughRate(Task):
             raise
         return Resolved(files, time.monotonic() - t0)
 
-    def open(self, tier, resolved, seed, rank, world, device):
-        return _Days(resolved.criteo_files, tier.data, tier.global_batch_size, rank, world, device)
+    def open(self, tier, resolved, seed, share, device):
+        return _Days(resolved.criteo_files, tier.data, tier.global_batch_size, share, device)
 
     def synthetic(self, tier, local_batch, generator, device):
         return _Synthetic(tier, local_batch, generator, device)

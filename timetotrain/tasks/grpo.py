@@ -34,7 +34,7 @@ from timetotrain.errors import UserError
 from timetotrain.mlperf.results import ROLLOUT_STATS_KEY
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.moe import MoE
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task
 from timetotrain.tasks.envs import ExactAnswer
 from timetotrain.tasks.envs import Problem as EnvProblem
 from timetotrain.tasks.policy_gradient import (
@@ -133,33 +133,32 @@ def _unwrap(model):
 
 
 class _Rollouts(RunData):
-    def __init__(self, tier, train, val, seed, rank, world, device, engine: RolloutEngine, env):
+    def __init__(self, tier, train, val, seed, share: Share, device, engine: RolloutEngine, env):
         d = tier.data
         self.tier, self.d, self.train, self.val = tier, d, train, val
         self.G, self.gbs, self.world, self.rank, self.device = (
             d.generations,
             tier.global_batch_size,
-            world,
-            rank,
+            share.world,
+            share.rank,
             device,
         )
-        self.local = self.gbs // world
-        if self.gbs % world or self.local % self.G:
+        self.local, self.offset = share.local, share.offset
+        if self.local % self.G:
             raise UserError(
-                f"--set global_batch_size={self.gbs}: each of the {world} ranks needs whole groups of "
-                f"{self.G} generations (GBS a multiple of {self.G * world})"
+                f"--set global_batch_size={self.gbs}: each of the {self.world} ranks needs whole groups of "
+                f"{self.G} generations (GBS a multiple of {self.G * self.world})"
             )
         self.seed, self.engine, self.env = seed, engine, env
         self.loss_cfg = LossConfig()
         self.step = 0
-        lo, hi = len(val) * rank // world, len(val) * (rank + 1) // world
-        self.val_share = val[lo:hi]
+        self.val_share = val[share.part(len(val))]
         self.last_reward = float("nan")
 
     # -- the prompts of a step: the file's order, no shuffling (the reference's `data.shuffle: false`) --
     def batch(self, step: int) -> Batch:
         prompts = self.gbs // self.G
-        first = step * prompts + self.rank * (self.local // self.G)
+        first = step * prompts + self.offset // self.G
         idx = [(first + i) % len(self.train) for i in range(self.local // self.G)]
         rows = [i for i in idx for _ in range(self.G)]
         ids = torch.tensor([arithmetic.prompt_ids(self.train[i]) for i in rows], dtype=torch.long)
@@ -304,8 +303,9 @@ class _Synthetic(_Rollouts):
     def __init__(self, tier, local_batch, generator, device, engine):
         self.tier, self.d, self.G = tier, tier.data, tier.data.generations
         self.gbs, self.world, self.rank, self.device, self.engine = local_batch, 1, 0, device, engine
-        self.local, self.loss_cfg, self.gen, self.last_reward = (
+        self.local, self.offset, self.loss_cfg, self.gen, self.last_reward = (
             local_batch,
+            0,
             LossConfig(),
             generator,
             float("nan"),
@@ -354,10 +354,6 @@ class GRPO(Task):
             raise UserError(
                 f"--set global_batch_size={tier.global_batch_size}: GBS is prompts x {d.generations} "
                 "generations, so it must be a multiple of num_generations_per_prompt"
-            )
-        if tier.micro_batch_size > tier.global_batch_size:
-            raise UserError(
-                f"micro_batch_size {tier.micro_batch_size} is over the GBS {tier.global_batch_size}"
             )
 
     def eval_every_steps(self, tier) -> int:
@@ -410,11 +406,11 @@ class GRPO(Task):
             )
         return _Resolved(arithmetic.check(Path(data_dir), tier.data.digits, tier.data.kind, verify))
 
-    def open(self, tier, resolved, seed, rank, world, device) -> RunData:
+    def open(self, tier, resolved, seed, share, device) -> RunData:
         train_path, val_path = resolved.paths
         train = arithmetic.read(train_path, tier.data.digits)
         val = arithmetic.read(val_path, tier.data.digits)[: tier.eval_samples]
-        return _Rollouts(tier, train, val, seed, rank, world, device, self.engine, ExactAnswer())
+        return _Rollouts(tier, train, val, seed, share, device, self.engine, ExactAnswer())
 
     def synthetic(self, tier, local_batch, generator, device) -> RunData:
         return _Synthetic(tier, local_batch, generator, device, self.engine)

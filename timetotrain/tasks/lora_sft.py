@@ -25,7 +25,7 @@ from timetotrain.data.mapped import MappedFiles
 from timetotrain.data.vocab_table import load_vocab_table
 from timetotrain.errors import UserError
 from timetotrain.models.common.lora import QKV_PARTS, apply_lora, base_names, init_lora, lora_param_count
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task, evaluate_ratio
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,15 @@ def lm_block_loss(
 
 
 class _Blocks(RunData):
-    def __init__(self, ids, labels, eval_ids, eval_labels, gbs, rank, world, seed, device, mapped=None):
+    def __init__(self, ids, labels, eval_ids, eval_labels, gbs, share: Share, seed, device, mapped=None):
         self.ids, self.labels = ids, labels
         self.mapped = mapped  # the files behind ids/labels where they are mapped (None: in memory)
         self.samples_per_epoch = len(ids)
-        self.gbs, self.local, self.offset, self.seed = gbs, gbs // world, rank * (gbs // world), seed
-        lo, hi = len(eval_ids) * rank // world, len(eval_ids) * (rank + 1) // world
-        self.eval_ids = torch.from_numpy(np.asarray(eval_ids[lo:hi], dtype=np.int64)).to(device)
-        self.eval_labels = torch.from_numpy(np.asarray(eval_labels[lo:hi], dtype=np.int64)).to(device)
-        self.world, self.device = world, device
+        self.gbs, self.local, self.offset, self.seed = gbs, share.local, share.offset, seed
+        part = share.part(len(eval_ids))
+        self.eval_ids = torch.from_numpy(np.asarray(eval_ids[part], dtype=np.int64)).to(device)
+        self.eval_labels = torch.from_numpy(np.asarray(eval_labels[part], dtype=np.int64)).to(device)
+        self.world, self.device = share.world, device
         self._epoch, self._order = -1, None
 
     def _sample(self, i: int) -> int:
@@ -208,7 +208,7 @@ class LoRAFineTune(Task):
                 )
         return _Resolved(data_dir, table)
 
-    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
+    def open(self, tier, resolved, seed: int, share: Share, device: torch.device) -> RunData:
         mapped = MappedFiles()
         ids, labels, _ = govreport.load_prepared(resolved.data_dir, "train", verify=False, mapped=mapped)
         eval_ids, eval_labels, _ = govreport.load_prepared(resolved.data_dir, "validation", verify=False)
@@ -223,8 +223,7 @@ class LoRAFineTune(Task):
             eval_ids[:n],
             eval_labels[:n],
             tier.global_batch_size,
-            rank,
-            world,
+            share,
             seed,
             device,
             mapped,

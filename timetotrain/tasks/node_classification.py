@@ -23,7 +23,7 @@ from timetotrain.data import graph_synth, igbh
 from timetotrain.data.sampler import NeighbourSampler
 from timetotrain.errors import UserError
 from timetotrain.models import rgat
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task, evaluate_ratio
 
 SEED_TYPE = "paper"
 
@@ -59,10 +59,10 @@ def eval_interval(batches: int, fraction: float) -> int:
 
 
 def eval_seeds(val_seeds: int, world: int) -> int:
-    """Validation seeds one evaluation reads on `world` ranks: the reference gives each rank
-    `val_idx.split(len // world)[rank]` (train_rgnn_multi_gpu.py:96), so the last `len % world` seeds are
-    never evaluated (3 of 788,379 on 4 GPUs)."""
-    return val_seeds // world * world
+    """Validation seeds one evaluation reads on `world` ranks: the reference splits `val_idx` into chunks
+    of floor(len / world) seeds and gives rank r chunk r (train_rgnn_multi_gpu.py:96; `Share.equal_part`), so
+    the last `len % world` seeds are never evaluated (3 of 788,379 on 4 GPUs)."""
+    return val_seeds - val_seeds % world
 
 
 def _split(tier) -> tuple[int, float, float]:
@@ -110,7 +110,7 @@ def _generator(*parts: int) -> torch.Generator:
 
 
 class _Seeds(RunData):
-    def __init__(self, graph: igbh.Graph, train, val, spec: GraphData, gbs, rank, world, seed, device):
+    def __init__(self, graph: igbh.Graph, train, val, spec: GraphData, gbs, share: Share, seed, device):
         self.graph, self.train, self.spec = graph, train, spec
         # An epoch is the reference's batches_per_epoch batches, so eval points and `epoch_num` (the loop's
         # samples / samples_per_epoch = steps / batches, the reference's epoch + idx / batch_num) restart
@@ -118,10 +118,9 @@ class _Seeds(RunData):
         # every batch is whole, so each rank's share and `samples_count` stay exact.
         self.batches = batches_per_epoch(len(train), gbs)
         self.samples_per_epoch = self.batches * gbs
-        self.gbs, self.local, self.offset = gbs, gbs // world, rank * (gbs // world)
-        self.rank, self.world, self.seed, self.device = rank, world, seed, device
-        share = eval_seeds(len(val), world) // world  # equal shares, as the reference's (`eval_seeds`)
-        self.val = val[rank * share : (rank + 1) * share]
+        self.gbs, self.local, self.offset = gbs, share.local, share.offset
+        self.rank, self.world, self.seed, self.device = share.rank, share.world, seed, device
+        self.val = val[share.equal_part(len(val))]  # equal shares, as the reference's (`eval_seeds`)
         # One sampler per thread: batches are sampled on the prefetch thread, evaluations on the main one.
         self.sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
         self.eval_sampler = NeighbourSampler(graph.csc, graph.num_nodes, spec.fanouts)
@@ -231,7 +230,7 @@ class NodeClassification(Task):
     whole_batches = True
 
     def validate(self, tier) -> None:
-        if tier.micro_batch_size != tier.global_batch_size:
+        if "micro_batch_size" in tier.user_set and tier.micro_batch_size != tier.global_batch_size:
             raise UserError(
                 f"--set micro_batch_size={tier.micro_batch_size}: a sampled subgraph is one batch; node "
                 "classification has no gradient accumulation (micro_batch_size = global_batch_size)"
@@ -320,11 +319,11 @@ class NodeClassification(Task):
             print(f"graph cache built in {seconds:.1f} s (off the clock: the rules allow graph caching)")
         return Resolved(files, seconds)
 
-    def open(self, tier, resolved, seed, rank, world, device):
+    def open(self, tier, resolved, seed, share, device):
         spec: GraphData = tier.data
         graph = igbh.open_graph(resolved.graph_files)  # labels range-checked in resolve(), before the clock
         train, val = igbh.split(len(graph.labels), spec.train_fraction, spec.val_fraction)
-        return _Seeds(graph, train, val, spec, tier.global_batch_size, rank, world, seed, device)
+        return _Seeds(graph, train, val, spec, tier.global_batch_size, share, seed, device)
 
     def synthetic(self, tier, local_batch, generator, device):
         return _Synthetic(tier, local_batch, generator, device)

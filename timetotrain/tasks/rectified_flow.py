@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from timetotrain.data import flux_encoders, flux_prepare
 from timetotrain.data import flux_encodings as enc
 from timetotrain.errors import UserError
-from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Task, evaluate_ratio
+from timetotrain.spec.task import Batch, DataRecipe, Metric, RunData, Share, Task, evaluate_ratio
 
 EVAL_TIMESTEPS = 8
 _EVAL_TAG = 0xE7A1  # separates the eval generators' seeds from the training steps'
@@ -126,12 +126,12 @@ class Resolved:
 
 
 class _FlowData(RunData):
-    def __init__(self, tier, resolved: Resolved, seed: int, rank: int, world: int, device):
+    def __init__(self, tier, resolved: Resolved, seed: int, share: Share, device):
         self.cfg, self.data, self.tier = tier.model, tier.data, tier
         self.train, self.val = resolved.train, resolved.val
         self.empty_txt, self.empty_vec = resolved.empty
-        self.seed, self.rank, self.world, self.device = seed, rank, world, device
-        self.local = tier.global_batch_size // world
+        self.seed, self.share, self.device = seed, share, device
+        self.rank, self.world, self.local = share.rank, share.world, share.local
         self.n_eval = tier.eval_samples
 
     def _encode(self, rows: dict, gen: torch.Generator, t: torch.Tensor) -> Batch:
@@ -152,7 +152,7 @@ class _FlowData(RunData):
 
     def batch(self, step: int) -> Batch:
         # The stored order, split across ranks, re-looped when exhausted (no shuffling, as the reference).
-        start = step * self.tier.global_batch_size + self.rank * self.local
+        start = step * self.tier.global_batch_size + self.share.offset
         idx = np.arange(start, start + self.local) % self.train.n
         rows = self.train.rows(idx)
         gen = torch.Generator().manual_seed(seed_of(self.seed, self.rank, step))
@@ -182,8 +182,7 @@ class _FlowData(RunData):
         # FSDP each forward all-gathers with every rank: a rank out of chunks repeats chunk 0 and counts
         # nothing from it.
         n_chunks = -(-self.n_eval // self.data.eval_batch)
-        rounds = -(-n_chunks // self.world)
-        chunks = [r * self.world + self.rank for r in range(rounds)]
+        chunks = list(self.share.strided(n_chunks, padded=True))
 
         def sums(model, c):
             real = c < n_chunks
@@ -233,13 +232,6 @@ def _check_encoders(tier, split: enc.EncodedSplit) -> None:
 
 class RectifiedFlow(Task):
     metric = Metric("validation MSE of the predicted velocity (mean over samples)", higher_is_better=False)
-
-    def validate(self, tier) -> None:
-        if tier.global_batch_size % tier.micro_batch_size:
-            raise UserError(
-                f"--set global_batch_size={tier.global_batch_size} is not a multiple of micro_batch_size "
-                f"{tier.micro_batch_size}"
-            )
 
     def data_name(self, tier) -> str | None:
         return "flux-standin-tiny" if tier.name == "tiny" else None
@@ -295,8 +287,8 @@ class RectifiedFlow(Task):
             )
         return Resolved(root, train, val, enc.read_empty(root, shapes, verify=verify))
 
-    def open(self, tier, resolved, seed: int, rank: int, world: int, device: torch.device) -> RunData:
-        return _FlowData(tier, resolved, seed, rank, world, device)
+    def open(self, tier, resolved, seed: int, share: Share, device: torch.device) -> RunData:
+        return _FlowData(tier, resolved, seed, share, device)
 
     def synthetic(self, tier, local_batch: int, generator, device) -> RunData:
         return _RandomFlow(tier.model, local_batch, generator, device)

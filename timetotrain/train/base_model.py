@@ -41,6 +41,7 @@ from timetotrain.data.vocab_table import VOCAB_TABLE
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 from timetotrain.spec.benchmark import BASES, BaseRecipe, ShippedBase
+from timetotrain.spec.task import Share
 from timetotrain.train.checkpoint import HF_INDEX
 from timetotrain.train.device import cpu_model
 from timetotrain.train.step import build_training
@@ -176,7 +177,7 @@ def make_base(
     dev = torch.device(device)
     torch.manual_seed(recipe.seed)
     tr = build_training(bench, tier, dev, recipe.seed)
-    data = bench.task.open(tier, resolved, recipe.seed, 0, 1, dev)
+    data = bench.task.open(tier, resolved, recipe.seed, Share.of(tier.global_batch_size), dev)
     live = LiveLine() if echo else None
     what = f"base {bench.name}/{tier.name}"
     if live:
@@ -186,7 +187,7 @@ def make_base(
         t_steps = time.monotonic()
         for step in range(tier.max_steps):
             batch = {k: v.to(dev) for k, v in data.batch(step).items()}
-            losses.append(tr.step(step, batch, tier.grad_accum, data.loss)[0])
+            losses.append(tr.step(step, batch, bench.grad_accum(tier), data.loss)[0])
             # The first step at once (it says the run is moving and how long a step takes), then as often
             # as the line allows; the loss is read off the device only for a line that prints.
             if live and (step == 0 or live.due()):

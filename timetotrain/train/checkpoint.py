@@ -471,11 +471,21 @@ def check_init_source(path: str | os.PathLike, family, cfg=None) -> str:
     )
 
 
-def init_from(path: str | os.PathLike, model: nn.Module, family, cfg, truncate_rows=None, names=None) -> None:
+def init_from(
+    path: str | os.PathLike,
+    model: nn.Module,
+    family,
+    cfg,
+    truncate_rows=None,
+    names=None,
+    kind: str | None = None,
+) -> None:
     """Replace the initialised weights of the bare `model` with a checkpoint's: before parallelism, or into
     FSDP2 shards (each rank reads what it holds). `names`: as `load_hf_checkpoint`'s, for a model that has
-    more parameters than the checkpoint (LoRA adapters added before sharding)."""
-    if check_init_source(path, family, cfg) == "hf":
+    more parameters than the checkpoint (LoRA adapters added before sharding). `kind`: what the preflight's
+    `check_init_source` found there ("hf" or "ours"), so a run checks its checkpoint once; None: checked
+    here."""
+    if (kind or check_init_source(path, family, cfg)) == "hf":
         load_hf_checkpoint(model, path, family.hf_mapping(cfg), truncate_rows=truncate_rows, names=names)
     else:
         load_checkpoint(path, model, None, names=names)

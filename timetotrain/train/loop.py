@@ -128,12 +128,12 @@ def _run(opts: RunOptions) -> RunResult:
         opts.activation_checkpointing, opts.compile, device=opts.device, seed=opts.seed,
     )  # fmt: skip
     tier, d, task = prep.tier, prep.dist, bench.task
-    check_rules(bench, tier)
+    check_rules(bench, tier, prep.hyperparameters)
     # The tier's shipped base (against its pinned sha256s), or a `ttt base` folder (against its base.json),
     # is hashed before anything parses it.
     base = check_init_base(bench, tier, Path(opts.init_checkpoint) if opts.init_checkpoint else None)
     if base.folder is not None:
-        check_init_source(base.folder, bench.family, tier.model)
+        prep.init_kind = check_init_source(base.folder, bench.family, tier.model)
         prep.init_checkpoint = base.folder
     if base.note and d.main:
         print(f"ttt: {base.note}", file=sys.stderr)
@@ -221,7 +221,7 @@ def _run(opts: RunOptions) -> RunResult:
             # -- the clock runs: dataset access from here on --
             if live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
                 live.update("opening the data ...", force=True)
-            data = task.open(tier, res, seed, prep.plan.data_rank(d.rank), prep.plan.data_parallel, device)
+            data = task.open(tier, res, seed, prep.share, device)
             fetch = loader.Prefetcher(data, 0, device)
             gbs, accum = tier.global_batch_size, prep.accum
             log_from = task.first_logged_eval_step(tier)

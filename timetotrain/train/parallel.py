@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from timetotrain.errors import UserError
 from timetotrain.fakes import data_parallel, real_host
+from timetotrain.spec.task import Share
 from timetotrain.train import float8
 from timetotrain.train.context_parallel import ContextParallel
 from timetotrain.train.embedding_parallel import shard_embeddings
@@ -264,15 +265,21 @@ def check_tensor_parallel(family, cfg, spec: str | None, tp: int) -> None:
         family.tensor_parallel_check(cfg, tp)
 
 
-def check_batch_split(global_batch_size: int, plan: Plan) -> int:
-    """Samples per data-parallel rank, or one line saying the batch does not split (`ttt run` and `ttt plan`
-    both ask here)."""
+def batch_share(global_batch_size: int, plan: Plan, rank: int = 0) -> Share:
+    """Global `rank`'s part of every global batch (that of its data-parallel rank, `Plan.data_rank`), or one
+    line saying the batch does not split: the one place a rank's share is computed (the task receives it)."""
     if global_batch_size % plan.data_parallel:
         raise UserError(
             f"global_batch_size {global_batch_size} is not divisible by {plan.data_parallel} "
             "data-parallel ranks: change --set global_batch_size or the process count"
         )
-    return global_batch_size // plan.data_parallel
+    return Share.of(global_batch_size, plan.data_rank(rank), plan.data_parallel)
+
+
+def check_batch_split(global_batch_size: int, plan: Plan) -> int:
+    """Samples per data-parallel rank, or one line saying the batch does not split (`ttt run` and `ttt plan`
+    both ask here)."""
+    return batch_share(global_batch_size, plan).local
 
 
 def apply(model: nn.Module, plan: Plan, device: torch.device, family):

@@ -324,7 +324,16 @@ def _init(family, model, device, seed: int) -> None:
         family.init(model, torch.Generator(device=device).manual_seed(seed))
 
 
-def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, init_checkpoint, timer: dict):
+def build(
+    bench,
+    tier,
+    device: torch.device,
+    seed: int,
+    plan: parallel.Plan,
+    init_checkpoint,
+    timer: dict,
+    init_kind=None,
+):
     """The model on the meta device -> TP over the whole (meta) model -> this rank's stages cut out,
     activation-checkpointed, compiled and sharded (FSDP2 per block and per stage) -> only they are
     allocated -> initialised from `seed + 1` -> one warm-up step through the schedule -> initialised from
@@ -408,7 +417,7 @@ def build(bench, tier, device: torch.device, seed: int, plan: parallel.Plan, ini
     mine = owned(stages)
     if init_checkpoint is not None:
         t0 = time.monotonic()
-        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier))
+        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind)
         timer["load"] = time.monotonic() - t0
     pipe.train()
     return mine, pipe
@@ -427,9 +436,10 @@ def owned(stages: list[Stage]) -> nn.Module:
     return mine
 
 
-def _load(path, mine: nn.Module, family, cfg, truncate_rows) -> None:
-    """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only."""
-    if check_init_source(path, family, cfg) == "hf":
+def _load(path, mine: nn.Module, family, cfg, truncate_rows, kind: str | None = None) -> None:
+    """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only.
+    `kind`: as `checkpoint.init_from`'s."""
+    if (kind or check_init_source(path, family, cfg)) == "hf":
         names = {_clean_name(n) for n, _ in mine.named_parameters()}
         mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in names}
         rows = {n: r for n, r in (truncate_rows or {}).items() if n in names}

@@ -15,6 +15,7 @@ from timetotrain.mlperf.keys import config_keys, parallel_keys, submission_keys
 from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.spec import registry
 from timetotrain.spec.benchmark import Benchmark, Tier, apply_overrides
+from timetotrain.spec.task import Share
 from timetotrain.train import context_parallel, distributed, float8, parallel, pipeline, sdpa
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
@@ -29,11 +30,20 @@ class Prepared:
     plan: parallel.Plan
     dist: distributed.Dist
     logdir: Path
-    local_batch: int  # samples per rank per step
+    share: Share  # this rank's part of every global batch, handed to `Task.open`
     accum: int  # micro-batches per rank per step
+    # The log's hyperparameter block, computed once: `mlperf.keys.check_rules` checks it, `log_init_keys`
+    # logs it.
+    hyperparameters: list[tuple[str, object]]
     device: torch.device | None = None
     seed: int | None = None
     init_checkpoint: Path | None = None  # weights to start from instead of the benchmark's init
+    init_kind: str | None = None  # what `checkpoint.check_init_source` found there: "hf" or "ours"
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per rank per step."""
+        return self.share.local
 
 
 def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
@@ -72,19 +82,9 @@ def preflight(
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     if plan.tp > 1:
         parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp)
-    local = parallel.check_batch_split(tier.global_batch_size, plan)
-    # A tier's micro-batch is an upper bound: more ranks means smaller per-rank batches. An explicit 0 is
-    # an error, not "the default".
-    micro = micro_batch if micro_batch is not None else min(tier.micro_batch_size, local)
-    if micro <= 0 or local % micro:
-        raise UserError(
-            f"{micro_flag}={micro} must divide the per-rank batch {local} into whole micro-batches"
-        )
-    if (
-        plan.pp > 1
-    ):  # the schedule's micro-batches: at most the tier's size, enough of them (train/pipeline.py)
-        explicit = micro_batch is not None or "micro_batch_size" in tier.user_set
-        micro = pipeline.check(bench, tier, plan, local, micro, explicit, micro_flag)
+    share = parallel.batch_share(tier.global_batch_size, plan, d.rank)
+    local = share.local
+    micro = settle_micro_batch(bench, tier, plan, local, micro_batch, micro_flag)
     if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
         # Expert all-to-alls need every rank in every eval forward: equal eval shares.
         raise UserError(
@@ -96,7 +96,26 @@ def preflight(
             f"--parallel {parallel_spec}: a model with embedding tables runs --parallel dp=N only"
         )
     tier = dataclasses.replace(tier, micro_batch_size=micro)
-    return Prepared(bench, tier, plan, d, logdir, local, local // micro)
+    accum = local // micro
+    return Prepared(bench, tier, plan, d, logdir, share, accum, bench.hyperparameters(tier, accum))
+
+
+def settle_micro_batch(
+    bench: Benchmark, tier: Tier, plan: parallel.Plan, local: int, given: int | None = None,
+    flag: str = "--set micro_batch_size",
+) -> int:  # fmt: skip
+    """The micro-batch a rank of `plan` with `local` samples a step runs: `given` (`ttt synth --micro-batch`),
+    else the tier's for that batch (`Benchmark.micro_batch`), checked to cut `local` into whole micro-batches
+    (an explicit 0 is an error, not "the default"); under pipeline parallelism, the schedule's
+    (`pipeline.check`: at most that size, enough of them). The one place a run's micro-batch is settled
+    (`ttt run` and `ttt synth` through `preflight`, `ttt plan --simulate`)."""
+    micro = given if given is not None else bench.micro_batch(tier, local)
+    if micro <= 0 or local % micro:
+        raise UserError(f"{flag}={micro} must divide the per-rank batch {local} into whole micro-batches")
+    if plan.pp > 1:
+        explicit = given is not None or "micro_batch_size" in tier.user_set
+        micro = pipeline.check(bench, tier, plan, local, micro, explicit, flag)
+    return micro
 
 
 def _blocks(cfg) -> int | None:
@@ -129,7 +148,7 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
     for k, v in submission_keys(prep.bench, tier, org, plat):
         log.event(k, v)
     log.event("seed", prep.seed)
-    for k, v in prep.bench.hyperparameters(tier, prep.accum):
+    for k, v in prep.hyperparameters:
         log.event(k, v)
     for k, v in parallel_keys(prep.plan, tier.micro_batch_size) + config_keys(prep.bench, tier):
         log.event(k, v)
@@ -143,4 +162,6 @@ def log_init_keys(log: ResultLog, prep: Prepared, org: str, platform: str | None
 
 def build(prep: Prepared) -> Training:
     torch.manual_seed(prep.seed)
-    return build_training(prep.bench, prep.tier, prep.device, prep.seed, prep.plan, prep.init_checkpoint)
+    return build_training(
+        prep.bench, prep.tier, prep.device, prep.seed, prep.plan, prep.init_checkpoint, prep.init_kind
+    )

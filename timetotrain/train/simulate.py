@@ -606,10 +606,8 @@ def simulate(
 
 
 def _simulation(bench, tier, world, spec, plan, precision, ac, depths, ranks, t0) -> Simulation:
-    local = tier.global_batch_size // plan.data_parallel
-    micro = min(tier.micro_batch_size, local)
-    if plan.pp > 1:  # the schedule's micro-batch, as `ttt run` chooses it
-        micro = pipeline.check(bench, tier, plan, local, micro, False, "--set micro_batch_size")
+    local = parallel.check_batch_split(tier.global_batch_size, plan)
+    micro = prepare.settle_micro_batch(bench, tier, plan, local)  # as `ttt run` settles it
     return Simulation(
         bench.name, tier.name, world, spec, precision, ac, depths, _depth(tier), ranks, micro, local // micro,
         time.monotonic() - t0, _max_rss(), pipeline_micro_batches(plan.pp, plan.vpp, local // micro),

@@ -129,22 +129,28 @@ class Training:
 
 
 def build_training(
-    bench, tier, device: torch.device, seed: int, plan: parallel.Plan | None = None, init_checkpoint=None
-) -> Training:
+    bench, tier, device: torch.device, seed: int, plan: parallel.Plan | None = None, init_checkpoint=None,
+    init_kind: str | None = None,
+) -> Training:  # fmt: skip
     """The model, initialised by the benchmark's own rule from `seed` (the same on every rank) or loaded from
-    `init_checkpoint` (a Hugging Face or ttt checkpoint folder), adapted by the task (LoRA), warmed up once
-    and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
+    `init_checkpoint` (a Hugging Face or ttt checkpoint folder; `init_kind`: which, as the preflight's
+    `checkpoint.check_init_source` found, else checked at the load), adapted by the task (LoRA), warmed up
+    once and parallelised per `plan`, then a fresh optimizer over the (possibly sharded) parameters. Nothing
     from the warm-up survives. Sharded plans (`fsdp > 1` or `tp > 1`) never hold the whole model on a rank
     (`_build_sharded`); both builds give the same weights for the same seed and checkpoint."""
     plan = plan or parallel.Plan()
     timer: dict[str, float] = {}
     if plan.pp > 1:  # each rank builds, initialises and steps its own stages (train/pipeline.py)
-        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint, timer)
+        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint, timer, init_kind)
         ep_group = None
     elif plan.sharded:
-        model, wrapped, ep_group = _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer)
+        model, wrapped, ep_group = _build_sharded(
+            bench, tier, device, seed, plan, init_checkpoint, timer, init_kind
+        )
     else:
-        model, wrapped, ep_group = _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer)
+        model, wrapped, ep_group = _build_whole(
+            bench, tier, device, seed, plan, init_checkpoint, timer, init_kind
+        )
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
     fused = None if not plan.sharded else False
     opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
@@ -168,7 +174,7 @@ def _timed_init_from(timer: dict, *args, **kwargs) -> None:
     timer["load"] = time.monotonic() - t0
 
 
-def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
+def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer, init_kind=None):
     """Model on the meta device, materialised whole on `device`, initialised from `seed + 1`, warmed up,
     initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
     none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
@@ -184,15 +190,16 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer):
     family.init(model, torch.Generator(device=device).manual_seed(seed))
     if init_checkpoint is not None:
         _timed_init_from(
-            timer, init_checkpoint, model, family, tier.model, truncate_rows=bench.task.checkpoint_rows(tier)
-        )
+            timer, init_checkpoint, model, family, tier.model, truncate_rows=bench.task.checkpoint_rows(tier),
+            kind=init_kind,
+        )  # fmt: skip
     bench.task.adapt_model(model, tier, torch.Generator(device=device).manual_seed(seed + 2), plan.compute)
     model.train()
     wrapped, ep_group = parallel.apply(model, plan, device, family)
     return model, wrapped, ep_group
 
 
-def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
+def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer, init_kind=None):
     """FSDP2 without ever materialising the whole model: build on the meta device -> the task's adaptation
     (LoRA) on the meta device, so that its new modules are inside the blocks before `fully_shard` groups
     their parameters -> activation checkpointing / compile / `fully_shard` per block and root
@@ -226,7 +233,7 @@ def _build_sharded(bench, tier, device, seed, plan, init_checkpoint, timer):
         parallel.remark(model, plan)  # idempotent; the warm-up ran FSDP2 since the last marks
         _timed_init_from(
             timer, init_checkpoint, model, family, tier.model, truncate_rows=task.checkpoint_rows(tier),
-            names=task.checkpoint_names(model),
+            names=task.checkpoint_names(model), kind=init_kind,
         )  # fmt: skip
     with full_init():
         task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed + 2))
