@@ -10,10 +10,11 @@ smaller ones (gpt_oss_20b on 64 x 16 GiB): it is built for every benchmark whose
 `context_parallel.check` accepts, the condition under which the search offers it (one per model family).
 HSDP is never suggested (train/memory.py). Pipeline parallelism is the search's other last resort: it is
 suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
-over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds; such a kind is built on both
-ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the last stage with the
-head and loss), as `ttt plan --simulate` builds it (`fakes.pipeline_schedule` runs torch's schedule under
-the fake process group), and at its composition with tp and fsdp on 8 ranks (`pp=2,tp=2,fsdp=2`)."""
+over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
+is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
+last stage with the head and loss), as `ttt plan --simulate` builds it (`fakes.pipeline_schedule` runs
+torch's schedule under the fake process group), in its composition with tp and fsdp on 8 ranks
+(`pp=2,tp=2,fsdp=2`)."""
 
 import dataclasses
 import math

@@ -738,8 +738,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     `pp=8,tp=8,fsdp=8`, AC, full depth: 51.2 GiB simulated (the figures of this formula: docs/scale.md)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
-    layers = _stage_layers(float(bench.family.block_params(cfg)), float(cfg.dim * cfg.vocab_size), cfg.n_layers,
-                           pp, vpp)  # fmt: skip
+    block, head = float(bench.family.block_params(cfg)), float(cfg.dim * cfg.vocab_size)
+    layers = _stage_layers(block, head, cfg.n_layers, pp, vpp)
     n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
     inner = dataclasses.replace(given, pp=1, vpp=1)
     kind = _kind(inner)
@@ -793,8 +793,8 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     the plan at the smallest larger GBS of the benchmark's RCP table (a legal closed-division batch size)
     where a layout without tensor, context or pipeline parallelism fits, else where one without context or
     pipeline parallelism fits, said in the note; then a context- or pipeline-parallel layout at the tier's
-    GBS, else at the smallest legal GBS (CP and PP are searched last, `plan`). At 256 GPUs real submissions run llama31_8b at such a GBS, where the
-    tier's 16 splits over no layout."""
+    GBS, else at the smallest legal GBS (CP and PP are searched last, `plan`). At 256 GPUs real submissions
+    run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
     try:
         own, refused = plan_at(tier), None
     except UserError as e:
@@ -1213,8 +1213,9 @@ def format_plan(
             "the batch): the layers cut into pp stages (train/pipeline.py), each sharded over its tp x fsdp "
             "GPUs; a stage holds its gradients whole in fp32 and its parameters gathered through the step "
             "(torch's schedule defers FSDP2's reduction to the last micro-batch), and 1F1B up to pp "
-            "micro-batches of its blocks' activations; suggested: the fewest stages that fit, at the smallest "
-            "micro-batch (the most micro-batches: the least bubble). Method only: not validated on GPUs."
+            "micro-batches of its blocks' activations; suggested: the fewest stages that fit, at the "
+            "smallest micro-batch (the most micro-batches: the least bubble). Method only: not validated on "
+            "GPUs."
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
