@@ -662,3 +662,57 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     assert "which `ttt run` refuses here (the qwen35_397b_grpo task decodes rollouts" in nothing_fits(
         grpo, grpo.tier("reference"), 256, 141, None
     )
+
+
+def test_pipeline_is_searched_where_nothing_else_splits_the_batch(capsys, monkeypatch, tmp_path):
+    """llama31_405b reference on 2,048 x 80 GiB: GBS 1152 splits over no 2,048 / tp data-parallel ranks (at
+    most 128 of them divide it), so no layout without pipeline parallelism exists; the search's last resort
+    (train/memory.py `_pipeline_search_rows`) tries pp = 2, 4, 8 and stops at the fewest stages that fit:
+    `pp=8,tp=8,fsdp=32`, at micro-batch 1 (36 micro-batches a step, the least bubble). `ttt run`'s preflight
+    takes the launch line's flags on rank 0 of 2,048, and so does `ttt run --dry-run`. Where a layout
+    without pp fits (512 x 80) none is even estimated; benchmarks whose families or tasks have no stage
+    split (MoE, LoRA, GRPO) get no pp row where nothing fits."""
+    import shlex
+
+    from timetotrain.spec.benchmark import apply_overrides
+    from timetotrain.train import distributed, prepare
+
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    _, rows, best = plan(bench, tier, 2048, 80, None)
+    cap = 0.9 * 80 * GiB
+    assert rows and all(r.parallel.startswith("pp=") for r in rows)
+    assert {r.parallel.split(",")[0] for r in rows} == {"pp=2", "pp=4", "pp=8"}  # none past the first fit
+    assert not any(r.total <= cap for r in rows if not r.parallel.startswith("pp=8,"))
+    assert (best.parallel, best.ac, best.micro_batch) == ("pp=8,tp=8,fsdp=32", 1, 1) and best.total <= cap
+    assert main(["plan", bench.name, "--gpus", "2048", "--gpu-mem", "80"]) == 0
+    text = capsys.readouterr().out
+    assert "micro-batch 1, 36 micro-batches a step (the pipeline schedule needs at least 8)" in text
+    assert "pp rows (the search tries them only where no layout without pipeline" in text
+    line = next(w.strip() for w in text.splitlines() if w.strip().startswith("torchrun --nnodes 256 "))
+    argv = shlex.split(line)
+    ttt = argv[argv.index("-m") + 2 :]  # run llama31_405b --tier reference ... --parallel ... --ac
+    assert ttt[ttt.index("--parallel") + 1] == "pp=8,tp=8,fsdp=32" and "--ac" in ttt
+    # `ttt run`'s preflight on rank 0 of the 2,048, with the line's micro-batch (its --set).
+    prep = prepare.preflight(
+        bench, apply_overrides(bench, tier, ["micro_batch_size=1"]), tmp_path, "pp=8,tp=8,fsdp=32", "bf16", 1,
+        False, device="cpu", ranks=distributed.Dist(rank=0, world=2048, local_rank=0),
+    )  # fmt: skip
+    assert (prep.plan.pp, prep.plan.tp, prep.plan.fsdp, prep.local_batch, prep.accum) == (8, 8, 32, 36, 36)
+    # The launch line's ttt command, as a dry run on that rank (torchrun's environment).
+    monkeypatch.setenv("WORLD_SIZE", "2048")
+    assert main([*ttt, "--dry-run", "--json"]) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    assert doc["rules"]["verdict"] == "pass"
+    assert (doc["plan"]["per_rank_batch"], doc["plan"]["accumulation_steps"]) == (36, 36)
+    # Where a layout without pp fits, no pp row is estimated.
+    assert not any("pp=" in r.parallel for r in plan(bench, tier, 512, 80, None)[1])
+    # Where nothing fits, families and tasks without a stage split get none either (`pipeline.check`).
+    for name, gpus, mem in (
+        ("deepseekv3_671b", 64, 80),
+        ("qwen35_397b_grpo", 256, 141),
+        ("llama2_70b_lora", 8, 8),
+    ):
+        other = get(name)
+        _, rows, best = plan(other, other.tier("reference"), gpus, mem, None)
+        assert rows and best is None and not any("pp=" in r.parallel for r in rows), name

@@ -8,10 +8,16 @@ constructor reads parameter data, which fake tensors have none of; the gloo test
 Context parallelism (`cp=C,fsdp=F`) is the search's last resort, suggested on none of those devices but on
 smaller ones (gpt_oss_20b on 64 x 16 GiB): it is built for every benchmark whose reference tier
 `context_parallel.check` accepts, the condition under which the search offers it (one per model family).
-HSDP is never suggested (train/memory.py), nor is pipeline parallelism (not searched: the fake process
-group cannot build its stages yet)."""
+HSDP is never suggested (train/memory.py). Pipeline parallelism is the search's other last resort: it is
+suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
+over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
+is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
+last stage with the head and loss), as `ttt plan --simulate` builds it (`fakes.pipeline_schedule` runs
+torch's schedule under the fake process group), in its composition with tp and fsdp on 8 ranks
+(`pp=2,tp=2,fsdp=2`)."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -33,6 +39,10 @@ SMALL = {
     "ep": "ep=4",
     "hsdp": "dp_replicate=2,fsdp=2",
     "fsdp,cp": "cp=2,fsdp=2",
+    # pipeline kinds: the rank layouts the search suggests (`pp=P[,tp=T][,fsdp=F]`, no dp), at 2 stages
+    "tp,pp": "pp=2,tp=2,fsdp=2",
+    "fsdp,pp": "pp=2,fsdp=2",
+    "dp,pp": "pp=2",
 }
 
 
@@ -44,13 +54,15 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         if "reference" not in bench.tiers or "tiny" not in bench.tiers:
             continue
         tier = bench.tier("reference")
-        for gpus in (8, 64, 256, 1024):
+        for gpus in (8, 64, 256, 1024, 2048):
             for mem in (80, 141, 192):
                 try:
                     _, _, best = plan(bench, tier, gpus, mem, None)
                 except UserError:  # no memory model (rgat, DLRM's tables: their own plan), or no split
                     continue
-                if best is not None:
+                # 2,048 GPUs for the pipeline kinds only (where 405B's batch needs a pipeline to split);
+                # the grid of docs/scale.md, which the other kinds stand for, stops at 1,024
+                if best is not None and (gpus <= 1024 or "pp=" in best.parallel):
                     out.add((name, _kind_of(best.parallel, gpus)))
         try:  # where `ttt run` takes cp, the search may suggest it (on small enough devices)
             context_parallel.check(bench, tier, parallel.parse("cp=2,fsdp=4", 8), "cp=2,fsdp=4")
@@ -64,12 +76,17 @@ def _suggested_kinds() -> list[tuple[str, str]]:
 
 def _kind_of(spec: str, gpus: int) -> str:
     p = parallel.parse(spec, gpus, world_from="--gpus is")
-    return _kind(p) + (",cp" if p.cp > 1 else "")
+    return _kind(p) + (",cp" if p.cp > 1 else "") + (",pp" if p.pp > 1 else "")
 
 
 @pytest.mark.parametrize("name,kind", _suggested_kinds())
 def test_every_suggested_kind_builds(name, kind):
     bench, tier = prepare.resolve_tier(name, "tiny", [])
-    tier = dataclasses.replace(tier, global_batch_size=WORLD * 2, eval_samples=WORLD * 2)
-    got = _in_child(simulate_rank, bench, tier, WORLD, SMALL[kind], WORLD - 1, "fp32", False)
-    assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0
+    spec = SMALL[kind]
+    # a pipeline layout names every degree: its world is their product
+    world = math.prod(int(d.split("=")[1]) for d in spec.split(",")) if ",pp" in kind else WORLD
+    tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
+    # A pipeline's first and last ranks hold different modules (module docstring); others the last rank.
+    for rank in (0, world - 1) if ",pp" in kind else (world - 1,):
+        got = _in_child(simulate_rank, bench, tier, world, spec, rank, "fp32", False)
+        assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank

@@ -19,6 +19,7 @@ from timetotrain.mlperf.keys import check_rules
 from timetotrain.spec import registry
 from timetotrain.spec.benchmark import SETTABLE, apply_overrides, setting
 from timetotrain.train import distributed, embedding_memory, memory, parallel, synth
+from timetotrain.train.prepare import settle_micro_batch
 
 # The options shown besides the tier's settings (the rest only shape the output of the command).
 _SKIP = {"set", "json", "quiet", "dry_run", "config", "func", "command", "config_doc", "sources", "steps",
@@ -129,7 +130,8 @@ def _plan(bench, tier, args) -> dict:
     p = parallel.parse(args.parallel, d.world, precision=precision, activation_checkpointing=ac,
                        compile=args.compile)  # fmt: skip
     local = parallel.check_batch_split(tier.global_batch_size, p)
-    micro = bench.micro_batch(tier, local)
+    # As `ttt run`'s preflight settles it, the pipeline schedule's micro-batches included.
+    micro = settle_micro_batch(bench, tier, p, local)
     doc = {
         "world_size": d.world,
         "parallel": p.describe(),
@@ -141,8 +143,10 @@ def _plan(bench, tier, args) -> dict:
     }
     kind = "fsdp" if p.fsdp > 1 and p.ep == 1 else "ep,fsdp" if p.fsdp > 1 else "ep" if p.ep > 1 else "dp"
     kind = "hsdp" if p.dp_replicate > 1 else kind
-    if p.tp > 1:
-        doc["memory_per_rank_gib_reason"] = "tensor-parallel layouts: see ttt plan"
+    if p.tp > 1 or p.pp > 1:
+        doc["memory_per_rank_gib_reason"] = (
+            f"{'pipeline' if p.pp > 1 else 'tensor'}-parallel layouts: see ttt plan"
+        )
         return doc
     if bench.family.embedding_tables is not None:  # tables sharded over the dp ranks, as ttt plan counts them
         per = embedding_memory.per_rank(bench, tier, d.world, 1e9)

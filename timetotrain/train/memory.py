@@ -64,12 +64,17 @@ Where the numbers come from (an estimate, not a measurement):
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
   prefers a legal larger GBS where a layout without CP fits to CP at the tier's GBS, so a suggestion made
-  before the search had CP stays. Pipeline parallelism is estimated when --parallel names it
-  (`_pipeline_rows`) but not searched: `--simulate` and tests/test_plan_builds.py cannot build pipeline
-  stages under the fake process group yet, so nothing proves a suggested `pp` layout builds for every
-  benchmark the search would offer it to; and by this count it rarely could win (a stage holds 1/P of the
-  layers on 1/P of the GPUs, the same states per GPU, and 1F1B keeps P micro-batches of its L/P layers in
-  flight, one micro-batch's worth of the whole model).
+  before the search had CP stays. Pipeline parallelism last of all, where no layout above (CP included)
+  fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32, each
+  planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (dense decoders whose task
+  trains the model's own loss: the llama family; not MoE, LoRA, GRPO, flux, nor fp8) and a per-rank batch
+  of at least P micro-batches; the fewest stages that fit, then the smallest TP, at the smallest
+  micro-batch (the most micro-batches: the least bubble). By this count it seldom fits where nothing else
+  does (a stage holds 1/P of the layers on 1/P of the GPUs, the same states per GPU, plus its gradients
+  whole and parameters gathered under FSDP2, and 1F1B keeps P micro-batches of its L/P layers in flight):
+  what it adds is data-parallel ranks the batch splits over, P x T GPUs sharing each sample (llama31_405b
+  on 2,048 GPUs: GBS 1152 splits over at most 128, so `pp=8,tp=8,fsdp=32`). tests/test_plan_builds.py
+  builds a suggested pipeline kind for both ends of the pipeline under the fake process group.
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
   alone fits or splits the batch (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
   and final norm over the F FSDP ranks only (they stay whole within a TP group); the bf16 copies of two
@@ -131,6 +136,7 @@ Where the numbers come from (an estimate, not a measurement):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import shlex
 from dataclasses import dataclass
@@ -546,7 +552,7 @@ def plan(
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
     fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits,
-    then cp x fsdp if none of those fits either (module docstring)."""
+    then cp x fsdp if none of those fits either, then pp x tp x fsdp if nothing does (module docstring)."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
@@ -572,9 +578,15 @@ def plan(
         local = parallel.check_batch_split(gbs, given)
         if given.pp > 1:
             pipeline.check(bench, tier, given, local, local, False, "--parallel")
+            # A family whose stack is not a decoder (flux): `pipeline.build`'s refusal, before any count.
+            if not (family_decoder(bench) and hasattr(tier.model, "vocab_size")):
+                raise UserError(
+                    f"--parallel pp: the {bench.family.name} family's model has no pipeline split yet"
+                )
             rows = _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
+            # the smallest micro-batch: the most micro-batches, the least bubble (the search's order below)
             best = max(
-                (r for r in rows if r.total <= cap), key=lambda r: (not r.ac, r.micro_batch), default=None
+                (r for r in rows if r.total <= cap), key=lambda r: (not r.ac, -r.micro_batch), default=None
             )
             return n, rows, best
         kind = _kind(given)
@@ -620,21 +632,31 @@ def plan(
         if not any(r.total <= cap for r in rows):
             # Context parallelism only where nothing above fits or splits the batch (module docstring).
             rows += _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac)
+        if not any(r.total <= cap for r in rows):
+            # Pipeline parallelism last: only where no layout without it fits or splits the batch.
+            rows += _pipeline_search_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap)
         if not rows:
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks (nor "
-                "over the fsdp ranks of a tensor- or context-parallel layout): change --gpus or --set "
-                "global_batch_size"
+                "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
+                "--set global_batch_size"
             )
     fitting = [r for r in rows if r.total <= cap]
-    # Prefer no tensor parallelism, then the smallest TP degree (its collectives sit on every block), then
-    # the smallest CP degree (its K/V all-gathers sit on every attention layer), then no recomputation, then
-    # the larger micro-batch (fewer, bigger matmuls), then DDP (no gathers).
+    # Prefer no pipeline, then the fewest stages (a practitioner's pick: each stage adds to the schedule's
+    # bubble, (P - 1) of its P - 1 + micro-batches idle, and a hand-off per micro-batch; pipeline rows are
+    # only tried where nothing without them fits), then no tensor parallelism, then the smallest TP degree
+    # (its collectives sit on every block), then the smallest CP degree (its K/V all-gathers sit on every
+    # attention layer), then no recomputation, then the larger micro-batch (fewer, bigger matmuls; under a
+    # pipeline the smaller: more micro-batches shrink its bubble, 7 / 43 of the step at 36 micro-batches of
+    # 8 stages, 7 / 16 at 9), then DDP (no gathers).
     best = max(
         fitting,
-        key=lambda r: (-tp_degree(r), -degree(r, "cp"), not r.ac, r.micro_batch, r.parallel.startswith("dp")),
+        key=lambda r: (
+            -degree(r, "pp"), -tp_degree(r), -degree(r, "cp"), not r.ac,
+            r.micro_batch if degree(r, "pp") == 1 else -r.micro_batch, r.parallel.startswith("dp"),
+        ),
         default=None,
-    )
+    )  # fmt: skip
     return n, rows, best
 
 
@@ -659,6 +681,46 @@ def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, 
     return rows
 
 
+# Pipeline degrees the search tries (`_pipeline_search_rows`): up to 32 stages (405B's 126 layers: 4 a stage).
+PP_DEGREES = (2, 4, 8, 16, 32)
+
+
+def _pipeline_search_rows(
+    bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap
+) -> list[Estimate]:  # fmt: skip
+    """`pp=P[,tp=T][,fsdp=F]` (P x T x F = gpus; T as `_tp_degrees` allows within a node, none too; no `dp`,
+    which the pipeline does not compose with) for P in `PP_DEGREES`, fewest stages first, stopping after the
+    first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
+    `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
+    (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
+    have a stage split, P stages within the layers, a micro-batch count the 1F1B schedule takes); a layout
+    those refuse is left out, and so are all under `--precision fp8`, which `ttt run` refuses with pp."""
+    rows: list[Estimate] = []
+    if fp8 is not None or not hasattr(tier.model, "n_layers"):
+        return rows
+    for p in PP_DEGREES:
+        if gpus % p or p > tier.model.n_layers:
+            continue
+        for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node)):
+            f = gpus // p // t
+            spec = f"pp={p}" + (f",tp={t}" if t > 1 else "") + (f",fsdp={f}" if f > 1 else "")
+            try:
+                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
+            except UserError:
+                continue
+        if any(r.total <= cap for r in rows):
+            break
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layers(block: float, head: float, n_layers: int, pp: int, vpp: int) -> int:
+    """The most layers `pipeline.split_layers` gives one pipeline rank (its V stages together); cached,
+    since the split's exact search is most of a pipeline row's cost and the search plans many."""
+    ranges = pipeline.split_layers([block] * n_layers, head, pp * vpp)
+    return max(sum(hi - lo for lo, hi in ranges[r::pp]) for r in range(pp))
+
+
 def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8) -> list[Estimate]:
     """`pp=P[,vpp=V],...` (train/pipeline.py): the most loaded rank holds the most layers the stage split
     gives a rank (`pipeline.split_layers`, the head weighed in) and one of the embedding and the head,
@@ -676,9 +738,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     `pp=8,tp=8,fsdp=8`, AC, full depth: 51.2 GiB simulated (the figures of this formula: docs/scale.md)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
-    ranges = pipeline.split_layers([float(bench.family.block_params(cfg))] * cfg.n_layers,
-                                   float(cfg.dim * cfg.vocab_size), pp * vpp)  # fmt: skip
-    layers = max(sum(hi - lo for lo, hi in ranges[r::pp]) for r in range(pp))
+    block, head = float(bench.family.block_params(cfg)), float(cfg.dim * cfg.vocab_size)
+    layers = _stage_layers(block, head, cfg.n_layers, pp, vpp)
     n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
     inner = dataclasses.replace(given, pp=1, vpp=1)
     kind = _kind(inner)
@@ -730,19 +791,19 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     """(tier, plan_at(tier), note): the plan at the tier's GBS; where that GBS does not split over `gpus`,
     or nothing fits at it, and `retier` (GBS -> the tier at that GBS, with its RCP's LR and warmup) is given,
     the plan at the smallest larger GBS of the benchmark's RCP table (a legal closed-division batch size)
-    where a layout without tensor or context parallelism fits, else where one without context parallelism
-    fits, said in the note; then a context-parallel layout at the tier's GBS, else at the smallest legal GBS
-    (CP is searched last, `plan`). At 256 GPUs real submissions run llama31_8b at such a GBS, where the
-    tier's 16 splits over no layout."""
+    where a layout without tensor, context or pipeline parallelism fits, else where one without context or
+    pipeline parallelism fits, said in the note; then a context- or pipeline-parallel layout at the tier's
+    GBS, else at the smallest legal GBS (CP and PP are searched last, `plan`). At 256 GPUs real submissions
+    run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
     try:
         own, refused = plan_at(tier), None
     except UserError as e:
         own, refused = None, e
-    if own is not None and own[2] is not None and degree(own[2], "cp") == 1:
+    if own is not None and own[2] is not None and not _last_resort(own[2]):
         return tier, own, None
     legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size) if retier else []
     fallback = None  # the smallest legal GBS where a layout with TP fits
-    later_cp = None  # the smallest where only a context-parallel layout fits
+    later_cp = None  # the smallest where only a context- or pipeline-parallel layout fits
     for gbs in legal:
         at = retier(gbs)
         try:
@@ -751,14 +812,14 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
             continue
         if found[2] is None:
             continue
-        if degree(found[2], "cp") > 1:
+        if _last_resort(found[2]):
             later_cp = later_cp or (at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout"))
         elif tp_degree(found[2]) == 1:
             return at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without TP or CP")
         elif fallback is None:
             fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without CP")
-    # Context parallelism last: the search tries it only where nothing else fits (`plan`), and a legal GBS
-    # where something else fits is that search's answer too.
+    # Context and pipeline parallelism last: the search tries them only where nothing else fits (`plan`),
+    # and a legal GBS where something else fits is that search's answer too.
     if fallback:
         return fallback
     if own is not None and own[2] is not None:
@@ -768,6 +829,12 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     if refused:
         raise refused
     return tier, own, None
+
+
+def _last_resort(r: Estimate) -> bool:
+    """A context- or pipeline-parallel suggestion: the search's last resorts (`plan`), which a legal larger
+    GBS where a layout without them fits goes before (`plan_at_legal_gbs`)."""
+    return degree(r, "cp") > 1 or degree(r, "pp") > 1
 
 
 def _gbs_note(bench, tier, at, gpus: int, refused, what: str) -> str:
@@ -910,7 +977,7 @@ def launch(
 
 
 def tp_degree(r: Estimate) -> int:
-    return int(r.parallel.split(",")[0].split("=")[1]) if r.parallel.startswith("tp=") else 1
+    return degree(r, "tp")  # anywhere in the layout: `pp=8,tp=8,fsdp=32` too
 
 
 def degree(r: Estimate, kind: str) -> int:
@@ -930,6 +997,17 @@ def suggested_flags(best: Estimate, bf16: bool = True, fp8: Fp8 | None = None, t
         value = getattr(tier, key) if hasattr(tier, key) else getattr(tier.data, key)
         flags += f" --set {shlex.quote(f'{key}={value}')}"
     return flags + (" --ac" if best.ac == 1 else f" --ac-every {best.ac}" if best.ac else "")
+
+
+def _schedule_words(r: Estimate, tier, gpus: int) -> str:
+    """For a pipeline suggestion, the micro-batches of a step its schedule runs (train/pipeline.py: 1F1B
+    needs at least pp of them, the interleaved schedule a multiple of pp); nothing otherwise."""
+    pp = degree(r, "pp")
+    if pp == 1:
+        return ""
+    local = parallel.check_batch_split(tier.global_batch_size, parallel.parse(r.parallel, gpus))
+    need = f"at least {pp}" if degree(r, "vpp") == 1 else f"a multiple of {pp}"
+    return f", {local // r.micro_batch} micro-batches a step (the pipeline schedule needs {need})"
 
 
 def ac_cell(ac: int) -> str:
@@ -1094,7 +1172,7 @@ def format_plan(
         how = launch(bench, tier, best, gpus, gpus_per_node, bf16, fp8)
         out.append(
             f"suggestion: {best.parallel}, activation checkpointing {parallel.ac_words(best.ac)}, micro-batch "
-            f"{best.micro_batch} (~{best.total / GiB:.0f} GiB per GPU):"
+            f"{best.micro_batch}{_schedule_words(best, tier, gpus)} (~{best.total / GiB:.0f} GiB per GPU):"
         )
         out.extend(f"  {line}" for line in format_launch(how))
     out.append("fits: within 90% of the device (only those are suggested); tight: within 100%.")
@@ -1117,7 +1195,7 @@ def format_plan(
     note = bench.task.plan_note(tier)
     if note:
         out.append(note)
-    if any(tp_degree(r) > 1 for r in rows):
+    if any(tp_degree(r) > 1 and degree(r, "pp") == 1 for r in rows):
         out.append(
             "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "
             "fsdp ranks, embedding/head over fsdp; block activations 1/tp (sequence parallel); tp up to 8 "
@@ -1128,6 +1206,16 @@ def format_plan(
             "cp rows (tried because no layout above fits or splits the batch): each sample's sequence split "
             "over cp ranks (activations of 1/cp of its tokens, plus every attention layer's K and V gathered "
             "whole); FSDP2 shards over the fsdp x cp ranks. Method only: not validated on GPUs."
+        )
+    if any(degree(r, "pp") > 1 for r in rows):
+        out.append(
+            "pp rows (the search tries them only where no layout without pipeline parallelism fits or splits "
+            "the batch): the layers cut into pp stages (train/pipeline.py), each sharded over its tp x fsdp "
+            "GPUs; a stage holds its gradients whole in fp32 and its parameters gathered through the step "
+            "(torch's schedule defers FSDP2's reduction to the last micro-batch), and 1F1B up to pp "
+            "micro-batches of its blocks' activations; suggested: the fewest stages that fit, at the "
+            "smallest micro-batch (the most micro-batches: the least bubble). Method only: not validated on "
+            "GPUs."
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
