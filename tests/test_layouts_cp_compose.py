@@ -29,8 +29,8 @@ from timetotrain.tasks.causal_lm import lm_loss
 pytestmark = pytest.mark.distributed
 
 MICRO = 2  # two micro-batches per step: 1F1B over two stages needs at least two
-SCENARIOS = {"tp_cp": "tp=2,cp=2", "pp_cp": "pp=2,cp=2"}
-BY_WORLD = {4: ["tp_cp", "pp_cp"]}
+SCENARIOS = {"tp_cp": "tp=2,cp=2", "pp_cp": "pp=2,cp=2", "pp_tp_cp": "pp=2,tp=2,cp=2"}
+BY_WORLD = {4: ["tp_cp", "pp_cp"], 8: ["pp_tp_cp"]}
 
 
 def tier():
