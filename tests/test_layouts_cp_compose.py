@@ -1,14 +1,16 @@
 """Context parallelism composed with tensor and pipeline parallelism (`--parallel tp=T,cp=C`, `pp=P,cp=C`,
 `pp=P,tp=T,cp=C`; train/context_parallel.py, train/pipeline.py) on gloo against one process, through the
 harness's own build and step, 20 steps at a 2-layer llama31_8b shape: the global train_loss at rtol 1e-5
-and the final trained weights gathered whole.
+and the final trained weights gathered whole. Each fails with the CP exchange broken (each rank attending
+its own K/V only: 3.7% off in the loss).
 
 - `tp=2,cp=2` (4 ranks): each TP rank computes half the heads of its CP rank's head-tail part of every
   sequence, K/V of its heads gathered over its CP group only; the residual stream cut again along that
   part by TP's sequence parallelism; FSDP2 over the two CP ranks averages their gradients;
 - `pp=2,cp=2` (4 ranks): one layer per stage, each stage computing its CP rank's part (the first embeds only
   those positions, the boundary carries `[micro, T / 2, dim]`), the last stage's loss summed over the CP
-  group; two micro-batches per step (1F1B), which the one process accumulates too.
+  group; two micro-batches per step (1F1B), which the one process accumulates too;
+- `pp=2,tp=2,cp=2` (8 ranks): both at once, on the one (pp, data, cp, tp) mesh of train/pipeline.py.
 
 The batches are tests/test_layouts_cp.py's: the end-of-document mask on, its EOD ids crowded into one chunk,
 so the CP ranks hold different labelled counts. Run as a script (by torchrun) this file is the worker."""

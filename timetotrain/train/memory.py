@@ -717,12 +717,9 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
             )
             stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
             label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
-            if given.cp > 1:  # the stage rows name fsdp over (fsdp, cp): name the layout as given
-                label = ",".join(
-                    f"{k}={getattr(given, k)}"
-                    for k in parallel.KINDS + parallel.STAGE_KEYS
-                    if getattr(given, k) > 1
-                )
+            if given.cp > 1:  # the stage rows name fsdp over (fsdp, cp): name the stage's layout as given
+                kinds = [f"{k}={getattr(given, k)}" for k in parallel.KINDS[1:] if getattr(given, k) > 1]
+                label = ",".join([f"pp={pp}", *([f"vpp={vpp}"] if vpp > 1 else []), *kinds])
             states, copies = e.states, e.compute_copies
             if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
                 states -= 4 * n_stage
