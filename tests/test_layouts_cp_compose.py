@@ -10,6 +10,7 @@ its own K/V only: 3.7% off in the loss).
 - `pp=2,cp=2` (4 ranks): one layer per stage, each stage computing its CP rank's part (the first embeds only
   those positions, the boundary carries `[micro, T / 2, dim]`), the last stage's loss summed over the CP
   group; two micro-batches per step (1F1B), which the one process accumulates too;
+- `pp=2,vpp=2,cp=2` (4 ranks, 4 layers): the interleaved schedule, two one-layer stages per rank;
 - `pp=2,tp=2,cp=2` (8 ranks): both at once, on the one (pp, data, cp, tp) mesh of train/pipeline.py.
 
 The batches are tests/test_layouts_cp.py's: the end-of-document mask on, its EOD ids crowded into one chunk,
@@ -31,20 +32,26 @@ from timetotrain.tasks.causal_lm import lm_loss
 pytestmark = pytest.mark.distributed
 
 MICRO = 2  # two micro-batches per step: 1F1B over two stages needs at least two
-SCENARIOS = {"tp_cp": "tp=2,cp=2", "pp_cp": "pp=2,cp=2", "pp_tp_cp": "pp=2,tp=2,cp=2"}
-BY_WORLD = {4: ["tp_cp", "pp_cp"], 8: ["pp_tp_cp"]}
+# name -> (--parallel, the model's layers: four for interleaving's four stages)
+SCENARIOS = {
+    "tp_cp": ("tp=2,cp=2", 2),
+    "pp_cp": ("pp=2,cp=2", 2),
+    "pp_vpp_cp": ("pp=2,vpp=2,cp=2", 4),
+    "pp_tp_cp": ("pp=2,tp=2,cp=2", 2),
+}
+BY_WORLD = {4: ["tp_cp", "pp_cp", "pp_vpp_cp"], 8: ["pp_tp_cp"]}
 
 
-def tier():
+def tier(layers: int):
     bench = get("llama31_8b")
     t = bench.tier("tiny")
     return bench, dataclasses.replace(
-        t, model=small_llama(max_seq_len=SEQ), data=dataclasses.replace(t.data, seq_len=SEQ),
+        t, model=small_llama(max_seq_len=SEQ, n_layers=layers), data=dataclasses.replace(t.data, seq_len=SEQ),
         global_batch_size=GBS, micro_batch_size=MICRO, lr=3e-3, warmup_steps=3, max_steps=100, base=None,
     )  # fmt: skip
 
 
-def train(plan, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(plan, layers: int, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The global train_loss of every step and this rank's trained weights, gathered whole over the ranks
     that shard them (under pp: this rank's stages only)."""
     from torch.distributed.tensor import DTensor
@@ -52,7 +59,7 @@ def train(plan, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     from timetotrain.train.step import build_training
     from timetotrain.train.tensor_parallel import unstack
 
-    bench, t = tier()
+    bench, t = tier(layers)
     tr = build_training(bench, t, torch.device("cpu"), 7, plan)
     accum = GBS // plan.data_parallel // MICRO
     mine = batches(t.model.vocab_size, plan.data_rank(rank), plan.data_parallel)
@@ -67,10 +74,10 @@ def train(plan, rank: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @functools.cache
-def one_process():
+def one_process(layers: int):
     from timetotrain.train.parallel import Plan
 
-    return train(Plan())
+    return train(Plan(), layers)
 
 
 @pytest.mark.slow
@@ -79,7 +86,7 @@ def test_cp_with_tp_and_pp_trains_as_one_process(tmp_path_factory, name):
     ranks, weights = layout_run(
         __file__, tmp_path_factory.getbasetemp() / "layouts_cp_compose", BY_WORLD, name
     )
-    expected, final = one_process()
+    expected, final = one_process(SCENARIOS[name][1])
     assert_trains_as_one_process(ranks, weights, name, expected, final)
 
 
@@ -92,8 +99,8 @@ def _worker(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results, weights = {}, {}
     for name in BY_WORLD[world]:
-        plan = parallel.parse(SCENARIOS[name], world)
-        results[name], mine = train(plan, rank)
+        spec, layers = SCENARIOS[name]
+        results[name], mine = train(parallel.parse(spec, world), layers, rank)
         every = [None] * world
         dist.all_gather_object(every, mine)  # a pipeline's stages hold different parameters
         weights[name] = {n: w for part in every for n, w in part.items()}
