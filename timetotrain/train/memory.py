@@ -438,9 +438,9 @@ def _estimate_tp(
 ) -> Estimate:  # fmt: skip
     """tp x fsdp, or tp x ep x fsdp with `ep` (module docstring); with `cp` (`tp=T,cp=C[,fsdp=F]`) FSDP2
     shards over the gpus / tp ranks of (fsdp, cp) as the code does (`Plan.shard_ranks`), a rank's tokens
-    are 1/cp of each sequence, and it gathers the K/V of its heads (1/tp of them) over the whole sequence. A task's frozen parameters (LoRA's base:
-    every block weight but the adapters, and the embedding and head) take the task's frozen bytes per
-    parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
+    are 1/cp of each sequence, and it gathers the K/V of its heads (1/tp of them) over the whole sequence.
+    A task's frozen parameters (LoRA's base: every block weight but the adapters, and the embedding and
+    head) take the task's frozen bytes per parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
     over the fsdp ranks only, the experts too, or with `ep` held as slices of 1/ep (FSDP2 ignores them)."""
     family, cfg = bench.family, tier.model
     fsdp = gpus // tp

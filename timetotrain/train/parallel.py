@@ -395,15 +395,8 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
             if sharded:
                 DDP._set_params_and_buffers_to_ignore_for_model(model, sharded)
         # (Under `ttt plan --simulate`, whose tensors are fake, a stand-in that holds DDP's buckets.)
-        return (
-            data_parallel(
-                model,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=unused,
-            ),
-            ep_group,
-            cp,
-        )
+        ids = [device.index] if device.type == "cuda" else None
+        return data_parallel(model, device_ids=ids, find_unused_parameters=unused), ep_group, cp
     return model, ep_group, cp
 
 
@@ -435,9 +428,8 @@ def forwards_are_collective(model: nn.Module) -> bool:
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
     """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
-    if (
-        plan.compute == "bf16" and plan.shard_ranks == 1
-    ):  # (under tp alone too: its DTensors keep their dtype)
+    # (under tp alone too: its DTensors keep their dtype)
+    if plan.compute == "bf16" and plan.shard_ranks == 1:
         return torch.bfloat16
     return None
 
