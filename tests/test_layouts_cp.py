@@ -175,7 +175,7 @@ def test_cp_refusals():
     llama = get("llama31_8b")
     t = llama.tier("tiny")
     for spec, world, bench, needle in [
-        ("cp=2,tp=2", 4, llama, "cp combines with dp, fsdp"),
+        ("cp=2,tp=2", 4, get("gpt_oss_20b"), "built for the llama family"),
         ("cp=3", 3, llama, "does not divide"),
         ("cp=2", 2, get("qwen35_397b_grpo"), "decodes rollouts"),
         ("cp=2", 2, get("flux1"), "no context-parallel attention"),

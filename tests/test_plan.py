@@ -629,6 +629,36 @@ def test_pipeline_stages_hold_their_layers_and_the_micro_batches_in_flight():
     assert pipeline.check(bench, tier, given, local, best.micro_batch, True, "--set micro_batch_size")
 
 
+def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
+    """NVIDIA's llama31_405b layout, TP 8 x PP 8 x CP 2 x DP 4 on 512 x 80 GiB (docs/scale.md), is estimated,
+    not dropped to pp x tp: FSDP2 shards a stage over its (fsdp, cp) ranks, so the states equal
+    `pp=8,tp=8,fsdp=8`'s, and a rank holds half of each sequence's activations (plus the gathered K/V of
+    its heads). The same for `tp=8,cp=2` without pp, against `tp=8,fsdp=64`. The suggestion is what `ttt
+    run` takes."""
+    from timetotrain.train import context_parallel, parallel, pipeline
+
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    # (as --parallel names it, as the rows name it: KINDS order, the layout without cp)
+    for with_cp, label, without in [
+        ("tp=8,cp=2,pp=8,fsdp=4", "pp=8,fsdp=4,cp=2,tp=8", "pp=8,tp=8,fsdp=8"),
+        ("tp=8,cp=2,fsdp=32", "fsdp=32,cp=2,tp=8", "tp=8,fsdp=64"),
+    ]:
+        _, rows, best = plan(bench, tier, 512, 80, with_cp, ac=1)
+        _, flat, _ = plan(bench, tier, 512, 80, without, ac=1)
+        assert {r.parallel for r in rows} == {label}
+        one, other = rows[0], flat[0]
+        assert one.micro_batch == other.micro_batch == 1
+        assert one.states == pytest.approx(other.states, rel=1e-9)
+        assert 0.5 * other.activations < one.activations < other.activations
+        assert best is not None and best.total <= 0.9 * 80 * 2**30
+        given = parallel.parse(best.parallel, 512)
+        context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
+        if given.pp > 1:
+            local = parallel.check_batch_split(tier.global_batch_size, given)
+            assert pipeline.check(bench, tier, given, local, best.micro_batch, True, "--set micro_batch_size")
+
+
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at any legal GBS, nor
     on more GPUs; the search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits at the

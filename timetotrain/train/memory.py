@@ -331,7 +331,7 @@ def estimate(
     ep = ep or gpus
     if tp > 1:
         return _estimate_tp(
-            bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8, ep if kind == "tp,ep" else None
+            bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8, ep if kind == "tp,ep" else None, cp
         )
     sharded = kind in ("fsdp", "ep,fsdp", "hsdp")
     shards = gpus // replicas if sharded else 1
@@ -439,11 +439,14 @@ def _root_copies(family, cfg, bf16: bool, experts: bool = True) -> float:
 
 
 def _estimate_tp(
-    bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None, ep: int | None = None
+    bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None, ep: int | None = None,
+    cp: int = 1,
 ) -> Estimate:  # fmt: skip
-    """tp x fsdp, or tp x ep x fsdp with `ep` (module docstring). A task's frozen parameters (LoRA's base:
-    every block weight but the adapters, and the embedding and head) take the task's frozen bytes per
-    parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
+    """tp x fsdp, or tp x ep x fsdp with `ep` (module docstring); with `cp` (`tp=T,cp=C[,fsdp=F]`) FSDP2
+    shards over the gpus / tp ranks of (fsdp, cp) as the code does (`Plan.shard_ranks`), a rank's tokens
+    are 1/cp of each sequence, and it gathers the K/V of its heads (1/tp of them) over the whole sequence.
+    A task's frozen parameters (LoRA's base: every block weight but the adapters, and the embedding and
+    head) take the task's frozen bytes per parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
     over the fsdp ranks only, the experts too, or with `ep` held as slices of 1/ep (FSDP2 ignores them)."""
     family, cfg = bench.family, tier.model
     fsdp = gpus // tp
@@ -481,12 +484,15 @@ def _estimate_tp(
         - _fp8_saving(fp8, True, True, tp)
         + (2 * experts / ep if ep and bf16 else 0)
     )
-    tokens = micro * bench.task.sample_items(tier)[1]
+    seq = bench.task.sample_items(tier)[1]
+    tokens = micro * seq // cp
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
+    act += context_parallel_bytes(cfg, micro, seq, cp, 2 if bf16 else 4, ac) / tp  # (the masks too: small)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
-    act, peak = _peak(bench, tier, act, tier.global_batch_size // fsdp, 2 if bf16 else 4)
+    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // fsdp, 1), 2 if bf16 else 4)
     margin = _margin(gpu_mem_gib)
-    overlap = backward_overlap(tier.global_batch_size // fsdp, micro, grads, act, end, peak)
+    # A rank's samples: those of its data-parallel rank (fsdp / cp of them), 1/cp of each.
+    overlap = backward_overlap(tier.global_batch_size * cp // fsdp, micro, grads, act, end, peak)
     label = f"tp={tp},ep={ep},fsdp={fsdp}" if ep else f"tp={tp},fsdp={fsdp}"
     return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
 
@@ -576,6 +582,8 @@ def plan(
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
         local = parallel.check_batch_split(gbs, given)
+        if given.cp > 1:
+            context_parallel.check(bench, tier, given, parallel_spec)
         if given.pp > 1:
             pipeline.check(bench, tier, given, local, local, False, "--parallel")
             # A family whose stack is not a decoder (flux): `pipeline.build`'s refusal, before any count.
@@ -598,8 +606,6 @@ def plan(
             _check_experts(tier.model, parallel_spec, given.ep)
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp)
-        if given.cp > 1:
-            context_parallel.check(bench, tier, given, parallel_spec)
         rows = rows_of(
             kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
         )
@@ -742,13 +748,15 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     layers = _stage_layers(block, head, cfg.n_layers, pp, vpp)
     n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
     inner = dataclasses.replace(given, pp=1, vpp=1)
-    kind = _kind(inner)
+    # Under cp FSDP2 shards a stage over its (fsdp, cp) ranks even at fsdp=1 (`Plan.shard_ranks`).
+    kind = "fsdp" if _kind(inner) == "dp" and given.cp > 1 else _kind(inner)
+    shards = given.shard_ranks
 
     def at(depth: int, ac: int, m: int) -> Estimate:  # the layout of one stage, for a model of `depth`
         model = dataclasses.replace(cfg, n_layers=depth)
         n = bench.family.param_count(model) - cfg.vocab_size * cfg.dim  # one of embedding and head
         return estimate(bench, dataclasses.replace(tier, model=model), n, gpus // pp, gpu_mem_gib, kind, ac, m,
-                        bf16, tp=inner.tp, fp8=fp8, replicas=inner.dp_replicate)  # fmt: skip
+                        bf16, tp=inner.tp, fp8=fp8, replicas=inner.dp_replicate, cp=inner.cp)  # fmt: skip
 
     rows = []
     for ac in acs:
@@ -770,13 +778,16 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
             )
             stage_layout = "" if e.parallel == "dp=1" else "," + e.parallel  # one GPU per stage
             label = f"pp={pp}" + (f",vpp={vpp}" if vpp > 1 else "") + stage_layout
+            if given.cp > 1:  # the stage rows name fsdp over (fsdp, cp): name the stage's layout as given
+                kinds = [f"{k}={getattr(given, k)}" for k in parallel.KINDS[1:] if getattr(given, k) > 1]
+                label = ",".join([f"pp={pp}", *([f"vpp={vpp}"] if vpp > 1 else []), *kinds])
             states, copies = e.states, e.compute_copies
             if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
                 states -= 4 * n_stage
-            if inner.fsdp > 1:
+            if shards > 1:
                 # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
                 # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
-                states += 4 * n_stage / inner.tp * (1 - 1 / inner.fsdp)
+                states += 4 * n_stage / inner.tp * (1 - 1 / shards)
                 copies = max(copies, (2 if bf16 else 4) * n_stage / inner.tp)
             act = blocks * in_flight + (e.activations - blocks)
             rows.append(

@@ -37,7 +37,8 @@ ranks of a group hold equal slices with equal gradients: no collective crosses t
 
 Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's sequence over C consecutive ranks:
 the model is wrapped last, its gradients averaged over the dp x cp ranks (DDP over all of them, FSDP2 over the
-flattened (fsdp, cp) ranks).
+flattened (fsdp, cp) ranks). With tp the ranks form one (fsdp, cp, tp) mesh; FSDP2 shards over its flattened
+(fsdp, cp) dimensions even at fsdp=1 (DDP takes no DTensors: `Plan.shard_ranks`). With pp: train/pipeline.py.
 Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
@@ -109,6 +110,16 @@ class Plan:
     def data_parallel(self) -> int:
         """Ranks that see different samples (all of them, for DDP, FSDP and HSDP; one per TP group)."""
         return self.dp * self.dp_replicate * self.fsdp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP2 shards each parameter over: fsdp x cp (the CP ranks' gradients are reduced with
+        the data-parallel ones, torchtitan's dp_shard_cp) where FSDP2 is in use, else 1. FSDP2 is in use
+        under `fsdp`, and under cp with tp or pp even at fsdp=1: DDP takes no DTensors and a pipeline's
+        stages have no DDP, so FSDP2 over the CP ranks averages their gradients."""
+        if self.fsdp > 1 or (self.cp > 1 and (self.tp > 1 or self.pp > 1)):
+            return self.fsdp * self.cp
+        return 1
 
     @property
     def sharded(self) -> bool:
@@ -290,20 +301,30 @@ def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     before checkpoint wrappers, compile, DDP or FSDP2 see the parameters."""
     if plan.pp > 1:  # a pipeline's stages are built and wrapped by train/pipeline.build instead
         raise ValueError("parallel.apply does not build pipeline stages: use train/pipeline.build")
-    wrapped, ep_group = _apply(model, plan, device, family)
+    wrapped, ep_group, cp = _apply(model, plan, device, family)
     if plan.cp > 1:  # outermost: it hands the model its part of each sequence (train/context_parallel.py)
-        wrapped = ContextParallel(wrapped, plan, dist.get_rank())
+        wrapped = ContextParallel(wrapped, plan, dist.get_rank(), cp)
     return wrapped, ep_group
 
 
 def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
-    ep_group = None
+    """`apply` less the CP wrapper; returns (module, expert-parallel group, the mesh's CP group or None)."""
+    ep_group = cp = None
     fsdp_mesh = None
     if plan.precision == "fp8":  # first: TP, AC, compile and FSDP2 then see the float8 linears
         float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     if plan.tp > 1:
         check_tensor_parallel(family, getattr(model, "cfg", None), f"tp={plan.tp}", plan.tp)
-        mesh = device_mesh(device.type, (plan.fsdp, plan.tp), ("fsdp", "tp"))
+        if plan.cp > 1:
+            # One (fsdp, cp, tp) mesh in `Plan.coords` order: TP cuts within a CP rank's sequence part, the CP
+            # group is its cp slice, FSDP2 shards over the flattened (fsdp, cp) ranks.
+            mesh = device_mesh(device.type, (plan.fsdp, plan.cp, plan.tp), ("fsdp", "cp", "tp"))
+            with real_host():
+                cp = mesh["cp"].get_group()
+                fsdp_mesh = mesh["fsdp", "cp"]._flatten("fsdp_cp")
+        else:
+            mesh = device_mesh(device.type, (plan.fsdp, plan.tp), ("fsdp", "tp"))
+            fsdp_mesh = mesh["fsdp"]
         styles = {}
         if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
             styles = float8.tensor_parallel_styles(device)
@@ -315,7 +336,6 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
             if n in frozen:
                 p.requires_grad_(False)
         remark(model, plan)
-        fsdp_mesh = mesh["fsdp"]
     if plan.ep > 1:
         replicas = None
         if plan.ep == plan.world:
@@ -342,7 +362,7 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
     if plan.compile:
         for block in blocks:
             block.compile()
-    if plan.fsdp > 1:
+    if plan.shard_ranks > 1:
         if fsdp_mesh is None and plan.dp_replicate > 1:
             # HSDP: on a 2-D mesh `fully_shard` shards over the last dimension (fsdp consecutive ranks) and
             # replicates over the first: a gradient reduce-scatter within a shard group, then an all-reduce
@@ -367,7 +387,7 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # The root too: blocks outside `model.layers` (DeepSeek's MTP) hold experts.
         fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
         remark(model, plan)
-        return model, ep_group
+        return model, ep_group, cp
     if plan.dp > 1 or plan.cp > 1:  # cp alone too: its ranks' gradients are averaged like dp's
         if ep_group is not None:
             # Each rank holds different experts: DDP must neither broadcast nor average them.
@@ -382,10 +402,9 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
             if sharded:
                 DDP._set_params_and_buffers_to_ignore_for_model(model, sharded)
         # (Under `ttt plan --simulate`, whose tensors are fake, a stand-in that holds DDP's buckets.)
-        return data_parallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused
-        ), ep_group
-    return model, ep_group
+        ids = [device.index] if device.type == "cuda" else None
+        return data_parallel(model, device_ids=ids, find_unused_parameters=unused), ep_group, cp
+    return model, ep_group, cp
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
@@ -416,7 +435,8 @@ def forwards_are_collective(model: nn.Module) -> bool:
 
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
     """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
-    if plan.compute == "bf16" and plan.fsdp == 1:  # (under tp alone too: its DTensors keep their dtype)
+    # (under tp alone too: its DTensors keep their dtype)
+    if plan.compute == "bf16" and plan.shard_ranks == 1:
         return torch.bfloat16
     return None
 

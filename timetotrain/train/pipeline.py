@@ -37,7 +37,13 @@ Checkpoints: `owned` is this rank's share under the model's names, so `--save-ch
 folder (each stage its own entries, DCP) that any layout reads, and `--init-checkpoint` loads into the stages
 only what they hold (a ttt or a Hugging Face checkpoint).
 
-Not built: pp with dp / dp_replicate / ep / cp or fp8, mixture-of-experts models, families whose stack
+Context parallelism (`pp=P,cp=C[,tp=T]`): the mesh gains a cp dimension between data and tp; every stage
+holds a `context_parallel.SequenceGroup`, the first embeds its CP rank's head-tail part of the whole tokens,
+the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the loss shares summed over the
+CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
+flattened (data, cp) ranks, which averages the CP ranks' gradients.
+
+Not built: pp with dp / dp_replicate / ep or fp8, mixture-of-experts models, families whose stack
 is not the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
 output (LoRA's, GRPO's).
 """
@@ -60,10 +66,11 @@ from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
-from timetotrain.models.common.head_loss import logits_or_loss
+from timetotrain.models.common.sequence_shard import head_loss
 from timetotrain.spec.task import Task
 from timetotrain.train import parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
+from timetotrain.train.context_parallel import SequenceGroup
 from timetotrain.train.shards import _FILLS, draw_full, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
@@ -80,7 +87,6 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     for what, bad in (
         ("dp (use fsdp)", plan.dp > 1),
         ("dp_replicate", plan.dp_replicate > 1),
-        ("cp", plan.cp > 1),
         ("--precision fp8", plan.precision == "fp8"),
     ):
         if bad:
@@ -164,9 +170,14 @@ def describe_split(ranges: list[tuple[int, int]], pp: int) -> str:
 class Stage(nn.Module):
     """Stage blocks [lo, hi) of a `Decoder`: its embedding first on the first stage, its final norm and
     head (the fused loss when labels are given) last on the last one. Inputs: tokens on the first stage,
-    else the previous stage's residual stream (under TP this rank's sequence shard of it)."""
+    else the previous stage's residual stream (under TP this rank's sequence shard of it). Under cp
+    (`sequence`) every stage computes its CP rank's head-tail part of each sequence: the first embeds only
+    those positions of the whole tokens, the blocks attend through the shard's K/V exchange, and the last
+    returns its share of the loss summed over the CP group, the micro-batch's one-process mean."""
 
-    def __init__(self, model: Decoder, lo: int, hi: int, first: bool, last: bool, tp_mesh=None):
+    def __init__(
+        self, model: Decoder, lo: int, hi: int, first: bool, last: bool, tp_mesh=None, sequence=None
+    ):  # fmt: skip
         super().__init__()
         self.embed = model.embed if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
@@ -175,6 +186,7 @@ class Stage(nn.Module):
         # The model's helpers (RoPE tables, masks), outside the module tree: its parameters are not all ours.
         self.__dict__["decoder"] = model
         self.tp_mesh = tp_mesh
+        self.sequence: SequenceGroup | None = sequence
         self.autocast: torch.dtype | None = None  # the forward's autocast dtype (the backward runs outside)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
@@ -184,14 +196,20 @@ class Stage(nn.Module):
             return self._forward(x, labels, reduction)
 
     def _forward(self, x, labels, reduction):
+        shard = None
+        if self.sequence is not None:  # the whole labels reach every stage (the schedule's kwargs)
+            if labels is None:
+                raise ValueError("a context-parallel stage computes losses only: pass labels")
+            shard = self.sequence.shard(labels.shape[1], labels.device)
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x if shard is None else shard.local(x))
         elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
-        x = self.decoder.blocks(x, self.layers.values())
+        x = self.decoder.blocks(x, self.layers.values(), shard)
         if self.norm is None:
             return x.to_local() if isinstance(x, DTensor) else x
-        return logits_or_loss(self.norm(x), self.head, labels, reduction)
+        loss = head_loss(self.norm(x), self.head, labels, reduction, shard)  # (a share of it under cp)
+        return loss if shard is None else self.sequence.total(loss)
 
 
 class _Capture:
@@ -284,15 +302,16 @@ class Pipeline(nn.Module):
         return x
 
 
-def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, tp: int) -> tuple:
+def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, split: int) -> tuple:
     """A stage's input and output as the schedule sees them, on the meta device, from one micro-batch's
-    tokens `[B, T]`: tokens into the first stage, this rank's sequence shard of the residual stream
-    `[B, T / tp, dim]` across each boundary, the micro-batch's loss out of the last. Given to
+    tokens `[B, T]`: the whole tokens into the first stage, this rank's part of the residual stream
+    `[B, T / split, dim]` across each boundary (split = cp x tp: its CP rank's head-tail part, cut again
+    along the sequence by TP's sequence parallelism), the micro-batch's loss out of the last. Given to
     `PipelineStage`, they spare the schedule its shape inference (a forward and a backward through the
     stage and the metadata sent between ranks in its first step) and are what a simulation's fake process
     group cannot send (timetotrain/fakes.py)."""
     meta = torch.device("meta")
-    stream = torch.empty(tokens[0], tokens[1] // tp, dim, dtype=dtype, device=meta, requires_grad=True)
+    stream = torch.empty(tokens[0], tokens[1] // split, dim, dtype=dtype, device=meta, requires_grad=True)
     x = torch.empty(tokens, dtype=torch.int64, device=meta) if index == 0 else stream
     out = (
         torch.empty((), dtype=torch.float32, device=meta, requires_grad=True)
@@ -348,13 +367,16 @@ def build(
     outside = {n.split(".")[0] for n, _ in model.named_parameters()} - set(_MODULES)
     if not isinstance(model, Decoder) or not plain or outside:
         raise UserError(f"--parallel pp: the {family.name} family's model has no pipeline split yet")
-    names = ("pp", "dp_replicate", "data", "tp")
+    names = ("pp", "dp_replicate", "data", "cp", "tp")
     mesh = parallel.device_mesh(
-        device.type, (plan.pp, plan.dp_replicate, plan.dp * plan.fsdp, plan.tp), names
+        device.type, (plan.pp, plan.dp_replicate, plan.dp * plan.fsdp, plan.cp, plan.tp), names
     )  # fmt: skip
     with real_host():  # slicing a mesh finds this rank's coordinates in a tensor of rank ids (fakes.py)
         tp_mesh = mesh["tp"] if plan.tp > 1 else None
-        data_mesh, pp_group = mesh["data"], mesh["pp"].get_group()
+        pp_group = mesh["pp"].get_group()
+        # FSDP2 shards a stage over its data-parallel and CP ranks together (`Plan.shard_ranks`).
+        data_mesh = mesh["data", "cp"]._flatten("data_cp") if plan.cp > 1 else mesh["data"]
+        sequence = SequenceGroup(plan, dist.get_rank(), mesh["cp"].get_group()) if plan.cp > 1 else None
     if tp_mesh is not None:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
@@ -378,8 +400,8 @@ def build(
                 model.layers[i] = checkpoint_wrapper(model.layers[i])
             if plan.compile:
                 model.layers[i].compile()
-    stages = [Stage(model, *ranges[s], s == 0, s == count - 1, tp_mesh) for s in indices]
-    if plan.fsdp > 1:
+    stages = [Stage(model, *ranges[s], s == 0, s == count - 1, tp_mesh, sequence) for s in indices]
+    if plan.shard_ranks > 1:
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
         )
@@ -404,8 +426,8 @@ def build(
     tokens = capture.call[0].shape
     # The residual stream's dtype: FSDP2's compute dtype where it casts the parameters; under autocast (or
     # none) the stream stays fp32 (autocast lowers matmuls, not the residual additions).
-    stream = torch.bfloat16 if plan.fsdp > 1 and plan.compute == "bf16" else torch.float32
-    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), cfg.dim, stream, plan.tp)
+    stream = torch.bfloat16 if plan.shard_ranks > 1 and plan.compute == "bf16" else torch.float32
+    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), cfg.dim, stream, plan.cp * plan.tp)
     pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
     _init(family, model, device, seed + 1)
     # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;
