@@ -10,6 +10,9 @@ The loop knows a benchmark only through its task (data, loss, evaluation, metric
 writes the log. Each rank trains on its contiguous share of every global batch and evaluates its share of
 the eval set; losses are averaged and eval sums reduced across ranks, so `samples_count` and every logged
 figure are global.
+
+`_run` reads as the run's steps in order (`_TimedRun`: preflight, open_outputs, log_header, build,
+start_clock, train and evaluate, stop_run, teardown); those `ttt synth` takes too are in train/run_steps.py.
 """
 
 from __future__ import annotations
