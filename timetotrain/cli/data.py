@@ -296,7 +296,7 @@ def _download_fixtures(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """Register `data prepare` and `data download`."""
+    """Register `data download`, `data prepare`, `data synth-graph` and `data synth-criteo`."""
     d = sub.add_parser(
         "data",
         help="download and prepare datasets",
@@ -304,6 +304,13 @@ def add_commands(sub) -> None:
         "into the files runs read, `synth-graph` writes rgat's synthetic graph, `synth-criteo` dlrm_dcnv2's "
         "synthetic multi-hot Criteo.",
     ).add_subparsers(dest="data_command", required=True)
+    _add_download(d)
+    _add_prepare(d)
+    _add_synth_graph(d)
+    _add_synth_criteo(d)
+
+
+def _add_download(d) -> None:
     s = d.add_parser(
         "download",
         help="fetch C4 shards (hub or mirror) or an MLCommons dataset, resumable and verified",
@@ -341,6 +348,9 @@ def add_commands(sub) -> None:
         help="fixtures: a comma-separated subset (c4, govreport, cc12m, coco_mini, tokenizers)",
     )
     s.set_defaults(func=_cmd_download)
+
+
+def _add_prepare(d) -> None:
     s = d.add_parser(
         "prepare",
         help="tokenize raw data into the files the benchmarks read",
@@ -399,6 +409,12 @@ def add_commands(sub) -> None:
         metavar="FILE",
         help="a SentencePiece tokenizer.model: the Llama 2 one for govreport; for c4 --tokenizer llama2|mixtral",
     )
+    _add_govreport_flags(s)
+    _add_flux_flags(s)
+    s.set_defaults(func=_cmd_prepare)
+
+
+def _add_govreport_flags(s) -> None:
     g = s.add_argument_group("govreport")
     g.add_argument(
         "--block",
@@ -427,6 +443,10 @@ def add_commands(sub) -> None:
         help="reference: pack in the reference's datasets.map groups (default); whole: one stream "
         "(default with tiny)",
     )
+
+
+def _add_flux_flags(s) -> None:
+    """flux's encoders and imports; --tier also serves --for."""
     f = s.add_argument_group("flux")
     f.add_argument(
         "--encoders",
@@ -445,9 +465,6 @@ def add_commands(sub) -> None:
         help="flux import: MLCommons' empty_encodings/ (t5_empty.npy, clip_empty.npy; default: the one beside "
         "--src)",
     )
-    s.set_defaults(func=_cmd_prepare)
-    _add_synth_graph(d)
-    _add_synth_criteo(d)
 
 
 def _cmd_synth_graph(args) -> int:

@@ -21,6 +21,11 @@ _RULESET_HELP = (
 )
 
 
+def _add_ruleset(s: argparse.ArgumentParser, help: str) -> None:
+    """--ruleset of score, package, report and check: one default, the ruleset this package writes logs for."""
+    s.add_argument("--ruleset", default=RULESET, help=help)
+
+
 def _existing_dir(path: str, flag: str) -> Path:
     p = Path(path)
     if not p.is_dir():
@@ -178,8 +183,14 @@ def _cmd_check(args) -> int:
 
 def add_commands(sub) -> None:
     """Register score, package, report and check on an argparse subparsers object."""
-    fmt = argparse.RawDescriptionHelpFormatter
+    _add_score(sub)
+    _add_package(sub)
+    _add_report(sub)
+    _add_check(sub)
 
+
+def _add_score(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
         "score",
         help="MLPerf score of result logs: olympic mean, CVs, RCP verdict",
@@ -200,9 +211,12 @@ def add_commands(sub) -> None:
     )
     s.add_argument("dir", metavar="DIR", help="folder with result_<k>.txt files (searched recursively)")
     s.add_argument("--json", action="store_true", help='print {"results": [...]} as JSON')
-    s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
+    _add_ruleset(s, _RULESET_HELP)
     s.set_defaults(func=_cmd_score)
 
+
+def _add_package(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
         "package",
         help="build the submission tree the official package checker expects",
@@ -233,9 +247,12 @@ def add_commands(sub) -> None:
     )
     s.add_argument("--tier", help="only logs of this tier (when --results holds several)")
     s.add_argument("--check", action="store_true", help="then run the official package checker on OUT")
-    s.add_argument("--ruleset", default=RULESET, help="ruleset for --check (default %(default)s)")
+    _add_ruleset(s, f"ruleset for --check (default {RULESET})")
     s.set_defaults(func=_cmd_package)
 
+
+def _add_report(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
         "report",
         help="plots (eval metric vs samples) and a markdown score summary",
@@ -261,9 +278,11 @@ def add_commands(sub) -> None:
         metavar="FILE",
         help="write one self-contained HTML page (default OUT/report.html, or DIR/report.html)",
     )
-    s.add_argument("--ruleset", default=RULESET, help=_RULESET_HELP)
+    _add_ruleset(s, _RULESET_HELP)
     s.set_defaults(func=_cmd_report)
 
+
+def _add_check(sub) -> None:
     s = sub.add_parser(
         "check",
         help="judge a result log: the official MLPerf compliance checker, then ttt's own checks",
@@ -279,7 +298,7 @@ def add_commands(sub) -> None:
         "mlperf_results_v5.1), gets a note.",
     )
     s.add_argument("log", help="a result_<k>.txt")
-    s.add_argument("--ruleset", default="6.0.0", help="MLPerf logging ruleset (default 6.0.0)")
+    _add_ruleset(s, f"MLPerf logging ruleset (default {RULESET})")
     s.add_argument("-v", "--verbose", action="store_true", help="show the checker's full output")
     s.add_argument(
         "--json",

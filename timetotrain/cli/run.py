@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from timetotrain import fileio, strictjson
-from timetotrain.cli import config
+from timetotrain.cli import config, flags
 from timetotrain.errors import UserError
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.spec import registry
@@ -386,62 +386,6 @@ def _simulate(args, bench, tier, rows, best, given_ac: int | None):
     return cells, format_simulation(sim, est, args.gpu_mem), doc
 
 
-def _add_ac_flags(s, ac_help: str) -> None:
-    """`--ac` and `--ac-every K` of `ttt run`, `ttt synth` and `ttt plan` (train/parallel.py:
-    Plan.activation_checkpointing, which `parallel.ac_every` makes of the two)."""
-    s.add_argument("--ac", action="store_true", help=ac_help)
-    s.add_argument(
-        "--ac-every",
-        type=int,
-        default=None,
-        metavar="K",
-        help="selective activation checkpointing: checkpoint every K-th block (blocks 0, K, 2K, ...), the "
-        "others keep their activations; K=1 is --ac, K=2 halves the recomputation and keeps half the blocks' "
-        "activations. Between the two in memory and speed; `ttt plan --ac-every K` estimates it",
-    )
-
-
-def _add_scale_flags(s, precision_default: str | None) -> None:
-    s.add_argument(
-        "--parallel",
-        default=None,
-        help="under torchrun: dp=N (DDP), fsdp=N (FSDP2, sharded per block), ep=N or ep=N,fsdp=N (MoE "
-        "experts split over the N ranks) or tp=T[,fsdp=F] (tensor parallel, Llama-family decoders); "
-        "default dp over all processes",
-    )
-    s.add_argument(
-        "--precision",
-        choices=["fp32", "bf16", "fp8"],
-        default=precision_default,
-        help="bf16: autocast (DDP) or bf16 parameters with fp32 master weights and fp32 reduce (FSDP2); "
-        "fp8: torchao float8 block linears (--set fp8_recipe=tensorwise|rowwise|rowwise_with_gw_hp, or MXFP8: mxfp8|mxfp8_with_gw_hp), "
-        "the rest bf16 on GPU, fp32 on CPU; needs pip install 'timetotrain[fp8]'"
-        + ("" if precision_default else "; default bf16 on GPU, fp32 on CPU"),
-    )
-    _add_ac_flags(
-        s,
-        "activation checkpointing of every block: each keeps only its input and recomputes the rest in the "
-        "backward (least activation memory, about a third more compute)",
-    )
-    s.add_argument("--compile", action="store_true", help="torch.compile each block")
-
-
-def _add_tracker_flags(s) -> None:
-    s.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        default=None,
-        help="also write TensorBoard events under DIR (train_loss, eval, lr, items/s, MoE expert load); "
-        "needs pip install 'timetotrain[tensorboard]'",
-    )
-    s.add_argument(
-        "--wandb",
-        action="store_true",
-        help="also log to Weights & Biases, offline unless WANDB_MODE is set (files under <logdir>/wandb); "
-        "needs pip install 'timetotrain[wandb]'",
-    )
-
-
 def add_list(sub) -> None:
     """Register `list` (first in `ttt --help`, before `data`)."""
     s = sub.add_parser(
@@ -455,38 +399,28 @@ def add_list(sub) -> None:
 
 
 def add_commands(sub) -> None:
-    """Register run, synth, plan and rcp build."""
+    """Register run, synth, plan, base and rcp build."""
+    _add_run(sub)
+    _add_synth(sub)
+    _add_plan(sub)
+    _add_base(sub)
+    _add_rcp(sub)
+
+
+def _add_run(sub) -> None:
     s = sub.add_parser(
         "run",
         help="a timed training run to the quality target, logged in the MLPerf format",
         description="Train BENCH at TIER until the eval metric meets the target. Writes one new "
         "<logdir>/<benchmark>/<tier>/result_<k>.txt per run. Exit 0 on success, non-zero when aborted.",
     )
-    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument(
-        "--tier", required=True, help="tier: tiny (2 CPU cores, minutes) or reference (closed config)"
-    )
-    s.add_argument("--data", required=True, help="folder with the prepared dataset (`ttt data prepare`)")
-    s.add_argument("--logdir", required=True, help="where result files go (created if missing)")
-    s.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="run seed (default: fresh random, logged); with --runs: SEED, SEED+1, ...",
-    )
-    s.add_argument(
-        "--runs", type=int, default=1, help="N consecutive runs, distinct seeds, one result file each"
-    )
+    flags.add_benchmark(s, "tier: tiny (2 CPU cores, minutes) or reference (closed config)")
+    flags.add_run_set(s, runs=1)
     s.add_argument(
         "--max-steps", type=int, default=None, help="stop after N steps (aborted if not converged)"
     )
-    s.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="change a tier setting, e.g. --set global_batch_size=32",
-    )
-    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    flags.add_set(s)
+    flags.add_device(s)
     s.add_argument("--org", default="timetotrain", help="submission_org to log")
     s.add_argument("--platform", default=None, help="submission_platform to log (default: from the host)")
     s.add_argument("--quiet", action="store_true", help="do not echo MLLOG lines to stdout")
@@ -495,7 +429,6 @@ def add_commands(sub) -> None:
         action="store_true",
         help="no MLLOG echo; after the runs, print a summary of each (status, samples, seconds, log) as JSON",
     )
-    _add_scale_flags(s, precision_default="fp32")
     s.add_argument(
         "--dist-timeout",
         type=float,
@@ -509,29 +442,20 @@ def add_commands(sub) -> None:
         help="after SIGTERM/SIGINT, seconds to finish the step and log run_stop before exiting (default 10)",
     )
     s.add_argument(
-        "--init-checkpoint",
-        default=None,
-        help="start from these weights instead of the benchmark's init: a Hugging Face safetensors folder "
-        "(model.safetensors or an index + shards) or a ttt checkpoint folder; loaded during init",
-    )
-    s.add_argument(
         "--save-checkpoint",
         default=None,
         metavar="DIR",
         help="after run_stop (off the clock), save the trained model and optimizer as a ttt checkpoint "
         "folder, for --init-checkpoint (one run: --runs 1)",
     )
-    _add_tracker_flags(s)
     config.add_flag(s)
-    s.add_argument(
-        "--dry-run",
-        "--print-config",
-        action="store_true",
-        help="print the resolved tier (each setting and where it came from), the rule check's verdict and the "
-        "parallel plan, then exit: no model built, nothing written (with --json: one JSON object)",
-    )
+    flags.add_dry_run(s, "the rule check's verdict and the parallel plan")
+    flags.add_layout(s, precision_default="fp32")
+    flags.add_trackers(s)
     s.set_defaults(func=_cmd_run)
 
+
+def _add_synth(sub) -> None:
     s = sub.add_parser(
         "synth",
         help="throughput with random weights and random tokens: no data needed",
@@ -540,8 +464,7 @@ def add_commands(sub) -> None:
         "TFLOP/s, MFU and peak memory. Writes an MLPerf-format log and summary.json to "
         "<logdir>/synth/<benchmark>/<tier>/ (default ./synth/<benchmark>/<tier>/). Works under torchrun (one log, figures summed over ranks).",
     )
-    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument("--tier", default="tiny", help="tiny (default) or reference (the full closed model)")
+    flags.add_benchmark(s, "tiny (default) or reference (the full closed model)", tier_default="tiny")
     s.add_argument("--steps", type=int, default=None, help="timed steps (default 30 tiny, 20 reference)")
     s.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 5)")
     s.add_argument("--micro-batch", type=int, default=None, help="micro-batch per rank (sets accumulation)")
@@ -559,33 +482,26 @@ def add_commands(sub) -> None:
         help="the log and summary go to LOGDIR/synth/<benchmark>/<tier>/ (default: the current folder, so "
         "./synth/..., apart from the ./logs of `ttt run`; readers of results skip synth logs anyway)",
     )
-    s.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="change a tier setting, e.g. seq_len=4096"
-    )
-    s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    flags.add_set(s)
+    flags.add_device(s)
     s.add_argument("--seed", type=int, default=None, help="seed for weights and tokens (default: random)")
-    _add_scale_flags(s, precision_default=None)
-    _add_tracker_flags(s)
     s.add_argument("--json", action="store_true", help="print the summary (summary.json's content) as JSON")
     config.add_flag(s)
-    s.add_argument(
-        "--dry-run",
-        "--print-config",
-        action="store_true",
-        help="print the resolved tier (each setting and where it came from), steps, layers and the parallel "
-        "plan, then exit: no model built, nothing written (with --json: one JSON object)",
-    )
+    flags.add_dry_run(s, "steps, layers and the parallel plan")
+    flags.add_layout(s, precision_default=None)
+    flags.add_trackers(s)
     s.set_defaults(func=_cmd_synth)
 
+
+def _add_plan(sub) -> None:
     s = sub.add_parser(
         "plan",
         help="estimate per-GPU memory and suggest a parallel configuration before launching",
         description="Estimate per-GPU memory (model states, bf16 copies, activations with and without "
         "activation checkpointing) for a tier on N GPUs, and suggest --parallel/--ac/micro-batch settings.",
     )
-    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument(
-        "--tier", default="reference", help="the tier to plan (default: reference, the closed configuration)"
+    flags.add_benchmark(
+        s, "the tier to plan (default: reference, the closed configuration)", tier_default="reference"
     )
     s.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
     s.add_argument(
@@ -596,23 +512,7 @@ def add_commands(sub) -> None:
         "then one torchrun per node, and tensor parallelism stays within a node",
     )
     s.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB, e.g. 80")
-    s.add_argument(
-        "--parallel",
-        default=None,
-        help="only this layout, as `ttt run --parallel` takes it on --gpus processes: dp=N, fsdp=N, ep=N, "
-        "ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp (and ep, ep x fsdp for an MoE "
-        "model), then tp x fsdp within a node if none of those fits",
-    )
-    s.add_argument(
-        "--precision",
-        choices=["bf16", "fp32", "fp8"],
-        default="bf16",
-        help="the compute precision the estimate assumes: bf16 (default: 2-byte activations and bf16 copies "
-        "of the weights beside the fp32 master weights), fp32 (4-byte activations) or fp8 (torchao float8 "
-        "block linears, --set fp8_recipe=...: no bf16 copies of them, float8 FSDP2 gathers under tensorwise, "
-        "activations as bf16)",
-    )
-    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting first")
+    flags.add_set(s)
     s.add_argument("--json", action="store_true", help="print the estimates and the suggestion as JSON")
     s.add_argument(
         "--simulate",
@@ -629,13 +529,24 @@ def add_commands(sub) -> None:
         help="with --simulate: build N and N+1 layers (flux: N and N+3 blocks) and extrapolate linearly to the "
         "tier's depth (default: the full depth)",
     )
-    _add_ac_flags(
+    flags.add_layout(
         s,
-        "plan (and --simulate) with activation checkpointing of every block only (default: each layout with "
-        "and without it, and --simulate as the suggestion has it)",
+        precision_default="bf16",
+        parallel_help="only this layout, as `ttt run --parallel` takes it on --gpus processes: dp=N, fsdp=N, "
+        "ep=N, ep=N,fsdp=N or tp=T[,fsdp=F] (T x F = --gpus); default: dp and fsdp (and ep, ep x fsdp for an "
+        "MoE model), then tp x fsdp within a node if none of those fits",
+        precision_help="the compute precision the estimate assumes: bf16 (default: 2-byte activations and "
+        "bf16 copies of the weights beside the fp32 master weights), fp32 (4-byte activations) or fp8 "
+        "(torchao float8 block linears, --set fp8_recipe=...: no bf16 copies of them, float8 FSDP2 gathers "
+        "under tensorwise, activations as bf16)",
+        ac_help="plan (and --simulate) with activation checkpointing of every block only (default: each "
+        "layout with and without it, and --simulate as the suggestion has it)",
+        compile=False,
     )
     s.set_defaults(func=_cmd_plan)
 
+
+def _add_base(sub) -> None:
     s = sub.add_parser(
         "base",
         help="pretrain the base model a fine-tuning tier starts from (off the clock, cached)",
@@ -654,18 +565,19 @@ def add_commands(sub) -> None:
         "  ttt base llama2_70b_lora --tier tiny --data data/c4-llama2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument("--tier", default="tiny", help="the tier whose base to make (default: tiny)")
+    flags.add_benchmark(s, "the tier whose base to make (default: tiny)", tier_default="tiny")
     s.add_argument("--data", required=True, help="the prepared data the base pretrains on (see the example)")
     s.add_argument(
         "--cache",
         default=None,
         help="where bases are kept (default: $TTT_CACHE/bases or ~/.cache/timetotrain/bases)",
     )
-    s.add_argument("--device", default=None, help="torch device (default: cpu, where it is deterministic)")
+    flags.add_device(s, default="cpu, where it is deterministic")
     s.add_argument("--quiet", action="store_true", help="no progress line")
     s.set_defaults(func=_cmd_base)
 
+
+def _add_rcp(sub) -> None:
     r = sub.add_parser(
         "rcp",
         help="reference convergence points of our tiers",
@@ -680,19 +592,8 @@ def add_commands(sub) -> None:
         "the installed package: to ship it, copy it to timetotrain/suite/rcps/<bench>_<tier>.json, where "
         "`ttt score` looks).",
     )
-    s.add_argument("benchmark", help="benchmark name (see `ttt list`)")
-    s.add_argument(
-        "--tier", default="tiny", help="a tier of ours (default: tiny; reference has official RCPs)"
-    )
-    s.add_argument("--runs", type=int, default=10, help="runs to make (default 10)")
-    s.add_argument("--data", required=True, help="prepared dataset folder")
-    s.add_argument("--logdir", required=True, help="where the runs' result files go")
-    s.add_argument("--seed", type=int, default=None, help="first seed (default: fresh random seeds)")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="change a tier setting")
+    flags.add_benchmark(s, "a tier of ours (default: tiny; reference has official RCPs)", tier_default="tiny")
+    flags.add_run_set(s, runs=10)
+    flags.add_set(s)
     s.add_argument("--out", default=None, help="RCP file to write (default: ./<bench>_<tier>_rcp.json)")
-    s.add_argument(
-        "--init-checkpoint",
-        default=None,
-        help="the base a fine-tuning tier starts from (the folder `ttt base` printed)",
-    )
     s.set_defaults(func=_cmd_rcp_build)

@@ -59,6 +59,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from dataclasses import field as _field
 from itertools import islice
 from pathlib import Path
 
@@ -493,31 +494,9 @@ def prepare(
     manifest's info. `select="tiny"` takes the tiny tier's rows and defaults block to 1,024, truncated
     reports and whole-stream packing. A parquet with `input_ids` is imported as it is."""
     src, out = Path(src), Path(out)
-    _check_split(split)
-    if select not in SELECTS:
-        raise UserError(f"--select {select!r} is not one of {', '.join(SELECTS)}")
-    if packing is not None and packing not in PACKINGS:
-        raise UserError(f"--packing {packing!r} is not one of {', '.join(PACKINGS)}")
-    if block is not None and block < 2:
-        raise UserError(f"--block {block} is too small: use at least 2 (the reference uses {DEFAULT_BLOCK})")
-    if select == "tiny" and rows is not None:
-        raise UserError("--rows and --select tiny both choose rows: give one of them")
+    _check_options(src, split, block, select, rows, packing)
     tiny = select == "tiny"
-    if not src.exists():
-        raise UserError(
-            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file"
-        )
-    tok = spt.load(tokenizer_model)  # fail before any output if the tokenizer is wrong
-    if tok.name != "llama2":  # llama2_70b_lora's only tokenizer: its run refuses blocks of any other
-        what = (
-            "the Mixtral 8x22B tokenizer"
-            if tok.name == "mixtral"
-            else f"not a tokenizer we know (sha256 {tok.sha256[:12]}…)"
-        )
-        raise UserError(
-            f"--tokenizer-model {tokenizer_model} is {what}: GovReport is tokenized with the Llama 2 tokenizer.model "
-            "(meta-llama/Llama-2-70b-hf/tokenizer.model), which llama2_70b_lora needs"
-        )
+    tok = _llama2_tokenizer(tokenizer_model)  # fail before any output if the tokenizer is wrong
 
     pretokenized = (
         src.suffix.lower() == ".parquet" and src.is_file() and _is_mlcommons_parquet(_parquet_file(src))
@@ -536,89 +515,34 @@ def prepare(
     threads = threads or min(os.cpu_count() or 1, 8)
     ensure_writable(out)
 
-    if tiny:
-        all_rows = list(iter_rows(src))
-        n_read = len(all_rows)
-        if not all_rows:
-            raise UserError(f"{src} has no records: it is empty; pass the SCROLLS gov_report file")
-        selected: Iterator[Row] = iter(tiny_rows(all_rows, split, src))
-    elif rows is not None:
-        start, stop = parse_rows(rows)
-        selected = islice(iter_rows(src), start, stop)
-        n_read = None
-    else:
-        selected = iter_rows(src)
-        n_read = None
-
-    ids_kept: list[np.ndarray] = []
-    labels_kept: list[np.ndarray] = []
-    kept_ids: list[str | None] = []
-    n_examples = too_long = truncated = mismatched = specials = n_tokens = 0
-    live = LiveLine()
-    t0 = time.monotonic()
-    while batch := list(islice(selected, _BATCH_ROWS)):
-        texts = [example_text(r.input, r.output) for r in batch]
-        encoded = tok.encode_batch(texts, threads)
-        prompts = (
-            tok.encode_batch([prompt_text(r.input) for r in batch], threads) if split != "train" else None
-        )
-        for i, r in enumerate(batch):
-            n_examples += 1
-            specials += any(s in r.input or s in r.output for s in _SPECIAL_STRINGS)
-            body = encoded[i]
-            n_tokens += len(body) + 2
-            prompt = prompts[i] if prompts is not None else None
-            if len(body) + 2 > block:
-                report = fit_report(tok, r.input, r.output, block) if truncate else None
-                if report is None:
-                    too_long += 1
-                    continue
-                truncated += 1
-                body = tok.encode(example_text(report, r.output))
-                prompt = tok.encode(prompt_text(report)) if prompts is not None else None
-            ids = np.array([tok.bos_id, *body, tok.eos_id], dtype=np.int32)
-            if split == "train":
-                lab = ids  # loss on every token; the packed labels are a copy
-            else:
-                p = [tok.bos_id, *prompt]
-                # The reference masks len(prompt tokens) positions whether or not they are a prefix of the
-                # example's tokens; we do the same and count the examples where they are not.
-                mismatched += list(ids[: len(p)]) != p
-                lab = ids.copy()
-                lab[: len(p)] = IGNORE_INDEX
-                lab[-1] = IGNORE_INDEX
-            ids_kept.append(ids)
-            labels_kept.append(lab)
-            kept_ids.append(r.id)
-        rate = n_tokens / max(time.monotonic() - t0, 1e-9)
-        live.update(f"govreport {split}: {n_examples:,} examples, {n_tokens:,} tokens, {rate:,.0f} tokens/s")
-    live.close()
-    if n_examples == 0 and rows is not None:
+    selected, n_read = _selected_rows(src, split, tiny, rows)
+    kept = _encode(selected, tok, split, block, truncate, threads)
+    if kept.examples == 0 and rows is not None:
         raise UserError(f"--rows {rows} selects no record of {src}: it has fewer records; choose other rows")
-    if n_examples == 0:
+    if kept.examples == 0:
         raise UserError(f"{src} has no records: it is empty; pass the SCROLLS gov_report file")
 
-    groups = reference_groups(len(ids_kept), split) if packing == "reference" else None
-    input_ids, labels, remainder = pack(ids_kept, labels_kept, block, groups)
+    groups = reference_groups(len(kept.ids), split) if packing == "reference" else None
+    input_ids, labels, remainder = pack(kept.ids, kept.labels, block, groups)
     if input_ids.shape[0] == 0:
         raise UserError(
-            f"{src}: no complete {block:,}-token block ({len(ids_kept)} examples kept, {too_long} longer than "
-            f"the block dropped): use more rows, a smaller --block, or --truncate-input"
+            f"{src}: no complete {block:,}-token block ({len(kept.ids)} examples kept, {kept.too_long} longer "
+            f"than the block dropped): use more rows, a smaller --block, or --truncate-input"
         )
     counts = {
-        "rows_read": n_read if n_read is not None else n_examples,
-        "examples": n_examples,
-        "dropped_too_long": too_long,
-        "inputs_truncated": truncated,
-        "examples_packed": len(ids_kept),
-        "tokens_before_packing": int(sum(a.size for a in ids_kept)),
+        "rows_read": n_read if n_read is not None else kept.examples,
+        "examples": kept.examples,
+        "dropped_too_long": kept.too_long,
+        "inputs_truncated": kept.truncated,
+        "examples_packed": len(kept.ids),
+        "tokens_before_packing": int(sum(a.size for a in kept.ids)),
         "packing_groups": len(groups) if groups is not None else 1,
         "remainder_tokens_dropped": int(remainder),
         "blocks": int(input_ids.shape[0]),
         "tokens": int(input_ids.size),
         "label_tokens": int((labels != IGNORE_INDEX).sum()),
-        "mask_not_prefix": int(mismatched),
-        "special_strings": int(specials),
+        "mask_not_prefix": int(kept.mismatched),
+        "special_strings": int(kept.specials),
     }
     info = {
         "dataset": "govreport",
@@ -636,11 +560,120 @@ def prepare(
             "truncate_input_to_block": truncate,
             "packing": packing,
         },
-        "selection": {"select": select, "rows": rows, "ids": kept_ids if tiny else None},
+        "selection": {"select": select, "rows": rows, "ids": kept.row_ids if tiny else None},
         "counts": counts,
     }
     _save(out, split, input_ids, labels, info)
     return info
+
+
+def _check_options(src: Path, split: str, block: int | None, select: str, rows: str | None, packing) -> None:
+    """The flags' values, before the tokenizer loads or anything is read."""
+    _check_split(split)
+    if select not in SELECTS:
+        raise UserError(f"--select {select!r} is not one of {', '.join(SELECTS)}")
+    if packing is not None and packing not in PACKINGS:
+        raise UserError(f"--packing {packing!r} is not one of {', '.join(PACKINGS)}")
+    if block is not None and block < 2:
+        raise UserError(f"--block {block} is too small: use at least 2 (the reference uses {DEFAULT_BLOCK})")
+    if select == "tiny" and rows is not None:
+        raise UserError("--rows and --select tiny both choose rows: give one of them")
+    if not src.exists():
+        raise UserError(
+            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file"
+        )
+
+
+def _llama2_tokenizer(tokenizer_model: Path | str):
+    tok = spt.load(tokenizer_model)
+    if tok.name != "llama2":  # llama2_70b_lora's only tokenizer: its run refuses blocks of any other
+        what = (
+            "the Mixtral 8x22B tokenizer"
+            if tok.name == "mixtral"
+            else f"not a tokenizer we know (sha256 {tok.sha256[:12]}…)"
+        )
+        raise UserError(
+            f"--tokenizer-model {tokenizer_model} is {what}: GovReport is tokenized with the Llama 2 tokenizer.model "
+            "(meta-llama/Llama-2-70b-hf/tokenizer.model), which llama2_70b_lora needs"
+        )
+    return tok
+
+
+def _selected_rows(src: Path, split: str, tiny: bool, rows: str | None) -> tuple[Iterator[Row], int | None]:
+    """The records to encode, and how many were read where all of them were (tiny), else None."""
+    if tiny:
+        all_rows = list(iter_rows(src))
+        if not all_rows:
+            raise UserError(f"{src} has no records: it is empty; pass the SCROLLS gov_report file")
+        return iter(tiny_rows(all_rows, split, src)), len(all_rows)
+    if rows is not None:
+        start, stop = parse_rows(rows)
+        return islice(iter_rows(src), start, stop), None
+    return iter_rows(src), None
+
+
+@dataclass
+class _Kept:
+    """The examples `_encode` kept (one int32 array each, with its labels and its record id) and what it
+    counted on the way."""
+
+    ids: list = _field(default_factory=list)
+    labels: list = _field(default_factory=list)
+    row_ids: list = _field(default_factory=list)
+    examples: int = 0
+    too_long: int = 0
+    truncated: int = 0
+    mismatched: int = 0
+    specials: int = 0
+    tokens: int = 0
+
+
+def _encode(selected: Iterator[Row], tok, split: str, block: int, truncate: bool, threads: int) -> _Kept:
+    """Tokenize the records in batches: BOS + example + EOS, dropped or truncated past `block`; labels
+    masked over BOS + prompt and the final EOS outside train."""
+    kept = _Kept()
+    live = LiveLine()
+    t0 = time.monotonic()
+    while batch := list(islice(selected, _BATCH_ROWS)):
+        texts = [example_text(r.input, r.output) for r in batch]
+        encoded = tok.encode_batch(texts, threads)
+        prompts = (
+            tok.encode_batch([prompt_text(r.input) for r in batch], threads) if split != "train" else None
+        )
+        for i, r in enumerate(batch):
+            kept.examples += 1
+            kept.specials += any(s in r.input or s in r.output for s in _SPECIAL_STRINGS)
+            body = encoded[i]
+            kept.tokens += len(body) + 2
+            prompt = prompts[i] if prompts is not None else None
+            if len(body) + 2 > block:
+                report = fit_report(tok, r.input, r.output, block) if truncate else None
+                if report is None:
+                    kept.too_long += 1
+                    continue
+                kept.truncated += 1
+                body = tok.encode(example_text(report, r.output))
+                prompt = tok.encode(prompt_text(report)) if prompts is not None else None
+            ids = np.array([tok.bos_id, *body, tok.eos_id], dtype=np.int32)
+            if split == "train":
+                lab = ids  # loss on every token; the packed labels are a copy
+            else:
+                p = [tok.bos_id, *prompt]
+                # The reference masks len(prompt tokens) positions whether or not they are a prefix of the
+                # example's tokens; we do the same and count the examples where they are not.
+                kept.mismatched += list(ids[: len(p)]) != p
+                lab = ids.copy()
+                lab[: len(p)] = IGNORE_INDEX
+                lab[-1] = IGNORE_INDEX
+            kept.ids.append(ids)
+            kept.labels.append(lab)
+            kept.row_ids.append(r.id)
+        rate = kept.tokens / max(time.monotonic() - t0, 1e-9)
+        live.update(
+            f"govreport {split}: {kept.examples:,} examples, {kept.tokens:,} tokens, {rate:,.0f} tokens/s"
+        )
+    live.close()
+    return kept
 
 
 def prepare_tiny(src: Path | str, tokenizer_model: Path | str, out: Path | str) -> dict[str, dict]:

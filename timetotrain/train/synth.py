@@ -21,12 +21,10 @@ import torch
 
 from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
-from timetotrain.mlperf.logger import ResultLog
 from timetotrain.progress import LiveLine
-from timetotrain.train import distributed, prepare
+from timetotrain.train import distributed, prepare, run_steps
 from timetotrain.train.device import platform_name, threads_kept
 from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
-from timetotrain.train.trackers import open_trackers
 
 
 @dataclass
@@ -107,20 +105,8 @@ def synth(opts: SynthOptions) -> dict:
 
 
 def _synth(opts: SynthOptions) -> dict:
-    bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
-    steps = opts.steps if opts.steps is not None else DEFAULT_STEPS.get(tier.name, 20)
-    warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
-    if steps < 2:
-        raise UserError(f"--steps {steps}: need at least 2 timed steps")
-    if warmup < 0:
-        raise UserError(f"--warmup-steps {warmup} must be >= 0")
-    full_layers, full_model = getattr(tier.model, "n_layers", None), tier.model
-    if opts.layers is None and tier.name in bench.synth_layers:
-        opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
-    if opts.layers is not None:
-        tier = with_layers(bench, tier, opts.layers)
-    # The schedule must cover every step we take, whatever the tier's max_steps.
-    tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
+    opts, tier, full, steps, warmup = _resolve(opts)
+    bench = full.bench
     # -- preflight before any model is built: the log dir, the batch split --
     cuda = (opts.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     prep = prepare.preflight(
@@ -128,190 +114,254 @@ def _synth(opts: SynthOptions) -> dict:
         opts.precision or ("bf16" if cuda else "fp32"), opts.activation_checkpointing, opts.compile,
         micro_batch=opts.micro_batch, micro_flag="--micro-batch", device=opts.device, seed=opts.seed,
     )  # fmt: skip
-    tier, d, plan, local, accum = prep.tier, prep.dist, prep.plan, prep.local_batch, prep.accum
     prepare.start_device(prep, opts.device, seed=opts.seed)
-    device, seed = prep.device, prep.seed
-    item_name, items_per_sample = bench.task.sample_items(tier)
-    trackers = None
-    if d.main:
-        trackers = open_trackers(
-            opts.tensorboard, opts.wandb, f"synth-{bench.name}-{tier.name}-seed{seed}",
-            {"benchmark": bench.name, "tier": tier.name, "seed": seed, "mode": "synthetic",
-             "global_batch_size": tier.global_batch_size, "item": item_name, "items_per_sample": items_per_sample},
-            opts.logdir / "wandb",
-        )  # fmt: skip
-    log = ResultLog(prep.logdir if d.main else None, echo=opts.echo)
-    if trackers is not None:
-        log.listeners.append(trackers.on_event)
+    item = bench.task.sample_items(prep.tier)
+    out = run_steps.open_outputs(prep, "synth-", {"mode": "synthetic"}, item, opts)
+    log = out.log  # the live line writes to stderr: --json keeps stdout to the summary
     tr = None
-    what = f"synth {bench.name}/{tier.name}"
-    live = LiveLine() if d.main else None  # stderr: --json keeps stdout to the summary
     try:
-        log.event("cache_clear", value=False)  # no dataset: nothing to evict
-        log.start("init_start")
-        prep.tier = dataclasses.replace(tier, division="open")  # never a closed result
-        extra = {"ttt_mode": "synthetic", "ttt_tier": tier.name}
-        if opts.config is not None:
-            extra["ttt_config"] = opts.config
-        prepare.log_init_keys(log, prep, "timetotrain", None, extra)
-        prep.tier = tier
-        if live:
-            live.update(f"{what}: building the model and its optimizer on {device}", force=True)
-        peak, peak_src = _peak(device)
-        tr = prepare.build(prep)
-        data = bench.task.synthetic(
-            tier,
-            local,
-            torch.Generator(device=device).manual_seed(seed + 1000 * prep.plan.data_rank(d.rank)),
-            device,
-        )
+        _log_header(log, prep, opts)
+        tr, data, peak = _build(prep, out)
         log.end("init_stop")
-
-        log.start("run_start")
-        log.start("block_start", metadata={"samples_count": 0})
-        clock = _StepClock(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        loss = None
-        rollout_s, rollout_tokens = 0.0, 0
-        t_warm = t0 = time.perf_counter()  # t0 starts again with the timed window (i == warmup)
-        for i in range(warmup + steps):
-            if live:  # before the clock starts at i == warmup: the phase's line is outside its window
-                _synth_progress(live, what, i, warmup, steps, opts.compile, t_warm if i <= warmup else t0)
-            if i == warmup:
-                _sync(device)
-                e0 = _energy_mj(device)
-                t0 = time.perf_counter()
-                clock.mark()
-            batch = data.batch(i)
-            if bench.task.on_policy:  # rollouts, timed apart: generation's share of the step
-                t_gen = time.perf_counter()
-                batch = data.prepare(tr.bare, batch)
-                _sync(device)
-                if i >= warmup:
-                    rollout_s += time.perf_counter() - t_gen
-                    rollout_tokens += int(batch["mask"].sum().item())
-            loss = tr.step(i, batch, accum, data.loss)
-            if i >= warmup:
-                clock.mark()
-        _sync(device)
-        wall = time.perf_counter() - t0
-        if live:
-            live.update(f"{what}: {steps} steps timed in {wall:.1f} s", force=True)
-        e1 = _energy_mj(device)
-        final_loss = float(loss[0].item())
-        per_step = clock.durations()
-        samples = (warmup + steps) * tier.global_batch_size
-        log.end("block_stop", metadata={"samples_count": samples})
-
-        mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak_rss()
-        energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
-        local_samples_s = steps * local / wall
-        tot_samples_s, tot_energy, have_energy = distributed.all_reduce(
-            [local_samples_s, energy or 0.0, 1.0 if energy is not None else 0.0], "sum", device
-        )
-        # The ranks of a tensor-parallel group, and of one pipeline, step through the same samples.
-        tot_samples_s /= plan.world // plan.data_parallel
-        max_mem, max_wall = distributed.all_reduce([float(mem), wall], "max", device)
-        # Each rank's own figures, gathered once after the window (its clock has already been read).
-        mine = [
-            steps * local * items_per_sample / wall,
-            statistics.median(per_step),
-            statistics.fmean(per_step),
-        ]
-        ranks = per_rank(distributed.all_gather([*mine, float(mem)], device), item_name)
-        flops_sample = bench.flops_per_sample(tier)
-        achieved = tot_samples_s * flops_sample
-        tot_items_s = tot_samples_s * items_per_sample
-        summary = {
-            "benchmark": bench.name,
-            "tier": tier.name,
-            "mode": "synthetic (random weights, random data)",
-            "device": platform_name(device, d.world),
-            "world_size": d.world,
-            "precision": plan.precision,
-            "parallel": plan.describe(),
-            "seed": seed,
-            "global_batch_size": tier.global_batch_size,
-            "micro_batch_size": tier.micro_batch_size,
-            "gradient_accumulation_steps": accum,
-            "item": item_name,
-            "items_per_sample": items_per_sample,
-            "steps_timed": steps,
-            "warmup_steps": warmup,
-            "seconds_timed": max_wall,
-            f"{item_name}_per_s": tot_items_s,
-            f"{item_name}_per_s_per_device": tot_items_s / d.world,
-            "samples_per_s": tot_samples_s,
-            "step_time_s": {
-                "p50": statistics.median(per_step),
-                "p90": _percentile(per_step, 0.9),
-                "max": max(per_step),
-                "mean": statistics.fmean(per_step),
-            },
-            "model_flops_per_sample": flops_sample,
-            "model_flops_per_item": flops_sample / items_per_sample,
-            "model_tflops_per_s": achieved / 1e12,
-            "model_tflops_per_s_per_device": achieved / d.world / 1e12,
-            "peak_tflops_per_device": peak / 1e12,
-            "peak_source": peak_src,
-            "mfu": achieved / d.world / peak,
-            "peak_memory_bytes": int(max_mem),
-            "peak_memory_kind": "GPU max allocated"
-            if device.type == "cuda"
-            else "host peak RSS (whole process)",
-            "energy_joules": tot_energy if have_energy == d.world else None,
-            "energy_scope": "GPU only (NVML)" if have_energy == d.world else "unavailable",
-            "final_loss": final_loss,
-            "baseline_loss": bench.task.baseline_loss(tier),
-        }
-        summary["per_rank"] = ranks
-        if opts.layers is not None:
-            summary["layers"] = opts.layers
-            summary["layers_of"] = full_layers
-            # The config fields --layers changed (n_layers; flux: n_double and n_single).
-            summary["layers_config"] = {
-                f.name: getattr(tier.model, f.name)
-                for f in dataclasses.fields(tier.model)
-                if getattr(tier.model, f.name) != getattr(full_model, f.name)
-            }
+        window = _time_steps(prep, tr, data, steps, warmup, opts.compile, out)
+        summary = _summary(prep, window, item, peak)
+        summary.update(_layers_figures(opts, prep.tier, full))
         summary["data_figures"] = data.figures()
         if bench.task.on_policy:
-            # This rank's figures (the rollouts of its prompts), the share of its timed wall clock.
-            train_s = max(wall - rollout_s, 1e-9)
-            summary["rollout"] = {
-                "engine": getattr(bench.task, "engine", None) and bench.task.engine.name,
-                "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9),
-                "training_tokens_per_s": steps * local * items_per_sample / train_s,
-                "generation_share_of_step": rollout_s / wall,
-                "rollout_seconds": rollout_s,
-                "rollout_tokens": rollout_tokens,
-            }
-        for key in (f"{item_name}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
+            summary["rollout"] = _rollout_figures(bench, window, prep.local_batch * item[1])
+        for key in (f"{item[0]}_per_s", "samples_per_s", "model_tflops_per_s", "mfu", "peak_memory_bytes"):
             log.event(f"ttt_synth_{key}", summary[key])
         log.event("ttt_synth_step_time_p50_s", summary["step_time_s"]["p50"])
-        log.event("train_loss", final_loss, metadata={"samples_count": samples})
-        log.end("run_stop", metadata={"status": "success", "samples_count": samples})
+        log.event("train_loss", window.final_loss, metadata={"samples_count": window.samples})
+        log.end("run_stop", metadata={"status": "success", "samples_count": window.samples})
     except BaseException:
         log.end("run_stop", metadata={"status": "aborted"})
         raise
     finally:
-        if live:
-            live.close()
-        log.close()
-        if trackers is not None:
-            trackers.close()
-    if d.main:
-        summary["log"] = str(log.path)
-        k = log.path.stem.split("_")[-1]
-        text = strictjson.dumps(summary, indent=2) + "\n"
-        # Each run keeps its own summary next to its result file; summary.json is the latest.
-        fileio.write_text(prep.logdir / f"summary_{k}.json", text)
-        fileio.write_text(prep.logdir / "summary.json", text)
-        summary["summary_path"] = str(prep.logdir / "summary.json")
+        out.close()
+    if prep.dist.main:
+        _write_summary(summary, log.path, prep.logdir)
     del tr
     distributed.teardown(barrier=True)
     return summary
+
+
+@dataclass
+class _Full:
+    """The benchmark and the tier's model before --layers changed it."""
+
+    bench: object
+    n_layers: int | None
+    model: object
+
+
+def _resolve(opts: SynthOptions):
+    """The tier synth times (--set, then --layers or the benchmark's own synth depth), the step counts, and
+    the full model they came from; bad input stops here, before anything else."""
+    bench, tier = prepare.resolve_tier(opts.benchmark, opts.tier, opts.sets)
+    steps = opts.steps if opts.steps is not None else DEFAULT_STEPS.get(tier.name, 20)
+    warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
+    if steps < 2:
+        raise UserError(f"--steps {steps}: need at least 2 timed steps")
+    if warmup < 0:
+        raise UserError(f"--warmup-steps {warmup} must be >= 0")
+    full = _Full(bench, getattr(tier.model, "n_layers", None), tier.model)
+    if opts.layers is None and tier.name in bench.synth_layers:
+        opts = dataclasses.replace(opts, layers=bench.synth_layers[tier.name])
+    if opts.layers is not None:
+        tier = with_layers(bench, tier, opts.layers)
+    # The schedule must cover every step we take, whatever the tier's max_steps.
+    tier = dataclasses.replace(tier, max_steps=max(tier.max_steps, steps + warmup + tier.warmup_steps + 1))
+    return opts, tier, full, steps, warmup
+
+
+def _log_header(log, prep, opts: SynthOptions) -> None:
+    """The init block of a run, in the open division (never a closed result); no dataset, nothing to evict."""
+    tier = prep.tier
+    prep.tier = dataclasses.replace(tier, division="open")
+    extra = {"ttt_mode": "synthetic", "ttt_tier": tier.name}
+    if opts.config is not None:
+        extra["ttt_config"] = opts.config
+    run_steps.log_init(log, prep, False, "timetotrain", None, extra)
+    prep.tier = tier
+
+
+def _build(prep, out) -> tuple:
+    """(training, synthetic data, (peak FLOP/s, its source)): the peak first, on an idle device."""
+    bench, device, d = prep.bench, prep.device, prep.dist
+    if out.live:
+        out.live.update(
+            f"synth {bench.name}/{prep.tier.name}: building the model and its optimizer on {device}",
+            force=True,
+        )
+    peak = _peak(device)
+    tr = run_steps.build(prep, out)
+    gen = torch.Generator(device=device).manual_seed(prep.seed + 1000 * prep.plan.data_rank(d.rank))
+    data = bench.task.synthetic(prep.tier, prep.local_batch, gen, device)
+    return tr, data, peak
+
+
+@dataclass
+class _Window:
+    """What the timed steps measured on this rank."""
+
+    wall: float  # seconds of the timed window
+    per_step: list[float]
+    final_loss: float
+    energy: float | None  # joules (NVML), None where unavailable
+    samples: int  # global samples over warm-up and timed steps
+    steps: int
+    warmup: int
+    rollout_s: float = 0.0  # on-policy tasks: the rollouts' share of the window
+    rollout_tokens: int = 0
+
+
+def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) -> _Window:
+    """run_start, `warmup` untimed steps, then `steps` timed ones (the device synchronised only at the
+    window's two ends), block_stop."""
+    device, tier, task, live = prep.device, prep.tier, prep.bench.task, out.live
+    what = f"synth {prep.bench.name}/{tier.name}"
+    out.log.start("run_start")
+    out.log.start("block_start", metadata={"samples_count": 0})
+    clock = _StepClock(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    loss = None
+    rollout_s, rollout_tokens = 0.0, 0
+    t_warm = t0 = time.perf_counter()  # t0 starts again with the timed window (i == warmup)
+    for i in range(warmup + steps):
+        if live:  # before the clock starts at i == warmup: the phase's line is outside its window
+            _synth_progress(live, what, i, warmup, steps, compiled, t_warm if i <= warmup else t0)
+        if i == warmup:
+            _sync(device)
+            e0 = _energy_mj(device)
+            t0 = time.perf_counter()
+            clock.mark()
+        batch = data.batch(i)
+        if task.on_policy:  # rollouts, timed apart: generation's share of the step
+            t_gen = time.perf_counter()
+            batch = data.prepare(tr.bare, batch)
+            _sync(device)
+            if i >= warmup:
+                rollout_s += time.perf_counter() - t_gen
+                rollout_tokens += int(batch["mask"].sum().item())
+        loss = tr.step(i, batch, prep.accum, data.loss)
+        if i >= warmup:
+            clock.mark()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    if live:
+        live.update(f"{what}: {steps} steps timed in {wall:.1f} s", force=True)
+    e1 = _energy_mj(device)
+    final_loss = float(loss[0].item())
+    per_step = clock.durations()
+    samples = (warmup + steps) * tier.global_batch_size
+    out.log.end("block_stop", metadata={"samples_count": samples})
+    energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
+    return _Window(wall, per_step, final_loss, energy, samples, steps, warmup, rollout_s, rollout_tokens)
+
+
+def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -> dict:
+    """The figures every rank reduces (throughput, energy and memory summed or maxed over ranks, each rank's
+    own row gathered) and the summary they make, the same on every rank."""
+    bench, tier, plan, d, device = prep.bench, prep.tier, prep.plan, prep.dist, prep.device
+    item_name, items_per_sample = item
+    mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _host_peak_rss()
+    local_samples_s = w.steps * prep.local_batch / w.wall
+    tot_samples_s, tot_energy, have_energy = distributed.all_reduce(
+        [local_samples_s, w.energy or 0.0, 1.0 if w.energy is not None else 0.0], "sum", device
+    )
+    # The ranks of a tensor-parallel group, and of one pipeline, step through the same samples.
+    tot_samples_s /= plan.world // plan.data_parallel
+    max_mem, max_wall = distributed.all_reduce([float(mem), w.wall], "max", device)
+    # Each rank's own figures, gathered once after the window (its clock has already been read).
+    mine = [
+        w.steps * prep.local_batch * items_per_sample / w.wall,
+        statistics.median(w.per_step),
+        statistics.fmean(w.per_step),
+    ]
+    ranks = per_rank(distributed.all_gather([*mine, float(mem)], device), item_name)
+    flops_sample = bench.flops_per_sample(tier)
+    achieved = tot_samples_s * flops_sample
+    tot_items_s = tot_samples_s * items_per_sample
+    peak_flops, peak_src = peak
+    return {
+        "benchmark": bench.name,
+        "tier": tier.name,
+        "mode": "synthetic (random weights, random data)",
+        "device": platform_name(device, d.world),
+        "world_size": d.world,
+        "precision": plan.precision,
+        "parallel": plan.describe(),
+        "seed": prep.seed,
+        "global_batch_size": tier.global_batch_size,
+        "micro_batch_size": tier.micro_batch_size,
+        "gradient_accumulation_steps": prep.accum,
+        "item": item_name,
+        "items_per_sample": items_per_sample,
+        "steps_timed": w.steps,
+        "warmup_steps": w.warmup,
+        "seconds_timed": max_wall,
+        f"{item_name}_per_s": tot_items_s,
+        f"{item_name}_per_s_per_device": tot_items_s / d.world,
+        "samples_per_s": tot_samples_s,
+        "step_time_s": {
+            "p50": statistics.median(w.per_step),
+            "p90": _percentile(w.per_step, 0.9),
+            "max": max(w.per_step),
+            "mean": statistics.fmean(w.per_step),
+        },
+        "model_flops_per_sample": flops_sample,
+        "model_flops_per_item": flops_sample / items_per_sample,
+        "model_tflops_per_s": achieved / 1e12,
+        "model_tflops_per_s_per_device": achieved / d.world / 1e12,
+        "peak_tflops_per_device": peak_flops / 1e12,
+        "peak_source": peak_src,
+        "mfu": achieved / d.world / peak_flops,
+        "peak_memory_bytes": int(max_mem),
+        "peak_memory_kind": "GPU max allocated" if device.type == "cuda" else "host peak RSS (whole process)",
+        "energy_joules": tot_energy if have_energy == d.world else None,
+        "energy_scope": "GPU only (NVML)" if have_energy == d.world else "unavailable",
+        "final_loss": w.final_loss,
+        "baseline_loss": bench.task.baseline_loss(tier),
+        "per_rank": ranks,
+    }
+
+
+def _layers_figures(opts: SynthOptions, tier, full: _Full) -> dict:
+    """Under --layers: the depth timed, the tier's own, and the config fields it changed (n_layers; flux:
+    n_double and n_single)."""
+    if opts.layers is None:
+        return {}
+    changed = {
+        f.name: getattr(tier.model, f.name)
+        for f in dataclasses.fields(tier.model)
+        if getattr(tier.model, f.name) != getattr(full.model, f.name)
+    }
+    return {"layers": opts.layers, "layers_of": full.n_layers, "layers_config": changed}
+
+
+def _rollout_figures(bench, w: _Window, items_per_rank_step: int) -> dict:
+    """This rank's figures (the rollouts of its prompts), the share of its timed wall clock."""
+    train_s = max(w.wall - w.rollout_s, 1e-9)
+    return {
+        "engine": getattr(bench.task, "engine", None) and bench.task.engine.name,
+        "rollout_tokens_per_s": w.rollout_tokens / max(w.rollout_s, 1e-9),
+        "training_tokens_per_s": w.steps * items_per_rank_step / train_s,
+        "generation_share_of_step": w.rollout_s / w.wall,
+        "rollout_seconds": w.rollout_s,
+        "rollout_tokens": w.rollout_tokens,
+    }
+
+
+def _write_summary(summary: dict, log_path: Path, logdir: Path) -> None:
+    """Each run keeps its own summary next to its result file; summary.json is the latest."""
+    summary["log"] = str(log_path)
+    k = log_path.stem.split("_")[-1]
+    text = strictjson.dumps(summary, indent=2) + "\n"
+    fileio.write_text(logdir / f"summary_{k}.json", text)
+    fileio.write_text(logdir / "summary.json", text)
+    summary["summary_path"] = str(logdir / "summary.json")
 
 
 def per_rank(gathered: list[list[float]], item_name: str) -> list[dict]:
