@@ -200,18 +200,18 @@ def launch_llama_tiny(data, logdir, nproc, *extra, env_extra=None, wait=True):
 
 
 @pytest.fixture(scope="session")
-def llama_fsdp2_60(c4_prepared, tmp_path_factory):
-    """(process, logdir) of llama31_8b tiny under FSDP2 on 2 processes for the golden's 60 steps."""
-    out = tmp_path_factory.mktemp("llama_fsdp2_60")
-    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "60", "--parallel", "fsdp=2"), out
+def llama_fsdp2_20(c4_prepared, tmp_path_factory):
+    """(process, logdir) of llama31_8b tiny under FSDP2 on 2 processes for the golden's 20 steps."""
+    out = tmp_path_factory.mktemp("llama_fsdp2_20")
+    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "20", "--parallel", "fsdp=2"), out
 
 
 @pytest.fixture(scope="session")
-def llama_ddp_40(c4_prepared, tmp_path_factory):
-    """(process, logdir) of llama31_8b tiny under DDP on 2 processes for 40 steps (two evals, the warmup's
-    end)."""
-    out = tmp_path_factory.mktemp("llama_ddp_40")
-    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "40", "--parallel", "dp=2"), out
+def llama_ddp_20(c4_prepared, tmp_path_factory):
+    """(process, logdir) of llama31_8b tiny under DDP on 2 processes for 20 steps (the warmup's end and the
+    first eval)."""
+    out = tmp_path_factory.mktemp("llama_ddp_20")
+    return launch_llama_tiny(c4_prepared, out, 2, "--max-steps", "20", "--parallel", "dp=2"), out
 
 
 @pytest.fixture(scope="session")

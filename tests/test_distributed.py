@@ -38,9 +38,9 @@ def single(c4_prepared, tmp_path_factory):
     return curves(out)
 
 
-# The DDP and FSDP2 runs are conftest's, longer than STEPS and shared with tests/test_reproducible.py (DDP)
-# and tests/test_golden.py (FSDP2): their first STEPS steps and first eval are compared.
-SHARED = {"dp=2": "llama_ddp_40", "fsdp=2": "llama_fsdp2_60"}
+# The DDP and FSDP2 runs are conftest's, shared with tests/test_reproducible.py (DDP) and tests/test_golden.py
+# (FSDP2): their STEPS steps and first eval are compared.
+SHARED = {"dp=2": "llama_ddp_20", "fsdp=2": "llama_fsdp2_20"}
 
 
 @pytest.mark.slow
