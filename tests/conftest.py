@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import run_ranks, run_ttt
 
 
 def require(name: str):
@@ -123,18 +124,23 @@ def ttt_command(*argv: str, nproc: int = 1) -> list[str]:
     ]  # fmt: skip
 
 
+def ttt_run(*argv: str, nproc: int = 1, env: dict | None = None, timeout: float = 600, cwd=None):
+    """`ttt ARGV` as `subprocess.run(..., capture_output=True, text=True)` reports it: on one process forked
+    from this one (tests/forked.py: no fresh interpreter to start), on `nproc` > 1 under torchrun."""
+    import subprocess
+
+    if nproc == 1:
+        return run_ttt(*argv, env=env, timeout=timeout, cwd=cwd)
+    cmd = ttt_command(*argv, nproc=nproc)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def layout_workers(script: str, root: Path, nproc: int) -> tuple[list[dict], dict]:
     """Run `script` (a test file that is also a torchrun worker, as tests/test_layouts.py) on `nproc` gloo
     ranks writing into `root`: each rank's `rank{r}.json` and rank 0's `weights.pt`."""
     import json
-    import subprocess
-    import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(script, [str(root)], nproc, free_port())
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
     return ranks, torch.load(root / "weights.pt")
 
@@ -218,12 +224,9 @@ def llama_ddp_20(c4_prepared, tmp_path_factory):
 def criteo_tiny(tmp_path_factory):
     """(process, folder) of `ttt data synth-criteo --scale tiny --seed 0`, made once for the dlrm_dcnv2 files
     that train on it (tests/test_dlrm_dcnv2_tiny.py, tests/test_dlrm_dcnv2_distributed.py)."""
-    import subprocess
-
     out = tmp_path_factory.mktemp("criteo_tiny") / "data"
-    cmd = ttt_command("data", "synth-criteo", "--scale", "tiny", "--out", str(out), "--seed", "0")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600), out
+    argv = ["data", "synth-criteo", "--scale", "tiny", "--out", str(out), "--seed", "0"]
+    return ttt_run(*argv, env={**os.environ, "OMP_NUM_THREADS": "1"}), out
 
 
 @pytest.fixture(scope="session")

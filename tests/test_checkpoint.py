@@ -3,9 +3,7 @@
 that continues bit for bit. Run as a script (by torchrun) this file is the FSDP2 worker."""
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, random_hf_llama, require, small_llama
+from forked import run_ranks
 
 from timetotrain.errors import UserError
 from timetotrain.models.llama import Llama, LlamaConfig
@@ -279,11 +278,7 @@ def test_single_process_save_load_and_atomicity(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_fsdp2_resume_is_bit_exact(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(__file__, [str(tmp_path)], 2, free_port())
     out = json.loads((tmp_path / "result.json").read_text())
     assert out["resumed_at"] == [2, {"samples": 8}]
     assert len(out["a"]) == 5 and out["b"][:2] == out["a"][:2]

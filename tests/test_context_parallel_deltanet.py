@@ -14,14 +14,13 @@ Run as a script (by torchrun) this file is the worker: every rank writes the rel
 
 import copy
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_port
+from forked import run_ranks
 
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
 from timetotrain.models.qwen3_5_moe.deltanet import GatedDeltaNet, chunk_gated_delta_rule, l2_normalize
@@ -185,11 +184,7 @@ def results(tmp_path_factory) -> list[dict]:
     """Every rank's errors from ONE torchrun of 4 ranks: CP over all 4, then over two groups of 2 consecutive
     ranks at once (the harness's CP groups), and the broken hand-offs there."""
     root = tmp_path_factory.mktemp("cp_deltanet")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(__file__, [str(root)], WORLD, free_port())
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -121,9 +121,8 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
     layer and routing biases), then `ttt run` from it for 2 steps, before its first evaluation; the log
     names the base's sha256 and its hyperparameters pass the tier's rule file."""
     import dataclasses
-    import subprocess
 
-    from conftest import mllog, ttt_command
+    from conftest import mllog, ttt_run
 
     from timetotrain.mlperf.compliance import rule_file
     from timetotrain.train import base_model
@@ -146,7 +145,7 @@ def test_tiny_continues_from_a_ttt_base(c4_prepared, tmp_path):
         str(base),
     ]
     args += ["--logdir", str(tmp_path / "logs"), "--max-steps", "2", "--quiet", "--seed", "1"]
-    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=900)
+    proc = ttt_run(*args, timeout=900)
     assert proc.returncode in (0, 1) and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
     log = next((tmp_path / "logs" / "deepseekv3_671b" / "tiny").glob("result_*.txt"))
     recs = mllog(log)

@@ -5,14 +5,13 @@ placement puts every row on exactly one rank."""
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import free_port, ttt_command
+from conftest import free_port, ttt_run
 
 from timetotrain.models import dlrm_dcnv2 as dl
 from timetotrain.train.adagrad import SparseAdagrad
@@ -117,9 +116,7 @@ def test_dp2_train_loss_equals_one_process_for_20_steps(tmp_path, criteo_tiny):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def ttt(*argv, nproc=1):
-        return subprocess.run(
-            ttt_command(*argv, nproc=nproc), env=env, capture_output=True, text=True, timeout=600
-        )
+        return ttt_run(*argv, nproc=nproc, env=env)
 
     made, data = criteo_tiny  # conftest's, shared with tests/test_dlrm_dcnv2_tiny.py
     assert made.returncode == 0, made.stderr

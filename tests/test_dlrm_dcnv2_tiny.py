@@ -3,11 +3,10 @@ generated days, the log through `ttt check` (our rule file on the official engin
 misses the target on the same validation rows; the task's recipe names the same data."""
 
 import os
-import subprocess
 
 import pytest
 import torch
-from conftest import mllog, ttt_command
+from conftest import mllog, ttt_run
 from untrained import assert_first_eval_after_training, assert_misses_target
 
 from timetotrain.errors import UserError
@@ -20,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def ttt(*argv):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(ttt_command(*argv), env=env, capture_output=True, text=True, timeout=600)
+    return ttt_run(*argv, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import mllog, official_errors, ttt_command
+from conftest import mllog, official_errors, ttt_command, ttt_run
 from test_golden import assert_matches_golden, golden, golden_env
 
 from timetotrain.mlperf.compliance import check_log
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 
 def ttt(*argv, **kw):
-    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, **kw)
+    return ttt_run(*argv, **kw)
 
 
 def tiny(data, logdir, *extra):

@@ -14,14 +14,13 @@ Run as a script (by torchrun) this file is the worker; it writes its losses to a
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_port, small_llama
+from forked import run_ranks
 
 from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -71,11 +70,7 @@ def fp8_plan(spec: str | None, world: int, recipe: str):
 
 
 def test_fsdp_and_tp_float8_train_as_one_float8_process(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(__file__, [str(tmp_path)], 2, free_port())
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for (spec, recipe), (accum, rtol) in CASES.items():
         one, _ = train(fp8_plan(None, 1, recipe), accum=accum)

@@ -3,11 +3,10 @@ fixtures, `ttt run` to the tier's target, the log through the official engine wi
 `ttt score` against the shipped RCP."""
 
 import json
-import subprocess
 
 import pytest
 import torch
-from conftest import mllog, official_errors, require_file, shared_data_dir, ttt_command
+from conftest import mllog, official_errors, require_file, shared_data_dir, ttt_run
 from untrained import assert_misses_target
 
 from timetotrain.mlperf.compliance import check_log
@@ -23,7 +22,7 @@ TINY = BENCH.tier("tiny")
 
 
 def ttt(*argv, **kw):
-    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, **kw)
+    return ttt_run(*argv, **kw)
 
 
 @pytest.mark.slow

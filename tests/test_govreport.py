@@ -3,12 +3,11 @@
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, require, require_file, shared_data_dir, ttt_command
+from conftest import require, require_file, shared_data_dir, ttt_run
 
 from timetotrain.data import govreport as g
 from timetotrain.data import sentencepiece_tok as spt
@@ -53,8 +52,7 @@ def write_jsonl(path: Path, records) -> Path:
 
 
 def ttt(*argv):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, env=env, timeout=120)
+    return ttt_run(*argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
 
 
 # -------------------------------------------------------------------------------------------------- tokenizer

@@ -1,12 +1,11 @@
 """gpt_oss_20b: rules, EOD loss mask, expert-parallel training equivalence, the tiny tier to its target."""
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
 import torch
-from conftest import mllog, official_errors, ttt_command
+from conftest import mllog, official_errors, ttt_run
 from fakelogs import logged_keys
 from test_golden import assert_matches_golden, golden
 
@@ -62,9 +61,7 @@ def _run(data, logdir, nproc, *extra, threads=1):
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     args = ["run", "gpt_oss_20b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), "--quiet"]
     args += ["--seed", "4", *extra]
-    return subprocess.run(
-        ttt_command(*args, nproc=nproc), env=env, capture_output=True, text=True, timeout=600
-    )
+    return ttt_run(*args, nproc=nproc, env=env)
 
 
 def _losses(logdir):

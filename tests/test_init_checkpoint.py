@@ -2,11 +2,10 @@
 --init-checkpoint` load Hugging Face or ttt weights in place of the benchmark's init, during init."""
 
 import json
-import subprocess
 
 import pytest
 import torch
-from conftest import mllog, require, ttt_command
+from conftest import mllog, require, ttt_run
 from test_e2e_tiny import tiny
 
 from timetotrain.models.llama.hf import from_hf_state_dict, hf_config_kwargs
@@ -54,7 +53,7 @@ def test_ttt_run_init_checkpoint(hf_tiny, c4_prepared, tmp_path):
     path, _ = hf_tiny
     args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
     args += ["--seed", "1", "--max-steps", "2", "--quiet", "--init-checkpoint", str(path)]
-    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=300)
+    proc = ttt_run(*args, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]  # aborted at the step limit, after loading
     keys = {r["key"]: r["value"] for r in mllog(tmp_path / "llama31_8b" / "tiny" / "result_0.txt")}
     assert keys["ttt_init_checkpoint"] == str(path)
@@ -63,9 +62,7 @@ def test_ttt_run_init_checkpoint(hf_tiny, c4_prepared, tmp_path):
 @pytest.mark.slow
 def test_bad_init_checkpoint_is_one_line_before_any_log(c4_prepared, tmp_path):
     args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(c4_prepared), "--logdir", str(tmp_path)]
-    proc = subprocess.run(
-        ttt_command(*args, "--init-checkpoint", str(tmp_path)), capture_output=True, text=True
-    )
+    proc = ttt_run(*args, "--init-checkpoint", str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--init-checkpoint" in proc.stderr
     assert not list(tmp_path.rglob("result_*"))  # failed in preflight: no log started

@@ -244,9 +244,8 @@ def test_tiny_continues_a_llama3_base_on_mixtral_ids(c4_src, c4_prepared, tmp_pa
     """The tiny tier's situation end to end, shortened: a base pretrained on Llama 3 ids (cut to 3 steps),
     continued by `ttt run` on Mixtral-tokenized C4 with the embedding and head cut to the tier's rows. The
     log names the base's sha256 and `init_checkpoint_step` 0, and its keys pass the tier's rule file."""
-    import subprocess
 
-    from conftest import mllog, require_file, shared_data_dir, ttt_command
+    from conftest import mllog, require_file, shared_data_dir, ttt_run
 
     from timetotrain.data import c4
     from timetotrain.mlperf.compliance import rule_file
@@ -262,7 +261,7 @@ def test_tiny_continues_a_llama3_base_on_mixtral_ids(c4_src, c4_prepared, tmp_pa
         c4.prepare(c4_src, split, "mixtral", mixtral, workers=1, tokenizer_model=model)
     args = ["run", "llama31_405b", "--tier", "tiny", "--data", str(mixtral), "--init-checkpoint", str(base)]
     args += ["--logdir", str(tmp_path / "logs"), "--max-steps", "2", "--quiet", "--seed", "1"]
-    proc = subprocess.run(ttt_command(*args), capture_output=True, text=True, timeout=600)
+    proc = ttt_run(*args)
     assert proc.returncode in (0, 1) and "ttt: error" not in proc.stderr, proc.stderr[-3000:]
     log = next((tmp_path / "logs" / "llama31_405b" / "tiny").glob("result_*.txt"))
     first = {}

@@ -4,13 +4,12 @@ to its target."""
 
 import dataclasses
 import json
-import subprocess
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import mllog, official_errors, require, require_file, shared_data_dir, ttt_command
+from conftest import mllog, official_errors, require, require_file, shared_data_dir, ttt_run
 
 from timetotrain.data import c4, govreport
 from timetotrain.errors import UserError
@@ -27,7 +26,7 @@ TINY = BENCH.tier("tiny")
 
 
 def ttt(*argv, **kw):
-    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, **kw)
+    return ttt_run(*argv, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,9 @@ is tests/test_untrained_misses_target.py's."""
 
 import json
 import os
-import subprocess
 
 import pytest
-from conftest import mllog, ttt_command
+from conftest import mllog, ttt_run
 from untrained import assert_first_eval_after_training
 
 from timetotrain.spec.registry import get
@@ -27,7 +26,7 @@ def ttt(*argv, threads: str | None = "1", **kw):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
-    return subprocess.run(ttt_command(*argv), capture_output=True, text=True, env=env, **kw)
+    return ttt_run(*argv, env=env, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ figures."""
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
-from conftest import mllog, ttt_command
+from conftest import mllog, ttt_run
 from test_rgat_logs import official_chain_errors
 from untrained import assert_misses_target
 
@@ -22,7 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def ttt(*argv):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(ttt_command(*argv), env=env, capture_output=True, text=True, timeout=400)
+    return ttt_run(*argv, env=env, timeout=400)
 
 
 @pytest.fixture(scope="module")

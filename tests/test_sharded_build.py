@@ -13,8 +13,6 @@ Run as a script (by torchrun) this file is the worker; it writes what it saw to 
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, random_hf_llama, small_llama
+from forked import run_ranks
 
 from timetotrain.spec.registry import get
 from timetotrain.tasks.lora_sft import LoRAData, lm_block_loss
@@ -95,13 +94,9 @@ def sharded(checkpoints):
     """One torchrun of the worker (all scenarios), its per-rank results and its wall time."""
     out = checkpoints / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(checkpoints)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    run_ranks(__file__, [str(checkpoints)], 2, free_port())
     seconds = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     print(f"sharded build worker: {seconds:.1f} s for 2 ranks, all scenarios")
     return ranks, torch.load(out / "full.pt")

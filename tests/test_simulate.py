@@ -11,12 +11,12 @@ Run as a script (by torchrun) this file is the worker: it writes its rank's meas
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import free_port
+from forked import run_ranks
 
 from timetotrain.cli import main
 from timetotrain.errors import UserError
@@ -50,11 +50,7 @@ def _measure_real(bench: str, spec: str, precision: str, out: Path) -> None:
 def test_simulated_bytes_match_a_real_gloo_run(bench, spec, precision, tmp_path, capsys):
     """Through `ttt plan --simulate --json` (the plan rows carry the simulated column) against the real run."""
     out = tmp_path / "real"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), __file__, bench, spec, precision, str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    run_ranks(__file__, [bench, spec, precision, str(out)], 2, free_port())
     main(["plan", bench, "--tier", "tiny", "--gpus", "2", "--gpu-mem", "1", "--parallel", spec, "--precision",
           precision, "--simulate", "--json"])  # fmt: skip
     doc = json.loads(capsys.readouterr().out)

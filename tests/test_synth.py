@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import mllog, strict_loads, ttt_command
+from conftest import mllog, strict_loads, ttt_command, ttt_run
 from fakelogs import tiny_runs, ttt_main
 
 from timetotrain.train.synth import SynthOptions, _percentile, format_per_rank, per_rank, synth
@@ -64,11 +64,7 @@ def test_synth_second_run_never_overwrites(tmp_path):
 
 @pytest.mark.slow
 def test_synth_unwritable_logdir_is_one_line_before_any_model():
-    proc = subprocess.run(
-        ttt_command("synth", "llama31_8b", "--tier", "tiny", "--logdir", "/proc/forbidden"),
-        capture_output=True,
-        text=True,
-    )
+    proc = ttt_run("synth", "llama31_8b", "--tier", "tiny", "--logdir", "/proc/forbidden")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "not writable" in proc.stderr
     assert ":::MLLOG" not in proc.stdout

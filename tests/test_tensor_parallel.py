@@ -10,14 +10,13 @@ Run as a script (by torchrun) this file is the worker; it writes its losses to a
 import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import free_port, small_llama
+from forked import run_ranks
 
 from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -81,11 +80,7 @@ def train(name: str, plan, rank: int = 0, save: Path | None = None) -> list[floa
 
 
 def run_workers(tmp_path, nproc: int, spec: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, str(tmp_path), spec]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_ranks(__file__, [str(tmp_path), spec], nproc, free_port())
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

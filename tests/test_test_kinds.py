@@ -3,8 +3,8 @@
 none for a unit test. Read from the source (AST), so it costs no collection:
 
 - each marker a test file names is registered (a misspelt kind would silently select nothing);
-- a file that starts other processes (`subprocess`, `ttt_command`) has a kind: a unit test runs in one
-  process;
+- a file that starts other processes (`subprocess`, `ttt_command`, `ttt_run`, `run_ranks`: tests/forked.py)
+  has a kind: a unit test runs in one process;
 - a file that asks for a reference implementation (`require("transformers")`, ...) is a parity test, unless
   NOT_PARITY says what else it uses the library for.
 """
@@ -38,7 +38,7 @@ def marks(source: str) -> set[str]:
 
 
 def spawns(source: str) -> bool:
-    return bool(re.search(r"\bsubprocess\.|\bttt_command\(", source))
+    return bool(re.search(r"\bsubprocess\.|\b(ttt_command|ttt_run|run_ranks)\(", source))
 
 
 def references(source: str) -> bool:
@@ -80,9 +80,11 @@ def test_the_check_fails_on_a_file_without_its_kind():
         "test_b.py": "def test_y():\n    require('peft')\n",
         "test_c.py": "import pytest\npytestmark = pytest.mark.e2ee\n",
         "test_d.py": "import pytest, subprocess\npytestmark = [pytest.mark.e2e]\nsubprocess.run\n",
+        "test_e.py": "def test_z():\n    ttt_run('plan', 'llama31_8b')\n",
     }
     assert problems(files, registered()) == [
         "test_a.py: starts processes but has no kind (bad_input, distributed, e2e, parity)",
         "test_b.py: loads a reference implementation but is not marked parity",
         "test_c.py: pytest.mark.e2ee is not registered in pyproject.toml",
+        "test_e.py: starts processes but has no kind (bad_input, distributed, e2e, parity)",
     ]

@@ -4,11 +4,10 @@ its log passes the official compliance engine with the toy's own rule file, and 
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import mllog, official_errors, ttt_command
+from conftest import mllog, official_errors, ttt_run
 from toy_benchmark import make_data
 
 HERE = Path(__file__).parent
@@ -24,9 +23,7 @@ def _env():
 
 
 def ttt(*argv, nproc=1):
-    return subprocess.run(
-        ttt_command(*argv, nproc=nproc), env=_env(), capture_output=True, text=True, timeout=300
-    )
+    return ttt_run(*argv, nproc=nproc, env=_env(), timeout=300)
 
 
 @pytest.fixture(scope="module")
