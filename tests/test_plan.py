@@ -278,6 +278,9 @@ def test_flux1_plan_other_gpu_counts():
     bench = get("flux1")
     tier = bench.tier("reference")
     _, _, best = plan(bench, tier, 64, 80, None)  # 8 images per GPU: micro-batch 8 without recomputation
+    # 8 nodes: HSDP, FSDP2 within each node (its 22 GiB of states fit beside micro-batch 8)
+    assert best.parallel == "dp_replicate=8,fsdp=8" and not best.ac and best.micro_batch == 8
+    _, _, best = plan(bench, tier, 64, 80, None, gpus_per_node=64)  # one node: FSDP2 over all of it
     assert best.parallel == "fsdp=64" and not best.ac and best.micro_batch == 8
     _, _, best = plan(bench, tier, 2, 80, None)  # 89 GiB of states per GPU
     assert best is None

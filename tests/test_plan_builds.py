@@ -1,5 +1,5 @@
 """Every kind of layout `ttt plan` suggests is one ttt builds: for each benchmark, the kinds its search
-suggests for the reference tier (8 to 1,024 GPUs of 80, 141 and 192 GiB) are built and stepped for one rank
+suggests or offers for the reference tier (8 to 1,024 GPUs of 80, 141 and 192 GiB) are built and stepped for one rank
 under the fake process group at the benchmark's tiny tier, on 4 ranks (train/simulate.py), so a kind that
 cannot build (LoRA under TP did not, before its plan) fails here. DDP (`dp`) is not among them: its
 constructor reads parameter data, which fake tensors have none of; the gloo tests build it
@@ -8,7 +8,9 @@ constructor reads parameter data, which fake tensors have none of; the gloo test
 Context parallelism (`cp=C,fsdp=F`) is the search's last resort, suggested on none of those devices but on
 smaller ones (gpt_oss_20b on 64 x 16 GiB): it is built for every benchmark whose reference tier
 `context_parallel.check` accepts, the condition under which the search offers it (one per model family).
-HSDP is never suggested (train/memory.py). Pipeline parallelism is the search's other last resort: it is
+HSDP (`dp_replicate=R,fsdp=S`) is suggested across nodes where FSDP2 within a node fits, and offered beside a
+TP suggestion at a legal GBS of the RCP table (train/memory.py): the walk takes the suggestions as `ttt plan`
+makes them (`plan_at_legal_gbs`) and the kinds of the rows it offers at another GBS that fit. Pipeline parallelism is the search's other last resort: it is
 suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
 over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
 is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
@@ -23,8 +25,9 @@ import pytest
 
 from timetotrain.errors import UserError
 from timetotrain.spec import registry
+from timetotrain.spec.benchmark import apply_overrides, follows_rcp_table
 from timetotrain.train import context_parallel, parallel, prepare
-from timetotrain.train.memory import _kind, plan
+from timetotrain.train.memory import HEADROOM, GiB, _kind, plan, plan_at_legal_gbs
 from timetotrain.train.simulate import _in_child, simulate_rank
 
 pytestmark = pytest.mark.slow
@@ -46,8 +49,24 @@ SMALL = {
 }
 
 
+def _searched(bench, tier, gpus: int, mem: int):
+    """(rows, suggestion) as `ttt plan` searches without --parallel: at the tier's GBS, else at a legal GBS
+    of the RCP table, with the rows it offers at another legal GBS beside a TP suggestion."""
+    retier = None
+    if follows_rcp_table(bench, tier):
+
+        def retier(gbs):
+            return apply_overrides(bench, tier, [f"global_batch_size={gbs}"])
+
+    _, (_, rows, best), _ = plan_at_legal_gbs(
+        bench, tier, gpus, lambda t: plan(bench, t, gpus, mem, None), retier
+    )
+    return rows, best
+
+
 def _suggested_kinds() -> list[tuple[str, str]]:
     out = set()
+    offered = set()  # (name, kind, family) of the fitting rows at another GBS than the suggestion's
     cp_families = set()  # one cp build per model family (llama31_8b's stands for llama31_405b's)
     for name in registry.names():
         bench = registry.get(name)
@@ -57,13 +76,19 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         for gpus in (8, 64, 256, 1024, 2048):
             for mem in (80, 141, 192):
                 try:
-                    _, _, best = plan(bench, tier, gpus, mem, None)
+                    rows, best = _searched(bench, tier, gpus, mem)
                 except UserError:  # no memory model (rgat, DLRM's tables: their own plan), or no split
                     continue
                 # 2,048 GPUs for the pipeline kinds only (where 405B's batch needs a pipeline to split);
                 # the grid of docs/scale.md, which the other kinds stand for, stops at 1,024
                 if best is not None and (gpus <= 1024 or "pp=" in best.parallel):
                     out.add((name, _kind_of(best.parallel, gpus)))
+                    cap = HEADROOM * mem * GiB
+                    offered |= {
+                        (name, _kind_of(r.parallel, gpus), bench.family.name)
+                        for r in rows
+                        if r.gbs != best.gbs and r.total <= cap
+                    }
         try:  # where `ttt run` takes cp, the search may suggest it (on small enough devices)
             context_parallel.check(bench, tier, parallel.parse("cp=2,fsdp=4", 8), "cp=2,fsdp=4")
         except UserError:
@@ -71,6 +96,12 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         if bench.family.name not in cp_families:
             cp_families.add(bench.family.name)
             out.add((name, "fsdp,cp"))
+    # An offered kind once per model family, where no suggestion of the family builds it already.
+    built = {(registry.get(n).family.name, k) for n, k in out}
+    for name, kind, family in sorted(offered):
+        if (family, kind) not in built:
+            built.add((family, kind))
+            out.add((name, kind))
     return sorted((n, k) for n, k in out if k != "dp")
 
 

@@ -50,21 +50,26 @@ Where the numbers come from (an estimate, not a measurement):
 - A margin for the allocator, NCCL buffers and workspaces: 5% of the device plus 1 GiB.
 - Only layouts `ttt run` accepts: `--parallel` goes through `parallel.parse` with --gpus as the world size,
   and the global batch must split over the data-parallel ranks (`parallel.check_batch_split`).
-- HSDP (`dp_replicate=R,fsdp=S`, train/parallel.py; estimated when --parallel names it, never suggested):
-  FSDP2 shards within groups of S GPUs, so the states, the gathered bf16 copies and the root group are
-  those of `fsdp=S`; the batch splits over all R x S GPUs, so the activations are those of `fsdp=R*S`.
-  `ttt plan --simulate` builds it (a 2-D mesh under the fake process group) and counts the same states.
-  The search never suggests it: by this count it holds at least what `fsdp=R*S` holds on the same GPUs and
-  splits the batch over the same ranks, so it fits nowhere `fsdp` does not. What it saves is network
-  traffic (the all-gathers stay within S GPUs), which a memory plan does not weigh; name it with --parallel.
-- The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid);
+- HSDP (`dp_replicate=R,fsdp=S`, train/parallel.py): FSDP2 shards within groups of S GPUs, so the
+  states, the gathered bf16 copies and the root group are those of `fsdp=S`; the batch splits over all
+  R x S GPUs, so the activations are those of `fsdp=R*S`. `ttt plan --simulate` builds it (a 2-D mesh
+  under the fake process group) and counts the same states. By this count it holds at least what
+  `fsdp=R*S` holds on the same GPUs; what it saves is network traffic: its all-gathers stay within S GPUs,
+  where `fsdp` over every GPU all-gathers every block across the nodes in the forward and the backward.
+  So the search tries it across nodes (--gpus above --gpus-per-node), S = --gpus-per-node, wherever fsdp
+  over all GPUs splits the batch, and where it fits it goes before `fsdp` at the same checkpointing, even
+  at a smaller micro-batch (`plan`'s order); on one node it is never tried.
+- The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid),
+  HSDP across nodes;
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
   parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
   prefers a legal larger GBS where a layout without CP fits to CP at the tier's GBS, so a suggestion made
-  before the search had CP stays. Pipeline parallelism last of all, where no layout above (CP included)
+  before the search had CP stays; where the tier's GBS takes a TP suggestion (it splits over no layout
+  without TP), the rows of the smallest larger legal GBS where one without TP fits are offered beside it,
+  each row naming its GBS (`_with_legal_rows`). Pipeline parallelism last of all, where no layout above (CP included)
   fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32, each
   planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (dense decoders whose task
   trains the model's own loss: the llama family; not MoE, LoRA, GRPO, flux, nor fp8) and a per-rank batch
@@ -217,6 +222,9 @@ class Estimate:
     # positive where a step of one micro-batch never holds its gradients and all its activations at once,
     # negative where the end (every gradient beside the first block's backward) holds more than the start.
     overlap: float = 0.0
+    # The global batch size the row is planned at: the tier's, or a legal one of the benchmark's RCP table
+    # (`plan_at_legal_gbs`), which the table prints on each row.
+    gbs: int = 0
 
     @property
     def total(self) -> float:
@@ -394,7 +402,7 @@ def estimate(
     if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
         states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
     overlap = backward_overlap(tier.global_batch_size * cp // gpus, micro, grads, act, end, peak)
-    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
+    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap, tier.global_batch_size)
 
 
 def context_parallel_bytes(cfg, micro: int, seq: int, cp: int, act_bytes: int, ac: int) -> float:
@@ -494,7 +502,7 @@ def _estimate_tp(
     # A rank's samples: those of its data-parallel rank (fsdp / cp of them), 1/cp of each.
     overlap = backward_overlap(tier.global_batch_size * cp // fsdp, micro, grads, act, end, peak)
     label = f"tp={tp},ep={ep},fsdp={fsdp}" if ep else f"tp={tp},fsdp={fsdp}"
-    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap)
+    return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap, tier.global_batch_size)
 
 
 def _tp_degrees(family, cfg, gpus: int, gpus_per_node: int) -> list[int]:
@@ -613,16 +621,8 @@ def plan(
             label = ",".join(f"{k}={getattr(given, k)}" for k in parallel.KINDS if getattr(given, k) > 1)
             rows = [dataclasses.replace(r, parallel=label) for r in rows]
     else:
-        kinds = ["dp", "fsdp"]
         moe = hasattr(tier.model, "n_experts")
-        if moe and gpus > 1 and tier.model.n_experts % gpus == 0:
-            kinds += ["ep", "ep,fsdp"]  # after dp and fsdp: a tie goes to the layout without all-to-all
-        rows = [] if gbs % gpus else [r for k in kinds for r in rows_of(k, gbs // gpus)]
-        hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
-        if rows and moe and tier.model.n_experts % gpus and hybrid > 1:
-            # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
-            # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
-            rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
+        rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
             for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node):
@@ -652,18 +652,44 @@ def plan(
     # bubble, (P - 1) of its P - 1 + micro-batches idle, and a hand-off per micro-batch; pipeline rows are
     # only tried where nothing without them fits), then no tensor parallelism, then the smallest TP degree
     # (its collectives sit on every block), then the smallest CP degree (its K/V all-gathers sit on every
-    # attention layer), then no recomputation, then the larger micro-batch (fewer, bigger matmuls; under a
-    # pipeline the smaller: more micro-batches shrink its bubble, 7 / 43 of the step at 36 micro-batches of
-    # 8 stages, 7 / 16 at 9), then DDP (no gathers).
+    # attention layer), then no recomputation, then HSDP across nodes (its all-gathers stay on a node, where
+    # fsdp over every GPU all-gathers every block over the network, forward and backward; a larger
+    # micro-batch gains less), then the larger micro-batch (fewer, bigger matmuls; under a pipeline the
+    # smaller: more micro-batches shrink its bubble, 7 / 43 of the step at 36 micro-batches of 8 stages,
+    # 7 / 16 at 9), then DDP (no gathers).
     best = max(
         fitting,
         key=lambda r: (
-            -degree(r, "pp"), -tp_degree(r), -degree(r, "cp"), not r.ac,
-            r.micro_batch if degree(r, "pp") == 1 else -r.micro_batch, r.parallel.startswith("dp"),
+            -degree(r, "pp"), -tp_degree(r), -degree(r, "cp"), not r.ac, r.parallel.startswith("dp_replicate"),
+            r.micro_batch if degree(r, "pp") == 1 else -r.micro_batch, r.parallel.startswith("dp="),
         ),
         default=None,
     )  # fmt: skip
     return n, rows, best
+
+
+def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
+    """The search's first layouts, where the batch splits over all GPUs (`plan`): dp and fsdp; for an MoE
+    model ep and ep x fsdp (or the hybrid); across nodes HSDP. None where the batch does not split."""
+    gbs = tier.global_batch_size
+    if gbs % gpus:
+        return []
+    kinds = ["dp", "fsdp"]
+    moe = hasattr(tier.model, "n_experts")
+    if moe and gpus > 1 and tier.model.n_experts % gpus == 0:
+        kinds += ["ep", "ep,fsdp"]  # after dp and fsdp: a tie goes to the layout without all-to-all
+    rows = [r for k in kinds for r in rows_of(k, gbs // gpus)]
+    hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
+    if moe and tier.model.n_experts % gpus and hybrid > 1:
+        # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
+        # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
+        rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
+    if gpus > gpus_per_node > 1:
+        # Across nodes, HSDP: FSDP2 within each node, replicated over the nodes (module docstring). Its
+        # all-gathers stay on the node's links; it holds fsdp=gpus_per_node's states, so where it fits
+        # it goes before fsdp over every GPU (`plan`'s order).
+        rows += rows_of("hsdp", gbs // gpus, replicas=gpus // gpus_per_node)
+    return rows
 
 
 # Context-parallel degrees the search tries: a sample's sequence over up to one node's GPUs (its K/V
@@ -811,7 +837,7 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     except UserError as e:
         own, refused = None, e
     if own is not None and own[2] is not None and not _last_resort(own[2]):
-        return tier, own, None
+        return tier, _with_legal_rows(bench, tier, own, plan_at, retier), None
     legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size) if retier else []
     fallback = None  # the smallest legal GBS where a layout with TP fits
     later_cp = None  # the smallest where only a context- or pipeline-parallel layout fits
@@ -840,6 +866,27 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     if refused:
         raise refused
     return tier, own, None
+
+
+def _with_legal_rows(bench, tier, found, plan_at, retier):
+    """`found` (the plan at the tier's GBS) with, where its suggestion needs TP (the tier's GBS splits over
+    no dp, fsdp or HSDP layout of the GPUs), the rows of the smallest larger GBS of the RCP table where a
+    layout without TP, CP or PP fits, each row saying its GBS: the layouts real submissions run at that
+    size (llama31_8b on 64 GPUs: fsdp=64 or dp_replicate=8,fsdp=8 at GBS 64), offered beside the
+    suggestion, which keeps the tier's GBS (`plan_at_legal_gbs`)."""
+    n, rows, best = found
+    if retier is None or tp_degree(best) == 1:
+        return found
+    have = {r.parallel for r in rows}
+    for gbs in sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size):
+        try:
+            _, more, other = plan_at(retier(gbs))
+        except UserError:
+            continue
+        if other is not None and tp_degree(other) == 1 and not _last_resort(other):
+            plain = [r for r in more if tp_degree(r) == 1 and not _last_resort(r) and r.parallel not in have]
+            return n, rows + plain, best
+    return found
 
 
 def _last_resort(r: Estimate) -> bool:
@@ -1060,6 +1107,7 @@ def plan_doc(
                 "ac": bool(r.ac),
                 "ac_every": r.ac,  # every ac_every-th block checkpointed; 0: none
                 "micro_batch": r.micro_batch,
+                "global_batch_size": r.gbs,  # the tier's, or a legal GBS of the RCP table
                 "states_gib": r.states / GiB,
                 "compute_copies_gib": r.compute_copies / GiB,
                 "activations_gib": r.activations / GiB,
@@ -1161,7 +1209,7 @@ def format_plan(
             "only: no gradient, no optimizer state)"
         )
     out.append(
-        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'states':>10}{'fp8+bf16 cp' if fp8 else 'bf16 copies':>13}{'activations':>13}"
+        f"{'parallel':<{w}}{'AC':<5}{'micro':>6}{'GBS':>7}{'states':>10}{'fp8+bf16 cp' if fp8 else 'bf16 copies':>13}{'activations':>13}"
         f"{'margin':>9}{'total':>9}" + (f"{'simulated':>11}" if simulated is not None else "") + "  fits"
     )
     for r in rows:
@@ -1171,7 +1219,7 @@ def format_plan(
             got = simulated.get((r.parallel, r.ac, r.micro_batch))
             sim = f"{got / GiB:>10.1f}G" if got is not None else f"{'-':>11}"
         out.append(
-            f"{r.parallel:<{w}}{ac_cell(r.ac):<5}{r.micro_batch:>6}{r.states / GiB:>9.1f}G"
+            f"{r.parallel:<{w}}{ac_cell(r.ac):<5}{r.micro_batch:>6}{r.gbs:>7}{r.states / GiB:>9.1f}G"
             f"{r.compute_copies / GiB:>12.1f}G{r.activations / GiB:>12.1f}G{r.margin / GiB:>8.1f}G"
             f"{r.total / GiB:>8.1f}G{sim}  {fits}"
         )
@@ -1206,6 +1254,14 @@ def format_plan(
     note = bench.task.plan_note(tier)
     if note:
         out.append(note)
+    other = sorted({r.gbs for r in rows} - {tier.global_batch_size})
+    if other:
+        out.append(
+            f"GBS {', '.join(map(str, other))} rows: a legal GBS of the RCP table "
+            f"({', '.join(map(str, sorted(bench.rcp_hparams)))}) where a layout without tensor parallelism "
+            f"fits, offered beside the suggestion at the tier's GBS; run one with --set global_batch_size=N "
+            "(its RCP's LR and warmup follow)."
+        )
     if any(tp_degree(r) > 1 and degree(r, "pp") == 1 for r in rows):
         out.append(
             "tp x fsdp rows (tried because no dp or fsdp layout alone fits or splits the batch): block weights split over tp x "

@@ -1,0 +1,58 @@
+"""What `ttt plan`'s search offers across nodes (timetotrain/train/memory.py, docs/scale.md "The plan across
+nodes"): HSDP (`dp_replicate=R,fsdp=S`, S the GPUs of a node) where FSDP2 within a node fits, and, where the
+tier's GBS splits over no layout without tensor parallelism, the rows of a legal GBS of the benchmark's RCP
+table, each row saying its GBS, beside the suggestion at the tier's GBS."""
+
+import json
+
+from timetotrain.cli import main
+from timetotrain.spec.registry import get
+from timetotrain.train.memory import plan
+
+LLAMA = get("llama31_8b")
+REF = LLAMA.tier("reference")
+
+
+def test_hsdp_is_suggested_across_nodes_where_a_node_holds_the_shards():
+    # 2 nodes of 8: FSDP2 within each node fits (15 GiB of states), so its all-gathers stay on the node
+    _, rows, best = plan(LLAMA, REF, 16, 80, None)
+    assert best.parallel == "dp_replicate=2,fsdp=8" and not best.ac
+    assert {r.parallel for r in rows} >= {"fsdp=16", "dp_replicate=2,fsdp=8"}
+    # one node of 16: nothing to keep off the network, FSDP2 over all of it
+    _, rows, best = plan(LLAMA, REF, 16, 80, None, gpus_per_node=16)
+    assert best.parallel == "fsdp=16" and not any(r.parallel.startswith("dp_replicate") for r in rows)
+    # 24 GiB: a node's shards (15 GiB of states) no longer fit beside the activations; fsdp=16's do
+    _, rows, best = plan(LLAMA, REF, 16, 24, None)
+    assert best.parallel == "fsdp=16" and best.ac
+    assert all(r.total > 0.9 * 24 * 2**30 for r in rows if r.parallel.startswith("dp_replicate"))
+
+
+def test_64_gpus_offer_a_legal_gbs_of_the_rcp_table(capsys):
+    """`ttt plan llama31_8b --tier reference --gpus 64`: the tier's GBS 16 splits over no 64 data-parallel
+    ranks, so the suggestion is TP at GBS 16 (the plan's rule keeps the tier's GBS where a layout fits);
+    beside it, the rows of GBS 64 (the RCP table's smallest larger GBS where a layout without TP fits),
+    among them HSDP within each node, each row naming its GBS."""
+    argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "64", "--gpu-mem", "80"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["suggestion"]["parallel"] == "tp=4,fsdp=16" and doc["global_batch_size"] == 16
+    legal = set(LLAMA.rcp_hparams)
+    assert all(r["global_batch_size"] in legal for r in doc["rows"])
+    other = [r for r in doc["rows"] if r["global_batch_size"] != 16 and r["fits"] == "yes"]
+    assert other and {r["global_batch_size"] for r in other} == {64}
+    assert {r["parallel"] for r in other} == {"fsdp=64", "dp_replicate=8,fsdp=8"}
+    assert all("tp=" not in r["parallel"] for r in other)
+
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("parallel"))
+    assert header.split()[:4] == ["parallel", "AC", "micro", "GBS"]
+    row = next(line for line in text.splitlines() if line.startswith("dp_replicate=8,fsdp=8 "))
+    assert row.split()[3] == "64" and row.split()[-1] == "yes"
+    assert "GBS 64 rows: a legal GBS of the RCP table" in text and "--set global_batch_size=N" in text
+
+
+def test_no_other_gbs_where_the_tier_gbs_splits_without_tp():
+    # 8 GPUs: GBS 16 splits over fsdp=8, so every row is at the tier's GBS
+    _, rows, best = plan(LLAMA, REF, 8, 80, None)
+    assert best.parallel == "fsdp=8" and {r.gbs for r in rows} == {16}
