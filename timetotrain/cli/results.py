@@ -14,6 +14,7 @@ from timetotrain import strictjson
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.compliance import RULESET, check_log, check_ruleset
+from timetotrain.mlperf.structure import explain_stop
 
 _RULESET_HELP = (
     f"MLPerf ruleset of the logs (default {RULESET}); use 5.1.0 for MLPerf Training v5.1 results. "
@@ -146,6 +147,7 @@ def _cmd_check(args) -> int:
     if not path.is_file():
         raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
     verdict = check_log(path, args.ruleset)
+    stopped = explain_stop(path)  # how the run ended, in the user's words: the engine names only a rule
     note = ruleset_note(path, args.ruleset)
     if note:
         print(f"note: {note}", file=sys.stderr)  # stderr: --json keeps stdout for the document
@@ -165,9 +167,12 @@ def _cmd_check(args) -> int:
             "ttt_verdict": ours,
             "ttt_findings": [{"line": f.line, "what": f.what} for f in verdict.findings],
             "ruleset_note": note,
+            "run_ended": stopped,
         }
         print(strictjson.dumps(doc, indent=2))
         return 0 if verdict.ok else 1
+    if stopped:
+        print(f"{path}: {stopped}")
     if args.verbose or not verdict.official:
         print(verdict.output)
     for finding in verdict.findings:
@@ -291,8 +296,9 @@ def _add_check(sub) -> None:
         "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Then ttt's "
         "own checks of what the engine lets through (docs/submission.md): one run_start, one run_stop, one "
         "init_stop; one value per configuration key (seed, submission_*, hyperparameters); a known run_stop "
-        "status, success iff the last eval is the first to meet the target. Prints each of ttt's findings as "
-        "FILE:LINE: what, then PASS or FAIL with both verdicts and the rule file used (and the checker's "
+        "status, success iff the last eval is the first to meet the target. A run that did not reach its "
+        "target is said first in plain words (cut before run_stop, stopped before its first eval, stopped "
+        "short of the target). Prints each of ttt's findings as FILE:LINE: what, then PASS or FAIL with both verdicts and the rule file used (and the checker's "
         "report when it fails, or with -v); exit 0 when both pass, 1 otherwise. A log that says it was "
         "written for another ruleset, or lies under a folder naming another MLPerf round (e.g. "
         "mlperf_results_v5.1), gets a note.",
@@ -304,6 +310,6 @@ def _add_check(sub) -> None:
         "--json",
         action="store_true",
         help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "official_verdict", "output", '
-        '"ttt_verdict", "ttt_findings": [{"line", "what"}], "ruleset_note"} as JSON',
+        '"ttt_verdict", "ttt_findings": [{"line", "what"}], "ruleset_note", "run_ended"} as JSON',
     )
     s.set_defaults(func=_cmd_check)
