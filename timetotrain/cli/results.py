@@ -65,7 +65,7 @@ def _cmd_score(args) -> int:
 
 
 def _cmd_package(args) -> int:
-    from timetotrain.mlperf.package import build_package, check_package
+    from timetotrain.mlperf.package import Noncompliant, build_package, check_package
 
     check_ruleset(args.ruleset)
     _note_skipped(_existing_dir(args.results, "--results"))
@@ -74,15 +74,22 @@ def _cmd_package(args) -> int:
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
     # A full disk: the package is built aside and renamed, so none appears; SIGTERM/SIGINT raise, so the
     # staging folder (a copy of every log, beside --out) is removed on the way out.
-    with raise_on_signals(), writing("--out", args.out):
-        res = build_package(
-            args.org,
-            args.system,
-            _existing_dir(args.results, "--results"),
-            Path(args.out),
-            system_json,
-            args.tier,
-        )
+    try:
+        with raise_on_signals(), writing("--out", args.out):
+            res = build_package(
+                args.org,
+                args.system,
+                _existing_dir(args.results, "--results"),
+                Path(args.out),
+                system_json,
+                args.tier,
+                args.ruleset,
+                args.allow_noncompliant,
+            )
+    except Noncompliant as e:
+        for line in e.failing:
+            print(f"ttt: {line}", file=sys.stderr)
+        raise
     for w in res.warnings:
         print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
@@ -232,7 +239,11 @@ def _add_package(sub) -> None:
             "'TODO: fill in' and listed) and OUT/benchmarks/BENCH/implementations/timetotrain/ with a\n"
             "README.md and a run_and_time.sh that repeats the runs with their logged seeds.\n"
             "OUT must not exist. One folder of results per benchmark (use --tier to choose); `ttt synth`\n"
-            "logs under --results are skipped, with a note."
+            "logs under --results are skipped, with a note.\n\n"
+            "Every log the official compliance checker will fail (with the rules `ttt check` uses) is listed\n"
+            "first, one line each: file and the first reason. The package checker accepts one such log per\n"
+            "benchmark (olympic scoring; unet3d 4); with more, nothing is written and the exit is 2, unless\n"
+            "--allow-noncompliant."
         ),
         epilog=(
             "examples:\n"
@@ -252,7 +263,13 @@ def _add_package(sub) -> None:
     )
     s.add_argument("--tier", help="only logs of this tier (when --results holds several)")
     s.add_argument("--check", action="store_true", help="then run the official package checker on OUT")
-    _add_ruleset(s, f"ruleset for --check (default {RULESET})")
+    s.add_argument(
+        "--allow-noncompliant",
+        action="store_true",
+        help="package even where more logs of a benchmark fail the official compliance checker than its "
+        "olympic scoring accepts (1; unet3d 4): the package checker will then reject that folder",
+    )
+    _add_ruleset(s, f"ruleset of the logs' compliance check and of --check (default {RULESET})")
     s.set_defaults(func=_cmd_package)
 
 
