@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import yaml
+from conftest import strict_loads
 from fakelogs import tier_log
 
 from timetotrain.cli import main
@@ -145,3 +146,70 @@ def test_a_relative_log_path_is_checked(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["check", "out/result_0.txt"]) == 0
     assert capsys.readouterr().out.startswith("PASS: out/result_0.txt")
+
+
+def _cut(src, dst, keep, stop_status=None, signal=None):
+    """`src`'s lines before the first line for which `keep` is False, then (with `stop_status`) a run_stop
+    of that status, after a `ttt_stop_signal` line when `signal` is given: a run stopped early."""
+    lines = src.read_text().splitlines()
+    stop = next(ln for ln in lines if '"key": "run_stop"' in ln)
+    head = list(itertools.takewhile(keep, lines))
+    if signal:
+        head.append(
+            stop.replace('"key": "run_stop"', '"key": "ttt_stop_signal"').replace(
+                '"value": null', f'"value": "{signal}"'
+            )
+        )
+    if stop_status:
+        head.append(stop.replace('"status": "success"', f'"status": "{stop_status}"'))
+    dst.write_text("\n".join(head) + "\n")
+    return dst
+
+
+@pytest.mark.parametrize(
+    "how,said",
+    [
+        (
+            "before_eval",
+            "this run stopped (aborted) at 3,840 samples before its first eval: no eval_accuracy",
+        ),
+        ("signal", "this run stopped (aborted, by SIGTERM) at 3,840 samples before its first eval"),
+        ("truncated", "the log ends without run_stop (last record at line "),
+        ("before_run_start", "the log ends before run_start: the run stopped during initialization"),
+        (
+            "short",
+            "this run stopped (aborted) at 1,920 samples after 6 evals without reaching its target <= 4.8",
+        ),
+    ],
+)
+def test_a_run_that_stopped_early_is_said_in_user_terms_first(tmp_path, capsys, how, said):
+    """The official engine says only which rule failed ("Required AT_LEAST_ONE occurrence of
+    'eval_accuracy'"); `ttt check` says first how the run ended, then the engine's report."""
+    ok = tier_log(tmp_path / "ok.txt", 5, 320 * 12, 1.0)
+    path = tmp_path / "result_0.txt"
+    no_eval = lambda ln: '"key": "block_stop"' not in ln  # noqa: E731
+    if how == "before_eval":
+        _cut(ok, path, no_eval, "aborted")
+    elif how == "signal":
+        _cut(ok, path, no_eval, "aborted", signal="SIGTERM")
+    elif how == "truncated":
+        _cut(ok, path, lambda ln: '"key": "run_stop"' not in ln)
+    elif how == "before_run_start":
+        _cut(ok, path, lambda ln: '"key": "run_start"' not in ln)
+    else:
+        tier_log(path, 5, None, 1.0)
+    code, out, _ = check(capsys, path)
+    assert code == 1
+    assert out.startswith(f"{path}: {said}"), out
+    if how in ("before_eval", "signal"):
+        assert "Required AT_LEAST_ONE occurrence of 'eval_accuracy'" in out  # the engine's words, after ours
+    code, out, _ = check(capsys, path, "--json")
+    assert code == 1 and said in strict_loads(out)["run_ended"]
+
+
+def test_a_converged_run_gets_no_stop_line(tmp_path, capsys):
+    path = tier_log(tmp_path / "result_0.txt", 5, 320 * 12, 1.0)
+    code, out, _ = check(capsys, path)
+    assert code == 0 and out.startswith("PASS: ") and out.count("\n") == 1
+    code, out, _ = check(capsys, path, "--json")
+    assert strict_loads(out)["run_ended"] is None

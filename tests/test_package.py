@@ -289,7 +289,8 @@ def test_the_run_count_note_is_the_rounds_for_405b_tiny(tmp_path, capsys):
             start_ms=T0 - i * 600_000,
         )
     logs, out = str(tmp_path / "logs"), str(tmp_path / "p")
-    argv = ["package", "--org", "o", "--system", "s", "--results", logs, "--out", out]
+    # Made-up logs the compliance checker fails (aborted, no init_checkpoint_step): the count is the point.
+    argv = ["package", "--org", "o", "--system", "s", "--results", logs, "--out", out, "--allow-noncompliant"]
     assert ttt_main(argv) == 0
     assert (
         "note: llama31_405b: 10 result files, the package checker wants exactly 3\n"
@@ -370,3 +371,39 @@ def test_sigterm_during_package_leaves_nothing(tmp_path, capsys, monkeypatch):
     assert code == 128 + signal.SIGTERM and "interrupted by SIGTERM" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]  # no .pkg.* staging folder, no pkg
     assert not caught  # ttt took the signal itself
+
+
+def test_logs_the_official_checker_fails_are_listed_and_too_many_refused(tmp_path, capsys):
+    """Each log the official compliance checker will fail is named with its first reason in a user's words;
+    one per benchmark is packaged (the package checker accepts it under olympic scoring), two are refused
+    with exit 2 and nothing written, unless --allow-noncompliant."""
+    folder = tmp_path / "logs"
+    _tiny_logs(folder, n=3)
+    short = tier_log(folder / "result_3.txt", 7, None, 1.0)  # aborted at max steps, short of the target
+    base = ["package", "--org", "o", "--system", "s", "--results", str(folder)]
+    assert ttt_main([*base, "--out", str(tmp_path / "one")]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"ttt: warning: {short}: this run stopped (aborted) at 1,920 samples after 6 evals without reaching "
+        "its target <= 4.8 (best 4.9): not converged, which the rules' check of the last eval_accuracy fails; "
+        "olympic scoring drops one such run as the slowest (the official compliance checker fails it)\n"
+    )
+    lines = tier_log(folder / "ok.txt", 8, 320 * 12, 1.0).read_text().splitlines()
+    cut = folder / "result_4.txt"  # stopped (SIGTERM) before its first eval
+    cut.write_text(
+        "\n".join(ln for ln in lines if "block_stop" not in ln and "eval_" not in ln).replace(
+            '"success"', '"aborted"'
+        )
+    )
+    (folder / "ok.txt").unlink()
+    out = tmp_path / "two"
+    assert ttt_main([*base, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert not out.exists() and not list(tmp_path.glob(".two.*"))
+    assert err[0].startswith(f"ttt: {short}: this run stopped (aborted) at 1,920 samples")
+    assert err[1].startswith(f"ttt: {cut}: this run stopped (aborted) at 3,840 samples before its first eval")
+    assert err[2].startswith("ttt: error: 2 llama31_8b logs under ") and "--allow-noncompliant" in err[2]
+    assert len(err) == 3
+    assert ttt_main([*base, "--out", str(out), "--allow-noncompliant"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("(the official compliance checker fails it)") == 2 and out.is_dir()

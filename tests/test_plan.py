@@ -370,7 +370,7 @@ def test_multi_node_launch_is_one_torchrun_per_node():
     )
     # One node when --gpus fits in it: the single-node line, as before.
     one = launch(bench, tier, best, 4, 8)
-    assert one == {"nodes": 1, "gpus_per_node": 4, "command": one["command"]}
+    assert one == {"nodes": 1, "gpus_per_node": 4, "command": one["command"], "before": one["before"]}
     assert one["command"].startswith("torchrun --nproc_per_node 4 -m timetotrain run llama31_405b")
     doc = plan_doc(bench, tier, n, rows, best, 256, 80, gpus_per_node=8)
     assert (doc["nodes"], doc["suggestion"]["launch"]["nodes"]) == (32, 32)

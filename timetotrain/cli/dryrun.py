@@ -10,6 +10,7 @@ the per-rank memory estimate of `ttt plan`. Nothing is read from --data and noth
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -17,7 +18,7 @@ from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.spec import registry
-from timetotrain.spec.benchmark import SETTABLE, apply_overrides, setting
+from timetotrain.spec.benchmark import SETTABLE, apply_overrides, init_needed, setting
 from timetotrain.train import distributed, embedding_memory, memory, parallel, synth
 from timetotrain.train.prepare import settle_micro_batch
 
@@ -88,6 +89,7 @@ def resolve(args, command: str = "run") -> dict:
         "settings": settings,
         "options": options,
         "rules": _rules(bench, tier) if command == "run" else _NOT_A_RESULT,
+        "init_checkpoint": _init(bench, tier, args) if command == "run" else None,
         "plan": _plan(bench, tier, args),
         "config": args.config_doc,
         **extra,
@@ -117,6 +119,19 @@ def _rules(bench, tier) -> dict:
     except UserError as e:
         return {"verdict": "refused", "reason": str(e), "rules": which}
     return {"verdict": "pass", "reason": None, "rules": which}
+
+
+def _init(bench, tier, args) -> dict:
+    """The checkpoint the tier starts from (`init_needed`) and the --init-checkpoint given; "warning": the
+    line `run` prints where the tier needs one and none is given (the run would start from random weights)."""
+    needed, given = init_needed(bench, tier), getattr(args, "init_checkpoint", None)
+    warning = None
+    if needed and not given:
+        warning = (
+            f"{bench.name} --tier {tier.name} starts from {needed}: without --init-checkpoint CKPT the run "
+            "would start from random weights and measure nothing the benchmark means"
+        )
+    return {"needed": needed, "given": given, "warning": warning}
 
 
 def _plan(bench, tier, args) -> dict:
@@ -207,5 +222,7 @@ def format_text(doc: dict) -> str:
 def run(args, command: str = "run") -> int:
     """Print the dry run; exit 0 when `ttt run` would start, 1 when its rule check would refuse."""
     doc = resolve(args, command)
+    if doc["init_checkpoint"] and doc["init_checkpoint"]["warning"]:
+        print(f"ttt: warning: {doc['init_checkpoint']['warning']}", file=sys.stderr)  # --json keeps stdout
     print(strictjson.dumps(doc, indent=2) if args.json else format_text(doc))
     return 0 if doc["rules"]["verdict"] != "refused" else 1

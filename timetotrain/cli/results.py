@@ -14,6 +14,7 @@ from timetotrain import strictjson
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.compliance import RULESET, check_log, check_ruleset
+from timetotrain.mlperf.structure import explain_stop
 
 _RULESET_HELP = (
     f"MLPerf ruleset of the logs (default {RULESET}); use 5.1.0 for MLPerf Training v5.1 results. "
@@ -64,7 +65,7 @@ def _cmd_score(args) -> int:
 
 
 def _cmd_package(args) -> int:
-    from timetotrain.mlperf.package import build_package, check_package
+    from timetotrain.mlperf.package import Noncompliant, build_package, check_package
 
     check_ruleset(args.ruleset)
     _note_skipped(_existing_dir(args.results, "--results"))
@@ -73,15 +74,22 @@ def _cmd_package(args) -> int:
         raise UserError(f"--system-json {system_json} is not a file: pass an MLPerf systems/<name>.json")
     # A full disk: the package is built aside and renamed, so none appears; SIGTERM/SIGINT raise, so the
     # staging folder (a copy of every log, beside --out) is removed on the way out.
-    with raise_on_signals(), writing("--out", args.out):
-        res = build_package(
-            args.org,
-            args.system,
-            _existing_dir(args.results, "--results"),
-            Path(args.out),
-            system_json,
-            args.tier,
-        )
+    try:
+        with raise_on_signals(), writing("--out", args.out):
+            res = build_package(
+                args.org,
+                args.system,
+                _existing_dir(args.results, "--results"),
+                Path(args.out),
+                system_json,
+                args.tier,
+                args.ruleset,
+                args.allow_noncompliant,
+            )
+    except Noncompliant as e:
+        for line in e.failing:
+            print(f"ttt: {line}", file=sys.stderr)
+        raise
     for w in res.warnings:
         print(f"ttt: warning: {w}", file=sys.stderr)
     print(f"package written to {res.out}")
@@ -146,6 +154,7 @@ def _cmd_check(args) -> int:
     if not path.is_file():
         raise UserError(f"{path} is not a file: pass a result_<k>.txt written by `ttt run`")
     verdict = check_log(path, args.ruleset)
+    stopped = explain_stop(path)  # how the run ended, in the user's words: the engine names only a rule
     note = ruleset_note(path, args.ruleset)
     if note:
         print(f"note: {note}", file=sys.stderr)  # stderr: --json keeps stdout for the document
@@ -165,9 +174,12 @@ def _cmd_check(args) -> int:
             "ttt_verdict": ours,
             "ttt_findings": [{"line": f.line, "what": f.what} for f in verdict.findings],
             "ruleset_note": note,
+            "run_ended": stopped,
         }
         print(strictjson.dumps(doc, indent=2))
         return 0 if verdict.ok else 1
+    if stopped:
+        print(f"{path}: {stopped}")
     if args.verbose or not verdict.official:
         print(verdict.output)
     for finding in verdict.findings:
@@ -227,7 +239,11 @@ def _add_package(sub) -> None:
             "'TODO: fill in' and listed) and OUT/benchmarks/BENCH/implementations/timetotrain/ with a\n"
             "README.md and a run_and_time.sh that repeats the runs with their logged seeds.\n"
             "OUT must not exist. One folder of results per benchmark (use --tier to choose); `ttt synth`\n"
-            "logs under --results are skipped, with a note."
+            "logs under --results are skipped, with a note.\n\n"
+            "Every log the official compliance checker will fail (with the rules `ttt check` uses) is listed\n"
+            "first, one line each: file and the first reason. The package checker accepts one such log per\n"
+            "benchmark (olympic scoring; unet3d 4); with more, nothing is written and the exit is 2, unless\n"
+            "--allow-noncompliant."
         ),
         epilog=(
             "examples:\n"
@@ -247,7 +263,13 @@ def _add_package(sub) -> None:
     )
     s.add_argument("--tier", help="only logs of this tier (when --results holds several)")
     s.add_argument("--check", action="store_true", help="then run the official package checker on OUT")
-    _add_ruleset(s, f"ruleset for --check (default {RULESET})")
+    s.add_argument(
+        "--allow-noncompliant",
+        action="store_true",
+        help="package even where more logs of a benchmark fail the official compliance checker than its "
+        "olympic scoring accepts (1; unet3d 4): the package checker will then reject that folder",
+    )
+    _add_ruleset(s, f"ruleset of the logs' compliance check and of --check (default {RULESET})")
     s.set_defaults(func=_cmd_package)
 
 
@@ -291,8 +313,9 @@ def _add_check(sub) -> None:
         "timetotrain/suite/rules/, a reference (official) log against the ruleset's closed rules. Then ttt's "
         "own checks of what the engine lets through (docs/submission.md): one run_start, one run_stop, one "
         "init_stop; one value per configuration key (seed, submission_*, hyperparameters); a known run_stop "
-        "status, success iff the last eval is the first to meet the target. Prints each of ttt's findings as "
-        "FILE:LINE: what, then PASS or FAIL with both verdicts and the rule file used (and the checker's "
+        "status, success iff the last eval is the first to meet the target. A run that did not reach its "
+        "target is said first in plain words (cut before run_stop, stopped before its first eval, stopped "
+        "short of the target). Prints each of ttt's findings as FILE:LINE: what, then PASS or FAIL with both verdicts and the rule file used (and the checker's "
         "report when it fails, or with -v); exit 0 when both pass, 1 otherwise. A log that says it was "
         "written for another ruleset, or lies under a folder naming another MLPerf round (e.g. "
         "mlperf_results_v5.1), gets a note.",
@@ -304,6 +327,6 @@ def _add_check(sub) -> None:
         "--json",
         action="store_true",
         help='print {"log", "verdict", "ok", "ruleset", "rules", "engine", "official_verdict", "output", '
-        '"ttt_verdict", "ttt_findings": [{"line", "what"}], "ruleset_note"} as JSON',
+        '"ttt_verdict", "ttt_findings": [{"line", "what"}], "ruleset_note", "run_ended"} as JSON',
     )
     s.set_defaults(func=_cmd_check)

@@ -29,7 +29,16 @@ from timetotrain import __version__, fileio, interrupt
 from timetotrain.errors import UserError
 from timetotrain.markup import md
 from timetotrain.mlperf.compliance import RULESET
-from timetotrain.mlperf.results import ResultGroup, RunLog, find_groups, log_problems
+from timetotrain.mlperf.results import (
+    LogProblem,
+    ResultGroup,
+    RunLog,
+    find_groups,
+    log_problems,
+    official_compliance,
+)
+from timetotrain.mlperf.score import first_problem, olympic_drops
+from timetotrain.mlperf.structure import explain_stop
 from timetotrain.shell import Var, comment, line, quote
 from timetotrain.spec import official, registry
 from timetotrain.spec.benchmark import setting
@@ -86,9 +95,34 @@ class PackageResult:
     todo: list[str]  # system description fields left for the submitter
     benchmarks: dict[str, int]  # benchmark -> number of result files
     notes: list[str] = field(default_factory=list)
-    # Logs packaged as they are that the official checker will reject (truncated, two runs in one
-    # file), each naming its file: said before the checker's own report.
+    # Logs packaged as they are that will not count (truncated, two runs in one file, failing the official
+    # compliance checker), each naming its file: said before the checker's own report.
     warnings: list[str] = field(default_factory=list)
+
+
+class Noncompliant(UserError):
+    """More logs of a benchmark fail the official compliance checker than its olympic scoring accepts, so
+    the official package checker would reject the folder: nothing is written. `failing` lists every log
+    that fails, one line each (the CLI prints them before the error line)."""
+
+    def __init__(self, message: str, failing: list[str]):
+        super().__init__(message)
+        self.failing = failing
+
+
+def failing_logs(groups: list[ResultGroup], problems: list[LogProblem], ruleset: str) -> dict[Path, str]:
+    """Each log the official compliance engine fails (with the rules `ttt check` uses: the tier's rule file,
+    or the ruleset's closed or open rules for a reference log) -> the first reason, in a user's words where
+    one is known: the problem `log_problems` found, how the run ended (`explain_stop`), else the engine's
+    first complaint."""
+    known = {p.path: p.what for p in problems}
+    out = {}
+    for g in groups:
+        for lg in g.logs:
+            ok, why = official_compliance(lg.path, ruleset)
+            if not ok:
+                out[lg.path] = known.get(lg.path) or explain_stop(lg.path) or first_problem(why)
+    return out
 
 
 def build_package(
@@ -98,7 +132,13 @@ def build_package(
     out: Path,
     system_json: Path | None = None,
     tier: str | None = None,
+    ruleset: str = RULESET,
+    allow_noncompliant: bool = False,
 ) -> PackageResult:
+    """The package of the logs under `results` in a new folder `out`. Logs the official compliance checker
+    will fail are listed in the warnings; where a benchmark has more of them than its olympic scoring
+    accepts (the package checker then rejects its folder), nothing is written (`Noncompliant`) unless
+    `allow_noncompliant`."""
     out, results = Path(out), Path(results)
     if out.exists():
         raise UserError(f"--out {out} already exists: choose a new folder (ttt package never overwrites)")
@@ -111,7 +151,19 @@ def build_package(
     if misplaced:
         more = f" (and {len(misplaced) - 1} more such files)" if len(misplaced) > 1 else ""
         raise UserError(f"{misplaced[0]}{more}")
-    warnings = [str(p) for p in problems]
+    failing = failing_logs(groups, problems, ruleset)
+    lines = [f"{path}: {why} (the official compliance checker fails it)" for path, why in failing.items()]
+    warnings = [str(p) for p in problems if p.path not in failing] + lines
+    over = [g for g in groups if sum(p in failing for p in g.files) > olympic_drops(g.benchmark)]
+    if over and not allow_noncompliant:
+        g = over[0]
+        n, most = sum(p in failing for p in g.files), olympic_drops(g.benchmark)
+        raise Noncompliant(
+            f"{n} {g.benchmark} logs under {g.folder} fail the official compliance checker (listed above), "
+            f"and the package checker accepts {most}: rerun those runs, or pass --allow-noncompliant to "
+            "package them anyway",
+            lines,
+        )
     notes: list[str] = []
 
     if system_json is not None:

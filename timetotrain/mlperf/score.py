@@ -111,6 +111,12 @@ def _cv(values: list[float]) -> float | None:
     return float(np.std(values, ddof=1)) / mean if mean else None
 
 
+def olympic_drops(benchmark: str) -> int:
+    """How many non-compliant result files a benchmark's score (and the official package checker) accepts,
+    each counted as the slowest run: 4 for unet3d, 1 elsewhere."""
+    return 4 if benchmark == "unet3d" else 1
+
+
 def score_group(group: ResultGroup, ruleset: str = RULESET) -> Score:
     runs = []
     for lg in group.logs:
@@ -127,13 +133,13 @@ def score_group(group: ResultGroup, ruleset: str = RULESET) -> Score:
                 lg.converged,
                 ok,
                 None if stc == NOT_CONVERGED else stc,
-                "" if ok else _first_problem(why),
+                "" if ok else first_problem(why),
             )
         )
     notes = []
     counted = [r.minutes for r in runs if r.compliant]
     dropped = len(runs) - len(counted)
-    max_dropped = 4 if group.benchmark == "unet3d" else 1
+    max_dropped = olympic_drops(group.benchmark)
     olympic = olympic_score(counted, dropped, max_dropped)
     factor = scaling_factor(group.folder)
     if dropped > max_dropped:
@@ -181,7 +187,8 @@ def _rcp(group: ResultGroup, ruleset: str, runs: int) -> RcpResult:
     return check_tier(group.benchmark, group.tier, group.logs, runs)
 
 
-def _first_problem(text: str) -> str:
+def first_problem(text: str) -> str:
+    """The first line of the compliance engine's report that names a problem."""
     for line in text.splitlines():
         line = line.strip(" -")
         if line:

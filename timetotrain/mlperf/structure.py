@@ -18,6 +18,7 @@ from pathlib import Path
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
+from timetotrain.mlperf.logger import STOP_SIGNAL_KEY
 from timetotrain.spec import official, registry
 
 TOKEN = ":::MLLOG "
@@ -259,6 +260,53 @@ def _status_findings(recs: list[_Record], stop: _Record, ours) -> list[tuple[int
             )
         )
     return out
+
+
+def explain_stop(path: Path) -> str | None:
+    """How the run of the log at `path` ended, in a user's words, where that is why a log is no result or
+    no converged one: cut before run_start, cut before run_stop (truncated, or still running), stopped
+    before its first eval (the official engine then says only "Required AT_LEAST_ONE occurrence of
+    'eval_accuracy'"), or stopped short of the target. None for a run that reached its target."""
+    recs = records(Path(path))
+    keys = {r.key: r for r in reversed(recs)}  # the first of each key
+    if "run_start" not in keys:
+        return (
+            "the log ends before run_start: the run stopped during initialization, or the file is cut "
+            "short; no clock ran, so it is no result"
+        )
+    stop = keys.get("run_stop")
+    if stop is None:
+        last = max(r.line for r in recs)
+        return (
+            f"the log ends without run_stop (last record at line {last}): truncated, or the run is still "
+            "running (a live run's log is result_<k>.txt.partial); the official checker needs exactly one "
+            "run_stop"
+        )
+    status = stop.metadata.get("status")
+    if status == SUCCESS:
+        return None
+    sig = keys.get(STOP_SIGNAL_KEY)
+    how = f"{status}, by {sig.value}" if sig is not None else str(status)
+    samples = stop.metadata.get("samples_count")
+    at = f" at {samples:,} samples" if isinstance(samples, int) and not isinstance(samples, bool) else ""
+    evals = [
+        r.value for r in recs
+        if r.line < stop.line and r.key == "eval_accuracy" and isinstance(r.value, int | float)
+        and not isinstance(r.value, bool)
+    ]  # fmt: skip
+    if not evals:
+        return (
+            f"this run stopped ({how}){at} before its first eval: no eval_accuracy, which the official "
+            "checker requires at least once, so the log is no result"
+        )
+    goal = _target(recs, _our_tier(recs))
+    best = (min if goal is None or goal.text.startswith("<") else max)(evals)
+    target = f" {goal.text}" if goal is not None else ""
+    return (
+        f"this run stopped ({how}){at} after {len(evals)} eval{'' if len(evals) == 1 else 's'} without "
+        f"reaching its target{target} (best {best:g}): not converged, which the rules' check of the last "
+        "eval_accuracy fails; olympic scoring drops one such run as the slowest"
+    )
 
 
 def _show(value) -> str:

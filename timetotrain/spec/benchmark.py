@@ -123,6 +123,17 @@ class BaseRecipe:
         return self.benchmark.tier(self.tier)
 
 
+def init_needed(bench: Benchmark, tier: Tier) -> str | None:
+    """What a run of `tier` must be given with --init-checkpoint, in a user's words (`ttt plan` puts the flag
+    into its launch line, `ttt run --dry-run` warns without it); None where the run starts from the family's
+    init or from the shipped base it loads itself."""
+    if tier.base is not None:
+        if tier.base.shipped is not None:
+            return None
+        return f"the base `ttt base {bench.name} --tier {tier.name} --data DIR` makes ({tier.base.data_hint})"
+    return bench.init_from
+
+
 # Fields a user may change with --set (plus the task's `settable` data fields); the model shape is part of
 # the tier, not a knob.
 SETTABLE = (
@@ -239,6 +250,10 @@ class Benchmark:
     # `ttt rules build` from `src/<name>_<tier>.yaml` there (mlperf/rule_files.py); the official engine checks
     # the logs of those tiers against them.
     rules_dir: Path = SUITE_DIR / "rules"
+    # The published checkpoint a run starts from, in a user's words, for a benchmark that continues or
+    # fine-tunes one (llama31_405b, deepseekv3_671b, llama2_70b_lora, qwen35_397b_grpo): its tiers without a
+    # base recipe of ours need it as --init-checkpoint (`init_needed`); None: the family's own init.
+    init_from: str | None = None
 
     @property
     def metric(self) -> str:

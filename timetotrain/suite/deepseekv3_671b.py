@@ -168,6 +168,7 @@ TINY = Tier(
 BENCHMARK = Benchmark(
     name="deepseekv3_671b",
     area="LLM MoE pretraining",
+    init_from="MLCommons' BF16 DeepSeek-V3 checkpoint (Hugging Face safetensors; FP8 originals are refused)",
     task=MoECausalLM(),
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},

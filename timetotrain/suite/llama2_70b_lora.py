@@ -132,6 +132,7 @@ TINY = Tier(
 BENCHMARK = Benchmark(
     name="llama2_70b_lora",
     area="LLM fine-tuning",
+    init_from="Llama 2 70B (MLCommons' fused-qkv safetensors or the stock Hugging Face layout)",
     task=LoRAFineTune(),
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},

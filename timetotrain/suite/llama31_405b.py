@@ -151,6 +151,7 @@ TINY = Tier(
 BENCHMARK = Benchmark(
     name="llama31_405b",
     area="LLM pretraining (continued)",
+    init_from="Meta's Llama 3.1 405B checkpoint (Hugging Face safetensors; embedding and head cut to 32,768 rows)",
     task=CausalLM(init_checkpoint_step=0, truncate_vocab=True),
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},

@@ -157,6 +157,7 @@ TINY = Tier(
 BENCHMARK = Benchmark(
     name="qwen35_397b_grpo",
     area="LLM post-training (RL with verifiable rewards)",
+    init_from="the Qwen3.5-397B-A17B checkpoint (Hugging Face safetensors)",
     task=GRPO(TorchRollout(generate)),  # colocated: qwen3_5_moe's cached decode on the training weights
     family=FAMILY,
     tiers={"reference": REFERENCE, "tiny": TINY},

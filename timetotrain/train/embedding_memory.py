@@ -15,7 +15,7 @@ import math
 
 from timetotrain.errors import UserError
 from timetotrain.train.embedding_parallel import place
-from timetotrain.train.launch import format_launch, launch_lines
+from timetotrain.train.launch import before_launch, format_launch, launch_lines
 
 GiB = 2**30
 HEADROOM = 0.9  # as train/memory.py: suggest only what fits with 10% to spare
@@ -78,7 +78,9 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
         "ranks": ranks,
         "worst_rank": worst["rank"],
         "fits": worst["total"] <= HEADROOM * cap,
-        "launch": launch_lines(bench.name, tier.name, f"--parallel dp={gpus}", gpus, gpus_per_node),
+        "launch": launch_lines(
+            bench.name, tier.name, f"--parallel dp={gpus}", gpus, gpus_per_node, before_launch(bench, tier)
+        ),
     }
 
 

@@ -7,6 +7,7 @@ so that no benchmark's line says `--nproc_per_node 64` where a node has 8 GPUs."
 from __future__ import annotations
 
 from timetotrain.errors import UserError
+from timetotrain.spec.benchmark import init_needed
 
 _RDZV = '--rdzv-backend c10d --rdzv-endpoint "{}:29500" --rdzv-id {}'
 
@@ -23,13 +24,35 @@ def check_nodes(gpus: int, gpus_per_node: int) -> int:
     return max(1, gpus // gpus_per_node)
 
 
-def launch_lines(bench_name: str, tier_name: str, flags: str, gpus: int, gpus_per_node: int) -> dict:
+def before_launch(bench, tier) -> dict:
+    """What a run of `tier` needs before its launch line: {"init_checkpoint": the checkpoint to pass as
+    --init-checkpoint CKPT, in a user's words, or None (the family's init, or a shipped base the run loads
+    itself); "data": the `ttt data prepare` line that makes the tier's data from a folder of raw sources, or
+    None where no recipe here makes it; "docs": the benchmark's page, which says where both come from}."""
+    data = None
+    if bench.task.data_name(tier) is not None:
+        data = f"ttt data prepare --for {bench.name} --tier {tier.name} --src SRC --out DATA"
+    return {
+        "init_checkpoint": init_needed(bench, tier),
+        "data": data,
+        "docs": f"docs/benchmarks/{bench.name}.md",
+    }
+
+
+def launch_lines(
+    bench_name: str, tier_name: str, flags: str, gpus: int, gpus_per_node: int, before: dict | None = None
+) -> dict:
     """{"nodes", "gpus_per_node", "command"} and, on more than one node, "slurm": the lines of an sbatch
-    script. `flags` are the `ttt run` flags after `--data DIR --logdir DIR`."""
+    script. `flags` are the `ttt run` flags after `--data DATA --logdir LOGS`; `before` (`before_launch`) adds
+    --init-checkpoint CKPT where the tier starts from a checkpoint, and is kept under "before"."""
     nodes = check_nodes(gpus, gpus_per_node)
     per_node = gpus // nodes
-    run = f"-m timetotrain run {bench_name} --tier {tier_name} --data DIR --logdir DIR {flags}".rstrip()
+    if before is not None and before["init_checkpoint"]:
+        flags = f"--init-checkpoint CKPT {flags}"
+    run = f"-m timetotrain run {bench_name} --tier {tier_name} --data DATA --logdir LOGS {flags}".rstrip()
     doc = {"nodes": nodes, "gpus_per_node": per_node}
+    if before is not None:
+        doc["before"] = before
     if nodes == 1:
         doc["command"] = f"torchrun --nproc_per_node {per_node} {run}"
         return doc
@@ -48,13 +71,30 @@ def launch_lines(bench_name: str, tier_name: str, flags: str, gpus: int, gpus_pe
 
 
 def format_launch(how: dict) -> list[str]:
-    """The lines `ttt plan` prints for a launch (indented by its caller)."""
+    """The lines `ttt plan` prints for a launch (indented by its caller): what to make first, then the
+    launch."""
+    first = _before_lines(how.get("before"))
     if how["nodes"] == 1:
-        return [how["command"]]
-    return [
+        return first + [how["command"]]
+    return first + [
         f"on each of the {how['nodes']} nodes ({how['gpus_per_node']} GPUs each; MASTER_ADDR: the address of "
         "one of them):",
         how["command"],
         "or under Slurm (sbatch):",
         *(f"  {line}" for line in how["slurm"]),
     ]
+
+
+def _before_lines(before: dict | None) -> list[str]:
+    """The steps before the launch line of a tier that starts from a checkpoint (continued pretraining,
+    fine-tuning): the checkpoint (CKPT) and the data (DATA). Other tiers' lines need only --data DATA."""
+    if before is None or not before["init_checkpoint"]:
+        return []
+    out = ["first:"]
+    if before["init_checkpoint"]:
+        out.append(f"  CKPT: {before['init_checkpoint']} ({before['docs']})")
+    if before["data"]:
+        out.append(f"  DATA: {before['data']}   # SRC: the raw sources ({before['docs']})")
+    else:
+        out.append(f"  DATA: prepared as {before['docs']} says")
+    return out + ["then:"]

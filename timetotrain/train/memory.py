@@ -151,7 +151,7 @@ from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
 from timetotrain.train import context_parallel, parallel, pipeline
 from timetotrain.train.float8 import converter
-from timetotrain.train.launch import check_nodes, format_launch, launch_lines
+from timetotrain.train.launch import before_launch, check_nodes, format_launch, launch_lines
 
 GiB = 2**30
 HEADROOM = 0.9
@@ -1031,7 +1031,7 @@ def launch(
 ) -> dict:
     """The launch line of a suggestion (train/launch.py)."""
     flags = suggested_flags(best, bf16, fp8, tier)
-    return launch_lines(bench.name, tier.name, flags, gpus, gpus_per_node)
+    return launch_lines(bench.name, tier.name, flags, gpus, gpus_per_node, before_launch(bench, tier))
 
 
 def tp_degree(r: Estimate) -> int:
