@@ -49,6 +49,8 @@ _UNMARKED: list[tuple[float, str]] = []
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.duration > SLOW_S and "slow" not in report.keywords:
         _UNMARKED.append((report.duration, report.nodeid))
+    if report.skipped and NO_FIXTURE in str(report.longrepr):
+        _NO_FIXTURE.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -56,6 +58,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section(f"over {SLOW_S:g} s and not marked slow")
         for seconds, nodeid in sorted(_UNMARKED, reverse=True):
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+    if _NO_FIXTURE:
+        # A fresh clone has no ../shared/data: one line says what was left out and how to get it, where
+        # `-ra` lists each skip by its own reason.
+        terminalreporter.write_line(
+            f"ttt: {len(_NO_FIXTURE)} test(s) skipped: the data fixtures are not in {shared_data_dir()}; "
+            "get them with `ttt data download fixtures --out DIR` and run again with TTT_SHARED_DATA=DIR, "
+            "or copy a shared/data folder from a machine that has one next to this clone (../shared/data; "
+            "the MLPerf v5.1 result logs come only that way)",
+            yellow=True,
+        )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -64,13 +76,18 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def shared_data_dir() -> Path:
+    """The data fixtures' folder: TTT_SHARED_DATA, else ../shared/data beside the clone."""
     return Path(os.environ.get("TTT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+NO_FIXTURE = "data fixture not found"  # the skip reason's tag the session summary counts
+_NO_FIXTURE: set[str] = set()
 
 
 def require_file(path: Path) -> Path:
     """A fixture file from ../shared/data: skip locally when absent, fail under CI=true."""
     if not path.exists():
-        message = f"fixture {path} not found (set TTT_SHARED_DATA to the shared data folder)"
+        message = f"{NO_FIXTURE}: {path} (set TTT_SHARED_DATA to the data fixtures' folder)"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{message}; required under CI=true", pytrace=False)
         pytest.skip(message)

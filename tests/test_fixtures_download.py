@@ -175,4 +175,12 @@ def test_an_offline_host_is_told_about_mirror(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err.startswith("ttt: error: http://127.0.0.1:9/OpenLMLab/LEval/") and len(err.splitlines()) == 1
     assert "run the command again to resume, or, where this host cannot reach GitHub, pass --mirror" in err
-    assert not list((tmp_path / "s").rglob("*.jsonl"))
+    assert "a folder already in the final layout" in err and "pass it as it is" in err
+    assert not (tmp_path / "s").exists()  # no empty `.sources/` tree: nothing was fetched, nothing is left
+    # A mirror nobody serves fails the same way; a folder that was there stays, and stays as it was.
+    (tmp_path / "t" / "mine").mkdir(parents=True)
+    argv = ["data", "download", "fixtures", "--out", str(tmp_path / "t"), "--mirror", "http://127.0.0.1:9"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mirror URL" not in err and "pass it as it is" in err
+    assert sorted(p.name for p in (tmp_path / "t").rglob("*")) == ["mine"]

@@ -1,6 +1,6 @@
 """Same seed, same bits: a rerun of llama31_8b tiny repeats every train_loss and eval value exactly, in one
 process (twice in the same interpreter, so no state leaks from one run into the next) and under DDP on 2
-gloo processes. README "Reproducibility" says which parallel modes this covers and why the others are not
+gloo processes. docs/reliability.md "Reproducibility" says which parallel modes this covers and why the others are not
 claimed."""
 
 import pytest

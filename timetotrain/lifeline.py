@@ -8,7 +8,7 @@ the clean-up must live elsewhere:
   tied to the thread that forked the child; every caller here forks from the main thread. Elsewhere
   (macOS, BSD) there is no such call: the children then notice the parent's death only through their
   pipes (a tokenizer worker's `recv` ends with EOF, data/workers.py) and `ttt suite`'s children keep
-  running until they end on their own (documented in the README's reliability section).
+  running until they end on their own (documented in docs/reliability.md).
 - Temporary outputs are removed by a guardian: `guard_temporaries(folder)` forks a small process that
   waits for its parent to go away (end of file on a pipe only the parent writes to) and then removes
   the parent's temporaries in that folder, the dot-names tagged with the parent's pid that `fileio.Staged`

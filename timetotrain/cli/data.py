@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -276,16 +275,27 @@ def _download_fixtures(args) -> int:
     if bad:
         raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
     out = Path(args.out)
+    before = _folders(out)
     with raise_on_signals(), writing("--out", out):
         try:
             written, notes = fixtures.build(out, args.mirror, only)
-        except UserError as e:
-            if args.mirror or "download failed" not in str(e):
+        except BaseException as e:
+            # A failed call leaves no folder it made and holds nothing in: an empty `.sources/` tree would
+            # look like a download to the next reader. Fetched sources stay, so a new call resumes.
+            _remove_empty_folders(out, before)
+            if not isinstance(e, UserError):
                 raise
+            layout = (
+                f"a folder already in the final layout ({', '.join(known)}; e.g. copied from another "
+                "machine) needs no download: pass it as it is (`ttt data prepare ... --src DIR`, `ttt suite "
+                "--data DIR`, TTT_SHARED_DATA=DIR for the tests)"
+            )
+            if args.mirror or "download failed" not in str(e):
+                raise UserError(f"{e}; {layout}") from e
             # The first thing an offline host meets: say what it can do besides trying again.
             raise UserError(
                 f"{e}, or, where this host cannot reach GitHub, pass --mirror URL|DIR (a copy holding the same "
-                "<owner>/<repo>/<commit>/<path> files; docs/getting-started.md)"
+                f"<owner>/<repo>/<commit>/<path> files; docs/getting-started.md); {layout}"
             ) from e
     for note in notes:
         print(f"ttt: note: {note}", file=sys.stderr)
@@ -293,6 +303,22 @@ def _download_fixtures(args) -> int:
     print(f"{len(written)} fixture file(s), {total / 1e6:,.1f} MB, sha256-checked, in {out} "
           f"(the layout ttt data prepare --for ... --src {out} reads)")  # fmt: skip
     return 0
+
+
+def _folders(out: Path) -> set[Path]:
+    """The folders under `out` (and `out` itself) that exist now."""
+    if not out.is_dir():
+        return set()
+    return {out, *(p for p in out.rglob("*") if p.is_dir())}
+
+
+def _remove_empty_folders(out: Path, before: set[Path]) -> None:
+    """Remove the folders under `out` (and `out`) made since `before` (`_folders(out)` then) that hold no
+    file, deepest first: what a stopped command made and left empty once its staged files were gone."""
+    made = _folders(out) - before
+    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: it holds a fetched source, kept for the next call
+            folder.rmdir()
 
 
 def add_commands(sub) -> None:
@@ -479,7 +505,7 @@ def _cmd_synth_graph(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a graph is never written over another)"
         )
-    created = not out.exists()
+    before = _folders(out)  # nothing, or the empty --out itself
     try:
         # a full disk or an unusable folder: every file of the graph, or none; a stopped generation
         # removes its staged files, as `data prepare`
@@ -487,7 +513,7 @@ def _cmd_synth_graph(args) -> int:
             out.mkdir(parents=True, exist_ok=True)  # before minutes of generating, not after
             info = graph_synth.generate(out, sc, args.seed)
     except BaseException:
-        _remove_empty_folders(out, created)  # else the next call would find --out "not empty"
+        _remove_empty_folders(out, before)  # else the next call would find --out "not empty"
         raise
     print(
         f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
@@ -495,17 +521,6 @@ def _cmd_synth_graph(args) -> int:
         f"features, {info['classes']} classes -> {out}"
     )
     return 0
-
-
-def _remove_empty_folders(out: Path, created: bool) -> None:
-    """The folders a stopped `synth-graph` made under `out` (empty once its staged files are gone), and
-    `out` itself if it made it. `out` was new or empty, so every folder in it is ours."""
-    if not out.is_dir():
-        return
-    for folder, _, _ in sorted(os.walk(out, topdown=False), key=lambda w: -len(w[0])):
-        if Path(folder) != out or created:
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only an empty one
 
 
 def _add_synth_graph(d) -> None:
@@ -535,14 +550,14 @@ def _cmd_synth_criteo(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a dataset is never written over another)"
         )
-    created = not out.exists()
+    before = _folders(out)  # nothing, or the empty --out itself
     try:
         # Every file of the 24 days and the manifest appear together, or none (staged writes).
         with writing("--out", out), raise_on_signals():
             out.mkdir(parents=True, exist_ok=True)
             info = criteo_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
     except BaseException:
-        _remove_empty_folders(out, created)
+        _remove_empty_folders(out, before)
         raise
     print(
         f"{args.scale} multi-hot Criteo (seed {args.seed}): {info['train_rows']:,} training and "

@@ -36,7 +36,7 @@ class LMData:
     val_prefixes: tuple[str, ...]
     tokenizer: str = "llama3"
     # Keep the K most frequent training ids and map every other id to one extra "other" id (tiny tiers):
-    # the full 128k-row embedding and head would dominate a 2-core run (README "Tiers").
+    # the full 128k-row embedding and head would dominate a 2-core run (docs/tiers.md).
     vocab_keep: int | None = None
     # Training files blended by weight as megatron-core's BlendedDataset does (data/blend.py): each entry is
     # (names tried in order, weight). Empty: the one file of `train_prefixes`.

@@ -1,5 +1,5 @@
 """The launch line of a `ttt plan` suggestion, for every benchmark: one torchrun on one node, or the same
-torchrun on every node with a c10d rendezvous, and that line in an sbatch script (README "Scale-out").
+torchrun on every node with a c10d rendezvous, and that line in an sbatch script (docs/scale-out.md).
 
 One builder for the decoders' plan (train/memory.py) and the embedding-table plan (train/embedding_memory.py),
 so that no benchmark's line says `--nproc_per_node 64` where a node has 8 GPUs."""

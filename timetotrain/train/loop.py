@@ -1,4 +1,4 @@
-"""The timed run with MLPerf semantics (README "What a run does").
+"""The timed run with MLPerf semantics (docs/running.md, "What a run does").
 
 preflight (no log line yet) -> cache_clear, init_start, submission keys, seed, hyperparameters, model build
 and warm-up, init_stop -> run_start (clock on; first dataset access after this) -> blocks of training with

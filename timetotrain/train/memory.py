@@ -130,7 +130,7 @@ Where the numbers come from (an estimate, not a measurement):
   (`fsdp_pre_all_gather`) and saves the high-precision input and weight as well; one GPU only (`ttt run`
   refuses --parallel with them).
 - Launch: one torchrun on one node when --gpus fits in `--gpus-per-node`, else the same torchrun on every
-  node with a c10d rendezvous and its sbatch form (README "Scale-out"). When nothing fits, `fits_from`
+  node with a c10d rendezvous and its sbatch form (docs/scale-out.md). When nothing fits, `fits_from`
   plans the larger worlds `ttt run` could take (whole nodes, a divisor of the global batch times a TP
   degree) in order and names the first that fits; when none does, `nothing_fits` says why in the numbers
   of the largest such world (one sample per data-parallel rank) and what would be needed: the sequence

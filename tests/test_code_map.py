@@ -1,4 +1,4 @@
-"""The README's code map names what the tree holds: every top-level folder of the package, and only files
+"""docs/architecture.md's code map names what the tree holds: every top-level folder of the package, and only files
 and folders that exist (a moved module must not leave the map behind)."""
 
 import re
@@ -9,7 +9,7 @@ PACKAGE = REPO / "timetotrain"
 
 
 def code_map() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("## How the code is organised", 1)[1]
     return section.split("```", 2)[1]
 
