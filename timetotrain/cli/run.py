@@ -196,7 +196,7 @@ def _cmd_synth(args) -> int:
     if "log" in summary and args.json:  # rank 0 only
         print(strictjson.dumps(summary, indent=2))
         if summary["host"]["host_busy"]:  # the table's "host" row says it otherwise
-            print(f"ttt: warning: {summary['host']['note']}", file=sys.stderr)
+            print(f"ttt: {summary['host']['note']}", file=sys.stderr)
     elif "log" in summary:
         print(format_table(summary))
         print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")

@@ -467,8 +467,9 @@ def _peak(device: torch.device) -> _Peak:
 
 def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
     """The load average before and after the timed window, and whether other processes wanted the cores the
-    run used (this run's own threads taken out of the later figure)."""
-    cores = torch.get_num_threads() if device.type == "cpu" else 1
+    run used (this run's own threads, on every rank of this host, taken out of the later figure)."""
+    per_rank = torch.get_num_threads() if device.type == "cpu" else 1
+    cores = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this host
     after = peaks.load_average()
     others = [x for x in (peak.load_before, after and peaks.others_load(after, cores, wall)) if x is not None]
     busy = bool(others) and peaks.host_busy(max(others), cores)
