@@ -96,6 +96,31 @@ def test_a_failed_run_says_its_status_and_log(c4_prepared, tmp_path, monkeypatch
     assert mllog(log)[-1]["metadata"]["status"] == "aborted"
 
 
+def test_a_run_the_watcher_must_end_says_its_status_and_log(tmp_path, capsys):
+    """A step that does not end within --abort-grace after SIGTERM: the abort watcher writes run_stop, and
+    prints the stop line itself (the process exits from its thread)."""
+    from types import SimpleNamespace
+
+    from timetotrain.mlperf.logger import ResultLog
+    from timetotrain.train import loop
+
+    r = loop._TimedRun.__new__(loop._TimedRun)
+    r.log = ResultLog(tmp_path)
+    r.log.start("run_start")
+    r.stop, r.step, r.live = loop._Stopper(r.log), 3, None
+    r.tier, r.opts = SimpleNamespace(global_batch_size=16), SimpleNamespace(abort_grace=10.0)
+    r.on_timeout(signal.SIGTERM)
+    log = tmp_path / "result_0.txt"
+    assert capsys.readouterr().err == (
+        f"ttt run stopped by SIGTERM: the step did not end within --abort-grace 10 s; 3 steps; log {log}\n"
+    )
+    rec = mllog(log)[-1]
+    assert rec["key"] == "run_stop" and (rec["metadata"]["status"], rec["metadata"]["samples_count"]) == (
+        "aborted",
+        48,
+    )
+
+
 # -- the parts, without a run --
 
 

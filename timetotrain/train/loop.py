@@ -209,9 +209,7 @@ class _TimedRun:
         self.log.close()
         if not self.log.started:
             print(f"ttt: interrupted by {signal_name(sig)}: {_BEFORE_RUN_START}", file=sys.stderr, flush=True)
-        elif (
-            self.log.path is not None
-        ):  # rank 0: the process exits from this thread, so the line is said here
+        elif self.log.path is not None:  # rank 0: the process exits from this thread, so say it here
             why = f"the step did not end within --abort-grace {self.opts.abort_grace:g} s; {self.step} steps"
             self._say(stop_line(status_word("aborted", sig), why, self.log.path))
 
