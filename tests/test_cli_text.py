@@ -102,9 +102,9 @@ def test_help_points_at_data_a_user_has():
 def test_one_thread_reads_as_a_word(monkeypatch):
     import torch
 
-    from timetotrain.train import synth
+    from timetotrain.train import peak, synth
 
-    monkeypatch.setattr(synth, "measure_cpu_peak", lambda: 1.0)  # the figure is not what is checked here
-    for n, words in ((1, "1 thread,"), (2, "2 threads,")):
+    monkeypatch.setattr(peak, "measure_cpu_peak", lambda: 1.0)  # the figure is not what is checked here
+    for n, words in ((1, "1 thread;"), (2, "2 threads;")):
         monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
-        assert f"matmul peak, {words} pid" in synth._peak(torch.device("cpu"))[1]
+        assert f"matmul peak 0.0 GFLOP/s, {words}" in synth._peak(torch.device("cpu")).source

@@ -119,6 +119,9 @@ def test_failing_rank_ends_every_rank_with_an_aborted_log(c4_prepared, tmp_path)
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
     assert "injected fault on rank 1" in proc.stderr
+    # Rank 0 alone says how its run ended (the watcher's SIGTERM, or the broken collective) and where its log is.
+    stops = [ln for ln in proc.stderr.splitlines() if ln.startswith("ttt run ")]
+    assert len(stops) == 1 and stops[0].endswith("result_0.txt"), proc.stderr[-3000:]
     _, _, recs = curves(tmp_path)
     assert recs[-1]["key"] == "run_stop" and recs[-1]["metadata"]["status"] == "aborted"
     print(f"failing rank: whole job ended in {seconds:.1f} s (including start-up)")

@@ -29,7 +29,9 @@ def test_doctor_json(capsys, monkeypatch):
     )
     assert env["mlperf_logging"] == md.version("mlperf-logging")
     cpu, *gpus = env["devices"]
-    assert (cpu["device"], cpu["peak_flops"]) == ("cpu", 123e9)
+    assert (cpu["device"], cpu["peak_measured_flops"]) == ("cpu", 123e9)
+    assert cpu["peak_flops"] == max(123e9, cpu["peak_theoretical_flops"] or 0)  # the larger: see test_peak.py
+    assert isinstance(cpu["host_busy"], bool) and "load average (1 min)" in cpu["load_note"]
     assert len(gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     for g in gpus:  # the peak `ttt synth` divides by, or null with the reason
         known = accelerator_peak(g["name"])
@@ -41,6 +43,7 @@ def test_doctor_json(capsys, monkeypatch):
 
 def test_doctor_text_fits_one_screen(capsys, monkeypatch):
     monkeypatch.setattr("timetotrain.train.peak.measure_cpu_peak", lambda: 123e9)
+    monkeypatch.setattr("timetotrain.train.peak.theoretical_cpu_peak", lambda cores: None)
     monkeypatch.setattr(doctor, "_dist_version", lambda name: None)  # as on a bare install
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out

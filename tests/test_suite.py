@@ -30,7 +30,7 @@ HERE = Path(__file__).parent
 def _env(tmp_path):
     path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
     return {**os.environ, "PYTHONPATH": path, "TTT_EXTRA_BENCHMARKS": "toy_benchmark", "OMP_NUM_THREADS": "1",
-            "TTT_CACHE": str(tmp_path / "cache")}  # fmt: skip
+            "TTT_CACHE": str(tmp_path / "cache"), "XDG_CACHE_HOME": str(tmp_path / "user-cache")}  # fmt: skip
 
 
 def suite_cmd(tmp_path, runs: int, *extra: str) -> list[str]:
@@ -118,12 +118,17 @@ def test_suite_runs_scores_and_resumes(tmp_path, monkeypatch):
 
 
 def test_eta_comes_from_this_suite_then_from_earlier_ones(tmp_path):
-    s = Suite(SuiteOptions(tier="tiny", out=tmp_path / "out", cache=tmp_path / "cache"))
+    """The keying (another user's, host's or commit's run time is not used) is tests/test_terminal.py's."""
+    s = Suite(
+        SuiteOptions(tier="tiny", out=tmp_path / "out", cache=tmp_path / "cache", history=tmp_path / "h.json")
+    )
     s.state = {"tier": "tiny", "seeds": {}, "seconds": {}}
-    assert s.eta("llama31_8b", 2) == "ETA after its first run"
+    assert s.eta("llama31_8b", 2) == "ETA: no earlier run on this machine (of this code, tier and flags)"
     s._remember("llama31_8b", 50.0)
     s._remember("llama31_8b", 70.0)
-    assert s.eta("llama31_8b", 2) == "ETA 2.0 min for llama31_8b, from earlier suites"
+    assert (
+        s.eta("llama31_8b", 2) == "ETA 2.0 min for llama31_8b, from this machine's earlier runs of this code"
+    )
     s.state["seconds"]["llama31_8b"] = [90.0]
     assert s.eta("llama31_8b", 3) == "ETA 4.5 min for llama31_8b"
 

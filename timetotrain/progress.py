@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -34,6 +35,9 @@ class LiveLine:
         self._last = time.monotonic()
         self.shown = True
         if self.tty:
+            # One row: a line wider than the terminal wraps, and "\r" would rewrite only its last row.
+            cols = _columns(self.stream)
+            text = text[: max(20, cols - 1)] if cols else text
             pad = max(0, self._width - len(text))
             self.stream.write("\r" + text + " " * pad)
             self._width = len(text)
@@ -54,3 +58,11 @@ class LiveLine:
             self.stream.write("\n")
             self.stream.flush()
             self._width = 0
+
+
+def _columns(stream) -> int:
+    """The terminal's width (COLUMNS first, as shells set it), or 0 where unknown."""
+    try:
+        return int(os.environ.get("COLUMNS", "0")) or os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0

@@ -2,8 +2,8 @@
 FLOP/s MFU is computed against on each, the official logging package, and which optional peers are installed.
 
 What a bug report needs, and what decides a run's figures: the torch build (CUDA or ROCm, NCCL), the devices,
-and the peak that `ttt synth` divides by (train/peak.py: a datasheet figure per accelerator, or a matmul peak
-measured on a CPU).
+and the peak that `ttt synth` divides by (train/peak.py: a datasheet figure per accelerator; on a CPU the larger
+of a measured matmul peak and the theoretical one, beside the load average it was measured under).
 
 torch and the train modules are imported inside the functions that need them: `ttt --version` reads
 `version()` here and should not wait 1 s for torch.
@@ -58,15 +58,24 @@ def optional_peers() -> dict[str, str | None]:
 def _cpu_entry() -> dict:
     import torch
 
+    from timetotrain.train import peak
     from timetotrain.train.device import platform_name
-    from timetotrain.train.peak import measure_cpu_peak
 
+    threads = torch.get_num_threads()
+    load = peak.load_average()  # before the measurement: the host as this command found it
+    busy = load is not None and peak.host_busy(load, threads)
+    cpu = peak.cpu_peak(threads)
     return {
         "device": "cpu",
         "name": platform_name(torch.device("cpu")),
-        "torch_threads": torch.get_num_threads(),
-        "peak_flops": measure_cpu_peak(),
-        "peak_source": "fp32 matmul peak measured now; ttt synth measures it in each run",
+        "torch_threads": threads,
+        "peak_flops": cpu.flops,
+        "peak_source": cpu.describe(),
+        "peak_measured_flops": cpu.measured,
+        "peak_theoretical_flops": cpu.theoretical,
+        "load_average_1min": load,
+        "host_busy": busy,
+        "load_note": peak.load_note([load], busy, threads),
     }
 
 
@@ -168,6 +177,8 @@ def format_environment(env: dict) -> str:
             what = f"{d['name']}, {d['memory_gib']:,.1f} GiB, compute capability {d['capability']}"
         peak = _flops(d["peak_flops"]) + f" ({d['peak_source'] or d.get('peak_flops_reason')})"
         lines.append(f"  {d['device']:<8}{what}\n  {'':<8}peak {peak}")
+        if "load_note" in d:
+            lines.append(f"  {'':<8}{d['load_note']}")
     have = [f"{n} {v}" for n, v in env["optional_peers"].items() if v]
     missing = [n for n, v in env["optional_peers"].items() if not v]
     lines.append(f"optional peers  {', '.join(have) or 'none'}")
@@ -188,8 +199,10 @@ def add_commands(sub) -> None:
         help="the environment: versions, devices and the peak FLOP/s MFU uses, optional peers",
         description="Print what a bug report needs and what decides a run's figures: python and torch (its "
         "CUDA or ROCm build, cuDNN, NCCL), the distributed backends, every device with the peak FLOP/s ttt "
-        "computes MFU against (a datasheet figure per accelerator, timetotrain/train/peak.py; on a CPU a "
-        "matmul peak measured now, about half a second), mlperf-logging, and the optional peers installed.",
+        "computes MFU against (a datasheet figure per accelerator, timetotrain/train/peak.py; on a CPU the "
+        "larger of a matmul peak measured now, best of many windows over 1 s, and the theoretical one from "
+        "the CPU's flags and clock), the host's load average (with a warning when it is busy), mlperf-logging, "
+        "and the optional peers installed.",
     )
     s.add_argument("--json", action="store_true", help="the same as one JSON object")
     s.set_defaults(func=_cmd_doctor)

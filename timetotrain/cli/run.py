@@ -115,6 +115,7 @@ def run_set(args, seeds: list[int], **fixed) -> list:
     # which only the abort watcher then receives (see train/abort.py).
     with Aborter() as aborter:
         from timetotrain.train.loop import RunOptions, run
+        from timetotrain.train.terminal import status_word, stop_line
 
         flags = {
             k: getattr(args, a)
@@ -144,11 +145,12 @@ def run_set(args, seeds: list[int], **fixed) -> list:
             results.append((seed, res))
             if res.log_path is None:  # not global rank 0: the log and the report are rank 0's
                 continue
-            print(
-                f"{res.status}: {res.reason}; {res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s "
-                f"run_start->run_stop, {res.items_per_s:,.0f} {res.item_name}/s; log {res.log_path}",
-                file=sys.stderr,
+            sig = res.exit_code - 128 if res.exit_code > 128 else None
+            figures = (
+                f"{res.steps} steps, {res.samples:,} samples, {res.seconds:.1f} s run_start->run_stop, "
+                f"{res.items_per_s:,.0f} {res.item_name}/s"
             )
+            print(stop_line(status_word(res.status, sig), res.reason, res.log_path, figures), file=sys.stderr)
             if res.exit_code > 128:
                 break
     if len(results) > 1 and results[0][1].log_path is not None:
@@ -193,6 +195,8 @@ def _cmd_synth(args) -> int:
     )
     if "log" in summary and args.json:  # rank 0 only
         print(strictjson.dumps(summary, indent=2))
+        if summary["host"]["host_busy"]:  # the table's "host" row says it otherwise
+            print(f"ttt: {summary['host']['note']}", file=sys.stderr)
     elif "log" in summary:
         print(format_table(summary))
         print(f"log: {summary['log']}\nsummary: {summary['summary_path']}")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from timetotrain import fileio, lifeline
 from timetotrain.cli.data import make_data
+from timetotrain.cli.suite_eta import RunHistory, history_key
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
@@ -66,6 +67,7 @@ class SuiteOptions:
     device: str | None = None
     cache: Path | None = None
     run_args: list[str] = field(default_factory=list)  # more `ttt run` flags, e.g. --precision bf16
+    history: Path | None = None  # earlier run times for the ETA (default: the user's cache, cli/suite_eta.py)
 
 
 @dataclass
@@ -255,6 +257,7 @@ class Suite:
     def __init__(self, opts: SuiteOptions):
         self.o = opts
         self.cache = opts.cache or default_cache()
+        self.history = RunHistory(opts.history)
         self.state_path = opts.out / STATE
         self.t0 = time.monotonic()
 
@@ -338,35 +341,24 @@ class Suite:
         return have[:n]
 
     def eta(self, bench: str, left: int) -> str:
-        """From this suite's runs of the benchmark, else from earlier suites' on this machine (the cache)."""
+        """From this suite's runs of the benchmark, else from this machine's earlier runs of the same code,
+        tier and flags, by this user (cli/suite_eta.py); else it says there are none."""
         secs = self.state["seconds"].get(bench, [])
         where = ""
         if not secs:
-            secs = self._history().get(f"{bench}/{self.o.tier}", [])[-5:]
-            where = ", from earlier suites"
+            secs = self.history.seconds(self._key(bench))
+            where = ", from this machine's earlier runs of this code"
         if not secs:
-            return "ETA after its first run"
+            return "ETA: no earlier run on this machine (of this code, tier and flags)"
         return f"ETA {_fmt_s(left * sum(secs) / len(secs))} for {bench}{where}"
 
-    def _history(self) -> dict:
-        """Earlier suites' run times, for the ETA only: anything unreadable or of the wrong types is no history."""
-        try:
-            hist = json.loads(
-                fileio.read_bounded(
-                    self.cache / "run_seconds.json", fileio.SMALL_FILE, "run history"
-                ).decode()
-            )
-        except (OSError, ValueError):
-            return {}
-        if _state_problem({"tier": "", "seconds": hist}):
-            return {}
-        return hist
+    def _key(self, bench: str) -> str:
+        return history_key(
+            bench, self.o.tier, [*self.o.run_args, *(["--device", self.o.device] if self.o.device else [])]
+        )
 
     def _remember(self, bench: str, seconds: float) -> None:
-        hist = self._history()
-        hist.setdefault(f"{bench}/{self.o.tier}", []).append(seconds)
-        self.cache.mkdir(parents=True, exist_ok=True)
-        fileio.write_text(self.cache / "run_seconds.json", json.dumps(hist) + "\n")
+        self.history.remember(self._key(bench), seconds)
 
     def run_bench(self, bench) -> None:
         tier = bench.tier(self.o.tier)

@@ -37,6 +37,7 @@ from timetotrain.train.base_model import check_init_base
 from timetotrain.train.checkpoint import META, check_init_source, save_checkpoint
 from timetotrain.train.device import threads_kept
 from timetotrain.train.expert_parallel import expert_dtensors
+from timetotrain.train.terminal import Progress, status_word, stop_line
 
 EXIT_ABORTED = 1
 _BEFORE_RUN_START = "stopped before run_start (preflight or init): no result file written"
@@ -134,9 +135,12 @@ def _run(opts: RunOptions) -> RunResult:
     except BaseException as e:
         r.reason = r.reason or f"{type(e).__name__}: {e}"
         r.stop("aborted", r.step * r.tier.global_batch_size, aborter.caught)
+        r.failed = e
         raise
     finally:
         r.teardown()
+        if r.failed is not None:
+            r.say_failed()
     return r.result()
 
 
@@ -155,6 +159,8 @@ class _TimedRun:
         self.data = None
         self.clean = False  # every rank finished: teardown may wait for the others at a barrier
         self.aborter: Aborter | None = None
+        self.progress: Progress | None = None  # what the live line shows besides the step's own figures
+        self.failed: BaseException | None = None
 
     def preflight(self) -> None:
         """Nothing logged, nothing built, until all of this passes."""
@@ -203,6 +209,23 @@ class _TimedRun:
         self.log.close()
         if not self.log.started:
             print(f"ttt: interrupted by {signal_name(sig)}: {_BEFORE_RUN_START}", file=sys.stderr, flush=True)
+        elif self.log.path is not None:  # rank 0: the process exits from this thread, so say it here
+            why = f"the step did not end within --abort-grace {self.opts.abort_grace:g} s; {self.step} steps"
+            self._say(stop_line(status_word("aborted", sig), why, self.log.path))
+
+    def say_failed(self) -> None:
+        """A run that an exception ended after its clock started: one line, above the error itself."""
+        if self.log.path is None or not self.log.started:  # no result log: the CLI's error line says it all
+            return
+        e, sig = self.failed, self.aborter.caught if self.aborter else None
+        why = f"{type(e).__name__} at step {self.step} (below)"
+        self._say(stop_line(status_word("failed", sig), why, self.log.path))
+
+    def _say(self, line: str) -> None:
+        if self.live:
+            self.live.print(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def log_header(self) -> None:
         """cache_clear, init_start and the init block's keys, ours (`ttt_*`) last."""
@@ -252,6 +275,8 @@ class _TimedRun:
         if self.live:  # tens of seconds at the reference scale (a seeded shuffle of ~360 M document ids)
             self.live.update("opening the data ...", force=True)
         data = self.data = task.open(tier, self.res, prep.seed, prep.share, prep.device)
+        self.progress = Progress(task, tier, self.stop_after)
+        self.progress.samples_per_epoch = data.samples_per_epoch
         fetch = loader.Prefetcher(data, 0, prep.device)
         self.log_from = task.first_logged_eval_step(tier)
         items_per_step = tier.global_batch_size * self.items_per_sample
@@ -293,9 +318,10 @@ class _TimedRun:
     def _report(self, pending) -> bool:
         """Log a step's loss (read one step late); True when the run must stop."""
         self.reason = _report(
-            self.log, self.live, *pending, self.items_done, self.item_name, self.t_run0, self.last_eval,
+            self.log, self.live, *pending, self.items_done, self.item_name, self.t_run0, self.progress,
             self.tier.global_batch_size, self.data,
         )  # fmt: skip
+        self.progress.times.mark(self.step)  # the read waited for the step before: host time, no sync
         return bool(self.reason)
 
     def _exhausted(self) -> None:
@@ -314,6 +340,7 @@ class _TimedRun:
             log.end("block_stop", metadata={"samples_count": samples})
             log.start("eval_start", metadata=point)
         self.last_eval = last = self.data.evaluate(self.tr.model, self.tr.autocast)
+        self.progress.evaluated(last)
         if not logged and metric.met(last, tier.target):
             # An evaluation the reference runs but does not report (llama2_70b_lora's at eval_delay) costs
             # its time and may end the run; it is logged only then, so the log keeps the eval_accuracy the
@@ -349,7 +376,7 @@ class _TimedRun:
         aborter, opts = self.aborter, self.opts
         sig = aborter.caught if self.status != "success" else None
         if sig:
-            self.reason = f"signal {signal_name(sig)}"
+            self.reason = f"signal {signal_name(sig)}, logged as aborted"
         self.stop(self.status, self.step * self.tier.global_batch_size, sig)
         if opts.save_checkpoint is not None and aborter.caught is None:
             # After run_stop: the clock has stopped, so saving costs the result nothing.
@@ -430,22 +457,22 @@ def _telemetry(bench, model, log, point: dict) -> str:
     return text
 
 
-def _report(log, live, step, loss_t, items_done, item_name, t0, last_eval, gbs, data) -> str:
+def _report(log, live, step, loss_t, items_done, item_name, t0, progress, gbs, data) -> str:
     """Log a step's loss, and the task's per-step figures (read in the same host transfer); returns why the
     run must stop ('' to go on). Every rank reads the same reduced values, so every rank takes the same
-    decision at the same step."""
+    decision at the same step. The live line is built only when it is due to print."""
     loss, votes, *sums = loss_t.tolist()
     point = {"step_num": step, "samples_count": step * gbs}
     log.event("train_loss", loss, metadata=point)
     figures = data.step_figures(sums) if sums else {}
     if figures:
         log.event(data.step_key, figures, metadata=point)
-    if live:
+    if live and live.due():
         rate = items_done / max(time.monotonic() - t0, 1e-9)
-        ev = f"{last_eval:.4f}" if last_eval is not None else "-"
         more = "".join(f"  {k} {v:.3g}" for k, v in list(figures.items())[:1])
         live.update(
-            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}{more}  {rate:,.0f} {item_name}/s  last eval {ev}"
+            f"step {step}  samples {step * gbs:,}  loss {loss:.4f}{more}  {rate:,.0f} {item_name}/s  "
+            + progress.text(step)
         )
     if votes > 0:
         return "stopped by a signal"

@@ -23,8 +23,8 @@ from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
 from timetotrain.train import distributed, prepare, run_steps
+from timetotrain.train import peak as peaks
 from timetotrain.train.device import platform_name, threads_kept
-from timetotrain.train.peak import accelerator_peak, measure_cpu_peak
 
 
 @dataclass
@@ -187,7 +187,7 @@ def _log_header(log, prep, opts: SynthOptions) -> None:
 
 
 def _build(prep, out) -> tuple:
-    """(training, synthetic data, (peak FLOP/s, its source)): the peak first, on an idle device."""
+    """(training, synthetic data, the peak): the peak first, on an idle device, with the host's load."""
     bench, device, d = prep.bench, prep.device, prep.dist
     if out.live:
         out.live.update(
@@ -195,6 +195,7 @@ def _build(prep, out) -> tuple:
             force=True,
         )
     peak = _peak(device)
+    peak.load_before = peaks.load_average()
     tr = run_steps.build(prep, out)
     gen = torch.Generator(device=device).manual_seed(prep.seed + 1000 * prep.plan.data_rank(d.rank))
     data = bench.task.synthetic(prep.tier, prep.local_batch, gen, device)
@@ -284,7 +285,7 @@ def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -
     flops_sample = bench.flops_per_sample(tier)
     achieved = tot_samples_s * flops_sample
     tot_items_s = tot_samples_s * items_per_sample
-    peak_flops, peak_src = peak
+    peak_flops, peak_src = peak.flops, peak.source
     return {
         "benchmark": bench.name,
         "tier": tier.name,
@@ -318,6 +319,7 @@ def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -
         "peak_tflops_per_device": peak_flops / 1e12,
         "peak_source": peak_src,
         "mfu": achieved / d.world / peak_flops,
+        "host": _host_figures(peak, device, w.wall),
         "peak_memory_bytes": int(max_mem),
         "peak_memory_kind": "GPU max allocated" if device.type == "cuda" else "host peak RSS (whole process)",
         "energy_joules": tot_energy if have_energy == d.world else None,
@@ -440,18 +442,49 @@ def _host_peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _peak(device: torch.device) -> tuple[float, str]:
+@dataclass
+class _Peak:
+    """The FLOP/s MFU divides by, where it came from, and (CPU) both figures it was chosen from."""
+
+    flops: float
+    source: str
+    cpu: peaks.CpuPeak | None = None
+    load_before: float | None = None  # the host's 1-minute load average before the timed window
+
+
+def _peak(device: torch.device) -> _Peak:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = accelerator_peak(name)
+        known = peaks.accelerator_peak(name)
         if known is None:
             raise UserError(
                 f"no peak figure for {name!r}: MFU needs one; add it to timetotrain/train/peak.py BF16_DENSE_TFLOPS"
             )
-        return known
-    threads = torch.get_num_threads()
-    counted = f"{threads} thread" + ("" if threads == 1 else "s")
-    return measure_cpu_peak(), f"measured fp32 matmul peak, {counted}, pid {os.getpid()}"
+        return _Peak(*known)
+    cpu = peaks.cpu_peak()
+    return _Peak(cpu.flops, cpu.describe(), cpu)
+
+
+def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
+    """The load average before and after the timed window, and whether other processes wanted the cores the
+    run used (this run's own threads, on every rank of this host, taken out of the later figure)."""
+    per_rank = torch.get_num_threads() if device.type == "cpu" else 1
+    cores = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this host
+    after = peaks.load_average()
+    others = [x for x in (peak.load_before, after and peaks.others_load(after, cores, wall)) if x is not None]
+    busy = bool(others) and peaks.host_busy(max(others), cores)
+    doc = {
+        "load_average_1min": [peak.load_before, after],
+        "cpu_count": os.cpu_count(),
+        "cores_used": cores,
+        "host_busy": busy,
+        "note": peaks.load_note([peak.load_before, after], busy, cores),
+    }
+    if peak.cpu is not None:
+        doc["peak_measured_tflops"] = peak.cpu.measured / 1e12
+        doc["peak_theoretical_tflops"] = (peak.cpu.theoretical or 0.0) / 1e12 or None
+        doc["peak_theoretical_source"] = peak.cpu.theoretical_source
+    return doc
 
 
 def _figure(value: float) -> str:
@@ -478,6 +511,7 @@ def format_table(s: dict) -> str:
         (f"model FLOPs/{item.removesuffix('s')}", f"{s['model_flops_per_item'] / 1e6:,.2f} M"),
         ("model TFLOP/s", f"{s['model_tflops_per_s']:,.3f} global, {s['model_tflops_per_s_per_device']:,.3f} per device"),
         ("MFU", f"{s['mfu']:.1%} of {s['peak_tflops_per_device']:,.3f} TFLOP/s ({s['peak_source']})"),
+        ("host", s["host"]["note"] if "host" in s else "not recorded"),
         ("peak memory", f"{s['peak_memory_bytes'] / 2**30:,.2f} GiB ({s['peak_memory_kind']})"),
         ("energy", f"{s['energy_joules']:,.1f} J ({s['energy_scope']})" if s["energy_joules"] is not None
                    else s["energy_scope"]),
