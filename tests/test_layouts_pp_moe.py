@@ -1,0 +1,221 @@
+"""Pipeline with expert parallelism (train/pipeline_moe.py): deepseekv3_671b under `pp=2,ep=2` on 4 gloo ranks
+(two stages, each sharded by FSDP2 over its two ranks, which split its MoE layers' experts), against one
+process through the harness's own build and step, 20 steps: every step's global train_loss at rtol 1e-5, the
+first batch's gradients and the trained weights gathered whole, the routers' balancing biases, and an
+evaluation forward-only through the stages.
+
+The small shape keeps what the layout has to get right: a dense first layer and MoE layers split over the
+stages by their cost (one MoE layer on the first stage, whose aux loss must reach the backward and the
+logged loss from there), MLA, top-2 of 4 experts in 2 groups, the sequence aux loss, the auxiliary-loss-free
+bias (its loads summed per stage), and MTP on the last stage (its inputs embedded on the first and carried
+across the boundary). Run as a script (by torchrun) this file is the worker."""
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_parse_refuses, layout_workers
+
+from timetotrain.models.common.layers import YarnScaling
+from timetotrain.models.deepseek_v3 import DeepSeekV3Config
+from timetotrain.spec.registry import get
+from timetotrain.tasks.causal_lm import lm_loss
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GBS, SEQ, WORLD, SPEC = 20, 4, 16, 4, "pp=2,ep=2"
+CFG = DeepSeekV3Config(
+    dim=32, n_layers=3, n_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8,
+    v_head_dim=8, ffn_dim=48, n_experts=4, top_k=2, expert_ffn_dim=16, n_groups=2, topk_groups=1,
+    first_dense=1, vocab_size=128, max_seq_len=SEQ + 1, bias_rate=1e-2, init_std=0.05, mtp_layers=1,
+    rope_scaling=YarnScaling(factor=4.0, original_max_position=8),
+)  # fmt: skip
+# Where parameters live: (global ranks holding them, placements). Stage 0: ranks 0-1, stage 1: ranks 2-3.
+LAYOUT = {
+    "embed.weight": ([0, 1], "(Shard(dim=0),)"),
+    "layers.0.ffn.fc1.weight": ([0, 1], "(Shard(dim=0),)"),
+    "layers.1.ffn.experts.w1": ([0, 1], "plain"),
+    "layers.2.ffn.router.weight": ([2, 3], "(Shard(dim=0),)"),
+    "mtp.0.block.ffn.experts.w2": ([2, 3], "plain"),
+    "head.weight": ([2, 3], "(Shard(dim=0),)"),
+}
+
+
+def tier():
+    bench = get("deepseekv3_671b")
+    t = bench.tier("tiny")
+    return bench, dataclasses.replace(
+        t, model=CFG, data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS, micro_batch_size=1,
+        lr=3e-3, warmup_steps=3, max_steps=100,
+    )  # fmt: skip
+
+
+def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
+    """Two random global batches in turn: memorised within 20 steps, so the loss falls."""
+    g = torch.Generator().manual_seed(3)
+    two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
+    return [two[s % 2].chunk(data_world)[data_rank] for s in range(STEPS)]
+
+
+def whole(model, grads: bool) -> dict:
+    """This rank's parameters (or their gradients): DTensors gathered over their stage's ranks, expert
+    slices as (first expert, rows) for rank 0 to put together; another stage's (meta) left out."""
+    from torch.distributed.tensor import DTensor
+
+    from timetotrain.train.expert_parallel import expert_slice
+
+    out = {}
+    for n, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        t = p.grad if grads else p
+        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        out[n] = (expert_slice(p)[1], t) if expert_slice(p) else (0, t)
+    return out
+
+
+def assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
+    """The ranks' `whole` parts as whole tensors: expert slices concatenated in expert order."""
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for part in parts:
+        for n, (first, t) in part.items():
+            pieces.setdefault(n, {})[first] = t
+    return {n: torch.cat([by[k] for k in sorted(by)]) for n, by in pieces.items()}
+
+
+def train(plan, rank: int = 0) -> dict:
+    from timetotrain.spec.task import evaluate_ratio
+    from timetotrain.train.pipeline import Pipeline
+    from timetotrain.train.step import _forward_backward, build_training
+
+    bench, t = tier()
+    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
+    accum = GBS // plan.data_parallel // t.micro_batch_size
+    mine = batches(plan.data_rank(rank), plan.data_parallel)
+    fn = lambda m, b: lm_loss(m, b["tokens"], None)  # noqa: E731
+    # The first batch's gradients (AdamW hardly sees a gradient's scale: expert gradients left summed over
+    # the expert-parallel ranks would not show in the weights). Its loads count towards the first bias step
+    # in both runs alike.
+    if isinstance(tr.model, Pipeline):
+        tr.model.forward_backward({"tokens": mine[0]}, accum, fn)
+    else:
+        _forward_backward(tr.model, {"tokens": mine[0]}, accum, fn, None)
+    grads = whole(tr.bare, grads=True)
+    tr.opt.zero_grad(set_to_none=True)
+    losses = [tr.step(s, {"tokens": b}, accum, fn)[0].item() for s, b in enumerate(mine)]
+    figures, _ = bench.family.telemetry(tr.bare)  # every stage's routers, in one process's order
+    trained = whole(tr.bare, grads=False)
+    placed = {
+        n: str(getattr(p, "placements", "plain"))
+        for n, p in tr.bare.named_parameters()
+        if p.device.type != "meta"
+    }
+
+    def sums(model, chunk):  # as the causal LM's Evaluator: loss sum and token count per eval micro-batch
+        return model(chunk[:, :-1], labels=chunk[:, 1:], reduction="sum"), chunk[:, 1:].numel()
+
+    metric = evaluate_ratio(tr.model, mine[0].split(1), sums, torch.device("cpu"), plan.data_parallel)
+    return {
+        "losses": losses + [metric], "grads": grads, "weights": trained, "placements": placed,
+        "bias": figures["ttt_router_bias"], "tokens": figures["ttt_tokens_per_expert"],
+    }  # fmt: skip
+
+
+@functools.cache
+def one_process() -> dict:
+    from timetotrain.train import parallel
+
+    out = train(parallel.Plan())
+    out["grads"], out["weights"] = assemble([out["grads"]]), assemble([out["weights"]])
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_with_expert_parallelism_trains_as_one_process(tmp_path):
+    ranks, weights = layout_workers(__file__, tmp_path, WORLD)
+    one = one_process()
+    expected = one["losses"]
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"]  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+        # The balancing biases of every MoE layer (main, then MTP), gathered from both stages.
+        torch.testing.assert_close(torch.tensor(r["bias"]), torch.tensor(one["bias"]), rtol=0, atol=1e-7)
+        # The last forward's tokens per expert: two ranks' micro-batches of one sample, top-2.
+        assert [sum(row) for row in r["tokens"]] == [2 * SEQ * CFG.top_k] * 3
+    assert expected[-2] < expected[0] - 0.5  # it trained (the last figure is the evaluation's)
+    for param, (holders, placements) in LAYOUT.items():  # the layout is the one named
+        assert [r for r in range(WORLD) if param in ranks[r]["placements"]] == holders, param
+        assert ranks[holders[0]]["placements"][param] == placements, param
+    for kind in ("grads", "weights"):
+        assert weights[kind].keys() == one[kind].keys() and one[kind]
+        for n, w in one[kind].items():
+            assert weights[kind][n].shape == w.shape, n
+            torch.testing.assert_close(weights[kind][n], w, rtol=1e-4, atol=1e-6, msg=f"{kind} of {n}")
+
+
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = train(parallel.parse(SPEC, world), rank)
+    weights = {}
+    for kind in ("grads", "weights"):
+        every = [None] * world
+        dist.all_gather_object(every, result.pop(kind))
+        weights[kind] = assemble(every)
+    if rank == 0:
+        torch.save(weights, out / "weights.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
+
+
+def test_split_counts_dense_layers_experts_and_mtp():
+    """The split weighs DeepSeek's layers by what a token computes: the dense first layer against top-k
+    experts, the head twice (trunk and MTP) and the MTP block on the last stage."""
+    from timetotrain.train.pipeline import split_layers, stage_costs
+
+    bench, t = tier()
+    costs, head = stage_costs(bench, CFG)
+    assert costs[0] != costs[1] == costs[2] and head > 2 * CFG.dim * CFG.vocab_size
+    assert split_layers(costs, head, 2) == [(0, 2), (2, 3)]
+
+
+@pytest.mark.bad_input
+def test_pipeline_with_expert_parallelism_flags():
+    from timetotrain.errors import UserError
+    from timetotrain.train import parallel
+    from timetotrain.train.pipeline import check
+
+    plan = parallel.parse(SPEC, 4)  # a stage's data-parallel ranks are FSDP2's
+    assert (plan.pp, plan.ep, plan.fsdp, plan.data_parallel) == (2, 2, 2, 2)
+    assert parallel.parse("pp=4,ep=32,fsdp=64", 256).world == 256
+    assert_parse_refuses(
+        [
+            ("pp=2,ep=2,tp=2", 8, "built as pp=P,ep=E.,fsdp=N. only"),
+            ("pp=2,vpp=2,ep=2", 4, "built as pp=P,ep=E.,fsdp=N. only"),
+            ("pp=2,ep=4", 4, "ep must divide fsdp"),
+            ("cp=2,ep=2", 4, "ep does not combine with cp"),
+        ]
+    )
+    bench, t = tier()
+    assert check(bench, t, plan, 2, 1, True, "--set micro_batch_size") == 1
+    for name, spec, world, needle in [
+        ("deepseekv3_671b", "pp=2,fsdp=2", 4, "built for deepseek_v3 with expert parallelism"),
+        ("gpt_oss_20b", SPEC, 4, "not gpt_oss_20b"),
+        ("llama31_8b", SPEC, 4, "llama31_8b has none"),
+    ]:
+        b = get(name)
+        with pytest.raises(UserError, match=needle) as e:
+            check(b, b.tier("tiny"), parallel.parse(spec, world), 16, 1, False, "--set micro_batch_size")
+        assert "\n" not in str(e.value)
