@@ -219,3 +219,20 @@ def test_pipeline_with_expert_parallelism_flags():
         with pytest.raises(UserError, match=needle) as e:
             check(b, b.tier("tiny"), parallel.parse(spec, world), 16, 1, False, "--set micro_batch_size")
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_plan_counts_a_stage_with_its_expert_slices():
+    """`ttt plan deepseekv3_671b --gpus 256 --parallel pp=4,ep=32,fsdp=64` estimates it: a stage of about a
+    quarter of the layers holds 1/32 of their experts (the rest sharded over its 64 GPUs), so its states
+    are about a quarter of those of `ep=32,fsdp=64` over the whole model, plus the stage's non-expert
+    gradients whole (the schedule defers FSDP2's reduction)."""
+    from timetotrain.train.memory import plan
+
+    bench = get("deepseekv3_671b")
+    ref = bench.tier("reference")
+    _, rows, _ = plan(bench, ref, 256, 80, "pp=4,ep=32,fsdp=64")
+    _, whole_model, _ = plan(bench, ref, 64, 80, "ep=32,fsdp=64")
+    assert rows and {r.parallel for r in rows} == {"pp=4,ep=32,fsdp=64"}
+    for staged, one in zip(rows, whole_model, strict=True):
+        assert one.states / 4 < staged.states < one.states / 2
