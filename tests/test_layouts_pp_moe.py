@@ -12,13 +12,12 @@ across the boundary). Run as a script (by torchrun) this file is the worker."""
 
 import dataclasses
 import functools
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_parse_refuses, layout_workers
+from conftest import assert_parse_refuses, layout_results_written, layout_workers
 
 from timetotrain.models.common.layers import YarnScaling
 from timetotrain.models.deepseek_v3 import DeepSeekV3Config
@@ -46,19 +45,19 @@ LAYOUT = {
 
 
 def tier():
+    """deepseekv3_671b's tiny tier at the small shape: micro-batches of one sample, a high LR."""
     bench = get("deepseekv3_671b")
-    t = bench.tier("tiny")
+    tiny = bench.tier("tiny")
+    shape = dict(model=CFG, data=dataclasses.replace(tiny.data, seq_len=SEQ), global_batch_size=GBS)
     return bench, dataclasses.replace(
-        t, model=CFG, data=dataclasses.replace(t.data, seq_len=SEQ), global_batch_size=GBS, micro_batch_size=1,
-        lr=3e-3, warmup_steps=3, max_steps=100,
-    )  # fmt: skip
+        tiny, **shape, micro_batch_size=1, lr=3e-3, warmup_steps=3, max_steps=100
+    )
 
 
 def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
-    """Two random global batches in turn: memorised within 20 steps, so the loss falls."""
-    g = torch.Generator().manual_seed(3)
-    two = [torch.randint(0, CFG.vocab_size, (GBS, SEQ + 1), generator=g) for _ in range(2)]
-    return [two[s % 2].chunk(data_world)[data_rank] for s in range(STEPS)]
+    """Two random global batches in turn (memorised within 20 steps, so the loss falls); this rank's part."""
+    two = torch.randint(0, CFG.vocab_size, (2, GBS, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return [two[step % 2].chunk(data_world)[data_rank] for step in range(STEPS)]
 
 
 def whole(model, grads: bool) -> dict:
@@ -170,10 +169,7 @@ def _worker(out: Path) -> None:
         every = [None] * world
         dist.all_gather_object(every, result.pop(kind))
         weights[kind] = assemble(every)
-    if rank == 0:
-        torch.save(weights, out / "weights.pt")
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    layout_results_written(out, result, weights)
 
 
 if __name__ == "__main__":

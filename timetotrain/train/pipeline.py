@@ -43,9 +43,11 @@ the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the l
 CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
 flattened (data, cp) ranks, which averages the CP ranks' gradients.
 
-Not built: pp with dp / dp_replicate / ep or fp8, mixture-of-experts models, families whose stack
-is not the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
-output (LoRA's, GRPO's).
+Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage): train/pipeline_moe.py.
+
+Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than deepseek_v3 or
+without ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks whose loss is
+not the model's own output (LoRA's, GRPO's).
 """
 
 from __future__ import annotations
