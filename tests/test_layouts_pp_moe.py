@@ -200,7 +200,9 @@ def test_pipeline_with_expert_parallelism_flags():
         [
             ("pp=2,ep=2,tp=2", 8, "built as pp=P,ep=E.,fsdp=N. only"),
             ("pp=2,vpp=2,ep=2", 4, "built as pp=P,ep=E.,fsdp=N. only"),
-            ("pp=2,ep=4", 4, "ep must divide fsdp"),
+            ("pp=2,ep=4", 4, "needs 8 processes"),
+            ("pp=2,ep=2", 1, "needs 4 processes"),
+            ("pp=2,ep=4,fsdp=6", 12, "ep must divide fsdp"),
             ("cp=2,ep=2", 4, "ep does not combine with cp"),
         ]
     )

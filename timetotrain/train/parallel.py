@@ -250,9 +250,10 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                     "(not with dp, dp_replicate, tp or vpp yet)"
                 )
             # A stage's data-parallel ranks are FSDP2's (a pipeline has no DDP): `pp=P,ep=E` is
-            # `pp=P,ep=E,fsdp=world/P` (train/pipeline_moe.py).
+            # `pp=P,ep=E,fsdp=world/P` (train/pipeline_moe.py); at least E, so a world too small is
+            # refused by the process count below.
             if degrees["fsdp"] == 1:
-                degrees["fsdp"] = max(1, world // degrees["pp"])
+                degrees["fsdp"] = max(degrees["ep"], world // degrees["pp"])
         if degrees["ep"] > 1 and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
             if degrees["fsdp"] % degrees["ep"]:
                 tp = f"tp={degrees['tp']}," if degrees["tp"] > 1 else ""
