@@ -43,9 +43,10 @@ the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the l
 CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
 flattened (data, cp) ranks, which averages the CP ranks' gradients.
 
-Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage): train/pipeline_moe.py.
+Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
+train/pipeline_moe.py.
 
-Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than deepseek_v3 or
+Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or
 without ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks whose loss is
 not the model's own output (LoRA's, GRPO's).
 """
@@ -80,7 +81,7 @@ from timetotrain.train.shards import _FILLS, draw_full, full_init
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
 # MoE families with a stage build (train/pipeline_moe.py: expert parallelism within a stage, router state and
 # aux losses across stages, DeepSeek's MTP on the last stage).
-MOE_FAMILIES = ("deepseek_v3",)
+MOE_FAMILIES = ("deepseek_v3", "gpt_oss")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage boundary may carry (eval header)
 
 
@@ -108,10 +109,10 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     if hasattr(tier.model, "n_experts") and (bench.family.name not in MOE_FAMILIES or plan.ep == 1):
         # A stage's router state, aux losses and MTP: train/pipeline_moe.py, built for these families.
         built = " or ".join(MOE_FAMILIES)
+        what = f"the {bench.family.name} family" if plan.ep > 1 else f"{bench.name} without ep"
         raise UserError(
             f"--parallel {spec}: pipeline parallelism for mixture-of-experts models is built for {built} "
-            f"with expert parallelism (pp=P,ep=E[,fsdp=N]) only, not {bench.name}"
-            + ("" if plan.ep > 1 else " without ep")
+            f"with expert parallelism (pp=P,ep=E[,fsdp=N]) only, not for {what}"
         )
     if plan.ep > 1 and not hasattr(tier.model, "n_experts"):
         raise UserError(
@@ -504,12 +505,7 @@ def build(
     if moe:
         with real_host():
             stage_group = data_mesh.get_group()
-        held = {id(m) for stage in stages for m in stage.modules()}
-        layers = [m if id(m) in held else None for m in model.moe_layers()]
-        children = owned(stages).named_children()
-        mine = Owned(layers, cfg.n_experts, device, stage_group, pp_group)
-        for name, child in children:  # the same children, under the model's names
-            setattr(mine, name, child)
+        mine = Owned.of(model, stages, mine, cfg.n_experts, device, stage_group, pp_group)
     if init_checkpoint is not None:
         t0 = time.monotonic()
         _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind)

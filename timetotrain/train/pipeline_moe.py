@@ -1,5 +1,6 @@
 """Mixture-of-experts under pipeline parallelism (`--parallel pp=P,ep=E[,fsdp=N]`, train/pipeline.py): what a
-stage of an MoE model needs beyond a dense decoder's. Built for deepseek_v3.
+stage of an MoE model needs beyond a dense decoder's. Built for deepseek_v3 and gpt_oss (whose plain decoder
+forward, routers without aux loss or bias, need only the expert parallelism and the telemetry below).
 
 Expert parallelism within a stage. The ranks are laid out pipeline outermost (`parallel.Plan.coords`): rank
 p x N + d is data-parallel rank d of stage p. The experts of every MoE layer are split over groups of E
@@ -86,13 +87,24 @@ class Owned(nn.Module):
         self.__dict__["stage_group"] = stage_group  # this stage's data-parallel ranks
         self.__dict__["pipe_group"] = pipe_group  # the ranks of one pipeline (one per stage)
 
+    @classmethod
+    def of(cls, model: nn.Module, stages, plain: nn.Module, n_experts: int, device, stage_group, pipe_group):
+        """`plain` (`pipeline.owned(stages)`) as an `Owned`: the same children under the same names."""
+        held = {id(m) for stage in stages for m in stage.modules()}
+        # The model's MoE layers in its module order: main layers, then DeepSeek's MTP blocks (`moe_layers`).
+        moes = [m if id(m) in held else None for m in model.modules() if isinstance(m, MoE)]
+        out = cls(moes, n_experts, device, stage_group, pipe_group)
+        for name, child in plain.named_children():
+            setattr(out, name, child)
+        return out
+
     def _mine(self) -> list[MoE]:
         return [m for m in self.moes if m is not None]
 
     def update_router_bias(self, reduce=None) -> None:
         """As `DeepSeekV3.update_router_bias`, the loads summed over this stage's data-parallel ranks (the
         harness's whole-world `reduce` would mix the stages' layers)."""
-        mine = self._mine()
+        mine = [m for m in self._mine() if hasattr(m.router, "update_bias")]  # (gpt-oss: no bias)
         if not mine:
             return
         loads = torch.stack([m.router.load for m in mine])
