@@ -267,3 +267,19 @@ def test_plan_counts_a_stage_with_its_expert_slices():
     assert rows and {r.parallel for r in rows} == {"pp=4,ep=32,fsdp=64"}
     for staged, one in zip(rows, whole_model, strict=True):
         assert one.states / 4 < staged.states < one.states / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_simulate_builds_both_ends_of_the_pipeline(name):
+    """`ttt plan --parallel pp=2,ep=2 --simulate` builds and steps the first and the last rank under the fake
+    process group (train/simulate.py), at the benchmark's tiny tier: the path `tests/test_plan_builds.py`
+    takes for the kinds the search suggests (the search does not try pp with ep)."""
+    from timetotrain.train import prepare
+    from timetotrain.train.simulate import _in_child, simulate_rank
+
+    bench, t = prepare.resolve_tier(name, "tiny", [])
+    t = dataclasses.replace(t, global_batch_size=2 * WORLD, eval_samples=2 * WORLD)
+    for rank in (0, WORLD - 1):
+        got = _in_child(simulate_rank, bench, t, WORLD, SPEC, rank, "fp32", False)
+        assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank
