@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_parse_refuses, layout_results_written, layout_workers
+from conftest import assert_parse_refuses, first_backward, layout_results_written, layout_workers
 
 from timetotrain.models.common.layers import YarnScaling
 from timetotrain.models.deepseek_v3 import DeepSeekV3Config
@@ -104,8 +104,7 @@ def assemble(parts: list[dict]) -> dict[str, torch.Tensor]:
 
 def train(name: str, plan, rank: int = 0) -> dict:
     from timetotrain.spec.task import evaluate_ratio
-    from timetotrain.train.pipeline import Pipeline
-    from timetotrain.train.step import _forward_backward, build_training
+    from timetotrain.train.step import build_training
 
     bench, t = tier(name)
     tr = build_training(bench, t, torch.device("cpu"), 7, plan)
@@ -115,10 +114,7 @@ def train(name: str, plan, rank: int = 0) -> dict:
     # The first batch's gradients (AdamW hardly sees a gradient's scale: expert gradients left summed over
     # the expert-parallel ranks would not show in the weights). Its loads count towards the first bias step
     # in both runs alike.
-    if isinstance(tr.model, Pipeline):
-        tr.model.forward_backward({"tokens": mine[0]}, accum, fn)
-    else:
-        _forward_backward(tr.model, {"tokens": mine[0]}, accum, fn, None)
+    first_backward(tr, {"tokens": mine[0]}, accum, fn)
     grads = whole(tr.bare, grads=True)
     tr.opt.zero_grad(set_to_none=True)
     losses = [tr.step(s, {"tokens": b}, accum, fn)[0].item() for s, b in enumerate(mine)]
