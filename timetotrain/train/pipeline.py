@@ -246,16 +246,15 @@ class Stage(nn.Module):
         loss = head_loss(h, self.head, labels, reduction, shard)  # (a share of it under cp)
         if shard is not None:
             return self.sequence.total(loss)
-        if carry:  # as DeepSeekV3.forward: LM + (MTP + every aux loss)
+        extra = []  # as DeepSeekV3.forward: LM + (MTP + this stage's aux losses, the MTP block's too)
+        if carry:
             T = h.shape[1]
             cos, sin = self.decoder.rope_cos[:T], self.decoder.rope_sin[:T]
-            extra = self.decoder.mtp_loss(None, labels, h, cos, sin, reduction, None, inputs=ahead)
+            extra.append(self.decoder.mtp_loss(None, labels, h, cos, sin, reduction, None, inputs=ahead))
             aux = aux_losses([*self.layers.values(), self.mtp])
-        elif aux is not None:
-            extra = loss.new_zeros(())
-        if aux is not None:
-            extra = extra + (aux if reduction == "mean" else aux * labelled(labels))
-        return loss + extra if carry or aux is not None else loss
+        if aux is not None:  # a per-token mean already; a summed loss scales it by the labelled tokens
+            extra.append(aux if reduction == "mean" else aux * labelled(labels))
+        return loss + sum(extra[1:], extra[0]) if extra else loss
 
 
 class _Capture:
