@@ -132,7 +132,7 @@ def train(name: str, plan, rank: int = 0) -> dict:
     metric = evaluate_ratio(tr.model, mine[0].split(1), sums, torch.device("cpu"), plan.data_parallel)
     return {
         "losses": losses + [metric], "grads": grads, "weights": trained, "placements": placed,
-        "bias": figures.get("ttt_router_bias"), "tokens": figures["ttt_tokens_per_expert"],
+        "bias": figures.get("ttt_router_bias"), "tokens": figures["ttt_tokens_per_expert"], "training": tr,
     }  # fmt: skip
 
 
@@ -141,6 +141,7 @@ def one_process(name: str) -> dict:
     from timetotrain.train import parallel
 
     out = train(name, parallel.Plan())
+    del out["training"]
     out["grads"], out["weights"] = assemble([out["grads"]]), assemble([out["weights"]])
     return out
 
@@ -187,14 +188,22 @@ def _worker(out: Path) -> None:
     import torch.distributed as dist
 
     from timetotrain.train import parallel
+    from timetotrain.train.checkpoint import save_checkpoint
+    from timetotrain.train.step import build_training
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, weights = {}, {}
     for name in MODELS:
-        results[name] = train(name, parallel.parse(SPEC, world), rank)
+        plan = parallel.parse(SPEC, world)
+        results[name] = train(name, plan, rank)
+        # Each stage writes its own entries (the model alone: optimizer state under EP is refused), read
+        # back under the same layout.
+        save_checkpoint(out / name, results[name].pop("training").bare, None, STEPS)
+        back = build_training(*tier(name), torch.device("cpu"), 8, plan, init_checkpoint=out / name)
+        results[name]["loaded"] = whole(back.bare, grads=False)
         weights[name] = {}
-        for kind in ("grads", "weights"):
+        for kind in ("grads", "weights", "loaded"):
             every = [None] * world
             dist.all_gather_object(every, results[name].pop(kind))
             weights[name][kind] = assemble(every)
@@ -203,6 +212,30 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pipeline_with_expert_parallelism_checkpoint_is_the_model(root, name):
+    """The checkpoint the stages wrote holds the trained model: read back under `pp=2,ep=2` and into one
+    process, every weight is the trained one bit for bit (expert slices put together), and DeepSeek's
+    routers get their trained biases."""
+    from timetotrain.train import parallel
+    from timetotrain.train.step import build_training
+
+    every, all_weights = workers(root)
+    trained = all_weights[name]["weights"]
+    one = build_training(*tier(name), torch.device("cpu"), 8, parallel.Plan(), init_checkpoint=root / name)
+    loaded = {
+        "pp=2,ep=2": all_weights[name]["loaded"],
+        "one process": assemble([whole(one.bare, grads=False)]),
+    }
+    for where, got in loaded.items():
+        assert got.keys() == trained.keys(), where
+        for n, w in trained.items():
+            torch.testing.assert_close(got[n], w, rtol=0, atol=0, msg=f"{n} loaded {where}")
+    if every[0][name]["bias"] is not None:
+        assert one.bare.router_biases().tolist() == every[0][name]["bias"]
 
 
 def test_split_counts_dense_layers_experts_and_mtp():
