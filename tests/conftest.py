@@ -178,6 +178,18 @@ def layout_results_written(out: Path, results: dict, weights: dict) -> None:
 _LAYOUT_RUNS: dict = {}
 
 
+def first_backward(tr, batch: dict, accum: int, loss_fn) -> None:
+    """One step's forwards and backwards of `batch` through a built `Training` (its pipeline schedule, or
+    the micro-batches of one process), no optimizer step: the gradients a layout test compares."""
+    from timetotrain.train.pipeline import Pipeline
+    from timetotrain.train.step import _forward_backward
+
+    if isinstance(tr.model, Pipeline):
+        tr.model.forward_backward(batch, accum, loss_fn)
+    else:
+        _forward_backward(tr.model, batch, accum, loss_fn, None)
+
+
 def layout_run(script: str, root: Path, by_world: dict[int, list[str]], name: str) -> tuple[list[dict], dict]:
     """`layout_workers` for the world size that runs scenario `name`, once per (script, root, world)."""
     nproc = next(w for w, names in by_world.items() if name in names)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import layout_workers, random_hf_llama, small_llama
+from conftest import first_backward, layout_workers, random_hf_llama, small_llama
 
 from timetotrain.spec.registry import get
 from timetotrain.tasks.causal_lm import lm_loss
@@ -59,8 +59,7 @@ def train(plan, rank: int = 0):
     from torch.distributed.tensor import DTensor
 
     from timetotrain.spec.task import evaluate_ratio
-    from timetotrain.train.pipeline import Pipeline
-    from timetotrain.train.step import _forward_backward, build_training
+    from timetotrain.train.step import build_training
     from timetotrain.train.tensor_parallel import unstack
 
     bench, t = tier()
@@ -70,10 +69,7 @@ def train(plan, rank: int = 0):
     fn = lambda m, b: lm_loss(m, b["tokens"], None)  # noqa: E731
     # The first batch's gradients, before any step: AdamW and clipping hardly see a gradient's scale, so
     # the trained weights alone would not catch micro-batch gradients summed instead of averaged.
-    if isinstance(tr.model, Pipeline):
-        tr.model.forward_backward({"tokens": mine[0]}, accum, fn)
-    else:
-        _forward_backward(tr.model, {"tokens": mine[0]}, accum, fn, None)
+    first_backward(tr, {"tokens": mine[0]}, accum, fn)
 
     def full(t, p):
         return (unstack(t.full_tensor(), p) if isinstance(t, DTensor) else t).detach().clone()

@@ -38,6 +38,10 @@ All of them take the family's config dataclass (a tier's `model`):
 - `root_params(cfg, experts)`: optional, the parameters outside `model.layers` (FSDP2's root group), for a
   family whose layers are not all `block_params` (DeepSeek-V3: dense-first layers, MTP blocks); None: the
   total less `n_layers` blocks.
+- `stage_costs(cfg)`: optional, (each of `model.layers`' matmul parameters one token uses, those of the
+  last stage's head and whatever else it holds) for a pipeline's split (train/pipeline.py), for a family
+  whose layers differ (DeepSeek-V3: dense-first layers, top-k experts, MTP beside the head); None: every
+  layer `block_params`, the head `dim x vocab`.
 - `embedding_tables(cfg)`: optional, the family's embedding tables (an `EmbeddingTables`) held in a
   `models/common/embedding_bag.FusedEmbeddingBag`, which the harness shards by rows over the
   data-parallel ranks (train/embedding_parallel.py) and `ttt plan` counts per rank
@@ -90,6 +94,7 @@ class ModelFamily:
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
     root_params: Callable[[Any, bool], int] | None = None
     embedding_tables: Callable[[Any], EmbeddingTables] | None = None
+    stage_costs: Callable[[Any], tuple[list[float], float]] | None = None
 
 
 def _single(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -746,10 +746,10 @@ def _pipeline_search_rows(
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_layers(block: float, head: float, n_layers: int, pp: int, vpp: int) -> int:
+def _stage_layers(costs: tuple[float, ...], head: float, pp: int, vpp: int) -> int:
     """The most layers `pipeline.split_layers` gives one pipeline rank (its V stages together); cached,
     since the split's exact search is most of a pipeline row's cost and the search plans many."""
-    ranges = pipeline.split_layers([block] * n_layers, head, pp * vpp)
+    ranges = pipeline.split_layers(list(costs), head, pp * vpp)
     return max(sum(hi - lo for lo, hi in ranges[r::pp]) for r in range(pp))
 
 
@@ -770,9 +770,13 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     `pp=8,tp=8,fsdp=8`, AC, full depth: 51.2 GiB simulated (the figures of this formula: docs/scale.md)."""
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
-    block, head = float(bench.family.block_params(cfg)), float(cfg.dim * cfg.vocab_size)
-    layers = _stage_layers(block, head, cfg.n_layers, pp, vpp)
+    costs, head = pipeline.stage_costs(bench, cfg)  # the split's own costs (DeepSeek: per layer, MTP)
+    layers = _stage_layers(tuple(costs), head, pp, vpp)
     n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
+    if given.ep > 1:
+        # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): FSDP2 ignores the expert slices, which the stage's
+        # layout row holds 1/E of already; what the schedule keeps whole below is the rest.
+        n_stage -= expert_params(bench.family, dataclasses.replace(cfg, n_layers=layers))[0]
     inner = dataclasses.replace(given, pp=1, vpp=1)
     # Under cp FSDP2 shards a stage over its (fsdp, cp) ranks even at fsdp=1 (`Plan.shard_ranks`).
     kind = "fsdp" if _kind(inner) == "dp" and given.cp > 1 else _kind(inner)
@@ -782,7 +786,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
         model = dataclasses.replace(cfg, n_layers=depth)
         n = bench.family.param_count(model) - cfg.vocab_size * cfg.dim  # one of embedding and head
         return estimate(bench, dataclasses.replace(tier, model=model), n, gpus // pp, gpu_mem_gib, kind, ac, m,
-                        bf16, tp=inner.tp, fp8=fp8, replicas=inner.dp_replicate, cp=inner.cp)  # fmt: skip
+                        bf16, tp=inner.tp, fp8=fp8, ep=inner.ep if inner.ep > 1 else None,
+                        replicas=inner.dp_replicate, cp=inner.cp)  # fmt: skip
 
     rows = []
     for ac in acs:

@@ -238,11 +238,22 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 f"--parallel {spec!r}: vpp is the number of pipeline stages per rank; use it with pp, e.g. "
                 "pp=4,vpp=2"
             )
-        if degrees["ep"] > 1 and (degrees["pp"] > 1 or degrees["cp"] > 1):
+        if degrees["ep"] > 1 and degrees["cp"] > 1:
             raise UserError(
-                f"--parallel {spec!r}: ep does not combine with pp or cp yet; use pp or cp with dp, fsdp, "
-                "dp_replicate,fsdp or tp"
+                f"--parallel {spec!r}: ep does not combine with cp yet; use cp with dp, fsdp, dp_replicate,fsdp "
+                "or tp"
             )
+        if degrees["ep"] > 1 and degrees["pp"] > 1:
+            if any(degrees[k] > 1 for k in ("dp", "dp_replicate", "tp", "vpp")):
+                raise UserError(
+                    f"--parallel {spec!r}: pipeline with expert parallelism is built as pp=P,ep=E[,fsdp=N] only "
+                    "(not with dp, dp_replicate, tp or vpp yet)"
+                )
+            # A stage's data-parallel ranks are FSDP2's (a pipeline has no DDP): `pp=P,ep=E` is
+            # `pp=P,ep=E,fsdp=world/P` (train/pipeline_moe.py); at least E, so a world too small is
+            # refused by the process count below.
+            if degrees["fsdp"] == 1:
+                degrees["fsdp"] = max(degrees["ep"], world // degrees["pp"])
         if degrees["ep"] > 1 and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
             if degrees["fsdp"] % degrees["ep"]:
                 tp = f"tp={degrees['tp']}," if degrees["tp"] > 1 else ""

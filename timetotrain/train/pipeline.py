@@ -43,9 +43,12 @@ the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the l
 CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
 flattened (data, cp) ranks, which averages the CP ranks' gradients.
 
-Not built: pp with dp / dp_replicate / ep or fp8, mixture-of-experts models, families whose stack
-is not the plain `Decoder` (DeepSeek-V3's MTP, Qwen3.5's DeltaNet state), tasks whose loss is not the model's own
-output (LoRA's, GRPO's).
+Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
+train/pipeline_moe.py.
+
+Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or
+without ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks whose loss is
+not the model's own output (LoRA's, GRPO's).
 """
 
 from __future__ import annotations
@@ -66,14 +69,19 @@ from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
-from timetotrain.models.common.sequence_shard import head_loss
+from timetotrain.models.common.sequence_shard import head_loss, labelled
 from timetotrain.spec.task import Task
 from timetotrain.train import parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.context_parallel import SequenceGroup
+from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded
+from timetotrain.train.pipeline_moe import Owned, aux_into_backward, aux_losses, expert_mesh
 from timetotrain.train.shards import _FILLS, draw_full, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
+# MoE families with a stage build (train/pipeline_moe.py: expert parallelism within a stage, router state and
+# aux losses across stages, DeepSeek's MTP on the last stage).
+MOE_FAMILIES = ("deepseek_v3", "gpt_oss")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a stage boundary may carry (eval header)
 
 
@@ -98,9 +106,17 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
         raise UserError(
             f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
         )
-    if hasattr(tier.model, "n_experts"):  # expert telemetry and router state live on the whole model
+    if hasattr(tier.model, "n_experts") and (bench.family.name not in MOE_FAMILIES or plan.ep == 1):
+        # A stage's router state, aux losses and MTP: train/pipeline_moe.py, built for these families.
+        built = " or ".join(MOE_FAMILIES)
+        what = f"the {bench.family.name} family" if plan.ep > 1 else f"{bench.name} without ep"
         raise UserError(
-            f"--parallel {spec}: mixture-of-experts models ({bench.name}) have no pipeline split yet"
+            f"--parallel {spec}: pipeline parallelism for mixture-of-experts models is built for {built} "
+            f"with expert parallelism (pp=P,ep=E[,fsdp=N]) only, not for {what}"
+        )
+    if plan.ep > 1 and not hasattr(tier.model, "n_experts"):
+        raise UserError(
+            f"--parallel {spec}: ep splits the experts of a mixture-of-experts model; {bench.name} has none"
         )
     if layers < stages:
         raise UserError(
@@ -153,6 +169,8 @@ def split_layers(costs: list[float], head: float, stages: int) -> list[tuple[int
 
 def stage_costs(bench, cfg) -> tuple[list[float], float]:
     """`split_layers`' costs of the model `cfg`: each block's matmul parameters, and the head's."""
+    if bench.family.stage_costs is not None:
+        return bench.family.stage_costs(cfg)
     return [float(bench.family.block_params(cfg))] * cfg.n_layers, float(cfg.dim * cfg.vocab_size)
 
 
@@ -183,6 +201,11 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)})
         self.norm = model.norm if last else None
         self.head = model.head if last else None
+        # DeepSeek's MTP depths: on the last stage; the boundaries carry their inputs (train/pipeline_moe.py).
+        self.carry = len(getattr(model, "mtp", ()))
+        self.mtp = model.mtp if last and self.carry else None
+        self.moe = hasattr(model.cfg, "n_experts")
+        self.aux_total = 0.0  # this step's aux losses of a stage before the last (their values, no gradient)
         # The model's helpers (RoPE tables, masks), outside the module tree: its parameters are not all ours.
         self.__dict__["decoder"] = model
         self.tp_mesh = tp_mesh
@@ -201,15 +224,37 @@ class Stage(nn.Module):
             if labels is None:
                 raise ValueError("a context-parallel stage computes losses only: pass labels")
             shard = self.sequence.shard(labels.shape[1], labels.device)
+        carry = self.carry if self.training else 0  # MTP trains only; evaluation carries the stream alone
+        ahead: list[torch.Tensor] = []
         if self.embed is not None:
+            if carry:
+                ahead = self.decoder.mtp_inputs(x)
             x = self.embed(x if shard is None else shard.local(x))
         elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+        elif carry:
+            x, *ahead = x.chunk(1 + carry, dim=-1)
         x = self.decoder.blocks(x, self.layers.values(), shard)
+        aux = aux_losses(self.layers.values()) if self.moe and self.training else None
         if self.norm is None:
-            return x.to_local() if isinstance(x, DTensor) else x
-        loss = head_loss(self.norm(x), self.head, labels, reduction, shard)  # (a share of it under cp)
-        return loss if shard is None else self.sequence.total(loss)
+            if aux is not None:
+                self.aux_total = self.aux_total + aux.detach().float()
+            x = aux_into_backward(x, aux)
+            x = x.to_local() if isinstance(x, DTensor) else x
+            return torch.cat([x, *ahead], dim=-1) if carry else x
+        h = self.norm(x)
+        loss = head_loss(h, self.head, labels, reduction, shard)  # (a share of it under cp)
+        if shard is not None:
+            return self.sequence.total(loss)
+        extra = []  # as DeepSeekV3.forward: LM + (MTP + this stage's aux losses, the MTP block's too)
+        if carry:
+            T = h.shape[1]
+            cos, sin = self.decoder.rope_cos[:T], self.decoder.rope_sin[:T]
+            extra.append(self.decoder.mtp_loss(None, labels, h, cos, sin, reduction, None, inputs=ahead))
+            aux = aux_losses([*self.layers.values(), self.mtp])
+        if aux is not None:  # a per-token mean already; a summed loss scales it by the labelled tokens
+            extra.append(aux if reduction == "mean" else aux * labelled(labels))
+        return loss + sum(extra[1:], extra[0]) if extra else loss
 
 
 class _Capture:
@@ -263,10 +308,15 @@ class Pipeline(nn.Module):
             )
         tokens, labels, _ = capture.call
         losses: list[torch.Tensor] = []
+        for stage in self.stages:
+            stage.aux_total = 0.0
         self.schedule.step(tokens, target=labels, losses=losses, return_outputs=False, labels=labels)
-        if not self.last:
-            return torch.zeros((), device=tokens.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum() * (self.pp / accum)
+        # The aux losses of the MoE layers before the last stage: in the gradients already, and in the
+        # reported loss from the stage that holds them (train/pipeline_moe.py).
+        total = sum((stage.aux_total for stage in self.stages), torch.zeros((), device=tokens.device))
+        if self.last:
+            total = total + torch.stack([loss.detach().float() for loss in losses]).sum()
+        return total * (self.pp / accum)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
@@ -357,15 +407,19 @@ def build(
     activation-checkpointed, compiled and sharded (FSDP2 per block and per stage) -> only they are
     allocated -> initialised from `seed + 1` -> one warm-up step through the schedule -> initialised from
     `seed`, or loaded from `init_checkpoint` (this rank's parameters of it; the seconds in `timer["load"]`).
-    Returns (this rank's stages as one module under the model's names, `owned`; the `Pipeline`)."""
+    Returns (this rank's stages as one module under the model's names, `owned`; the `Pipeline`; the
+    expert-parallel group or None)."""
     family, task = bench.family, bench.task
     with real_host():
         with torch.device("meta"):
             model = family.build(tier.model)
         task.adapt_model(model, tier, None, plan.compute)
     plain = type(model).hidden is Decoder.hidden and type(model).forward is Decoder.forward
-    outside = {n.split(".")[0] for n, _ in model.named_parameters()} - set(_MODULES)
-    if not isinstance(model, Decoder) or not plain or outside:
+    moe = family.name in MOE_FAMILIES  # its own forward (MTP, aux losses): the stages mirror it
+    outside = (
+        {n.split(".")[0] for n, _ in model.named_parameters()} - set(_MODULES) - ({"mtp"} if moe else set())
+    )
+    if not isinstance(model, Decoder) or not (plain or moe) or outside:
         raise UserError(f"--parallel pp: the {family.name} family's model has no pipeline split yet")
     names = ("pp", "dp_replicate", "data", "cp", "tp")
     mesh = parallel.device_mesh(
@@ -383,6 +437,12 @@ def build(
         with real_host():
             family.tensor_parallel(model, tp_mesh)  # every block, on the meta device: others' stay there
         parallel.remark(model, plan)
+    ep_group = None
+    if plan.ep > 1:  # each stage's experts over its data-parallel ranks (train/pipeline_moe.py)
+        ep_group, replicas = expert_mesh(device.type, plan, parallel.device_mesh)
+        bf16_experts = plan.compute == "bf16" and plan.shard_ranks > 1  # FSDP2 casts only what it manages
+        with real_host():
+            apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
 
     count = plan.pp * plan.vpp
     cfg = tier.model
@@ -405,11 +465,13 @@ def build(
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
         )
+        # Expert slices differ per rank and are complete: FSDP2 neither shards nor reduces them.
+        ignored = {p for p in model.parameters() if is_expert_sharded(p)} or None
         with real_host():  # on the meta device, as `step._build_sharded` (TP's meshes: fakes.py)
             for stage in stages:
                 for block in stage.layers.values():
-                    fully_shard(block, mesh=data_mesh, mp_policy=mp)
-                fully_shard(stage, mesh=data_mesh, mp_policy=mp)
+                    fully_shard(block, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
+                fully_shard(stage, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
     elif plan.compute == "bf16":  # FSDP2 casts the parameters itself; else autocast in each stage
         for stage in stages:
             stage.autocast = torch.bfloat16
@@ -427,7 +489,9 @@ def build(
     # The residual stream's dtype: FSDP2's compute dtype where it casts the parameters; under autocast (or
     # none) the stream stays fp32 (autocast lowers matmuls, not the residual additions).
     stream = torch.bfloat16 if plan.shard_ranks > 1 and plan.compute == "bf16" else torch.float32
-    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), cfg.dim, stream, plan.cp * plan.tp)
+    # DeepSeek's MTP inputs ride beside the residual stream (train/pipeline_moe.py).
+    width = cfg.dim * (1 + len(getattr(model, "mtp", ())))
+    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, plan.cp * plan.tp)
     pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
     _init(family, model, device, seed + 1)
     # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;
@@ -437,12 +501,16 @@ def build(
     pipe.zero_grad(set_to_none=True)
     _init(family, model, device, seed)
     mine = owned(stages)
+    if moe:
+        with real_host():
+            stage_group = data_mesh.get_group()
+        mine = Owned.of(model, stages, mine, cfg.n_experts, device, stage_group, pp_group)
     if init_checkpoint is not None:
         t0 = time.monotonic()
         _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind)
         timer["load"] = time.monotonic() - t0
     pipe.train()
-    return mine, pipe
+    return mine, pipe, ep_group
 
 
 def owned(stages: list[Stage]) -> nn.Module:
@@ -455,6 +523,9 @@ def owned(stages: list[Stage]) -> nn.Module:
             if getattr(stage, name) is not None:
                 setattr(mine, name, getattr(stage, name))
     mine.layers = nn.ModuleDict({i: block for stage in stages for i, block in stage.layers.items()})
+    for stage in stages:
+        if stage.mtp is not None:
+            mine.mtp = stage.mtp
     return mine
 
 

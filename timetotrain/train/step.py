@@ -141,8 +141,9 @@ def build_training(
     plan = plan or parallel.Plan()
     timer: dict[str, float] = {}
     if plan.pp > 1:  # each rank builds, initialises and steps its own stages (train/pipeline.py)
-        model, wrapped = pipeline.build(bench, tier, device, seed, plan, init_checkpoint, timer, init_kind)
-        ep_group = None
+        model, wrapped, ep_group = pipeline.build(
+            bench, tier, device, seed, plan, init_checkpoint, timer, init_kind
+        )
     elif plan.sharded:
         model, wrapped, ep_group = _build_sharded(
             bench, tier, device, seed, plan, init_checkpoint, timer, init_kind

@@ -214,18 +214,26 @@ class DeepSeekV3(Decoder):
             extra = extra + (total if reduction == "mean" else total * labelled(labels))
         return out + extra
 
-    def mtp_loss(self, tokens, labels, h, cos, sin, reduction: str = "mean", shard=None) -> torch.Tensor:
+    def mtp_inputs(self, tokens: torch.Tensor, shard: SequenceShard | None = None) -> list[torch.Tensor]:
+        """The embedding of the tokens k ahead, for each MTP depth k = 1..D. Under a `shard` the whole
+        sequences are shifted, then this part kept: position i reads token i + k wherever the part ends.
+        (A pipeline computes them on its first stage, where the embedding is: train/pipeline_moe.py.)"""
+        # Causal attention: the wrapped-around last k positions only see themselves and have no target.
+        ahead = [_shift(tokens, k, 0) for k in range(1, len(self.mtp) + 1)]
+        return [self.embed(a if shard is None else shard.local(a)) for a in ahead]
+
+    def mtp_loss(
+        self, tokens, labels, h, cos, sin, reduction: str = "mean", shard=None, inputs=None
+    ) -> torch.Tensor:
         """`mtp_loss_weight / D * sum_k loss_k` over the D MTP depths (module docstring); 0 without MTP.
-        Under a `shard` the whole sequences are shifted, then this part kept: position i reads token
-        i + k wherever the part ends."""
+        `inputs`: `mtp_inputs(tokens, shard)` where already computed."""
         if not len(self.mtp):
             return h.new_zeros(())
         losses = []
         mask = None if shard is None else shard.attend(None)
-        for k, module in enumerate(self.mtp, start=1):
-            # Causal attention: the wrapped-around last k positions only see themselves and have no target.
-            ahead = _shift(tokens, k, 0)
-            h = module(h, self.embed(ahead if shard is None else shard.local(ahead)), cos, sin, mask)
+        inputs = self.mtp_inputs(tokens, shard) if inputs is None else inputs
+        for k, (module, ahead) in enumerate(zip(self.mtp, inputs, strict=True), start=1):
+            h = module(h, ahead, cos, sin, mask)
             losses.append(head_loss(h, self.head, _shift(labels, k, -100), reduction, shard))
         return self.cfg.mtp_loss_weight / len(self.mtp) * torch.stack(losses).sum()
 
@@ -245,6 +253,10 @@ class DeepSeekV3(Decoder):
     def tokens_per_expert(self) -> torch.Tensor:
         """`[MoE layers, n_experts]` token copies routed to each expert in the last forward (on device)."""
         return torch.stack([m.tokens_per_expert for m in self.moe_layers()])
+
+    def router_biases(self) -> torch.Tensor:
+        """`[MoE layers, n_experts]` each router's balancing bias."""
+        return torch.stack([r.bias for r in self.routers()])
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -366,9 +378,21 @@ def telemetry(model: DeepSeekV3) -> tuple[dict, str]:
     """Tokens routed to each expert in the last training forward per MoE layer, the load spread, and each
     router's balancing bias."""
     figures, line = expert_load(model.tokens_per_expert().tolist())
-    bias = torch.stack([r.bias for r in model.routers()]).tolist()
+    bias = model.router_biases().tolist()
     figures["ttt_router_bias"] = bias
     return figures, f"{line} bias spread {max(max(b) - min(b) for b in bias):.4f}"
+
+
+def stage_costs(cfg: DeepSeekV3Config) -> tuple[list[float], float]:
+    """A pipeline's split (train/pipeline.py): each layer's matmul parameters one token uses (a dense FFN, or
+    the router, `top_k` routed and the shared experts: FLOPs, not memory), and the last stage's extra: the
+    head once for the trunk and once per MTP depth, and the MTP depths' blocks and projections."""
+    layers = [float(_attention_params(cfg) + _ffn_params(cfg, i, cfg.top_k)) for i in range(cfg.n_layers)]
+    mtp = sum(
+        _attention_params(cfg) + _ffn_params(cfg, i, cfg.top_k) + 2 * cfg.dim * cfg.dim
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_layers)
+    )
+    return layers, float((1 + cfg.mtp_layers) * cfg.dim * cfg.vocab_size + mtp)
 
 
 FAMILY = ModelFamily(
@@ -383,6 +407,7 @@ FAMILY = ModelFamily(
     ),
     activation_elements=activation_elements,
     root_params=root_params,
+    stage_costs=stage_costs,
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,

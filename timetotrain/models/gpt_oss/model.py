@@ -168,6 +168,11 @@ FAMILY = ModelFamily(
     active_param_count=active_param_count,
     flops_per_token=flops_per_token,
     block_params=lambda cfg: _layer_matmul_params(cfg, cfg.n_experts) + _norm_params(cfg) // cfg.n_layers,
+    # A pipeline's split by what a token computes: top-k experts per layer, the head (train/pipeline.py).
+    stage_costs=lambda cfg: (
+        [float(_layer_matmul_params(cfg, cfg.top_k))] * cfg.n_layers,
+        float(cfg.dim * cfg.vocab_size),
+    ),
     activation_elements=activation_elements,
     telemetry=telemetry,
     tensor_parallel=tensor_parallel,
