@@ -533,6 +533,7 @@ def _adapter_pairs(theirs, ours, layout: str) -> list:
     return pairs
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # transformers, via PEFT
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_peft_parity(transformers, hf_model, checkpoints, layout):

@@ -82,6 +82,7 @@ def short_recipe(steps=3) -> BaseRecipe:
     return dataclasses.replace(recipe, benchmark=bench)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_base_is_deterministic_cached_and_verified(c4_llama2, tmp_path):
     recipe = short_recipe()
     a, doc_a, cached_a = base_model.make_base(recipe, c4_llama2, tmp_path / "one", echo=False)

@@ -96,6 +96,7 @@ def test_logits_and_experts_match_hf(pair):
     assert len(torch.cat(our_experts).unique()) == cfg.n_experts  # the routing is exercised, not degenerate
 
 
+@pytest.mark.slow
 def test_greedy_decode_equals_hf_generate(pair):
     cfg, hf, ours, _ = pair
     g = torch.Generator().manual_seed(2)
@@ -232,6 +233,7 @@ def test_checkpoint_layouts_and_export_round_trip(pair, tmp_path):
         torch.testing.assert_close(reloaded(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_trains_in_fp32_and_bf16():
     """The chunked path has gradients everywhere (incl. the decay parameters and conv taps) and runs under
     bf16 autocast."""

@@ -182,6 +182,7 @@ def test_compiled_blocks_train_on_cpu(tmp_path):
     assert abs(s["final_loss"] - s["baseline_loss"]) < 1.0
 
 
+@pytest.mark.slow
 def test_bf16_with_activation_checkpointing_on_cpu(tmp_path):
     s = synth(
         SynthOptions(

@@ -34,6 +34,7 @@ def test_first_eval_comes_after_real_training(name, tier):
     assert_first_eval_after_training(bench, bench.tier(tier))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama31_8b", "gpt_oss_20b"])
 def test_untrained_model_misses_the_target(name, c4_prepared):
     bench = get(name)
