@@ -371,3 +371,13 @@ def test_seed_check_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_the_cli_starts_no_thread_before_it_blocks_the_signals():
+    # SIGTERM/SIGINT reach only the abort watcher because every thread inherits their blocking from the
+    # main thread (train/abort.py); a thread started at import (numpy's BLAS pool, through mlperf_logging)
+    # keeps them unblocked, the kernel may hand it the signal, and its default action ends the run with no
+    # run_stop (test_e2e_tiny's SIGTERM test failed so).
+    code = "import os, timetotrain.cli; n = len(os.listdir('/proc/self/task')); assert n == 1, n"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -42,9 +42,10 @@ from timetotrain.cli.data import make_data
 from timetotrain.cli.suite_eta import RunHistory, history_key
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.interrupt import raise_on_signals
-from timetotrain.mlperf.logger import SIGNALLED, STOP_SIGNAL_KEY
+from timetotrain.mlperf.logger import SIGNALLED
 from timetotrain.mlperf.results import find_groups, parse_log, result_files
 from timetotrain.mlperf.score import score_group
+from timetotrain.mlperf.structure import STOP_SIGNAL_KEY
 from timetotrain.spec import registry
 from timetotrain.spec.task import DataRecipe
 from timetotrain.train.seeds import run_seeds

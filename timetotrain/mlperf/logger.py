@@ -37,7 +37,6 @@ from timetotrain.fileio import fsync_dir
 
 PARTIAL = ".partial"
 SIGNALLED = ".signalled"  # a result a signal stopped, set aside by `ttt suite` (cli/suite_driver.py)
-STOP_SIGNAL_KEY = "ttt_stop_signal"
 _RESULT_RE = re.compile(r"result_(\d+)\.txt(?:\.partial|\.signalled)?$")
 
 

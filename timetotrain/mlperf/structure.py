@@ -18,10 +18,13 @@ from pathlib import Path
 
 from timetotrain import fileio
 from timetotrain.errors import UserError
-from timetotrain.mlperf.logger import STOP_SIGNAL_KEY
 from timetotrain.spec import official, registry
 
 TOKEN = ":::MLLOG "
+# The key a run stopped by a signal logs before run_stop (train/loop.py), with the signal's name. Here, not
+# in mlperf/logger.py: that module loads mlperf_logging and numpy (whose BLAS starts threads), and the CLI
+# imports this one before it blocks SIGTERM/SIGINT for the abort watcher (train/abort.py).
+STOP_SIGNAL_KEY = "ttt_stop_signal"
 
 # Keys a log holds exactly once, and why a second is wrong.
 ONCE = {

@@ -30,7 +30,8 @@ from pathlib import Path
 from timetotrain.data import loader
 from timetotrain.errors import Interrupted, UserError
 from timetotrain.mlperf.keys import check_rules
-from timetotrain.mlperf.logger import STOP_SIGNAL_KEY, ResultLog
+from timetotrain.mlperf.logger import ResultLog
+from timetotrain.mlperf.structure import STOP_SIGNAL_KEY
 from timetotrain.train import distributed, prepare, run_steps
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
