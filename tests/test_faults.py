@@ -78,7 +78,7 @@ def test_prepare_interrupted_stops_workers_and_removes_temporaries(big_c4_src, c
     try:
         # Tokens are being written (a new file is growing): the workers are busy.
         wait_for(
-            lambda: any(p.name not in before and p.stat().st_size > 0 for p in out.iterdir()),
+            lambda: any(p.name not in before and _size(p) > 0 for p in out.iterdir()),
             60,
             "the prepare to write tokens",
         )
@@ -349,6 +349,14 @@ def test_an_abort_before_run_start_leaves_no_result_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def _size(path: Path) -> int:
+    """A file's size, 0 for one gone since its folder was listed (the writability probe lives a moment)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -358,7 +366,7 @@ def test_sigkill_of_a_prepare_leaves_no_worker_and_no_temporary(big_c4_src, tmp_
     )  # fmt: skip
     kids = []
     try:
-        wait_for(lambda: out.is_dir() and any(p.stat().st_size > 0 for p in out.iterdir()), 60, "tokens")
+        wait_for(lambda: out.is_dir() and any(_size(p) > 0 for p in out.iterdir()), 60, "tokens")
         kids = child_pids(proc.pid)  # two tokenizer workers and the guardian of the temporaries
         assert len(kids) == 3, kids
         assert any(".tmp" in p.name for p in out.iterdir())
