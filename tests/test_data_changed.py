@@ -122,6 +122,38 @@ def test_c4_windows_and_the_405b_blend(tmp_path):
     assert "never write over data a run is using" in str(e.value)
 
 
+def test_c4_windows_cut_between_the_check_and_the_reads_is_one_line_not_a_sigbus(tmp_path):
+    # The race the check before each batch cannot close: the file cut after the check, before the reads.
+    # GPTWindows reads through pread (IndexedDataset.read), so it is a short read and one line; through
+    # the map it was a SIGBUS (tests/test_faults.py's live run died of one, -7, once in a CI run). In a
+    # child process: a SIGBUS would take the test process with it.
+    import subprocess
+    import sys
+
+    from timetotrain.data.indexed import IndexedWriter
+
+    with IndexedWriter(tmp_path / "c4") as w:
+        for d in range(40):
+            w.add_document(list(range(d, d + 300)))
+    code = f"""
+import os
+from timetotrain.data.gpt_dataset import GPTWindows
+from timetotrain.data.indexed import IndexedDataError, IndexedDataset
+ds = IndexedDataset({str(tmp_path / "c4")!r})
+windows = GPTWindows(ds, 16, 64, seed=1, shuffle=True)
+windows.batch(range(8))
+ds.check_unchanged = lambda: None  # the check passed, then the cut: only the reads can notice
+os.truncate({str(tmp_path / "c4.bin")!r}, 64)
+try:
+    windows.batch(range(8, 16))
+except IndexedDataError as e:  # the loader turns it into the run's one line (data/loader.py)
+    print(e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])  # -7: SIGBUS
+    assert "c4.bin ended early while this run was reading it" in proc.stdout, proc.stdout
+
+
 def test_flux1_encodings(tmp_path):
     from test_flux_task import CFG, open_data, tier_for, write_dataset
 

@@ -220,7 +220,7 @@ class GPTWindows:
 
     def _fill(self, out: np.ndarray, sample: int) -> None:
         ds = self.dataset
-        tokens, sizes, pointers, doc_index = ds.tokens, ds.sizes, ds.pointers, self.document_index
+        sizes, pointers, doc_index = ds.sizes, ds.pointers, self.document_index
         (j0, off0), (j1, off1) = self.sample_index[sample], self.sample_index[sample + 1]
         j0, off0, j1, off1 = int(j0), int(off0), int(j1), int(off1)
         filled = 0
@@ -230,8 +230,8 @@ class GPTWindows:
             start = base + (off0 if j == j0 else 0)
             stop = base + (off1 + 1 if j == j1 else int(sizes[doc]))
             n = stop - start
-            # One copy per piece, converting the file dtype to int64 on the way.
-            out[filled : filled + n] = tokens[start:stop]
+            # One read per piece (not through the map: IndexedDataset.read), to int64 on the way.
+            out[filled : filled + n] = ds.read(start, stop)
             filled += n
         if filled != self.seq_length + 1:
             raise RuntimeError(f"window {sample} assembled {filled} tokens instead of {self.seq_length + 1}")

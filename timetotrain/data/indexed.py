@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from timetotrain.data.manifest import RECOPY
 from timetotrain.data.mapped import DataChangedError, MappedFiles
 
 __all__ = ["IndexedDataError", "IndexedWriter", "IndexedDataset", "best_dtype", "DEFAULT_REMEDY"]
@@ -298,8 +299,9 @@ class IndexedDataset:
             self._verify()
 
         # numpy refuses to map an empty file.
+        self._bin = self._keep_open(bin_path) if bin_size else None
         if bin_size:
-            self.tokens = np.memmap(self._keep_open(bin_path), dtype=self.dtype, mode="r")
+            self.tokens = np.memmap(self._bin, dtype=self.dtype, mode="r")
         else:
             self.tokens = np.empty(0, self.dtype)
 
@@ -314,6 +316,20 @@ class IndexedDataset:
             self._watched.check_unchanged()
         except DataChangedError as e:
             raise IndexedDataError(str(e)) from e
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens `start:stop` of the whole token stream (file dtype), read from the file (pread), not
+        through the map: the timed run's reads (data/gpt_dataset.py). A file cut short under the run gives
+        a short read, which raises the one-line IndexedDataError, where touching the map past the new end
+        is a SIGBUS that kills the process with no log line; `check_unchanged` before each batch cannot
+        close that gap, a cut can land between the check and the reads."""
+        itemsize = self.dtype.itemsize
+        want = (stop - start) * itemsize
+        data = os.pread(self._bin.fileno(), want, start * itemsize) if want else b""
+        if len(data) != want:
+            self.check_unchanged()  # names how the file changed
+            raise IndexedDataError(f"{self.bin_path} ended early while this run was reading it: {RECOPY}")
+        return np.frombuffer(data, dtype=self.dtype)
 
     def _verify(self, chunk: int = 1 << 22) -> None:
         itemsize = self.dtype.itemsize
