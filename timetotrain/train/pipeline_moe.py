@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from timetotrain.fakes import real_host
 from timetotrain.models.common.moe import MoE
 
 
@@ -66,8 +67,6 @@ def aux_losses(modules) -> torch.Tensor | None:
 
 def expert_mesh(device_type: str, plan, device_mesh):
     """(expert-parallel group, replica group or None) of this rank: the (pp, N / E, E) mesh (module docstring)."""
-    from timetotrain.fakes import real_host
-
     data = plan.dp * plan.fsdp
     mesh = device_mesh(device_type, (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep"))
     with real_host():
