@@ -239,6 +239,18 @@ def _cmd_download(args) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers} must be at least 1")
+    if args.for_bench is not None:
+        from timetotrain.cli import data_reference
+
+        return (data_reference.dry_run if args.dry_run else data_reference.download_for)(args)
+    if args.dataset is None:
+        raise UserError(
+            "name what to download (c4, mlcommons, fixtures), or pass --for BENCH --tier reference"
+        )
+    if args.dry_run or args.tier is not None:
+        raise UserError(f"{'--dry-run' if args.dry_run else '--tier'} goes with --for BENCH: drop it")
+    if args.out is None:
+        raise UserError(f"{args.dataset} needs --out DIR: the download folder")
     workers = args.workers or 4
     out = Path(args.out)
     if args.dataset == "fixtures":
@@ -348,15 +360,34 @@ def _add_download(d) -> None:
         "fixtures: the small real data the tiny tiers were measured on (C4 sample, GovReport, CC12M and COCO "
         "samples, the Llama 2 and Mixtral tokenizers), rebuilt byte for byte from pinned commits of public "
         "GitHub repositories (or --mirror with their <repo>/<commit>/<path> layout), sha256-checked, in the "
-        "layout `ttt data prepare --for BENCH --tier tiny --src OUT` reads.",
+        "layout `ttt data prepare --for BENCH --tier tiny --src OUT` reads. "
+        "--for BENCH --tier reference: every dataset the benchmark's reference tier reads, from the MLCommons "
+        "storage metadata its reference names (--mirror URL|DIR: a copy with the same metadata/ paths), then "
+        "the steps that follow; --dry-run lists them.",
     )
     s.add_argument(
         "dataset",
+        nargs="?",
         choices=["c4", "mlcommons", "fixtures"],
-        help="what to download (fixtures: the tiny tiers' data, rebuilt from public GitHub sources)",
+        help="what to download (fixtures: the tiny tiers' data, rebuilt from public GitHub sources), or --for",
     )
     s.add_argument("name", nargs="?", help="mlcommons: a folder name under --out for the dataset")
-    s.add_argument("--out", required=True, help="download folder (created if missing)")
+    s.add_argument(
+        "--for",
+        dest="for_bench",
+        metavar="BENCH",
+        help="every MLCommons dataset BENCH's reference tier reads, from the sources its reference names "
+        "(timetotrain/data/reference_sources.py); what needs a licence or a login is one line saying where",
+    )
+    s.add_argument("--tier", help="with --for: reference (the default; tiny tiers read the fixtures)")
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --for: list what would be fetched, from where, how big, and the steps after; fetch nothing",
+    )
+    s.add_argument(
+        "--out", help="download folder (created if missing; with --for, default data/<BENCH>-reference)"
+    )
     s.add_argument("--shards", type=int, default=1, help="c4: the first K shards (default 1)")
     s.add_argument(
         "--split", choices=["train", "validation"], default="train", help="c4 split (default train)"
@@ -364,7 +395,8 @@ def _add_download(d) -> None:
     s.add_argument(
         "--mirror",
         metavar="URL|DIR",
-        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>)",
+        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>); "
+        "--for: a copy of MLCommons' storage (metadata/<dataset>.uri)",
     )
     s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
     s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
