@@ -127,3 +127,13 @@ def test_what_cannot_be_fetched_is_one_line_and_writes_nothing(argv, says, tmp_p
     (err,) = errors(capsys)
     assert err.startswith("ttt: error:") and says in err, err
     assert not out.exists()
+
+
+@pytest.mark.bad_input
+def test_a_missing_govreport_file_says_where_it_comes_from(tmp_path, capsys):
+    argv = ["data", "prepare", "govreport", "--src", str(tmp_path / "gov_report" / "train.jsonl"), "--split",
+            "train", "--tokenizer-model", str(tmp_path / "tokenizer.model"), "--out", str(tmp_path / "o")]  # fmt: skip
+    assert ttt(argv) == 2
+    (err,) = errors(capsys)
+    assert "does not exist" in err and "https://huggingface.co/datasets/tau/scrolls" in err, err
+    assert "ttt data download fixtures --only govreport" in err
