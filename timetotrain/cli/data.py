@@ -12,13 +12,12 @@ stays fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from timetotrain import lifeline
+from timetotrain import fileio, lifeline
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.spec import registry
@@ -287,14 +286,14 @@ def _download_fixtures(args) -> int:
     if bad:
         raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
     out = Path(args.out)
-    before = _folders(out)
+    before = fileio.folders_under(out)
     with raise_on_signals(), writing("--out", out):
         try:
             written, notes = fixtures.build(out, args.mirror, only)
         except BaseException as e:
             # A failed call leaves no folder it made and holds nothing in: an empty `.sources/` tree would
             # look like a download to the next reader. Fetched sources stay, so a new call resumes.
-            _remove_empty_folders(out, before)
+            fileio.remove_new_empty_folders(out, before)
             if not isinstance(e, UserError):
                 raise
             layout = (
@@ -315,22 +314,6 @@ def _download_fixtures(args) -> int:
     print(f"{len(written)} fixture file(s), {total / 1e6:,.1f} MB, sha256-checked, in {out} "
           f"(the layout ttt data prepare --for ... --src {out} reads)")  # fmt: skip
     return 0
-
-
-def _folders(out: Path) -> set[Path]:
-    """The folders under `out` (and `out` itself) that exist now."""
-    if not out.is_dir():
-        return set()
-    return {out, *(p for p in out.rglob("*") if p.is_dir())}
-
-
-def _remove_empty_folders(out: Path, before: set[Path]) -> None:
-    """Remove the folders under `out` (and `out`) made since `before` (`_folders(out)` then) that hold no
-    file, deepest first: what a stopped command made and left empty once its staged files were gone."""
-    made = _folders(out) - before
-    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
-        with contextlib.suppress(OSError):  # not empty: it holds a fetched source, kept for the next call
-            folder.rmdir()
 
 
 def add_commands(sub) -> None:
@@ -537,7 +520,7 @@ def _cmd_synth_graph(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a graph is never written over another)"
         )
-    before = _folders(out)  # nothing, or the empty --out itself
+    before = fileio.folders_under(out)  # nothing, or the empty --out itself
     try:
         # a full disk or an unusable folder: every file of the graph, or none; a stopped generation
         # removes its staged files, as `data prepare`
@@ -545,7 +528,7 @@ def _cmd_synth_graph(args) -> int:
             out.mkdir(parents=True, exist_ok=True)  # before minutes of generating, not after
             info = graph_synth.generate(out, sc, args.seed)
     except BaseException:
-        _remove_empty_folders(out, before)  # else the next call would find --out "not empty"
+        fileio.remove_new_empty_folders(out, before)  # else the next call would find --out "not empty"
         raise
     print(
         f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
@@ -582,14 +565,14 @@ def _cmd_synth_criteo(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a dataset is never written over another)"
         )
-    before = _folders(out)  # nothing, or the empty --out itself
+    before = fileio.folders_under(out)  # nothing, or the empty --out itself
     try:
         # Every file of the 24 days and the manifest appear together, or none (staged writes).
         with writing("--out", out), raise_on_signals():
             out.mkdir(parents=True, exist_ok=True)
             info = criteo_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
     except BaseException:
-        _remove_empty_folders(out, before)
+        fileio.remove_new_empty_folders(out, before)
         raise
     print(
         f"{args.scale} multi-hot Criteo (seed {args.seed}): {info['train_rows']:,} training and "

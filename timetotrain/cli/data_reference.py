@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from timetotrain.cli.data import _folders, _remove_empty_folders
+from timetotrain import fileio
 from timetotrain.data import download
 from timetotrain.data.reference_sources import R2_DOWNLOADER, STORAGE, Fetch, ReferenceData, reference_data
 from timetotrain.errors import UserError, writing
@@ -80,7 +80,7 @@ def download_for(args) -> int:
     workers = args.workers or 4
     sizes = ", ".join(f"{f.folder} {f.size or '(size not published)'}" for f in entry.fetch)
     print(f"{args.for_bench} reference: {len(entry.fetch)} dataset(s) into {out}: {sizes}", flush=True)
-    before = _folders(out)
+    before = fileio.folders_under(out)
     files = []
     with raise_on_signals(), writing("--out", out):
         try:
@@ -89,7 +89,7 @@ def download_for(args) -> int:
         except BaseException:
             # Fetched files and .part files stay, so the next call resumes; a folder this call made and
             # left empty goes, so nothing looks like a download that is not one.
-            _remove_empty_folders(out, before)
+            fileio.remove_new_empty_folders(out, before)
             raise
     total = sum(p.stat().st_size for p in files)
     print(f"{len(files)} file(s), {total / 1e6:,.1f} MB, md5-checked, in {out}")
