@@ -3,6 +3,7 @@ storage served on 127.0.0.1 (`--mirror`, the same metadata/ paths), each into it
 resumed after a cut; what no URL fetches, an unknown benchmark or tier, one line and nothing written."""
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,19 @@ def test_a_missing_govreport_file_says_where_it_comes_from(tmp_path, capsys):
     (err,) = errors(capsys)
     assert "does not exist" in err and "https://huggingface.co/datasets/tau/scrolls" in err, err
     assert "ttt data download fixtures --only govreport" in err
+
+
+def test_a_failed_download_leaves_no_empty_folder(tmp_path, capsys):
+    """The listed files are gone from the bucket (a 404 after --out and its folders were made): the error is
+    one line, and no empty folder stays to look like a download."""
+    srv = Server(tmp_path / "bucket")
+    try:
+        bucket(tmp_path / "bucket", srv.url)
+        shutil.rmtree(tmp_path / "bucket" / "files")
+        out = tmp_path / "out"
+        assert download(out, srv) == 2
+    finally:
+        srv.close()
+    (err,) = [e for e in errors(capsys) if not e.startswith("flux-1-")]
+    assert "HTTP 404" in err, err
+    assert not out.exists()
