@@ -105,7 +105,7 @@ def test_dry_run_lists_and_fetches_nothing(tmp_path, capsys):
     fetches = [ln for ln in lines if ln.startswith("fetch ")]
     assert len(fetches) == 3 and f"{srv.url}/metadata/flux-1-cc12m-preprocessed.uri" in fetches[0]
     assert "~2.5 TB" in fetches[0] and "text_to_image/README.md:117" in fetches[0]
-    assert lines[-1] == "then: ttt run flux1 --tier reference --data DATA"
+    assert lines[-1] == "then: ttt run flux1 --tier reference --logdir LOGS --data DATA"
     assert srv.ranges == [] and not (tmp_path / "out").exists()
 
 
