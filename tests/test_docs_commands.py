@@ -4,7 +4,7 @@ and exit 0, and every relative link leads to a file, and every `#anchor` to a he
 
 Commands come from fenced code blocks and from inline code spans that start with `ttt `; `ttt ...`,
 `python -m timetotrain ...` and `torchrun ... -m timetotrain ...` are all read as `ttt ...`. A command is run
-only if it matches CHEAP and holds no placeholder (`DIR`, `<name>`, `...`); a line in a code block can opt
+only if it matches CHEAP (a `data download --for ... --dry-run` too: it makes no request) and holds no placeholder (`DIR`, `<name>`, `...`); a line in a code block can opt
 out of running with a trailing `# docs: no-run` comment.
 """
 
@@ -18,7 +18,10 @@ from conftest import REPO
 from timetotrain.cli import build_parser, main
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-CHEAP = re.compile(r"^(--help|--version|\S+ --help|list( --json)?|plan (?!.*--simulate).*)$")
+CHEAP = re.compile(
+    r"^(--help|--version|\S+ --help|list( --json)?|plan (?!.*--simulate).*"
+    r"|data download --for \S+ --tier reference --dry-run)$"  # offline: lists the sources, fetches nothing
+)
 PLACEHOLDER = re.compile(
     r"<|>|\.\.\.|\bDIR\b|\bBENCH\b|\bNAME\b|\bSPEC\b|\bFILE\b|\bLOG\b|\bOUT\b|\[|\]|\$|\bN\b|\bT\b"
 )

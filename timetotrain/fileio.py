@@ -220,3 +220,19 @@ def bounded_lines(f: IO, limit: int, what: str) -> Iterator:
 
 def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+def folders_under(out: Path) -> set[Path]:
+    """The folders under `out` (and `out` itself) that exist now."""
+    if not out.is_dir():
+        return set()
+    return {out, *(p for p in out.rglob("*") if p.is_dir())}
+
+
+def remove_new_empty_folders(out: Path, before: set[Path]) -> None:
+    """Remove the folders under `out` (and `out`) made since `before` (`folders_under(out)` then) that hold
+    no file, deepest first: what a stopped command made and left empty once its staged files were gone."""
+    made = folders_under(out) - before
+    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: it holds a fetched source, kept for the next call
+            folder.rmdir()

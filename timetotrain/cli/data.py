@@ -12,13 +12,12 @@ stays fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from timetotrain import lifeline
+from timetotrain import fileio, lifeline
 from timetotrain.errors import UserError, writing
 from timetotrain.interrupt import raise_on_signals
 from timetotrain.spec import registry
@@ -239,6 +238,18 @@ def _cmd_download(args) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers {args.workers} must be at least 1")
+    if args.for_bench is not None:
+        from timetotrain.cli import data_reference
+
+        return (data_reference.dry_run if args.dry_run else data_reference.download_for)(args)
+    if args.dataset is None:
+        raise UserError(
+            "name what to download (c4, mlcommons, fixtures), or pass --for BENCH --tier reference"
+        )
+    if args.dry_run or args.tier is not None:
+        raise UserError(f"{'--dry-run' if args.dry_run else '--tier'} goes with --for BENCH: drop it")
+    if args.out is None:
+        raise UserError(f"{args.dataset} needs --out DIR: the download folder")
     workers = args.workers or 4
     out = Path(args.out)
     if args.dataset == "fixtures":
@@ -275,14 +286,14 @@ def _download_fixtures(args) -> int:
     if bad:
         raise UserError(f"--only {bad[0]}: not a fixture; choose from {', '.join(known)}")
     out = Path(args.out)
-    before = _folders(out)
+    before = fileio.folders_under(out)
     with raise_on_signals(), writing("--out", out):
         try:
             written, notes = fixtures.build(out, args.mirror, only)
         except BaseException as e:
             # A failed call leaves no folder it made and holds nothing in: an empty `.sources/` tree would
             # look like a download to the next reader. Fetched sources stay, so a new call resumes.
-            _remove_empty_folders(out, before)
+            fileio.remove_new_empty_folders(out, before)
             if not isinstance(e, UserError):
                 raise
             layout = (
@@ -303,22 +314,6 @@ def _download_fixtures(args) -> int:
     print(f"{len(written)} fixture file(s), {total / 1e6:,.1f} MB, sha256-checked, in {out} "
           f"(the layout ttt data prepare --for ... --src {out} reads)")  # fmt: skip
     return 0
-
-
-def _folders(out: Path) -> set[Path]:
-    """The folders under `out` (and `out` itself) that exist now."""
-    if not out.is_dir():
-        return set()
-    return {out, *(p for p in out.rglob("*") if p.is_dir())}
-
-
-def _remove_empty_folders(out: Path, before: set[Path]) -> None:
-    """Remove the folders under `out` (and `out`) made since `before` (`_folders(out)` then) that hold no
-    file, deepest first: what a stopped command made and left empty once its staged files were gone."""
-    made = _folders(out) - before
-    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
-        with contextlib.suppress(OSError):  # not empty: it holds a fetched source, kept for the next call
-            folder.rmdir()
 
 
 def add_commands(sub) -> None:
@@ -348,15 +343,34 @@ def _add_download(d) -> None:
         "fixtures: the small real data the tiny tiers were measured on (C4 sample, GovReport, CC12M and COCO "
         "samples, the Llama 2 and Mixtral tokenizers), rebuilt byte for byte from pinned commits of public "
         "GitHub repositories (or --mirror with their <repo>/<commit>/<path> layout), sha256-checked, in the "
-        "layout `ttt data prepare --for BENCH --tier tiny --src OUT` reads.",
+        "layout `ttt data prepare --for BENCH --tier tiny --src OUT` reads. "
+        "--for BENCH --tier reference: every dataset the benchmark's reference tier reads, from the MLCommons "
+        "storage metadata its reference names (--mirror URL|DIR: a copy with the same metadata/ paths), then "
+        "the steps that follow; --dry-run lists them.",
     )
     s.add_argument(
         "dataset",
+        nargs="?",
         choices=["c4", "mlcommons", "fixtures"],
-        help="what to download (fixtures: the tiny tiers' data, rebuilt from public GitHub sources)",
+        help="what to download (fixtures: the tiny tiers' data, rebuilt from public GitHub sources), or --for",
     )
     s.add_argument("name", nargs="?", help="mlcommons: a folder name under --out for the dataset")
-    s.add_argument("--out", required=True, help="download folder (created if missing)")
+    s.add_argument(
+        "--for",
+        dest="for_bench",
+        metavar="BENCH",
+        help="every MLCommons dataset BENCH's reference tier reads, from the sources its reference names "
+        "(timetotrain/data/reference_sources.py); what needs a licence or a login is one line saying where",
+    )
+    s.add_argument("--tier", help="with --for: reference (the default; tiny tiers read the fixtures)")
+    s.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --for: list what would be fetched, from where, how big, and the steps after; fetch nothing",
+    )
+    s.add_argument(
+        "--out", help="download folder (created if missing; with --for, default data/<BENCH>-reference)"
+    )
     s.add_argument("--shards", type=int, default=1, help="c4: the first K shards (default 1)")
     s.add_argument(
         "--split", choices=["train", "validation"], default="train", help="c4 split (default train)"
@@ -364,7 +378,8 @@ def _add_download(d) -> None:
     s.add_argument(
         "--mirror",
         metavar="URL|DIR",
-        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>)",
+        help="c4: a mirror instead of the hub; fixtures: a copy of the pinned GitHub files (<owner>/<repo>/<commit>/<path>); "
+        "--for: a copy of MLCommons' storage (metadata/<dataset>.uri)",
     )
     s.add_argument("--metadata", metavar="URL", help="mlcommons: the dataset's .uri metadata URL")
     s.add_argument("--workers", type=int, default=None, help="parallel downloads (default 4)")
@@ -505,7 +520,7 @@ def _cmd_synth_graph(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a graph is never written over another)"
         )
-    before = _folders(out)  # nothing, or the empty --out itself
+    before = fileio.folders_under(out)  # nothing, or the empty --out itself
     try:
         # a full disk or an unusable folder: every file of the graph, or none; a stopped generation
         # removes its staged files, as `data prepare`
@@ -513,7 +528,7 @@ def _cmd_synth_graph(args) -> int:
             out.mkdir(parents=True, exist_ok=True)  # before minutes of generating, not after
             info = graph_synth.generate(out, sc, args.seed)
     except BaseException:
-        _remove_empty_folders(out, before)  # else the next call would find --out "not empty"
+        fileio.remove_new_empty_folders(out, before)  # else the next call would find --out "not empty"
         raise
     print(
         f"{args.scale} graph (seed {args.seed}): {sum(info['nodes'].values()):,} nodes, "
@@ -550,14 +565,14 @@ def _cmd_synth_criteo(args) -> int:
         raise UserError(
             f"--out {out} is not empty: give a new folder (a dataset is never written over another)"
         )
-    before = _folders(out)  # nothing, or the empty --out itself
+    before = fileio.folders_under(out)  # nothing, or the empty --out itself
     try:
         # Every file of the 24 days and the manifest appear together, or none (staged writes).
         with writing("--out", out), raise_on_signals():
             out.mkdir(parents=True, exist_ok=True)
             info = criteo_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
     except BaseException:
-        _remove_empty_folders(out, before)
+        fileio.remove_new_empty_folders(out, before)
         raise
     print(
         f"{args.scale} multi-hot Criteo (seed {args.seed}): {info['train_rows']:,} training and "

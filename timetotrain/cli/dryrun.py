@@ -18,7 +18,7 @@ from timetotrain import strictjson
 from timetotrain.errors import UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.spec import registry
-from timetotrain.spec.benchmark import SETTABLE, apply_overrides, init_needed, setting
+from timetotrain.spec.benchmark import SETTABLE, apply_overrides, init_needed, init_warning, setting
 from timetotrain.train import distributed, embedding_memory, memory, parallel, synth
 from timetotrain.train.prepare import settle_micro_batch
 
@@ -124,14 +124,8 @@ def _rules(bench, tier) -> dict:
 def _init(bench, tier, args) -> dict:
     """The checkpoint the tier starts from (`init_needed`) and the --init-checkpoint given; "warning": the
     line `run` prints where the tier needs one and none is given (the run would start from random weights)."""
-    needed, given = init_needed(bench, tier), getattr(args, "init_checkpoint", None)
-    warning = None
-    if needed and not given:
-        warning = (
-            f"{bench.name} --tier {tier.name} starts from {needed}: without --init-checkpoint CKPT the run "
-            "would start from random weights and measure nothing the benchmark means"
-        )
-    return {"needed": needed, "given": given, "warning": warning}
+    given = getattr(args, "init_checkpoint", None)
+    return {"needed": init_needed(bench, tier), "given": given, "warning": init_warning(bench, tier, given)}
 
 
 def _plan(bench, tier, args) -> dict:

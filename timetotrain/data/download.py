@@ -85,8 +85,7 @@ def read_text(url: str) -> str:
         if local is not None:
             raw = fileio.read_bounded(local, fileio.SMALL_FILE, "metadata file")
         else:
-            with urllib.request.urlopen(url, timeout=60) as r:
-                raw = r.read(fileio.SMALL_FILE + 1)
+            raw = _read_whole(url)
             if len(raw) > fileio.SMALL_FILE:
                 raise UserError(f"{url} serves more than {fileio.SMALL_FILE >> 20} MiB: not a metadata file")
         return raw.decode()
@@ -96,6 +95,22 @@ def read_text(url: str) -> str:
         raise UserError(f"{url}: cannot be read ({getattr(e, 'reason', None) or e}): check the URL") from e
     except UnicodeDecodeError as e:
         raise UserError(f"{url}: not UTF-8 text (byte {e.start}): not a metadata file") from None
+
+
+def _read_whole(url: str) -> bytes:
+    """A served metadata file, read again while the connection closes before its Content-Length: a `.md5`
+    list cut short would otherwise name fewer files, or a cut path, and the download would look complete."""
+    for attempt in range(RETRIES + 1):
+        with urllib.request.urlopen(url, timeout=60) as r:
+            expected = r.headers.get("Content-Length")
+            raw = r.read(fileio.SMALL_FILE + 1)
+        if not (expected or "").isdigit() or len(raw) >= int(expected) or len(raw) > fileio.SMALL_FILE:
+            return raw
+        if attempt < RETRIES:
+            time.sleep(min(2**attempt * 0.1, 5.0))
+    raise UserError(
+        f"{url}: the connection closed after {len(raw)} of {expected} bytes, {RETRIES} times: run again"
+    )
 
 
 def fetch(url: str, dest: Path, progress: Progress | None = None) -> Path:

@@ -96,6 +96,14 @@ SELECTS = ("all", "tiny")
 _SPECIAL_STRINGS = ("<s>", "</s>", "<unk>")
 _BATCH_ROWS = 32
 
+# Where a missing --src comes from, for the error that names it (no file here fetches it).
+WHERE_FROM = (
+    "SCROLLS gov_report is the `gov_report` config of the Hugging Face dataset tau/scrolls "
+    "(https://huggingface.co/datasets/tau/scrolls); MLCommons' packed scrolls_gov_report_8k parquet is for "
+    "MLCommons Members (https://llama2.mlcommons.org, `ttt data download --for llama2_70b_lora` says how); the "
+    "tiny tier's 14 rows: `ttt data download fixtures --only govreport --out DIR`"
+)
+
 
 def prompt_text(report: str) -> str:
     """The part of an example the validation labels mask (BOS is added on top)."""
@@ -205,7 +213,7 @@ def iter_rows(src: Path) -> Iterator[Row]:
     columns, in file order."""
     if not src.is_file():
         raise UserError(
-            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file"
+            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file ({WHERE_FROM})"
         )
     suffix = src.suffix.lower()
     if suffix in (".jsonl", ".json"):
@@ -580,7 +588,7 @@ def _check_options(src: Path, split: str, block: int | None, select: str, rows: 
         raise UserError("--rows and --select tiny both choose rows: give one of them")
     if not src.exists():
         raise UserError(
-            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file"
+            f"--src {src} does not exist: point it at a SCROLLS gov_report .jsonl or .parquet file ({WHERE_FROM})"
         )
 
 

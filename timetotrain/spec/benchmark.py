@@ -134,6 +134,19 @@ def init_needed(bench: Benchmark, tier: Tier) -> str | None:
     return bench.init_from
 
 
+def init_warning(bench: Benchmark, tier: Tier, given) -> str | None:
+    """The line a run of `tier` without --init-checkpoint gets where the tier starts from a checkpoint
+    (`init_needed`): `ttt run --dry-run` shows it, a real run prints it before its clock and logs it. A warning,
+    not a refusal: a run from random weights may be meant (a throughput check)."""
+    needed = init_needed(bench, tier)
+    if not needed or given:
+        return None
+    return (
+        f"{bench.name} --tier {tier.name} starts from {needed}: without --init-checkpoint CKPT the run "
+        "would start from random weights and measure nothing the benchmark means"
+    )
+
+
 # Fields a user may change with --set (plus the task's `settable` data fields); the model shape is part of
 # the tier, not a knob.
 SETTABLE = (

@@ -39,7 +39,8 @@ class CTRData:
     # The generated dataset of this tier (`ttt data synth-criteo --scale NAME`), or None for real Criteo.
     synth_scale: str | None = None
     how_to_make: str = (
-        "download the MLCommons preprocessed multi-hot Criteo (recommendation_v2/torchrec_dlrm/README.MD)"
+        "download the MLCommons multi-hot Criteo with `ttt data download --for dlrm_dcnv2 --tier reference "
+        "--out DIR`"
     )
 
 

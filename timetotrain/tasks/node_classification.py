@@ -40,7 +40,7 @@ class GraphData:
     # What the preflight expects: rows per node type (empty: not checked), labeled papers (None: any).
     num_nodes: tuple[tuple[str, int], ...] = ()
     num_labeled: int | None = None
-    how_to_make: str = "download IGBH-full (the `processed` folder)"
+    how_to_make: str = "download IGBH-full with `ttt data download --for rgat --tier reference --out DIR`"
     synth_scale: str = (
         "tiny"  # the generated graph of `ttt synth` and the warm-up (sizes scale with the batch)
     )

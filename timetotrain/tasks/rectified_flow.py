@@ -243,7 +243,8 @@ class RectifiedFlow(Task):
         if tier.name != "tiny":
             raise UserError(
                 f"flux1 {tier.name} reads the MLCommons CC12M/COCO encodings, which no recipe here makes: "
-                "`ttt data download mlcommons`, then `ttt data prepare flux --src <its cc12m_preprocessed or "
+                "`ttt data download --for flux1 --tier reference`, then `ttt data prepare flux --src "
+                "<its cc12m_preprocessed or "
                 "coco_preprocessed>` (or `--encoders FOLDER` on image tars), then --data flux1=DIR"
             )
         source = Path(source)

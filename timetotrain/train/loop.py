@@ -32,6 +32,7 @@ from timetotrain.errors import Interrupted, UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.mlperf.structure import STOP_SIGNAL_KEY
+from timetotrain.spec.benchmark import init_warning
 from timetotrain.train import distributed, prepare, run_steps
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
@@ -196,6 +197,11 @@ class _TimedRun:
         prepare.start_device(prep, opts.device, opts.dist_timeout, opts.seed)
         self.fault_at = _fault_step(prep.dist.rank)
         self.item_name, self.items_per_sample = self.task.sample_items(self.tier)
+        # Said once every check has passed, before the clock: a run meant to start from a checkpoint that
+        # starts from random weights runs on (a throughput check may mean it), but not unnoticed.
+        self.init_warning = init_warning(bench, self.tier, opts.init_checkpoint)
+        if self.init_warning and prep.dist.main:
+            print(f"ttt: warning: {self.init_warning}", file=sys.stderr, flush=True)
 
     def open_outputs(self) -> None:
         self.out = run_steps.open_outputs(
@@ -247,6 +253,8 @@ class _TimedRun:
             extra["ttt_init_checkpoint"] = str(prep.init_checkpoint)
         if base.sha256 is not None:
             extra["ttt_init_checkpoint_sha256"] = base.sha256
+        if self.init_warning is not None:  # the log says so too: a reader of the result sees why it lags
+            extra["ttt_init_warning"] = self.init_warning
         if opts.config is not None:
             extra["ttt_config"] = opts.config
         run_steps.log_init(
