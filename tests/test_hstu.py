@@ -370,3 +370,34 @@ def test_tiny_model_learns_a_planted_label():
         dense.step()
         losses.append(loss.item())
     assert math.isfinite(losses[-1]) and np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+
+
+def test_meta_build_then_init_equals_an_eager_build():
+    """The harness's path: build on the meta device, to_empty, init (buffers refilled too)."""
+    with torch.device("meta"):
+        meta = hstu.FAMILY.build(CFG)
+    meta = meta.to_empty(device="cpu")
+    hstu.FAMILY.init(meta, torch.Generator().manual_seed(3))
+    eager = _model(3)
+    batch = hstu.collate(_samples(8))
+    torch.testing.assert_close(meta(batch), eager(batch), rtol=0, atol=0)
+
+
+def test_init_draws_the_reference_distributions():
+    """Tables U(+-sqrt(1/rows)); STU and item-MLP weights xavier-uniform; the preprocessor MLPs
+    xavier-normal (HSTUTransducer re-draws them); contextual maps N(0, sqrt(2 / (in + out)))."""
+    cfg = hstu.HSTUConfig(tables=hstu.tiny_tables(400, 100), table_dim=64, dim=64, linear_dim=32, qk_dim=32)
+    model = _model(4, cfg)
+    w = model.embedding.weight
+    for t, rows in enumerate(cfg.table_sizes):
+        part = w[model.embedding.table_rows(t)]
+        assert part.abs().max() <= math.sqrt(1 / rows) and part.abs().max() > 0.9 * math.sqrt(1 / rows)
+    uvqk = model.layers[0].uvqk_weight
+    assert uvqk.abs().max() <= math.sqrt(6 / sum(uvqk.shape))
+    lin = model.preprocessor.content_mlp[0].weight  # normal: past the uniform bound somewhere, std as drawn
+    assert lin.abs().max() > math.sqrt(6 / sum(lin.shape))
+    assert lin.std().item() == pytest.approx(math.sqrt(2 / sum(lin.shape)), rel=0.1)
+    assert model.item_mlp[0].weight.abs().max() <= math.sqrt(6 / sum(model.item_mlp[0].weight.shape))
+    ctx = model.preprocessor.contextual_weight
+    assert ctx.std().item() == pytest.approx(math.sqrt(2 / (64 + 64)), rel=0.05)
+    assert model.preprocessor.action_table.std().item() == pytest.approx(0.1, rel=0.6)

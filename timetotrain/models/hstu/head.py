@@ -27,6 +27,17 @@ class TimestampLayerNorm(nn.Module):
             "units_per_period", torch.tensor([[float(b) for _, b in TIME_FEATURES]]), persistent=False
         )
 
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The combiner xavier_normal_ (HSTUTransducer re-draws it, hstu_transducer.py:84-92) with zero bias,
+        the norm at ones and zeros; the buffers refilled (a meta build's to_empty leaves them unset)."""
+        self.period_units.copy_(torch.tensor([[float(a) for a, _ in TIME_FEATURES]]))
+        self.units_per_period.copy_(torch.tensor([[float(b) for _, b in TIME_FEATURES]]))
+        nn.init.xavier_normal_(self.combiner.weight, generator=generator)
+        self.combiner.bias.zero_()
+        self.norm.weight.fill_(1.0)
+        self.norm.bias.zero_()
+
     def time_features(self, timestamps: torch.Tensor) -> torch.Tensor:
         """[T] seconds -> [T, 2 * features]: cos and sin of each, interleaved (torch.polar's real view), in
         fp32 whatever the model's dtype (the reference's comment: bf16 would break floor/remainder)."""

@@ -118,10 +118,7 @@ def init(model: HSTU, generator: torch.Generator) -> None:
     model.positional.reset_parameters(generator)
     for layer in model.layers:
         layer.reset_parameters(generator)
-    nn.init.xavier_normal_(model.postprocessor.combiner.weight, generator=generator)
-    model.postprocessor.combiner.bias.zero_()
-    model.postprocessor.norm.weight.fill_(1.0)
-    model.postprocessor.norm.bias.zero_()
+    model.postprocessor.reset_parameters(generator)
     reset_mlp(model.item_mlp, nn.init.xavier_uniform_, generator)
     reset_mlp(model.head, nn.init.xavier_uniform_, generator)
 

@@ -29,6 +29,8 @@ class ContextualPreprocessor(nn.Module):
         self.contextual_bias = nn.Parameter(torch.empty(contextual, dim))
         self.content_mlp = swish_mlp(table_dim, hidden, dim, norm_out=True)
         self.additional_mlp = swish_mlp(table_dim * others, hidden, dim, norm_out=True)
+        self.action_bits = tuple(action_weights)
+        # Refilled by reset_parameters: a meta build's to_empty leaves buffers unset.
         self.register_buffer(
             "action_weights", torch.tensor(action_weights, dtype=torch.long), persistent=False
         )
@@ -43,6 +45,7 @@ class ContextualPreprocessor(nn.Module):
         N(0, action_embedding_init_std) (action_encoder.py:56-65); the MLPs' Linears xavier_normal_ with zero
         bias: built with xavier_uniform_ (init_mlp_weights_optional_bias) and then re-drawn xavier_normal_
         by HSTUTransducer.__init__ for every Linear outside the STU stack (modules/hstu_transducer.py:84-92)."""
+        self.action_weights.copy_(torch.tensor(self.action_bits, dtype=torch.long))
         std = math.sqrt(2.0 / float(self.table_dim + self.dim))
         self.contextual_weight.normal_(0.0, std, generator=generator)
         self.contextual_bias.zero_()
