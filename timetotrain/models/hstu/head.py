@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# (seconds per unit, units per period): hour of day, day of week (modules/dlrm_hstu.py:228-231).
+# (seconds per unit, units per period): hour of day, day of week (modules/dlrm_hstu.py:228-232).
 TIME_FEATURES = ((60 * 60, 24), (24 * 60 * 60, 7))
 TWO_PI = 2 * 3.14  # the reference's constant, not math.tau (postprocessors.py _concat_time_features)
 
@@ -29,7 +29,7 @@ class TimestampLayerNorm(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """The combiner xavier_normal_ (HSTUTransducer re-draws it, hstu_transducer.py:84-92) with zero bias,
+        """The combiner xavier_normal_ (HSTUTransducer re-draws it, hstu_transducer.py:82-91) with zero bias,
         the norm at ones and zeros; the buffers refilled (a meta build's to_empty leaves them unset)."""
         self.period_units.copy_(torch.tensor([[float(a) for a, _ in TIME_FEATURES]]))
         self.units_per_period.copy_(torch.tensor([[float(b) for _, b in TIME_FEATURES]]))

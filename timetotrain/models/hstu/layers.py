@@ -8,22 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SwishLayerNorm(nn.Module):
-    """x * sigmoid(LayerNorm(x)), eps 1e-5 (pt_layer_norm.py pytorch_swish_layer_norm)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        normed = F.layer_norm(x, (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
-        return (x * torch.sigmoid(normed)).to(dtype)
-
-
 class LayerNorm(nn.Module):
     """LayerNorm in fp32 whatever the input's dtype (pt_layer_norm.py pytorch_layer_norm), eps 1e-5."""
 
@@ -33,9 +17,18 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
-        return out.to(x.dtype)
+        return self.normed(x).to(x.dtype)
+
+
+class SwishLayerNorm(LayerNorm):
+    """x * sigmoid(LayerNorm(x)), in fp32 (pt_layer_norm.py pytorch_swish_layer_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() * torch.sigmoid(self.normed(x))).to(x.dtype)
 
 
 def swish_mlp(d_in: int, hidden: int, d_out: int, norm_out: bool) -> nn.Sequential:
@@ -53,6 +46,6 @@ def reset_mlp(seq: nn.Sequential, weight_init, generator: torch.Generator | None
         if isinstance(m, nn.Linear):
             weight_init(m.weight, generator=generator)
             m.bias.zero_()
-        elif isinstance(m, (SwishLayerNorm, LayerNorm, nn.LayerNorm)):
+        elif isinstance(m, (LayerNorm, nn.LayerNorm)):
             m.weight.fill_(1.0)
             m.bias.zero_()

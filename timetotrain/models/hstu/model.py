@@ -111,7 +111,7 @@ def dense_parameters(model: HSTU) -> list[nn.Parameter]:
 def init(model: HSTU, generator: torch.Generator) -> None:
     """The reference's init (README.MD:457-489 and the code it names): tables U(+-sqrt(1/rows)); STU weights
     xavier_uniform_; the preprocessor MLPs and the postprocessor's combiner xavier_normal_ (HSTUTransducer
-    re-draws every Linear outside the STU stack, hstu_transducer.py:84-92); the item MLP and the prediction
+    re-draws every Linear outside the STU stack, hstu_transducer.py:82-91); the item MLP and the prediction
     head xavier_uniform_ (init_mlp_weights_optional_bias, common.py:509-513); zero biases, norms at ones."""
     model.embedding.reset_parameters(generator)
     model.preprocessor.reset_parameters(generator)
@@ -150,7 +150,7 @@ def block_params(cfg: HSTUConfig) -> int:
     return cfg.dim * width + width + 2 * cfg.dim + 3 * hv * cfg.dim + 2 * hv
 
 
-# The reference's FLOP accounting (modules/dlrm_hstu.py:295-420, README.MD:528-573): per STU layer, 2 FLOPs
+# The reference's FLOP accounting (modules/dlrm_hstu.py:292-445, README.MD:528-575): per STU layer, 2 FLOPs
 # per multiply-add; x3 forward+backward on the UVQK and output projections; x3.5 on the attention's two
 # matmuls (its backward needs about 5), over S^2/2 pairs (causal). Embedding lookups, norms, gating, the
 # preprocessor, item MLP and head are left out, except the head's last Linear(D, tasks).

@@ -1,4 +1,4 @@
-"""Before the STU stack: the contextual preprocessor (modules/preprocessors.py:102-334, ContextualPreprocessor,
+"""Before the STU stack: the contextual preprocessor (modules/preprocessors.py:108-334, ContextualPreprocessor,
 with modules/action_encoder.py's ActionEncoder) and the positional encoder (modules/positional_encoder.py,
 ops/pytorch/pt_position.py:36-142). Built as the reference builds them at modules/dlrm_hstu.py:193-215."""
 
@@ -12,7 +12,7 @@ from torch import nn
 from timetotrain.models.hstu.jagged import SequenceLayout, place
 from timetotrain.models.hstu.layers import reset_mlp, swish_mlp
 
-TIME_BUCKET_SECONDS = 60.0  # time_bucket_increments (pt_position.py:87)
+TIME_BUCKET_SECONDS = 60.0  # time_bucket_increments (pt_position.py:99)
 
 
 class ContextualPreprocessor(nn.Module):
@@ -42,9 +42,9 @@ class ContextualPreprocessor(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Contextual maps N(0, sqrt(2 / (in + out))) with zero bias (preprocessors.py:132-153); action tables
-        N(0, action_embedding_init_std) (action_encoder.py:56-65); the MLPs' Linears xavier_normal_ with zero
+        N(0, action_embedding_init_std) (action_encoder.py:58-67); the MLPs' Linears xavier_normal_ with zero
         bias: built with xavier_uniform_ (init_mlp_weights_optional_bias) and then re-drawn xavier_normal_
-        by HSTUTransducer.__init__ for every Linear outside the STU stack (modules/hstu_transducer.py:84-92)."""
+        by HSTUTransducer.__init__ for every Linear outside the STU stack (modules/hstu_transducer.py:82-91)."""
         self.action_weights.copy_(torch.tensor(self.action_bits, dtype=torch.long))
         std = math.sqrt(2.0 / float(self.table_dim + self.dim))
         self.contextual_weight.normal_(0.0, std, generator=generator)
@@ -91,7 +91,7 @@ class PositionalEncoder(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """U(-sqrt(1/buckets), sqrt(1/buckets)), the time table by its bucket count without the extra row
-        (modules/positional_encoder.py:34-45)."""
+        (modules/positional_encoder.py:39-50)."""
         p, t = self.position.shape[0], self.time.shape[0] - 1
         self.position.uniform_(-math.sqrt(1.0 / p), math.sqrt(1.0 / p), generator=generator)
         self.time.uniform_(-math.sqrt(1.0 / t), math.sqrt(1.0 / t), generator=generator)
@@ -105,7 +105,7 @@ class PositionalEncoder(nn.Module):
         pos = torch.where(t < self.contextual, t, pos.clamp(max=self.position.shape[0] - 1))
         last = torch.cumsum(layout.lengths, 0) - 1
         query = timestamps[last][layout.sample]
-        # int64 difference, then float32 as the reference's clamp(min=1e-6) promotes it (pt_position.py:93-99)
+        # int64 difference, then float32 as the reference's clamp(min=1e-6) promotes it (pt_position.py:108-113)
         ts = (query - timestamps).clamp(min=1e-6) / TIME_BUCKET_SECONDS
         ts = torch.sqrt(ts).clamp(min=0).int().clamp(0, self.time.shape[0] - 1)
         return pos, ts.long()
