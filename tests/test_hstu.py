@@ -7,6 +7,7 @@ fbgemm_gpu's jagged ops, Triton and TorchRec at import.) Also: the FLOP count th
 GFLOP per sample), the meta build at the reference shape, row-wise Adagrad on the tables, the collate."""
 
 import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -220,14 +221,23 @@ def _jagged_qkv(lengths, seed=0, h=2, a=6, v=8):
     )
 
 
-def test_jagged_attention_matches_the_reference_loop():
+# block 0: one pair of matmuls over the padded batch; 3 and 5: query blocks (not dividing N), recomputed in
+# the backward by hand (_BlockedAttention), so the gradients are checked too.
+@pytest.mark.parametrize("block", [0, 3, 5])
+def test_jagged_attention_matches_the_reference_loop(block):
     uih, cands, ctx = torch.tensor([4, 9, 1, 6]), torch.tensor([1, 3, 2, 4]), 2
     layout = SequenceLayout.build(uih, cands, ctx)
     lengths = (uih + cands + ctx).tolist()
-    q, k, v = _jagged_qkv(lengths)
-    ours = hstu_attention(q, k, v, layout, 0.4)
-    ref = _ref_attention(q, k, v, lengths, cands.tolist(), 0.4)
+    ours_in = [x.requires_grad_() for x in _jagged_qkv(lengths)]
+    ref_in = [x.detach().clone().requires_grad_() for x in ours_in]
+    ours = hstu_attention(*ours_in, layout, 0.4, block)
+    ref = _ref_attention(*ref_in, lengths, cands.tolist(), 0.4)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9))
+    ours.backward(g)
+    ref.backward(g)
+    for a, b in zip(ours_in, ref_in, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_candidates_attend_the_history_and_themselves_only():
@@ -247,8 +257,9 @@ def test_candidates_attend_the_history_and_themselves_only():
     assert not torch.allclose(moved[7], base[7])
 
 
-def test_stu_stack_matches_the_reference():
-    model = _model(1)
+@pytest.mark.parametrize("block", [0, 4])
+def test_stu_stack_matches_the_reference(block):
+    model = _model(1, dataclasses.replace(CFG, attention_block=block))
     uih, cands = torch.tensor([7, 2, 11]), torch.tensor([2, 1, 3])
     layout = SequenceLayout.build(uih, cands, CFG.contextual_len)
     lengths = layout.lengths.tolist()

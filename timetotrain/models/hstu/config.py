@@ -65,6 +65,10 @@ class HSTUConfig:
     mlp_hidden: int = 512  # the item MLP's and the prediction head's hidden width (fixed in dlrm_hstu.py)
     task_bit: int = 1  # listen_plus: TaskConfig.task_weight, the label is (bitmask & 1) > 0
     loss_scale: float = 0.2  # causal_multitask_weights
+    # 0: attention as one pair of matmuls over the padded batch (the reference's PyTorch path, B H N N scores
+    # kept for the backward); > 0: by query blocks of that many positions, recomputed in the backward (the
+    # same function; memory B H block N, the causal upper triangle skipped). Not a reference hyperparameter.
+    attention_block: int = 0
     features: Features = field(default_factory=Features)
 
     def __post_init__(self) -> None:

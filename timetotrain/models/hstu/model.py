@@ -42,7 +42,7 @@ class HSTU(nn.Module):
         )
         # The repeated blocks, for activation checkpointing and FSDP applied from outside.
         self.layers = nn.ModuleList(
-            STULayer(cfg.dim, cfg.heads, cfg.linear_dim, cfg.qk_dim, cfg.linear_dropout)
+            STULayer(cfg.dim, cfg.heads, cfg.linear_dim, cfg.qk_dim, cfg.linear_dropout, cfg.attention_block)
             for _ in range(cfg.layers)
         )
         self.postprocessor = TimestampLayerNorm(cfg.dim)

@@ -22,9 +22,12 @@ NORM_EPS = 1e-6  # norm_eps of both STU norms (modules/stu.py:307, 343)
 
 
 class STULayer(nn.Module):
-    def __init__(self, dim: int, heads: int, linear_dim: int, qk_dim: int, dropout: float):
+    def __init__(
+        self, dim: int, heads: int, linear_dim: int, qk_dim: int, dropout: float, attention_block: int = 0
+    ):
         super().__init__()
         self.heads, self.linear_dim, self.qk_dim, self.dropout = heads, linear_dim, qk_dim, dropout
+        self.attention_block = attention_block
         self.alpha = 1.0 / qk_dim**0.5  # attn_alpha default (modules/stu.py:199)
         width = (2 * linear_dim + 2 * qk_dim) * heads
         # The reference's own parameter shapes (in x out, applied as x @ W): uvqk [D, 2H(dv+dqk)], output
@@ -56,7 +59,12 @@ class STULayer(nn.Module):
         u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=1)
         u = F.silu(u)
         attn = hstu_attention(
-            q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv), layout, self.alpha
+            q.reshape(-1, h, dqk),
+            k.reshape(-1, h, dqk),
+            v.reshape(-1, h, dv),
+            layout,
+            self.alpha,
+            self.attention_block,
         ).reshape(-1, h * dv)
         y = u * F.layer_norm(attn, (h * dv,), self.output_norm_weight, self.output_norm_bias, NORM_EPS)
         y = F.dropout(torch.cat([u, attn, y], dim=1), p=self.dropout, training=self.training)
