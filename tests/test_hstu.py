@@ -36,6 +36,15 @@ CFG = hstu.HSTUConfig(
     position_buckets=14,  # below the longest history: the clamp at the last bucket is exercised
     time_buckets=24,
 )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The shapes here are tiny: a second intra-op thread only adds its hand-offs (measured on 2 loaded
+    cores: the file takes 89 s on 2 threads, 12 s on 1). conftest puts the count back after each test."""
+    torch.set_num_threads(1)
+
+
 T0 = 20_000_000  # seconds: timestamps as large as Yambda's (~300 days), past float32's exact integers
 
 
