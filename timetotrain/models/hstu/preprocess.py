@@ -28,7 +28,8 @@ class ContextualPreprocessor(nn.Module):
         self.contextual_weight = nn.Parameter(torch.empty(contextual, table_dim, dim))
         self.contextual_bias = nn.Parameter(torch.empty(contextual, dim))
         self.content_mlp = swish_mlp(table_dim, hidden, dim, norm_out=True)
-        self.additional_mlp = swish_mlp(table_dim * others, hidden, dim, norm_out=True)
+        # None without other id features (the reference skips the branch then, preprocessors.py:230-239).
+        self.additional_mlp = swish_mlp(table_dim * others, hidden, dim, norm_out=True) if others else None
         self.action_bits = tuple(action_weights)
         # Refilled by reset_parameters: a meta build's to_empty leaves buffers unset.
         self.register_buffer(
@@ -41,7 +42,7 @@ class ContextualPreprocessor(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Contextual maps N(0, sqrt(2 / (in + out))) with zero bias (preprocessors.py:132-153); action tables
+        """Contextual maps N(0, sqrt(2 / (in + out))) with zero bias (preprocessors.py:137-153); action tables
         N(0, action_embedding_init_std) (action_encoder.py:58-67); the MLPs' Linears xavier_normal_ with zero
         bias: built with xavier_uniform_ (init_mlp_weights_optional_bias) and then re-drawn xavier_normal_
         by HSTUTransducer.__init__ for every Linear outside the STU stack (modules/hstu_transducer.py:82-91)."""
@@ -52,14 +53,16 @@ class ContextualPreprocessor(nn.Module):
         self.action_table.normal_(0.0, self.action_init_std, generator=generator)
         self.target_action_table.normal_(0.0, self.action_init_std, generator=generator)
         for mlp in (self.content_mlp, self.additional_mlp, self.action_mlp):
-            reset_mlp(mlp, nn.init.xavier_normal_, generator)
+            if mlp is not None:
+                reset_mlp(mlp, nn.init.xavier_normal_, generator)
 
     def forward(self, merged: torch.Tensor, contextual: torch.Tensor, uih_actions: torch.Tensor,
                 layout: SequenceLayout) -> torch.Tensor:  # fmt: skip
         """merged [T_u + T_c, ids, table_dim] (each token's item embedding first), contextual
         [B, contextual, table_dim], uih_actions [T_u] -> the full sequences [T, dim]."""
         out = self.content_mlp(merged[:, 0])
-        out = out + self.additional_mlp(merged[:, 1:].flatten(1))
+        if self.additional_mlp is not None:
+            out = out + self.additional_mlp(merged[:, 1:].flatten(1))
         exploded = (uih_actions.unsqueeze(-1) & self.action_weights.unsqueeze(0)) > 0
         actions = (exploded.unsqueeze(-1) * self.action_table.unsqueeze(0)).flatten(1)
         targets = self.target_action_table.expand(layout.merged_candidates.shape[0], -1)
