@@ -322,18 +322,19 @@ def _remove_empty_folders(out: Path, before: set[Path]) -> None:
 
 
 def add_commands(sub) -> None:
-    """Register `data download`, `data prepare`, `data synth-graph` and `data synth-criteo`."""
+    """Register `data download`, `data prepare`, `data synth-graph`, `data synth-criteo` and `data synth-yambda`."""
     d = sub.add_parser(
         "data",
         help="download and prepare datasets",
         description="Datasets: `download` fetches a benchmark's public data, `prepare` tokenizes or encodes it "
         "into the files runs read, `synth-graph` writes rgat's synthetic graph, `synth-criteo` dlrm_dcnv2's "
-        "synthetic multi-hot Criteo.",
+        "synthetic multi-hot Criteo, `synth-yambda` dlrmv4's synthetic Yambda.",
     ).add_subparsers(dest="data_command", required=True)
     _add_download(d)
     _add_prepare(d)
     _add_synth_graph(d)
     _add_synth_criteo(d)
+    _add_synth_yambda(d)
 
 
 def _add_download(d) -> None:
@@ -585,3 +586,53 @@ def _add_synth_criteo(d) -> None:
     s.add_argument("--out", required=True, help="output folder (new or empty)")
     s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     s.set_defaults(func=_cmd_synth_criteo)
+
+
+def _cmd_synth_yambda(args) -> int:
+    from timetotrain.data import yambda_synth
+
+    check_seed(args.seed)
+    sc = yambda_synth.scale(args.scale)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder for the dataset")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(
+            f"--out {out} is not empty: give a new folder (a dataset is never written over another)"
+        )
+    before = _folders(out)
+    try:
+        # processed_5b/, shared_metadata/ and the manifest appear together, or nothing (staged writes).
+        with writing("--out", out), raise_on_signals():
+            out.mkdir(parents=True, exist_ok=True)
+            info = yambda_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
+    except BaseException:
+        _remove_empty_folders(out, before)
+        raise
+    print(
+        f"{args.scale} Yambda (seed {args.seed}): {info['users']:,} users, {info['train_events']:,} train and "
+        f"{info['test_events']:,} test events in {info['sessions']:,} sessions, the hidden model's AUC on the "
+        f"last train day {info['hidden_model_last_day_auc']:.4f} -> {out}"
+    )
+    return 0
+
+
+def _add_synth_yambda(d) -> None:
+    s = d.add_parser(
+        "synth-yambda",
+        help="write a synthetic Yambda (dlrmv4) in the MLPerf reference's processed layout",
+        description="processed_5b/ (train_sessions.parquet, test_events.parquet, session_index.parquet, "
+        "item_popularity.npy, split_meta.json) and shared_metadata/ (the artist and album mappings), as the "
+        "dlrmv4 reference's preprocessing writes them, from a planted user/item model: listen_plus depends on "
+        "user, artist and item effects and the user's taste for the artist; deterministic for a seed, with a "
+        "manifest of sha256s. Its parameters: timetotrain/data/yambda_synth.py and docs/benchmarks/dlrmv4.md.",
+    )
+    s.add_argument(
+        "--scale",
+        required=True,
+        choices=["tiny", "small", "full"],
+        help="tiny: 256 users, ~33k events (< 1 MB); small: 20k users, ~14M events; full: Yambda-5B's sizes",
+    )
+    s.add_argument("--out", required=True, help="output folder (new or empty)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    s.set_defaults(func=_cmd_synth_yambda)
