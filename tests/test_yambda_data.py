@@ -321,6 +321,51 @@ def test_synth_yambda_tiny_cli(tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err
 
 
+def _write_reference_cache(ds: YambdaDataset, folder: Path, positions: bool) -> None:
+    """The flat-event cache as the reference's _ensure_cache_built writes it (yambda.py:441-541)."""
+    folder.mkdir()
+    ev = ds.events
+    cols = {
+        "flat_uid": ev.uid, "flat_item_ids": ev.item, "flat_timestamps": ev.ts, "flat_event_types": ev.etype,
+        "flat_is_organic": ev.organic.astype(np.int8), "flat_played_ratio": ev.ratio.astype(np.float32),
+        "flat_is_listen_plus": ev.is_lp, "flat_is_like": ev.is_like, "flat_is_skip": ev.is_skip,
+        "user_start": ev.user_start, "user_end": ev.user_end, "unique_uids": np.unique(ev.uid),
+    }  # fmt: skip
+    for name, arr in cols.items():
+        np.save(folder / f"{name}.npy", arr)
+    if positions:
+        np.save(folder / "positions_L30_m5.npy", ds.positions)
+    (folder / "store_meta.json").write_text(json.dumps({"num_users": 24, "total_events": len(ev.uid)}))
+    (folder / "_READY").touch()
+
+
+@pytest.mark.parametrize("positions", [True, False])
+def test_the_references_cache_reads_as_the_parquet(tmp_path, positions):
+    """MLCommons' prepared download ships the flat-event cache and no parquet (README.MD:64-82)."""
+    yambda_synth.generate(tmp_path, MICRO, 0, log=lambda *_: None)
+    cfg = YambdaConfig(history_length=30, min_history=5, max_seq_len=64, shuffle_fraction=0.3)
+    ref = YambdaDataset(tmp_path, cfg)
+    cache = tmp_path / "processed_5b" / "hstu_cache_L30"
+    _write_reference_cache(ref, cache, positions)
+    (tmp_path / "processed_5b" / yambda.SESSIONS).unlink()
+    ds = YambdaDataset(tmp_path, cfg)
+    assert np.array_equal(ds.positions, ref.positions) and ds.num_windows() == ref.num_windows()
+    assert np.array_equal(ds.train_window_indices(1), ref.train_window_indices(1))
+    for a, b in zip(ds.samples(range(0, len(ds), 7)), ref.samples(range(0, len(ds), 7)), strict=True):
+        for x, y in ((a.uih, b.uih), (a.candidates, b.candidates)):
+            assert list(x) == list(y)
+            assert all(np.array_equal(x[k][0], y[k][0]) and x[k][1] == y[k][1] for k in x)
+        assert a.labels.keys() == b.labels.keys() and all(
+            np.array_equal(a.labels[k], b.labels[k]) for k in a.labels
+        )
+    ts = np.load(cache / "flat_timestamps.npy")
+    ts[5], ts[6] = ts[6] + 1, ts[5]
+    np.save(cache / "flat_timestamps.npy", ts)
+    with pytest.raises(UserError, match="go back in time") as e:
+        YambdaDataset(tmp_path, cfg)
+    _one_line(e, cache / "flat_timestamps.npy")
+
+
 # ---------------------------------------------------------------- bad input: one line naming the file
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from timetotrain import fileio
-from timetotrain.data import yambda
+from timetotrain.data import yambda_layout as yambda
 
 SECONDS_PER_DAY = 86_400
 SESSION_GAP_SECONDS = 1_800

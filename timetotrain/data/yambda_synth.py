@@ -31,7 +31,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from timetotrain import fileio
-from timetotrain.data import yambda
+from timetotrain.data import yambda_layout as yambda
 from timetotrain.data.manifest import write_manifest
 from timetotrain.data.yambda_prep import (
     SECONDS_PER_DAY,
