@@ -65,45 +65,26 @@ class Scale:
     block_users: int = 4096
 
 
+# fmt: off
 SCALES = {
-    # ~45k events of 256 users over 10 days: ~1 MB, written in about a second.
-    "tiny": Scale(
-        users=256,
-        items=2_000,
-        artists=100,
-        albums=400,
-        train_days=10,
-        sessions_per_day=1.2,
-        tracks_per_session=9.0,
-    ),
+    # ~33k train events of 256 users over 10 days: < 1 MB, written in about a second.
+    "tiny": Scale(users=256, items=2_000, artists=100, albums=400, train_days=10, sessions_per_day=1.2,
+                  tracks_per_session=9.0),
     # ~14 M events of 20k users over 30 days.
-    "small": Scale(
-        users=20_000,
-        items=200_000,
-        artists=10_000,
-        albums=40_000,
-        train_days=30,
-        sessions_per_day=1.6,
-        tracks_per_session=12.0,
-    ),
+    "small": Scale(users=20_000, items=200_000, artists=10_000, albums=40_000, train_days=30,
+                   sessions_per_day=1.6, tracks_per_session=12.0),
     # Yambda-5B's sizes (README.MD:227-234; configs.py:763-791): ~4.7 B events, for throughput studies.
-    "full": Scale(
-        users=1_000_000,
-        items=9_390_624,
-        artists=1_293_395,
-        albums=3_367_692,
-        train_days=300,
-        sessions_per_day=1.3,
-        tracks_per_session=12.0,
-        block_users=2048,
-    ),
+    "full": Scale(users=1_000_000, items=9_390_624, artists=1_293_395, albums=3_367_692, train_days=300,
+                  sessions_per_day=1.3, tracks_per_session=12.0, block_users=2048),
 }
+# fmt: on
 
 
-def scale(name: str) -> Scale:
+def scale(name: str, **overrides) -> Scale:
+    """A named scale, with fields replaced (a tier may shrink one: `scale("tiny", users=64)`)."""
     if name not in SCALES:
         raise UserError(f"--scale {name!r}: choose one of {', '.join(SCALES)}")
-    return SCALES[name]
+    return dataclasses.replace(SCALES[name], **overrides)
 
 
 def _rng(seed: int, *parts: int) -> np.random.Generator:
