@@ -267,6 +267,12 @@ def test_eval_holdout_users_never_train(days):
                                                            list(held))])  # fmt: skip
     assert ds.total_train_anchors(0, 4) == sum(len(ds.train_window_indices(w)) for w in range(4))
     assert yambda.per_rank(np.arange(10), 1, 4).tolist() == [1, 5]  # cut to 8, every 4th from rank 1
+    idx = ds.window_indices(2)
+    ws, bs = 4, 3
+    ranks = [yambda.per_rank(idx, r, ws) for r in range(ws)]
+    steps = min(len(x) for x in ranks) // bs  # DataLoader(drop_last=True) on each rank
+    together = [np.sort(np.concatenate([x[k * bs : (k + 1) * bs] for x in ranks])) for k in range(steps)]
+    assert np.array_equal(np.array(together), yambda.global_batches(idx, ws * bs))
 
 
 def test_in_window_shuffle(days):

@@ -53,7 +53,7 @@ from timetotrain.errors import UserError
 __all__ = [
     "ALBUM_MAP", "ARTIST_MAP", "CANDIDATE_FEATURES", "CROSS_SPECS", "EVENT_TYPES", "LISTEN", "LISTEN_PLUS_THRESHOLD",
     "POPULARITY", "QUERY_TIME", "REFERENCE_TABLES", "SEQUENCE_FEATURES", "SESSION_COLUMNS", "SESSIONS", "TASK",
-    "Events", "Sample", "YambdaConfig", "YambdaDataset", "cross_hash", "per_rank", "read_item_maps",
+    "Events", "Sample", "YambdaConfig", "YambdaDataset", "cross_hash", "global_batches", "per_rank", "read_item_maps",
     "read_sessions", "split_meta", "stream_plan", "uih_features",
 ]  # fmt: skip
 
@@ -240,10 +240,21 @@ class YambdaDataset:
 
 
 def per_rank(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """A rank's share of a window as the reference's StreamingWindowSampler deals it (utils.py:1153-1168):
+    """A rank's share of a window as the reference's StreamingWindowSampler deals it (train/utils.py:1153-1168):
     the window cut to a multiple of world_size, then every world_size-th anchor from `rank`."""
     n = (len(indices) // world_size) * world_size
     return indices[:n][rank::world_size]
+
+
+def global_batches(indices: np.ndarray, global_batch: int) -> np.ndarray:
+    """[batches, global_batch]: what all ranks together take per step from a window (train or eval).
+
+    Rank r's k-th batch of `per_rank` is indices[r + world_size * (k * bs + j)], j < bs, so the ranks' k-th
+    batches together are indices[k * GBS : (k + 1) * GBS], whatever the world size; drop_last on every rank
+    (train/utils.py:1181-1196, DataLoader drop_last=True) leaves the window cut to whole global batches. The eval
+    window is cut the same way (train/utils.py:2994-3009): up to GBS - 1 eval anchors are never scored."""
+    n = (len(indices) // global_batch) * global_batch
+    return indices[:n].reshape(-1, global_batch)
 
 
 def stream_plan(
@@ -251,7 +262,7 @@ def stream_plan(
 ):
     """(train windows in order, eval window) as the streaming loop resolves them: the eval window is the
     requested one (or start_ts + num_train_ts when None or < 0), fixed before the train count is clamped to
-    the available windows (utils.py:2180-2196, 2366-2373)."""
+    the available windows (train/utils.py:2180-2196, 2366-2373)."""
     eval_ts = (
         eval_holdout_ts if eval_holdout_ts is not None and eval_holdout_ts >= 0 else start_ts + num_train_ts
     )

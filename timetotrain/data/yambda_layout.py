@@ -1,7 +1,7 @@
 """Yambda-5B's processed layout as the MLPerf dlrmv4 reference reads it: names, the reference's constants, and
 the checked readers of train_sessions.parquet and the item mappings (yambda.py is the dataset over them).
 
-The layout (preprocess_public_data.py:215-227, utils.py:1755-1756), under a data root:
+The layout (preprocess_public_data.py:215-227, dlrm_v4/utils.py:1756-1757), under a data root:
   processed_<size>/train_sessions.parquet   one row per (uid, 30-minute session): uid, session_id and the
                                             list columns item_ids, timestamps, event_types, is_organic,
                                             played_ratio_pct (+ track_length_seconds, unread)
@@ -75,10 +75,10 @@ def uih_features(cross_specs=CROSS_SPECS) -> tuple[str, ...]:
 class YambdaConfig:
     """What shapes the samples and the stream; the defaults are the reference's (yambda_5b.gin)."""
 
-    size: str = "5b"  # processed_<size>/ (utils.py:1755)
+    size: str = "5b"  # processed_<size>/ (dlrm_v4/utils.py:1756)
     history_length: int = 4086  # gin:451-453; per-pool cap = history_length // 3
     min_history: int = 4086  # gin:500-502
-    scan_window: int = 20_000  # utils.py:1762
+    scan_window: int = 20_000  # dlrm_v4/utils.py:1761
     strategy: str = "interleaved"  # gin:488-490; or "last_n"
     max_seq_len: int = 4096  # gin:509-511
     max_num_candidates: int = 1  # configs.py:360
