@@ -113,6 +113,35 @@ def test_global_temporal_split_and_the_written_sessions(tmp_path):
     assert pop.tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 1, 1]  # train events per item id
 
 
+def test_preprocess_raw_multi_event(tmp_path):
+    """The Hugging Face layout (event_type as strings, null ratio on likes) into processed_<size>/."""
+    from timetotrain.data.yambda_prep import preprocess
+
+    day = 86_400
+    raw = pa.table({
+        "uid": pa.array([5, 5, 5, 5, 6], pa.uint32()),
+        "timestamp": pa.array([0, 10, 10, 3 * day + 1800, 20], pa.uint32()),
+        "item_id": pa.array([1, 2, 2, 3, 4], pa.uint32()),
+        "is_organic": pa.array([1, 0, 0, 1, 1], pa.uint8()),
+        "event_type": pa.array(["listen", "listen", "like", "listen", "dislike"]).dictionary_encode(),
+        "played_ratio_pct": pa.array([70, 10, None, 100, None], pa.uint16()),
+        "track_length_seconds": pa.array([200, 200, None, 200, None], pa.uint32()),
+    })  # fmt: skip
+    pq.write_table(raw, tmp_path / "multi_event.parquet")
+    files = preprocess(tmp_path / "multi_event.parquet", tmp_path / "d", "50m", train_days=2)
+    assert {f.name for f in files} >= {yambda.SESSIONS, "test_events.parquet", yambda.POPULARITY}
+    rows = pq.read_table(tmp_path / "d" / "processed_50m" / yambda.SESSIONS).to_pylist()
+    assert [(r["uid"], r["event_types"], r["played_ratio_pct"]) for r in rows] == [
+        (5, [0, 0, 1], [70, 10, None]),  # the last listen is t_max itself: in neither split
+        (6, [2], [None]),
+    ]
+    bad = raw.set_column(4, "event_type", pa.array(["listen", "listen", "like", "listen", "superlike"]))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match="unknown event_type.*superlike") as e:
+        preprocess(tmp_path / "bad.parquet", tmp_path / "e", "50m")
+    _one_line(e, tmp_path / "bad.parquet")
+
+
 # ---------------------------------------------------------------- history and the sample
 
 
@@ -425,3 +454,5 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path):
     with pytest.raises(UserError, match="processed_5b: missing") as e:
         YambdaDataset(tmp_path / "nothing", cfg)
     assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="max_seq_len 9 leaves no room"):
+        YambdaConfig(max_seq_len=9)

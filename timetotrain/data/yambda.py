@@ -42,8 +42,8 @@ from timetotrain.data.yambda_layout import (
     Events,
     Sample,
     YambdaConfig,
-    _bad,
-    _check_ids,
+    bad_file,
+    check_ids,
     read_item_maps,
     read_sessions,
     uih_features,
@@ -83,16 +83,16 @@ class YambdaDataset:
             cache = None
         self.item_to_artist, self.item_to_album = read_item_maps(self.metadata, self.processed / POPULARITY)
         tables = dict(tables or {})
-        _check_ids(sessions, "item id", self.events.item, tables.get("item_id", len(self.item_to_artist)))
-        _check_ids(sessions, "uid", self.events.uid, tables.get("uid"))
-        _check_ids(self.metadata / ARTIST_MAP, "artist_id", self.item_to_artist, tables.get("artist_id"))
-        _check_ids(self.metadata / ALBUM_MAP, "album_id", self.item_to_album, tables.get("album_id"))
+        check_ids(sessions, "item id", self.events.item, tables.get("item_id", len(self.item_to_artist)))
+        check_ids(sessions, "uid", self.events.uid, tables.get("uid"))
+        check_ids(self.metadata / ARTIST_MAP, "artist_id", self.item_to_artist, tables.get("artist_id"))
+        check_ids(self.metadata / ALBUM_MAP, "album_id", self.item_to_album, tables.get("album_id"))
         self.positions = yambda_cache.anchor_positions(
             self.events, config.min_history, cache, config.history_length
         )
         self.anchor_ts = self.events.ts[self.positions]
         if len(self.positions) == 0:
-            raise _bad(
+            raise bad_file(
                 sessions,
                 f"no LISTEN event has {config.min_history} earlier events of its user: no anchor to train on",
                 fix="lower min_history or use a larger dataset",

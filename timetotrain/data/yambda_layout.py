@@ -92,8 +92,14 @@ class YambdaConfig:
     def __post_init__(self):
         if self.strategy not in ("interleaved", "last_n"):
             raise UserError(f"history strategy {self.strategy!r}: choose interleaved or last_n")
-        if self.history_length < 1 or self.scan_window < 1 or self.min_history < 0:
-            raise UserError("history_length and scan_window must be >= 1 and min_history >= 0")
+        if self.history_length < 1 or self.scan_window < 1 or self.min_history < 0 or self.window_seconds < 1:
+            raise UserError("history_length, scan_window and window_seconds must be >= 1, min_history >= 0")
+        if self.max_seq_len <= self.max_num_candidates + 1 + len(self.cross_specs):
+            # the reference's slice items[-budget:] would keep everything at a budget of 0
+            raise UserError(
+                f"max_seq_len {self.max_seq_len} leaves no room for a history after {self.max_num_candidates} "
+                f"candidate(s) and {1 + len(self.cross_specs)} contextual features"
+            )
 
 
 class Sample(NamedTuple):
@@ -142,7 +148,7 @@ class Events:
         )  # fmt: skip
 
 
-def _bad(
+def bad_file(
     path: Path,
     what: str,
     fix: str = "re-run the preprocessing (download_dataset.sh) or `ttt data synth-yambda` into a new folder",
@@ -150,29 +156,31 @@ def _bad(
     return UserError(f"{path}: {what}; {fix}")
 
 
-def _read_parquet(path: Path, columns: tuple[str, ...]):
+def read_parquet_columns(path: Path, columns: tuple[str, ...]):
     import pyarrow.parquet as pq
 
     if not path.is_file():
-        raise _bad(path, "missing")
+        raise bad_file(path, "missing")
     try:
         schema = pq.read_schema(path)
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError kinds for a file that is not parquet
-        raise _bad(path, f"not a parquet file ({type(e).__name__}: {str(e).splitlines()[0][:80]})") from None
+        raise bad_file(
+            path, f"not a parquet file ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+        ) from None
     missing = [c for c in columns if c not in schema.names]
     if missing:
-        raise _bad(path, f"missing column(s) {', '.join(missing)} (has {', '.join(schema.names)})")
+        raise bad_file(path, f"missing column(s) {', '.join(missing)} (has {', '.join(schema.names)})")
     return pq.read_table(path, columns=list(columns))
 
 
-def _ints(path: Path, name: str, arr) -> np.ndarray:
+def int_column(path: Path, name: str, arr) -> np.ndarray:
     """An integer column (or flattened list) as int64; nulls and non-integers refused."""
     import pyarrow as pa
 
     if arr.null_count:
-        raise _bad(path, f"{arr.null_count} null value(s) in {name}")
+        raise bad_file(path, f"{arr.null_count} null value(s) in {name}")
     if not pa.types.is_integer(arr.type):
-        raise _bad(path, f"column {name} is {arr.type}, not integers")
+        raise bad_file(path, f"column {name} is {arr.type}, not integers")
     return np.asarray(arr.to_numpy(zero_copy_only=False)).astype(np.int64)
 
 
@@ -181,36 +189,38 @@ def read_sessions(path: Path) -> Events:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = _read_parquet(path, ("uid", "session_id", *SESSION_COLUMNS))
+    table = read_parquet_columns(path, ("uid", "session_id", *SESSION_COLUMNS))
     for c in SESSION_COLUMNS:
         if not pa.types.is_list(table.schema.field(c).type) and not pa.types.is_large_list(
             table.schema.field(c).type
         ):
-            raise _bad(path, f"column {c} is {table.schema.field(c).type}, not a list per session")
-    uid = _ints(path, "uid", table.column("uid").combine_chunks())
-    sid = _ints(path, "session_id", table.column("session_id").combine_chunks())
+            raise bad_file(path, f"column {c} is {table.schema.field(c).type}, not a list per session")
+    uid = int_column(path, "uid", table.column("uid").combine_chunks())
+    sid = int_column(path, "session_id", table.column("session_id").combine_chunks())
     order = np.lexsort((sid, uid))  # yambda.py:112, sort(["uid", "session_id"])
     lists = {c: table.column(c).combine_chunks().take(pa.array(order)) for c in SESSION_COLUMNS}
     lengths = {c: pc.list_value_length(a).to_numpy(zero_copy_only=False) for c, a in lists.items()}
     for c in SESSION_COLUMNS[1:]:
         if lists[c].null_count or not np.array_equal(lengths[c], lengths["item_ids"]):
-            raise _bad(path, f"list column {c} is null or of another length than item_ids in some session")
+            raise bad_file(
+                path, f"list column {c} is null or of another length than item_ids in some session"
+            )
     flat = {c: a.flatten() for c, a in lists.items()}
     uid_flat = np.repeat(uid[order], lengths["item_ids"].astype(np.int64))
     ratio_arr = flat["played_ratio_pct"]
     if not (pa.types.is_integer(ratio_arr.type) or pa.types.is_floating(ratio_arr.type)):
-        raise _bad(path, f"played_ratio_pct is {ratio_arr.type}, not numbers")
+        raise bad_file(path, f"played_ratio_pct is {ratio_arr.type}, not numbers")
     ratio = np.asarray(ratio_arr.to_numpy(zero_copy_only=False), dtype=np.float32)  # nulls -> NaN
-    etype = _ints(path, "event_types", flat["event_types"])
-    ts = _ints(path, "timestamps", flat["timestamps"])
+    etype = int_column(path, "event_types", flat["event_types"])
+    ts = int_column(path, "timestamps", flat["timestamps"])
     _check_events(path, uid_flat, etype, ts, ratio)
     return Events.derive(
         uid=uid_flat,
-        item=_ints(path, "item_ids", flat["item_ids"]),
+        item=int_column(path, "item_ids", flat["item_ids"]),
         ts=ts,
         etype=etype,
         ratio=ratio,
-        organic=_ints(path, "is_organic", flat["is_organic"]).astype(np.int8),
+        organic=int_column(path, "is_organic", flat["is_organic"]).astype(np.int8),
     )
 
 
@@ -219,12 +229,12 @@ def _check_events(path: Path, uid: np.ndarray, et: np.ndarray, ts: np.ndarray, r
     (nulls in the real data: a like has no ratio) become 0 as yambda.py:123 makes them."""
     bad_type = (et < 0) | (et > max(EVENT_TYPES.values()))
     if bad_type.any():
-        raise _bad(path, f"event type {int(et[bad_type][0])} is none of listen..undislike (0..4)")
+        raise bad_file(path, f"event type {int(et[bad_type][0])} is none of listen..undislike (0..4)")
     nan_listen = np.isnan(ratio) & (et == LISTEN)
     if nan_listen.any():
         # The reference reads NaN as 0 (yambda.py:123), silently a skip: a listen must carry its ratio.
         i = int(np.flatnonzero(nan_listen)[0])
-        raise _bad(
+        raise bad_file(
             path,
             f"{int(nan_listen.sum())} listen event(s) have a null/NaN played_ratio_pct "
             f"(first: uid {int(uid[i])}, timestamp {int(ts[i])})",
@@ -233,7 +243,7 @@ def _check_events(path: Path, uid: np.ndarray, et: np.ndarray, ts: np.ndarray, r
     back = (uid[1:] == uid[:-1]) & (ts[1:] < ts[:-1])
     if back.any():
         i = int(np.flatnonzero(back)[0]) + 1
-        raise _bad(
+        raise bad_file(
             path,
             f"timestamps go back in time within user {int(uid[i])} ({int(ts[i - 1])} then {int(ts[i])}) "
             "in (uid, session_id) order",
@@ -246,22 +256,22 @@ def read_item_maps(metadata_dir: Path, popularity: Path | None) -> tuple[np.ndar
     tables = {}
     for name, col in ((ARTIST_MAP, "artist_id"), (ALBUM_MAP, "album_id")):
         p = metadata_dir / name
-        t = _read_parquet(p, ("item_id", col))
-        item = _ints(p, "item_id", t.column("item_id").combine_chunks())
-        val = _ints(p, col, t.column(col).combine_chunks())
+        t = read_parquet_columns(p, ("item_id", col))
+        item = int_column(p, "item_id", t.column("item_id").combine_chunks())
+        val = int_column(p, col, t.column(col).combine_chunks())
         if len(item) == 0:
-            raise _bad(p, "no rows")
+            raise bad_file(p, "no rows")
         if item.min() < 0 or val.min() < 0:
-            raise _bad(p, "negative id(s)")
+            raise bad_file(p, "negative id(s)")
         tables[name] = (item, val)
     n_items = max(int(item.max()) + 1 for item, _ in tables.values())
     if popularity is not None and popularity.is_file():
         try:
             n_pop = int(np.load(popularity, mmap_mode="r", allow_pickle=False).shape[0])
         except (ValueError, OSError) as e:
-            raise _bad(popularity, f"not a .npy array ({str(e)[:80]})") from None
+            raise bad_file(popularity, f"not a .npy array ({str(e)[:80]})") from None
         if n_pop != n_items:  # yambda.py:560-569
-            raise _bad(
+            raise bad_file(
                 popularity,
                 f"{n_pop} entries but the artist/album mappings describe {n_items} items: "
                 "the two come from different preprocessing runs",
@@ -273,11 +283,11 @@ def read_item_maps(metadata_dir: Path, popularity: Path | None) -> tuple[np.ndar
     return out[0], out[1]
 
 
-def _check_ids(where: Path, name: str, ids: np.ndarray, rows: int | None) -> None:
+def check_ids(where: Path, name: str, ids: np.ndarray, rows: int | None) -> None:
     if ids.size and ids.min() < 0:
-        raise _bad(where, f"negative {name}")
+        raise bad_file(where, f"negative {name}")
     if rows is not None and ids.size and ids.max() >= rows:
-        raise _bad(
+        raise bad_file(
             where,
             f"{name} {int(ids.max())} is beyond its table of {rows:,} rows",
             fix="use the dataset the tier was declared for, or a tier whose tables fit it",

@@ -237,3 +237,67 @@ def write_item_maps(
             pq.write_table(pa.table({"item_id": items, col: pa.array(vals.astype(np.uint32))}), f)
         out.append(path)
     return out
+
+
+RAW_COLUMNS = (
+    "uid",
+    "timestamp",
+    "item_id",
+    "is_organic",
+    "event_type",
+    "played_ratio_pct",
+    "track_length_seconds",
+)
+
+
+def read_raw(path: Path) -> RawEvents:
+    """Yambda's flat multi_event.parquet (the Hugging Face `yandex/yambda` layout) in memory, event types
+    encoded as preprocess_public_data.py:413-423 does. For the 50m and 500m variants; 5b needs ~150 GB."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = yambda.read_parquet_columns(Path(path), RAW_COLUMNS)
+    et = table.column("event_type").combine_chunks()
+    if pa.types.is_dictionary(et.type):
+        et = et.cast(pa.string())
+    if pa.types.is_string(et.type) or pa.types.is_large_string(et.type):
+        names = et.to_pylist()
+        unknown = sorted({n for n in set(names) if n not in yambda.EVENT_TYPES}, key=str)
+        if unknown:
+            raise yambda.bad_file(Path(path), f"unknown event_type value(s) {unknown[:3]}", fix="expected "
+                              + ", ".join(yambda.EVENT_TYPES))  # fmt: skip
+        et = pa.array([yambda.EVENT_TYPES[n] for n in names], type=pa.uint8())
+
+    def col(name, arr=None):
+        arr = arr if arr is not None else table.column(name).combine_chunks()
+        return yambda.int_column(Path(path), name, arr)
+
+    def opt(name):
+        arr = table.column(name).combine_chunks()
+        return np.asarray(pc.cast(arr, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64)
+
+    return RawEvents(
+        uid=col("uid"),
+        ts=col("timestamp"),
+        item=col("item_id"),
+        organic=col("is_organic"),
+        etype=col("event_type", et),
+        ratio=opt("played_ratio_pct"),
+        track_len=opt("track_length_seconds"),
+    )
+
+
+def preprocess(raw_path: Path, root: Path, size: str, train_days: int = 300, gap_minutes: int = 30,
+               test_days: int = 1) -> list[Path]:  # fmt: skip
+    """The reference's `DLRMYambdaProcessor.preprocess` without the download: `root/processed_<size>/` from a
+    raw multi_event.parquet (the item mappings are downloaded files: copy them into `root/shared_metadata/`)."""
+    raw = read_raw(raw_path)
+    if len(raw.ts) == 0:
+        raise yambda.bad_file(Path(raw_path), "no events")
+    split = split_boundaries(int(raw.ts.max()), train_days, gap_minutes, test_days)
+    with fileio.Staged() as staged:
+        w = SessionWriter(root, staged, split, size)
+        w.add(raw)
+        meta = {"t_min": int(raw.ts.min()), "t_max": int(raw.ts.max()), "train_days": train_days,
+                "gap_minutes": gap_minutes, "test_days": test_days}  # fmt: skip
+        return w.close(meta)
