@@ -448,6 +448,9 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path):
     with pytest.raises(UserError, match="uid 7 is beyond its table of 5 rows") as e:
         YambdaDataset(r, cfg, tables={"uid": 5})
     _one_line(e, sess(r))
+    with pytest.raises(UserError, match="item id 3 is beyond its table of 3 rows") as e:
+        YambdaDataset(r, cfg, tables={"item_id": 3})
+    _one_line(e, sess(r))
     with pytest.raises(UserError, match="artist_id 4 is beyond its table of 3 rows") as e:
         YambdaDataset(r, cfg, tables={"artist_id": 3})
     _one_line(e, r / "shared_metadata" / yambda.ARTIST_MAP)

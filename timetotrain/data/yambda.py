@@ -83,7 +83,12 @@ class YambdaDataset:
             cache = None
         self.item_to_artist, self.item_to_album = read_item_maps(self.metadata, self.processed / POPULARITY)
         tables = dict(tables or {})
-        check_ids(sessions, "item id", self.events.item, tables.get("item_id", len(self.item_to_artist)))
+        check_ids(
+            sessions,
+            "item id",
+            self.events.item,
+            min(len(self.item_to_artist), tables.get("item_id", 1 << 62)),
+        )
         check_ids(sessions, "uid", self.events.uid, tables.get("uid"))
         check_ids(self.metadata / ARTIST_MAP, "artist_id", self.item_to_artist, tables.get("artist_id"))
         check_ids(self.metadata / ALBUM_MAP, "album_id", self.item_to_album, tables.get("album_id"))
