@@ -51,7 +51,7 @@ def test_bash_completes_commands_benchmarks_tiers_and_flags(capsys, tmp_path):
         "ttt run llama31_8b --tier ''": "reference tiny",
         "ttt run llama31_8b --dry": "--dry-run",
         "ttt data prepare --for gpt": "gpt_oss_20b",
-        "ttt data ''": "download prepare synth-graph synth-criteo",
+        "ttt data ''": "download prepare synth-graph synth-criteo synth-yambda",
         "ttt plan x --precision ''": "bf16 fp32 fp8",
         "ttt rcp build --ti": "--tier",
     }

@@ -26,7 +26,7 @@ PLACED = {
     "tiktoken": ("tiktoken", None),  # data prepare c4 (Llama 3)
     "llama_models": ("llama-models", None),  # the Llama 3 tokenizer.model file
     "sentencepiece": ("sentencepiece", None),  # data prepare with Llama 2 / Mixtral
-    "pyarrow": ("pyarrow", None),  # GovReport parquet, flux1's MLCommons encodings
+    "pyarrow": ("pyarrow", None),  # GovReport parquet, flux1's MLCommons encodings, Yambda
     "yaml": ("pyyaml", None),  # rule files
     "scipy": ("scipy", None),  # score: the RCP check
     "matplotlib": ("matplotlib", None),  # report

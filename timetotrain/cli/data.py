@@ -317,18 +317,19 @@ def _download_fixtures(args) -> int:
 
 
 def add_commands(sub) -> None:
-    """Register `data download`, `data prepare`, `data synth-graph` and `data synth-criteo`."""
+    """Register `data download`, `data prepare`, `data synth-graph`, `data synth-criteo` and `data synth-yambda`."""
     d = sub.add_parser(
         "data",
         help="download and prepare datasets",
         description="Datasets: `download` fetches a benchmark's public data, `prepare` tokenizes or encodes it "
         "into the files runs read, `synth-graph` writes rgat's synthetic graph, `synth-criteo` dlrm_dcnv2's "
-        "synthetic multi-hot Criteo.",
+        "synthetic multi-hot Criteo, `synth-yambda` dlrmv4's synthetic Yambda.",
     ).add_subparsers(dest="data_command", required=True)
     _add_download(d)
     _add_prepare(d)
     _add_synth_graph(d)
     _add_synth_criteo(d)
+    _add_synth_yambda(d)
 
 
 def _add_download(d) -> None:
@@ -553,12 +554,9 @@ def _add_synth_graph(d) -> None:
     s.set_defaults(func=_cmd_synth_graph)
 
 
-def _cmd_synth_criteo(args) -> int:
-    from timetotrain.data import criteo_synth
-
-    check_seed(args.seed)
-    sc = criteo_synth.scale(args.scale)
-    out = Path(args.out)
+def _synthesize(out: Path, make) -> dict:
+    """`make(out)` into a new or empty --out, its files all written or none (staged writes); a stopped or
+    failed generation leaves no folder it made behind."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file: give a folder for the dataset")
     if out.is_dir() and any(out.iterdir()):
@@ -567,19 +565,46 @@ def _cmd_synth_criteo(args) -> int:
         )
     before = fileio.folders_under(out)  # nothing, or the empty --out itself
     try:
-        # Every file of the 24 days and the manifest appear together, or none (staged writes).
         with writing("--out", out), raise_on_signals():
             out.mkdir(parents=True, exist_ok=True)
-            info = criteo_synth.generate(out, sc, args.seed, log=lambda line: print(line, flush=True))
+            return make(out)
     except BaseException:
         fileio.remove_new_empty_folders(out, before)
         raise
-    print(
-        f"{args.scale} multi-hot Criteo (seed {args.seed}): {info['train_rows']:,} training and "
-        f"{info['val_rows']:,} validation samples, click rate {info['click_rate']:.3f}, the hidden model's "
-        f"validation AUC {info['hidden_model_val_auc']:.4f} -> {out}"
+
+
+def _run_synth(args, generator, summary) -> int:
+    """`ttt data synth-*`: the generator module's scale and generate into --out, then one summary line."""
+    check_seed(args.seed)  # numpy's generators refuse a negative seed with a traceback
+    sc = generator.scale(args.scale)
+    out = Path(args.out)
+    info = _synthesize(
+        out, lambda o: generator.generate(o, sc, args.seed, log=lambda line: print(line, flush=True))
     )
+    print(f"{args.scale} {summary(info)} (seed {args.seed}) -> {out}")
     return 0
+
+
+def _synth_flags(s, scale_help: str, func) -> None:
+    s.add_argument("--scale", required=True, choices=["tiny", "small", "full"], help=scale_help)
+    s.add_argument("--out", required=True, help="output folder (new or empty)")
+    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    s.set_defaults(func=func)
+
+
+def _cmd_synth_criteo(args) -> int:
+    from timetotrain.data import criteo_synth
+
+    # Every file of the 24 days and the manifest appear together, or none.
+    return _run_synth(
+        args,
+        criteo_synth,
+        lambda info: (
+            f"multi-hot Criteo: {info['train_rows']:,} training and {info['val_rows']:,} validation "
+            f"samples, click rate {info['click_rate']:.3f}, the hidden model's validation AUC "
+            f"{info['hidden_model_val_auc']:.4f}"
+        ),
+    )
 
 
 def _add_synth_criteo(d) -> None:
@@ -591,12 +616,40 @@ def _add_synth_criteo(d) -> None:
         "features, per-id effects and feature crosses; deterministic for a seed, with a manifest of sha256s. "
         "Its parameters: timetotrain/data/criteo_synth.py and docs/benchmarks/dlrm_dcnv2.md.",
     )
-    s.add_argument(
-        "--scale",
-        required=True,
-        choices=["tiny", "small", "full"],
-        help="tiny: 188k training rows, tables <= 2,000 rows; small: 9.2M, <= 200,000; full: the real sizes (~4 TB)",
+    _synth_flags(
+        s,
+        "tiny: 188k training rows, tables <= 2,000 rows; small: 9.2M, <= 200,000; full: the real sizes (~4 TB)",
+        _cmd_synth_criteo,
     )
-    s.add_argument("--out", required=True, help="output folder (new or empty)")
-    s.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    s.set_defaults(func=_cmd_synth_criteo)
+
+
+def _cmd_synth_yambda(args) -> int:
+    from timetotrain.data import yambda_synth
+
+    # processed_5b/, shared_metadata/ and the manifest appear together, or none.
+    return _run_synth(
+        args,
+        yambda_synth,
+        lambda info: (
+            f"Yambda: {info['users']:,} users, {info['train_events']:,} train and "
+            f"{info['test_events']:,} test events in {info['sessions']:,} sessions, the hidden model's AUC on the "
+            f"last train day {info['hidden_model_last_day_auc']:.4f}"
+        ),
+    )
+
+
+def _add_synth_yambda(d) -> None:
+    s = d.add_parser(
+        "synth-yambda",
+        help="write a synthetic Yambda (dlrmv4) in the MLPerf reference's processed layout",
+        description="processed_5b/ (train_sessions.parquet, test_events.parquet, session_index.parquet, "
+        "item_popularity.npy, split_meta.json) and shared_metadata/ (the artist and album mappings), as the "
+        "dlrmv4 reference's preprocessing writes them, from a planted user/item model: listen_plus depends on "
+        "user, artist and item effects and the user's taste for the artist; deterministic for a seed, with a "
+        "manifest of sha256s. Its parameters: timetotrain/data/yambda_synth.py and docs/benchmarks/dlrmv4.md.",
+    )
+    _synth_flags(
+        s,
+        "tiny: 256 users, ~33k events (< 1 MB); small: 20k users, ~14M events; full: Yambda-5B's sizes",
+        _cmd_synth_yambda,
+    )
