@@ -10,15 +10,16 @@ by `mlperf.keys.check_rules` (the official rule file, or `closed_violation` for 
 and the end LR).
 
 Rules only, so far: the HSTU model (models/hstu) and the Yambda reader (data/yambda*) are built elsewhere,
-so this declaration holds no model config or family yet (`model` and `family` are None), its task refuses
-everything that needs data or a model in one line, it has no tiny tier, and the registry does not list it.
-The integration puts the family and the reference HSTU config here, the real task in place of
-`_RulesOnly`, and the line in spec/registry.py.
+so this declaration holds no model config yet (`model` is None), its task and its family refuse everything
+that needs data or a model in one line (`PENDING`), it has no tiny tier, and the registry does not list it.
+The integration puts models.hstu's FAMILY and the reference HSTU config here in place of `_PENDING_FAMILY`
+and None, the real task in place of `_RulesOnly`, and the line in spec/registry.py.
 """
 
 from __future__ import annotations
 
 from timetotrain.errors import UserError
+from timetotrain.models.family import ModelFamily
 from timetotrain.spec.benchmark import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
 from timetotrain.tasks.seqrec_rules import FirstEval, LRBand, SeqRecData, SeqRecRules, eval_interval_steps
 
@@ -85,6 +86,18 @@ PENDING = (
 )
 
 
+def _pending(*_args, **_kw):
+    raise UserError(PENDING)
+
+
+# Every hook refuses in one line: `ttt run` of this declaration (TTT_EXTRA_BENCHMARKS) stops in its preflight
+# with PENDING, and `ttt check` of a dlrmv4 log then names it instead of failing on a missing family.
+_PENDING_FAMILY = ModelFamily(
+    name="hstu", build=_pending, init=_pending, param_count=_pending, active_param_count=_pending,
+    flops_per_token=_pending, block_params=_pending, activation_elements=_pending,
+)  # fmt: skip
+
+
 class _RulesOnly(SeqRecRules):
     """The task's rule hooks; the hooks that need the data or the model refuse in one line, before any log
     line (resolve and synthetic run in the preflight)."""
@@ -109,7 +122,7 @@ BENCHMARK = Benchmark(
     name="dlrmv4",
     area="Recommendation (sequential, generative)",
     task=_RulesOnly(),
-    family=None,  # the integration: models.hstu.FAMILY
+    family=_PENDING_FAMILY,  # the integration: models.hstu.FAMILY
     tiers={"reference": REFERENCE},
     optimizer=ADAM,
     schedule="warmup_from_zero",  # base x step / 24,000, then base (train/schedule.py)
