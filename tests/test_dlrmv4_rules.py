@@ -13,18 +13,15 @@ import dataclasses
 import functools
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import require
 from fakelogs import _line, ttt_main, uncovered_rule_keys
+from summarizer_parity import assert_score_equals_summarizer, system_json
 
 from timetotrain.errors import UserError
 from timetotrain.mlperf.compliance import hparam_violations, official_rules_dir
 from timetotrain.mlperf.keys import check_rules, config_keys, parallel_keys, submission_keys
-from timetotrain.mlperf.score import score_tree
 from timetotrain.spec.benchmark import apply_overrides
 from timetotrain.suite.dlrmv4 import BENCHMARK as BENCH
 from timetotrain.suite.dlrmv4 import REFERENCE as REF
@@ -154,7 +151,7 @@ def test_what_the_rules_leave_free_is_accepted(sets):
     check_rules(BENCH, tier, BENCH.task.hyperparameters(BENCH, tier, 1))
 
 
-def ref_log(path, tier, seed, converge_block, *, hyperparameters=None, system="box", first_step=None, t0=T0):
+def ref_log(path, tier, seed, converge_block, *, hyperparameters=None, first_step=None, t0=T0):
     """A reference-tier run of `tier` that meets the target at eval block `converge_block` (None: never,
     aborted after three evals), evaluating where the task's `eval_due` says (from `first_step` instead,
     when given: a log that breaks the first-eval rule)."""
@@ -248,39 +245,15 @@ CASES = {
 }
 
 
-def system_json(name):
-    return {
-        "submitter": ORG, "division": "closed", "status": "Available on-premise", "system_name": name,
-        "number_of_nodes": "1", "host_processor_model_name": "Example CPU", "host_processor_core_count": "64",
-        "host_processors_per_node": "2", "accelerator_model_name": "Example GPU", "accelerators_per_node": "8",
-        "framework": "PyTorch 2.13", "hw_notes": "", "sw_notes": "",
-    }  # fmt: skip
-
-
 @pytest.mark.slow  # 50 logs through the official checkers and the summarizer, twice
 def test_score_equals_the_official_result_summarizer(tmp_path):
-    pd = require("pandas")
     org = tmp_path / ORG
     (org / "systems").mkdir(parents=True)
     for s, (system, (gbs, blocks, *_)) in enumerate(CASES.items()):
-        (org / "systems" / f"{system}.json").write_text(json.dumps(system_json(system), indent=4))
+        (org / "systems" / f"{system}.json").write_text(json.dumps(system_json(ORG, system), indent=4))
         for i, block in enumerate(blocks):
             path = org / "results" / system / "dlrmv4" / f"result_{i}.txt"
-            ref_log(path, tier_at(gbs), 100 * s + i, block, system=system, t0=T0 + (10 * s + i) * 86_400_000)
-    ours = {r.system: r for r in score_tree(org, "6.1.0")}
-    assert sorted(ours) == sorted(CASES)
-    cmd = [sys.executable, "-m", "mlperf_logging.result_summarizer", str(org), "training", "6.1.0", "--csv",
-           str(tmp_path / "summary.csv")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = pd.read_csv(tmp_path / "summary.csv").set_index("system")
-    detailed = pd.read_csv(tmp_path / "summary_detailed.csv").set_index("system")
-    for system, (gbs, _blocks, verdict, msg) in CASES.items():
-        s, row, det = ours[system], rows.loc[system], detailed.loc[system]
+            ref_log(path, tier_at(gbs), 100 * s + i, block, t0=T0 + (10 * s + i) * 86_400_000)
+    ours = assert_score_equals_summarizer(org, "6.1.0", "dlrmv4", CASES, tmp_path)
+    for s in ours.values():  # every run that converged is a compliant closed result
         assert all(r.compliant for r in s.runs if r.converged), [r.problem for r in s.runs]
-        assert s.score_minutes == pytest.approx(float(row["dlrmv4"]), rel=1e-12)
-        assert s.global_batch_size == det["dlrmv4:GBS"] == gbs
-        assert s.samples_to_converge == pytest.approx(det["dlrmv4:samples_to_converge"], rel=1e-12)
-        assert s.rcp.verdict == det["dlrmv4:RCP"] == verdict, (system, s.rcp.message)
-        assert s.rcp.message.startswith(msg), s.rcp.message
-        assert s.scaling_factor == pytest.approx(det["dlrmv4:rcp_scaling_factor"], rel=1e-12)
