@@ -5,15 +5,12 @@ official result_summarizer on a submission tree of such logs (RCP found, interpo
 runs that change what the rules fix are refused before init_start."""
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import require
 from fakelogs import ttt_main
+from summarizer_parity import assert_score_equals_summarizer, system_json
 
 from timetotrain.cli import main
-from timetotrain.mlperf.score import score_tree
 from timetotrain.spec import registry
 
 pytestmark = pytest.mark.parity
@@ -83,15 +80,6 @@ def ref_log(path, system, seed, gbs, converge, start_ms, interval_ms=20_000):
     return path
 
 
-def system_json(name):
-    return {
-        "submitter": ORG, "division": "closed", "status": "Available on-premise", "system_name": name,
-        "number_of_nodes": "1", "host_processor_model_name": "Example CPU", "host_processor_core_count": "64",
-        "host_processors_per_node": "2", "accelerator_model_name": "Example GPU", "accelerators_per_node": "8",
-        "framework": "PyTorch 2.13", "hw_notes": "", "sw_notes": "",
-    }  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     from mlperf_logging.rcp_checker import rcp_checker
@@ -101,7 +89,7 @@ def tree(tmp_path_factory):
     org = tmp_path_factory.mktemp("v60dlrm") / ORG
     (org / "systems").mkdir(parents=True)
     for s, (system, (gbs, evals, *_)) in enumerate(CASES.items()):
-        (org / "systems" / f"{system}.json").write_text(json.dumps(system_json(system), indent=4))
+        (org / "systems" / f"{system}.json").write_text(json.dumps(system_json(ORG, system), indent=4))
         folder = org / "results" / system / "dlrm_dcnv2"
         for i, conv in enumerate(evals):
             ref_log(
@@ -128,23 +116,7 @@ def test_a_reference_tier_log_passes_the_closed_rules(tree, capsys):
 
 @pytest.mark.slow  # 40 logs through the official checkers and the summarizer: ~50 s on 2 cores
 def test_score_equals_the_official_result_summarizer(tree, tmp_path):
-    pd = require("pandas")
-    ours = {s.system: s for s in score_tree(tree, "6.0.0")}
-    assert sorted(ours) == sorted(CASES)
-    cmd = [sys.executable, "-m", "mlperf_logging.result_summarizer", str(tree), "training", "6.0.0", "--csv",
-           str(tmp_path / "summary.csv")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = pd.read_csv(tmp_path / "summary.csv").set_index("system")
-    detailed = pd.read_csv(tmp_path / "summary_detailed.csv").set_index("system")
-    for system, (gbs, _evals, verdict, msg) in CASES.items():
-        s, row, det = ours[system], rows.loc[system], detailed.loc[system]
-        assert s.score_minutes == pytest.approx(float(row["dlrm_dcnv2"]), rel=1e-12)
-        assert s.global_batch_size == det["dlrm_dcnv2:GBS"] == gbs
-        assert s.samples_to_converge == pytest.approx(det["dlrm_dcnv2:samples_to_converge"], rel=1e-12)
-        assert s.rcp.verdict == det["dlrm_dcnv2:RCP"] == verdict, (system, s.rcp.message)
-        assert s.rcp.message.startswith(msg)
-        assert s.scaling_factor == pytest.approx(det["dlrm_dcnv2:rcp_scaling_factor"], rel=1e-12)
+    assert_score_equals_summarizer(tree, "6.0.0", "dlrm_dcnv2", CASES, tmp_path)
 
 
 @pytest.mark.bad_input

@@ -187,11 +187,18 @@ def hparam_violations(rule_files: list[Path], logged: list[tuple[str, object]]) 
     from mlperf_logging.compliance_checker.mlp_compliance import is_integer
 
     records: dict[str, dict] = {}
+    begin: list[str] = []
     for f in rule_files:
         for item in yaml.load(f.read_text(), Loader=yaml.BaseLoader) or []:
             if "KEY" in item:
                 records[item["KEY"]["NAME"]] = item["KEY"]
+            elif "BEGIN" in item:
+                begin.append(item["BEGIN"]["CODE"])
     state = {"s": {}, "is_integer": is_integer, "math": math, "enqueue_config": lambda _c: None}
+    # The engine runs a file's BEGIN code when it loads the file, before any of its checks: a POST may read
+    # what it set (closed_dlrmv4.yaml's global_batch_size POST reads s['train_samples'] from its BEGIN).
+    for code in begin:
+        exec(code.strip(), state)
     problems = []
     seen = set()
     for key, value in logged:

@@ -14,6 +14,9 @@ framework does:
 - "hf_cosine" (transformers `get_cosine_schedule_with_warmup`; llama2_70b_lora): s < W: base * s / W; then
   base * 0.5 * (1 + cos(pi * (s - W) / (max_steps - W))), clamped at 0; `end` is 0 by construction.
 - "warmup_constant" (torchtitan linear warmup, no decay; flux1): s < W: base * (s + 1) / W; then base.
+- "warmup_from_zero" (the DLRMv4 reference's streaming loop, `_apply_lr_warmup` in its train/utils.py:
+  base * min(1, s / W) set before each update; dlrmv4): s < W: base * s / W, so the first update uses lr
+  0; then base.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-RULES = ("nemo", "megatron", "hf_cosine", "warmup_constant")
+RULES = ("nemo", "megatron", "hf_cosine", "warmup_constant", "warmup_from_zero")
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,14 @@ class HFCosine:
 class WarmupConstant:
     base: float
     warmup: int
+    from_zero: bool = (
+        False  # "warmup_from_zero": the ramp's first update at lr 0, one step behind torchtitan's
+    )
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
+            if self.from_zero:  # the reference's order of operations: base * min(1, step / W)
+                return self.base * (step / self.warmup)
             return self.base * (step + 1) / self.warmup
         return self.base
 
@@ -88,8 +96,8 @@ def make(rule: str, base: float, end: float, warmup: int, total: int, decay_step
         return WarmupCosine(base, end, warmup, decay_steps, rule)
     if rule == "hf_cosine":
         return HFCosine(base, warmup, total)
-    if rule == "warmup_constant":
-        return WarmupConstant(base, warmup)
+    if rule in ("warmup_constant", "warmup_from_zero"):
+        return WarmupConstant(base, warmup, from_zero=rule == "warmup_from_zero")
     raise ValueError(f"unknown schedule rule {rule!r}: choose one of {', '.join(RULES)}")
 
 
