@@ -71,7 +71,7 @@ from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
 from timetotrain.models.common.sequence_shard import head_loss, labelled
 from timetotrain.spec.task import Task
-from timetotrain.train import parallel
+from timetotrain.train import float8, parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.context_parallel import SequenceGroup
 from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded
@@ -95,16 +95,19 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     for what, bad in (
         ("dp (use fsdp)", plan.dp > 1),
         ("dp_replicate", plan.dp_replicate > 1),
-        ("--precision fp8", plan.precision == "fp8"),
     ):
         if bad:
             raise UserError(f"--parallel {spec}: pipeline parallelism with {what} is not built yet")
     stages = plan.pp * plan.vpp
     layers = getattr(tier.model, "n_layers", None)
-    # Tasks that adapt the model (LoRA adapters, GRPO's policy) or roll out on it have no stage build yet.
-    if layers is None or bench.task.on_policy or type(bench.task).adapt_model is not Task.adapt_model:
+    # Tasks that roll out on the model (GRPO) have no stage build yet; a task that adapts the model builds
+    # its stages only where it also says how to draw its new parameters alone (LoRA's `init_adapters`).
+    task = type(bench.task)
+    adapts = task.adapt_model is not Task.adapt_model and task.init_adapters is Task.init_adapters
+    if layers is None or bench.task.on_policy or adapts:
         raise UserError(
-            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
+            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining and LoRA "
+            "fine-tuning only)"
         )
     if hasattr(tier.model, "n_experts") and (bench.family.name not in MOE_FAMILIES or plan.ep == 1):
         # A stage's router state, aux losses and MTP: train/pipeline_moe.py, built for these families.
@@ -393,6 +396,13 @@ def _init(family, model, device, seed: int) -> None:
         family.init(model, torch.Generator(device=device).manual_seed(seed))
 
 
+def _init_adapters(task, model, tier, device, seed: int) -> None:
+    """The task's new parameters (LoRA's A and B) drawn in the whole model's order from `seed`, each rank
+    keeping its stages' (the other stages' draws made and dropped): a one-process build's values."""
+    with full_init(), _DrawnElsewhere(device):
+        task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed))
+
+
 def build(
     bench,
     tier,
@@ -413,7 +423,9 @@ def build(
     with real_host():
         with torch.device("meta"):
             model = family.build(tier.model)
-        task.adapt_model(model, tier, None, plan.compute)
+        task.adapt_model(model, tier, None, plan.compute)  # LoRA: the adapters, the base frozen
+        if plan.precision == "fp8":  # as `parallel.apply`: first, so TP, AC, compile and FSDP2 see float8
+            float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     plain = type(model).hidden is Decoder.hidden and type(model).forward is Decoder.forward
     moe = family.name in MOE_FAMILIES  # its own forward (MTP, aux losses): the stages mirror it
     outside = (
@@ -434,8 +446,15 @@ def build(
     if tp_mesh is not None:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
+        styles = {}
+        if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
+            styles = float8.tensor_parallel_styles(device)
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         with real_host():
-            family.tensor_parallel(model, tp_mesh)  # every block, on the meta device: others' stay there
+            family.tensor_parallel(model, tp_mesh, **styles)  # every block, on the meta device: others' stay
+        for n, p in model.named_parameters():  # SequenceParallel's new norm Parameters: frozen stay frozen
+            if n in frozen:
+                p.requires_grad_(False)
         parallel.remark(model, plan)
     ep_group = None
     if plan.ep > 1:  # each stage's experts over its data-parallel ranks (train/pipeline_moe.py)
@@ -494,6 +513,7 @@ def build(
     boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, plan.cp * plan.tp)
     pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
     _init(family, model, device, seed + 1)
+    _init_adapters(task, model, tier, device, seed + 2)
     # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;
     # its gradients are dropped.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
@@ -507,8 +527,11 @@ def build(
         mine = Owned.of(model, stages, mine, cfg.n_experts, device, stage_group, pp_group)
     if init_checkpoint is not None:
         t0 = time.monotonic()
-        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind)
+        names = task.checkpoint_names(mine)
+        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind, names)
         timer["load"] = time.monotonic() - t0
+    # The adapters from `seed + 2` after the base's weights, as the one-process build draws them.
+    _init_adapters(task, model, tier, device, seed + 2)
     pipe.train()
     return mine, pipe, ep_group
 
@@ -529,13 +552,16 @@ def owned(stages: list[Stage]) -> nn.Module:
     return mine
 
 
-def _load(path, mine: nn.Module, family, cfg, truncate_rows, kind: str | None = None) -> None:
+def _load(path, mine: nn.Module, family, cfg, truncate_rows, kind: str | None = None, names=None) -> None:
     """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only.
-    `kind`: as `checkpoint.init_from`'s."""
+    `kind`: as `checkpoint.init_from`'s; `names`: the task's renaming of an adapted model's parameters to the
+    checkpoint's (`Task.checkpoint_names`: LoRA's `base` levels; None for the adapters it draws itself)."""
+    names = names or {}
     if (kind or check_init_source(path, family, cfg)) == "hf":
-        names = {_clean_name(n) for n, _ in mine.named_parameters()}
-        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in names}
-        rows = {n: r for n, r in (truncate_rows or {}).items() if n in names}
-        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows)
+        held = {_clean_name(n) for n, _ in mine.named_parameters()}
+        held = {names.get(n, n) for n in held} - {None}
+        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in held}
+        rows = {n: r for n, r in (truncate_rows or {}).items() if n in held}
+        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows, names=names or None)
     else:
-        load_checkpoint(path, mine, None)
+        load_checkpoint(path, mine, None, names=names or None)
