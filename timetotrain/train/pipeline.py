@@ -46,9 +46,23 @@ flattened (data, cp) ranks, which averages the CP ranks' gradients.
 Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
 train/pipeline_moe.py.
 
-Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or
-without ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks whose loss is
-not the model's own output (LoRA's, GRPO's).
+LoRA (llama2_70b_lora). The task adapts the meta model before anything else (`Task.adapt_model`: adapters in
+the blocks, the base frozen), so a stage carries its blocks' adapters and FSDP2 groups them with the block;
+only they have gradients and optimizer state. The base is initialised, then loaded (`--init-checkpoint`,
+through `Task.checkpoint_names`), and the adapters drawn from `seed + 2` in the whole model's order
+(`_init_adapters`), the values of a one-process build. The answer-only loss needs nothing of its own: the
+last stage returns each micro-batch's mean over its answer tokens and the schedule averages the micro-batches'
+gradients, which is how the one-process step normalises (train/step.py). Dropout masks are drawn by each
+stage in the schedule's order, so they differ from one process's (equal runs need dropout 0). Under TP a
+boundary carries this rank's `torch.chunk` share of the sequence (`_stream_length`): LoRA trains on blocks
+of 8,192 tokens, 8,191 positions, which do not divide.
+
+fp8 (`--precision fp8`): the block linears of the meta model are converted (`float8.convert`) before TP,
+checkpointing, compile and FSDP2 see them, as `parallel.apply` does; each rank's stages then hold theirs.
+
+Not built: pp with dp / dp_replicate, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or without
+ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks that roll out on the
+model (GRPO) or adapt it without `Task.init_adapters`.
 """
 
 from __future__ import annotations
@@ -234,7 +248,14 @@ class Stage(nn.Module):
                 ahead = self.decoder.mtp_inputs(x)
             x = self.embed(x if shard is None else shard.local(x))
         elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
-            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+            # The whole length from the labels: where the sequence does not divide, the shards differ.
+            whole = None
+            if labels is not None:
+                length = labels.shape[1] // (self.sequence.cp if self.sequence is not None else 1)
+                whole = dict(
+                    shape=(x.shape[0], length, x.shape[2]), stride=(length * x.shape[2], x.shape[2], 1)
+                )
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, **(whole or {}))
         elif carry:
             x, *ahead = x.chunk(1 + carry, dim=-1)
         x = self.decoder.blocks(x, self.layers.values(), shard)
@@ -355,16 +376,16 @@ class Pipeline(nn.Module):
         return x
 
 
-def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, split: int) -> tuple:
+def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, length: int) -> tuple:
     """A stage's input and output as the schedule sees them, on the meta device, from one micro-batch's
     tokens `[B, T]`: the whole tokens into the first stage, this rank's part of the residual stream
-    `[B, T / split, dim]` across each boundary (split = cp x tp: its CP rank's head-tail part, cut again
+    `[B, length, dim]` across each boundary (`_stream_length`: its CP rank's head-tail part, cut again
     along the sequence by TP's sequence parallelism), the micro-batch's loss out of the last. Given to
     `PipelineStage`, they spare the schedule its shape inference (a forward and a backward through the
     stage and the metadata sent between ranks in its first step) and are what a simulation's fake process
     group cannot send (timetotrain/fakes.py)."""
     meta = torch.device("meta")
-    stream = torch.empty(tokens[0], tokens[1] // split, dim, dtype=dtype, device=meta, requires_grad=True)
+    stream = torch.empty(tokens[0], length, dim, dtype=dtype, device=meta, requires_grad=True)
     x = torch.empty(tokens, dtype=torch.int64, device=meta) if index == 0 else stream
     out = (
         torch.empty((), dtype=torch.float32, device=meta, requires_grad=True)
@@ -372,6 +393,16 @@ def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch
         else stream
     )
     return x, out
+
+
+def _stream_length(tokens: int, plan: parallel.Plan) -> int:
+    """The positions of the residual stream this rank carries across a stage boundary: its CP rank's part
+    (`context_parallel.check` makes the sequence divide), then its chunk of TP's sequence-parallel `Shard(1)`,
+    cut as `torch.chunk` cuts: the last TP ranks shorter where the sequence does not divide (LoRA's blocks
+    of 8,192 tokens train on 8,191 positions)."""
+    length = tokens // plan.cp
+    chunk = -(-length // plan.tp)
+    return max(0, min(chunk, length - plan.coords(dist.get_rank())["tp"] * chunk))
 
 
 class _DrawnElsewhere(TorchFunctionMode):
@@ -510,7 +541,8 @@ def build(
     stream = torch.bfloat16 if plan.shard_ranks > 1 and plan.compute == "bf16" else torch.float32
     # DeepSeek's MTP inputs ride beside the residual stream (train/pipeline_moe.py).
     width = cfg.dim * (1 + len(getattr(model, "mtp", ())))
-    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, plan.cp * plan.tp)
+    length = _stream_length(tokens[1], plan)
+    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, length)
     pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
     _init(family, model, device, seed + 1)
     _init_adapters(task, model, tier, device, seed + 2)
