@@ -223,9 +223,12 @@ def test_pipeline_preflight():
         with pytest.raises(UserError, match=re.escape(needle)) as e:
             check(bench, t, plan, local, micro, explicit, "--set micro_batch_size")
         assert "\n" not in str(e.value)
+    # LoRA fine-tuning has a stage build (tests/test_layouts_pp_adapt.py); GRPO's rollouts do not.
     lora = get("llama2_70b_lora")
-    with pytest.raises(UserError, match="llama2_70b_lora has no pipeline split yet"):
-        check(lora, lora.tier("tiny"), pp2, 16, 16, False, "--set micro_batch_size")
+    assert check(lora, lora.tier("tiny"), pp2, 16, 16, False, "--set micro_batch_size") == 8
+    grpo = get("qwen35_397b_grpo")
+    with pytest.raises(UserError, match="qwen35_397b_grpo has no pipeline split yet"):
+        check(grpo, grpo.tier("tiny"), pp2, 16, 16, False, "--set micro_batch_size")
     # The plan estimates stages, not a dp layout (tests/test_plan.py checks the arithmetic).
     _, rows, _ = memory.plan(bench, bench.tier("reference"), 2, 80.0, "pp=2")
     assert {r.parallel for r in rows} == {"pp=2"}

@@ -744,8 +744,34 @@ def test_pipeline_is_searched_where_nothing_else_splits_the_batch(capsys, monkey
     for name, gpus, mem in (
         ("deepseekv3_671b", 64, 80),
         ("qwen35_397b_grpo", 256, 141),
-        ("llama2_70b_lora", 8, 8),
     ):
         other = get(name)
         _, rows, best = plan(other, other.tier("reference"), gpus, mem, None)
         assert rows and best is None and not any("pp=" in r.parallel for r in rows), name
+
+
+def test_pipeline_rows_of_lora_and_fp8():
+    """pp rows of a LoRA run (train/memory.py `_pipeline_rows`): a stage's frozen base has no gradients and no
+    optimizer states, so what the schedule keeps whole until the last micro-batch is its adapters' fp32
+    gradients, not the stage's (0.06 GiB here, not 96); ttt plan --simulate counts 16.14 GiB of states on
+    rank 0 at `--layers 3` against these 16.33. Under fp8 (tensorwise) the gathered stage holds its float8
+    linears at 1 byte: less than the same stage in bf16."""
+    from timetotrain.train.memory import fp8_model
+
+    bench = get("llama2_70b_lora")
+    tier = bench.tier("reference")
+    _, rows, _ = plan(bench, tier, 8, 80, "pp=2,fsdp=4")
+    assert rows and {r.parallel for r in rows} == {"pp=2,fsdp=4"}
+    stage = dataclasses.replace(tier, model=dataclasses.replace(tier.model, n_layers=40))
+    adapters, base = bench.task.param_counts(bench.family, stage)
+    # the stage's layout fsdp=4: adapters 16 B and the bf16 base 2 B per parameter, sharded over 4 GPUs;
+    # then the adapters' gradients whole (4 B) less their shard
+    expected = (16 * adapters + 2 * base) / 4 + 4 * adapters * (1 - 1 / 4)
+    assert rows[0].states == pytest.approx(expected, rel=1e-9)
+    assert rows[0].states < 17 * 2**30  # were the base's gradients counted: 96 GiB more
+    dense = get("llama31_8b")
+    ref = dense.tier("reference")
+    bf16_rows = plan(dense, ref, 8, 80, "pp=2,fsdp=4")[1]
+    fp8_rows = plan(dense, ref, 8, 80, "pp=2,fsdp=4", fp8=fp8_model(dense, ref))[1]
+    assert [r.compute_copies for r in fp8_rows] < [r.compute_copies for r in bf16_rows]
+    assert [r.states for r in fp8_rows] == [r.states for r in bf16_rows]

@@ -16,7 +16,9 @@ over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pip
 is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
 last stage with the head and loss), as `ttt plan --simulate` builds it (`fakes.pipeline_schedule` runs
 torch's schedule under the fake process group), in its composition with tp and fsdp on 8 ranks
-(`pp=2,tp=2,fsdp=2`)."""
+(`pp=2,tp=2,fsdp=2`). The pipeline kinds the grid's suggestions do not reach, with LoRA (llama2_70b_lora's
+reference fits without pp wherever the grid looks, yet `ttt plan --parallel pp=...` and the search where
+nothing else fits count them) and with `--precision fp8` (the grid plans bf16), are built the same way."""
 
 import dataclasses
 import math
@@ -121,3 +123,23 @@ def test_every_suggested_kind_builds(name, kind):
     for rank in (0, world - 1) if ",pp" in kind else (world - 1,):
         got = _in_child(simulate_rank, bench, tier, world, spec, rank, "fp32", False)
         assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank
+
+
+@pytest.mark.parametrize(
+    "name,spec,precision",
+    [
+        ("llama2_70b_lora", "pp=2,fsdp=2", "fp32"),
+        ("llama2_70b_lora", "pp=2,tp=2,fsdp=2", "fp32"),
+        ("llama31_8b", "pp=2,fsdp=2", "fp8"),
+        ("llama31_8b", "pp=2,tp=2,fsdp=2", "fp8"),
+    ],
+)
+def test_adapted_pipeline_kinds_build(name, spec, precision):
+    bench, tier = prepare.resolve_tier(name, "tiny", [])
+    world = math.prod(int(d.split("=")[1]) for d in spec.split(","))
+    tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
+    for rank in (0, world - 1):
+        got = _in_child(simulate_rank, bench, tier, world, spec, rank, precision, False)
+        assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank
+        if name == "llama2_70b_lora":  # the frozen base: gradients and AdamW's two moments for adapters only
+            assert got.gradients * 2 <= got.optimizer < got.parameters / 10, rank

@@ -71,8 +71,8 @@ Where the numbers come from (an estimate, not a measurement):
   without TP), the rows of the smallest larger legal GBS where one without TP fits are offered beside it,
   each row naming its GBS (`_with_legal_rows`). Pipeline parallelism last of all, where no layout above (CP included)
   fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32, each
-  planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (dense decoders whose task
-  trains the model's own loss: the llama family; not MoE, LoRA, GRPO, flux, nor fp8) and a per-rank batch
+  planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (decoders whose task
+  trains the model's own loss or LoRA adapters on it, fp8 too; not GRPO, nor flux) and a per-rank batch
   of at least P micro-batches; the fewest stages that fit, then the smallest TP, at the smallest
   micro-batch (the most micro-batches: the least bubble). By this count it seldom fits where nothing else
   does (a stage holds 1/P of the layers on 1/P of the GPUs, the same states per GPU, plus its gradients
@@ -726,9 +726,9 @@ def _pipeline_search_rows(
     `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
     (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
     have a stage split, P stages within the layers, a micro-batch count the 1F1B schedule takes); a layout
-    those refuse is left out, and so are all under `--precision fp8`, which `ttt run` refuses with pp."""
+    those refuse is left out."""
     rows: list[Estimate] = []
-    if fp8 is not None or not hasattr(tier.model, "n_layers"):
+    if not hasattr(tier.model, "n_layers"):
         return rows
     for p in PP_DEGREES:
         if gpus % p or p > tier.model.n_layers:
@@ -765,6 +765,11 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     - under FSDP2 it turns gradient reduction and resharding off until the last micro-batch: the stage's
       gradients whole in fp32 and its parameters gathered (per TP rank), not shards and two blocks;
     - one rank per stage (`pp=P` alone) has no DDP, so none of its buckets.
+    Of a task that freezes the model (LoRA) only the trainable parameters (its adapters, all in the blocks)
+    have gradients: the two corrections above count those, the stage's states its adapters' optimizer
+    states and its base at `Task.frozen_bytes` (`estimate`, from `Task.param_counts` at the stage's depth).
+    Under fp8 the stage's row is `estimate`'s with its float8 savings, as without pp, and the gathered stage
+    holds its float8 linears at `Fp8.gather_bytes` (1 B under tensorwise's float8 all-gathers).
     Against `--simulate` (which runs the schedule, timetotrain/train/simulate.py), peaks without the margin:
     llama31_8b reference `pp=2,fsdp=4`, no AC, `--layers 3`: 75.1 GiB simulated; llama31_405b
     `pp=8,tp=8,fsdp=8`, AC, full depth: 51.2 GiB simulated (the figures of this formula: docs/scale.md)."""
@@ -777,6 +782,9 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
         # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): FSDP2 ignores the expert slices, which the stage's
         # layout row holds 1/E of already; what the schedule keeps whole below is the rest.
         n_stage -= expert_params(bench.family, dataclasses.replace(cfg, n_layers=layers))[0]
+    depth = dataclasses.replace(tier, model=dataclasses.replace(cfg, n_layers=layers))
+    trainable, frozen = bench.task.param_counts(bench.family, depth)
+    n_grads = trainable if frozen else n_stage  # a frozen base has no gradients (LoRA: the adapters do)
     inner = dataclasses.replace(given, pp=1, vpp=1)
     # Under cp FSDP2 shards a stage over its (fsdp, cp) ranks even at fsdp=1 (`Plan.shard_ranks`).
     kind = "fsdp" if _kind(inner) == "dp" and given.cp > 1 else _kind(inner)
@@ -814,12 +822,15 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                 label = ",".join([f"pp={pp}", *([f"vpp={vpp}"] if vpp > 1 else []), *kinds])
             states, copies = e.states, e.compute_copies
             if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
-                states -= 4 * n_stage
+                states -= 4 * n_grads
             if shards > 1:
                 # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
                 # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
-                states += 4 * n_stage / inner.tp * (1 - 1 / shards)
-                copies = max(copies, (2 if bf16 else 4) * n_stage / inner.tp)
+                states += 4 * n_grads / inner.tp * (1 - 1 / shards)
+                gathered = (2 if bf16 else 4) * n_stage / inner.tp
+                if fp8 is not None and bf16:  # the float8 linears gathered in float8 (tensorwise)
+                    gathered -= (2 - fp8.gather_bytes) * fp8.per_block * layers / inner.tp
+                copies = max(copies, gathered)
             act = blocks * in_flight + (e.activations - blocks)
             rows.append(
                 dataclasses.replace(

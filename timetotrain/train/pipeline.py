@@ -46,9 +46,23 @@ flattened (data, cp) ranks, which averages the CP ranks' gradients.
 Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
 train/pipeline_moe.py.
 
-Not built: pp with dp / dp_replicate or fp8, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or
-without ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks whose loss is
-not the model's own output (LoRA's, GRPO's).
+LoRA (llama2_70b_lora). The task adapts the meta model before anything else (`Task.adapt_model`: adapters in
+the blocks, the base frozen), so a stage carries its blocks' adapters and FSDP2 groups them with the block;
+only they have gradients and optimizer state. The base is initialised, then loaded (`--init-checkpoint`,
+through `Task.checkpoint_names`), and the adapters drawn from `seed + 2` in the whole model's order
+(`_init_adapters`), the values of a one-process build. The answer-only loss needs nothing of its own: the
+last stage returns each micro-batch's mean over its answer tokens and the schedule averages the micro-batches'
+gradients, which is how the one-process step normalises (train/step.py). Dropout masks are drawn by each
+stage in the schedule's order, so they differ from one process's (equal runs need dropout 0). Under TP a
+boundary carries this rank's `torch.chunk` share of the sequence (`_stream_length`): LoRA trains on blocks
+of 8,192 tokens, 8,191 positions, which do not divide.
+
+fp8 (`--precision fp8`): the block linears of the meta model are converted (`float8.convert`) before TP,
+checkpointing, compile and FSDP2 see them, as `parallel.apply` does; each rank's stages then hold theirs.
+
+Not built: pp with dp / dp_replicate, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or without
+ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks that roll out on the
+model (GRPO) or adapt it without `Task.init_adapters`.
 """
 
 from __future__ import annotations
@@ -71,7 +85,7 @@ from timetotrain.fakes import real_host
 from timetotrain.models.common.decoder import Decoder
 from timetotrain.models.common.sequence_shard import head_loss, labelled
 from timetotrain.spec.task import Task
-from timetotrain.train import parallel
+from timetotrain.train import float8, parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.context_parallel import SequenceGroup
 from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded
@@ -95,16 +109,19 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
     for what, bad in (
         ("dp (use fsdp)", plan.dp > 1),
         ("dp_replicate", plan.dp_replicate > 1),
-        ("--precision fp8", plan.precision == "fp8"),
     ):
         if bad:
             raise UserError(f"--parallel {spec}: pipeline parallelism with {what} is not built yet")
     stages = plan.pp * plan.vpp
     layers = getattr(tier.model, "n_layers", None)
-    # Tasks that adapt the model (LoRA adapters, GRPO's policy) or roll out on it have no stage build yet.
-    if layers is None or bench.task.on_policy or type(bench.task).adapt_model is not Task.adapt_model:
+    # Tasks that roll out on the model (GRPO) have no stage build yet; a task that adapts the model builds
+    # its stages only where it also says how to draw its new parameters alone (LoRA's `init_adapters`).
+    task = type(bench.task)
+    adapts = task.adapt_model is not Task.adapt_model and task.init_adapters is Task.init_adapters
+    if layers is None or bench.task.on_policy or adapts:
         raise UserError(
-            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining only)"
+            f"--parallel {spec}: {bench.name} has no pipeline split yet (causal LM pretraining and LoRA "
+            "fine-tuning only)"
         )
     if hasattr(tier.model, "n_experts") and (bench.family.name not in MOE_FAMILIES or plan.ep == 1):
         # A stage's router state, aux losses and MTP: train/pipeline_moe.py, built for these families.
@@ -231,7 +248,14 @@ class Stage(nn.Module):
                 ahead = self.decoder.mtp_inputs(x)
             x = self.embed(x if shard is None else shard.local(x))
         elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
-            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+            # The whole length from the labels: where the sequence does not divide, the shards differ.
+            whole = None
+            if labels is not None:
+                length = labels.shape[1] // (self.sequence.cp if self.sequence is not None else 1)
+                whole = dict(
+                    shape=(x.shape[0], length, x.shape[2]), stride=(length * x.shape[2], x.shape[2], 1)
+                )
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, **(whole or {}))
         elif carry:
             x, *ahead = x.chunk(1 + carry, dim=-1)
         x = self.decoder.blocks(x, self.layers.values(), shard)
@@ -352,16 +376,16 @@ class Pipeline(nn.Module):
         return x
 
 
-def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, split: int) -> tuple:
+def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch.dtype, length: int) -> tuple:
     """A stage's input and output as the schedule sees them, on the meta device, from one micro-batch's
     tokens `[B, T]`: the whole tokens into the first stage, this rank's part of the residual stream
-    `[B, T / split, dim]` across each boundary (split = cp x tp: its CP rank's head-tail part, cut again
+    `[B, length, dim]` across each boundary (`_stream_length`: its CP rank's head-tail part, cut again
     along the sequence by TP's sequence parallelism), the micro-batch's loss out of the last. Given to
     `PipelineStage`, they spare the schedule its shape inference (a forward and a backward through the
     stage and the metadata sent between ranks in its first step) and are what a simulation's fake process
     group cannot send (timetotrain/fakes.py)."""
     meta = torch.device("meta")
-    stream = torch.empty(tokens[0], tokens[1] // split, dim, dtype=dtype, device=meta, requires_grad=True)
+    stream = torch.empty(tokens[0], length, dim, dtype=dtype, device=meta, requires_grad=True)
     x = torch.empty(tokens, dtype=torch.int64, device=meta) if index == 0 else stream
     out = (
         torch.empty((), dtype=torch.float32, device=meta, requires_grad=True)
@@ -369,6 +393,16 @@ def _examples(index: int, count: int, tokens: torch.Size, dim: int, dtype: torch
         else stream
     )
     return x, out
+
+
+def _stream_length(tokens: int, plan: parallel.Plan) -> int:
+    """The positions of the residual stream this rank carries across a stage boundary: its CP rank's part
+    (`context_parallel.check` makes the sequence divide), then its chunk of TP's sequence-parallel `Shard(1)`,
+    cut as `torch.chunk` cuts: the last TP ranks shorter where the sequence does not divide (LoRA's blocks
+    of 8,192 tokens train on 8,191 positions)."""
+    length = tokens // plan.cp
+    chunk = -(-length // plan.tp)
+    return max(0, min(chunk, length - plan.coords(dist.get_rank())["tp"] * chunk))
 
 
 class _DrawnElsewhere(TorchFunctionMode):
@@ -393,6 +427,13 @@ def _init(family, model, device, seed: int) -> None:
         family.init(model, torch.Generator(device=device).manual_seed(seed))
 
 
+def _init_adapters(task, model, tier, device, seed: int) -> None:
+    """The task's new parameters (LoRA's A and B) drawn in the whole model's order from `seed`, each rank
+    keeping its stages' (the other stages' draws made and dropped): a one-process build's values."""
+    with full_init(), _DrawnElsewhere(device):
+        task.init_adapters(model, tier, torch.Generator(device=device).manual_seed(seed))
+
+
 def build(
     bench,
     tier,
@@ -413,7 +454,9 @@ def build(
     with real_host():
         with torch.device("meta"):
             model = family.build(tier.model)
-        task.adapt_model(model, tier, None, plan.compute)
+        task.adapt_model(model, tier, None, plan.compute)  # LoRA: the adapters, the base frozen
+        if plan.precision == "fp8":  # as `parallel.apply`: first, so TP, AC, compile and FSDP2 see float8
+            float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     plain = type(model).hidden is Decoder.hidden and type(model).forward is Decoder.forward
     moe = family.name in MOE_FAMILIES  # its own forward (MTP, aux losses): the stages mirror it
     outside = (
@@ -434,8 +477,15 @@ def build(
     if tp_mesh is not None:
         if family.tensor_parallel is None:
             raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
+        styles = {}
+        if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
+            styles = float8.tensor_parallel_styles(device)
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         with real_host():
-            family.tensor_parallel(model, tp_mesh)  # every block, on the meta device: others' stay there
+            family.tensor_parallel(model, tp_mesh, **styles)  # every block, on the meta device: others' stay
+        for n, p in model.named_parameters():  # SequenceParallel's new norm Parameters: frozen stay frozen
+            if n in frozen:
+                p.requires_grad_(False)
         parallel.remark(model, plan)
     ep_group = None
     if plan.ep > 1:  # each stage's experts over its data-parallel ranks (train/pipeline_moe.py)
@@ -491,9 +541,11 @@ def build(
     stream = torch.bfloat16 if plan.shard_ranks > 1 and plan.compute == "bf16" else torch.float32
     # DeepSeek's MTP inputs ride beside the residual stream (train/pipeline_moe.py).
     width = cfg.dim * (1 + len(getattr(model, "mtp", ())))
-    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, plan.cp * plan.tp)
+    length = _stream_length(tokens[1], plan)
+    boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, length)
     pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
     _init(family, model, device, seed + 1)
+    _init_adapters(task, model, tier, device, seed + 2)
     # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;
     # its gradients are dropped.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
@@ -507,8 +559,11 @@ def build(
         mine = Owned.of(model, stages, mine, cfg.n_experts, device, stage_group, pp_group)
     if init_checkpoint is not None:
         t0 = time.monotonic()
-        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind)
+        names = task.checkpoint_names(mine)
+        _load(init_checkpoint, mine, family, cfg, task.checkpoint_rows(tier), init_kind, names)
         timer["load"] = time.monotonic() - t0
+    # The adapters from `seed + 2` after the base's weights, as the one-process build draws them.
+    _init_adapters(task, model, tier, device, seed + 2)
     pipe.train()
     return mine, pipe, ep_group
 
@@ -529,13 +584,16 @@ def owned(stages: list[Stage]) -> nn.Module:
     return mine
 
 
-def _load(path, mine: nn.Module, family, cfg, truncate_rows, kind: str | None = None) -> None:
+def _load(path, mine: nn.Module, family, cfg, truncate_rows, kind: str | None = None, names=None) -> None:
     """A Hugging Face or ttt checkpoint into this rank's stages: the entries of its own parameters only.
-    `kind`: as `checkpoint.init_from`'s."""
+    `kind`: as `checkpoint.init_from`'s; `names`: the task's renaming of an adapted model's parameters to the
+    checkpoint's (`Task.checkpoint_names`: LoRA's `base` levels; None for the adapters it draws itself)."""
+    names = names or {}
     if (kind or check_init_source(path, family, cfg)) == "hf":
-        names = {_clean_name(n) for n, _ in mine.named_parameters()}
-        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in names}
-        rows = {n: r for n, r in (truncate_rows or {}).items() if n in names}
-        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows)
+        held = {_clean_name(n) for n, _ in mine.named_parameters()}
+        held = {names.get(n, n) for n in held} - {None}
+        mapping = {n: src for n, src in family.hf_mapping(cfg).items() if n in held}
+        rows = {n: r for n, r in (truncate_rows or {}).items() if n in held}
+        load_hf_checkpoint(mine, path, mapping, truncate_rows=rows, names=names or None)
     else:
-        load_checkpoint(path, mine, None)
+        load_checkpoint(path, mine, None, names=names or None)

@@ -152,6 +152,17 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
 PHASES = ("forward", "backward", "optimizer step")
 
 
+class _NoHook:
+    """A hook handle for a parameter the tracker does not hook (`_tracker`)."""
+
+    @staticmethod
+    def remove() -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def _tracker(model, opt, fsdp: bool):
     """The tracker, also keeping the peak of each phase (forward, backward, optimizer step): its snapshot
     and where (module) it was reached. Per phase, because extrapolating over depth needs the same moment at
@@ -177,6 +188,14 @@ def _tracker(model, opt, fsdp: bool):
         def _pre_fw_hook(self, module, inputs) -> None:
             self._again(module)
             super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # torch's tracker hooks the gradient of every parameter of a module it enters, which a frozen
+            # one (LoRA's base, a pipeline stage without FSDP2) refuses: a stand-in handle skips it.
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):  # FSDPMemTracker's own check of the same
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)

@@ -117,10 +117,10 @@ class _Adapted(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """PEFT's init: each A Kaiming-uniform with a = sqrt(5) (bound 1 / sqrt(in)), each B zeros."""
+        """PEFT's init: each A Kaiming-uniform with a = sqrt(5) (bound 1 / sqrt(in)), each B zeros. On the
+        meta device the draws are no-ops, unless a torch-function mode makes them (a pipeline rank draws and
+        drops another stage's adapters so that its own draw the values of a one-process build)."""
         for _, lora_A, lora_B in self.pairs():
-            if lora_A.weight.is_meta:
-                return
             nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5), generator=generator)
             nn.init.zeros_(lora_B.weight)
 
