@@ -23,6 +23,7 @@ import torch
 from conftest import assert_parse_refuses, assert_trains_as_one_process, layout_results_written, layout_run
 from test_ep_fsdp import _recording_norms
 from test_layouts_cp import EOD, WEIGHT_ATOL, batches, tier
+from test_layouts_moe import trained_weights
 
 from timetotrain.tasks.causal_lm import lm_loss
 
@@ -57,21 +58,6 @@ def train(name: str, plan, rank: int = 0) -> tuple[dict, dict[str, torch.Tensor]
         "experts": [p.shape[0] for n, p in tr.bare.named_parameters() if n.endswith("experts.w1")],
     }
     return out, trained_weights(tr.bare)
-
-
-def trained_weights(model) -> dict[str, torch.Tensor]:
-    """Every parameter whole: FSDP2's DTensors gathered, expert slices all-gathered over their group."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from timetotrain.train.expert_parallel import expert_dtensors
-
-    experts = expert_dtensors(model) if dist.is_initialized() else {}
-    out = {}
-    for n, p in model.named_parameters():
-        p = experts.get(n, p)
-        out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return out
 
 
 @pytest.mark.slow
