@@ -265,7 +265,7 @@ def test_pipeline_with_expert_parallelism_flags():
             ("pp=2,ep=4", 4, "needs 8 processes"),
             ("pp=2,ep=2", 1, "needs 4 processes"),
             ("pp=2,ep=4,fsdp=6", 12, "ep must divide fsdp"),
-            ("cp=2,ep=2", 4, "ep does not combine with cp"),
+            ("pp=2,cp=2,ep=2", 8, "cp with ep is built as cp=C,ep=E with dp or fsdp only"),
         ]
     )
     bench, t = tier()

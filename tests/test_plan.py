@@ -676,8 +676,10 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     cap = 0.9 * 16 * GiB
     assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel)
     assert best.parallel == "fsdp=16,cp=4" and best.total <= cap
-    # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it.
-    assert {r.parallel for r in rows if "cp=" in r.parallel} == {"fsdp=16,cp=4", "fsdp=8,cp=8"}
+    # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it. Each C
+    # with the experts split over the GPUs too (32 experts, 64 GPUs: ep=32), after the one without.
+    cp_rows = {r.parallel for r in rows if "cp=" in r.parallel}
+    assert cp_rows == {"fsdp=16,cp=4", "fsdp=8,cp=8", "fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
     given = parallel.parse(best.parallel, 64)
     context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0

@@ -8,6 +8,8 @@ constructor reads parameter data, which fake tensors have none of; the gloo test
 Context parallelism (`cp=C,fsdp=F`) is the search's last resort, suggested on none of those devices but on
 smaller ones (gpt_oss_20b on 64 x 16 GiB): it is built for every benchmark whose reference tier
 `context_parallel.check` accepts, the condition under which the search offers it (one per model family).
+For an MoE model the search tries it with expert parallelism too (`cp=C,ep=E,fsdp=F`: gpt_oss_20b on 16 x 32
+GiB), built once (`cp=2,ep=2,fsdp=2`) for the first MoE benchmark `context_parallel.check` accepts.
 HSDP (`dp_replicate=R,fsdp=S`) is suggested across nodes where FSDP2 within a node fits, and offered beside a
 TP suggestion at a legal GBS of the RCP table (train/memory.py): the walk takes the suggestions as `ttt plan`
 makes them (`plan_at_legal_gbs`) and the kinds of the rows it offers at another GBS that fit. Pipeline parallelism is the search's other last resort: it is
@@ -44,6 +46,7 @@ SMALL = {
     "ep": "ep=4",
     "hsdp": "dp_replicate=2,fsdp=2",
     "fsdp,cp": "cp=2,fsdp=2",
+    "ep,fsdp,cp": "cp=2,ep=2,fsdp=2",
     # pipeline kinds: the rank layouts the search suggests (`pp=P[,tp=T][,fsdp=F]`, no dp), at 2 stages
     "tp,pp": "pp=2,tp=2,fsdp=2",
     "fsdp,pp": "pp=2,fsdp=2",
@@ -70,6 +73,7 @@ def _suggested_kinds() -> list[tuple[str, str]]:
     out = set()
     offered = set()  # (name, kind, family) of the fitting rows at another GBS than the suggestion's
     cp_families = set()  # one cp build per model family (llama31_8b's stands for llama31_405b's)
+    cp_ep = False  # one cp with ep build: the same code for both MoE families (tests/test_layouts_cp_ep.py)
     for name in registry.names():
         bench = registry.get(name)
         if "reference" not in bench.tiers or "tiny" not in bench.tiers:
@@ -98,6 +102,9 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         if bench.family.name not in cp_families:
             cp_families.add(bench.family.name)
             out.add((name, "fsdp,cp"))
+        if hasattr(tier.model, "n_experts") and not cp_ep:  # the search tries cp with ep for an MoE model
+            cp_ep = True
+            out.add((name, "ep,fsdp,cp"))
     # An offered kind once per model family, where no suggestion of the family builds it already.
     built = {(registry.get(n).family.name, k) for n, k in out}
     for name, kind, family in sorted(offered):

@@ -166,8 +166,9 @@ def _plan(bench, tier, args) -> dict:
         fp8 = memory.fp8_model(bench, tier) if args.precision == "fp8" else None
         bf16 = args.precision in ("bf16", "fp8")
         est = memory.estimate(
-            bench, tier, 0, d.world, 0.0, kind, ac, micro, bf16, fp8=fp8, replicas=p.dp_replicate
-        )
+            bench, tier, 0, d.world, 0.0, kind, ac, micro, bf16, fp8=fp8, replicas=p.dp_replicate,
+            ep=p.ep if p.ep > 1 else None, cp=p.cp,
+        )  # fmt: skip
         doc["memory_per_rank_gib"] = round((est.total - est.margin) / memory.GiB, 3)
         doc["memory_per_rank_gib_reason"] = "ttt plan's estimate, without its margin"
     except Exception as e:  # a family ttt plan does not model (rgat): say so, never fail the dry run

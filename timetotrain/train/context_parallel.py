@@ -36,7 +36,12 @@ stage computes its CP rank's part (train/pipeline.py `Stage`), the last sums the
 the llama family's dense decoders (`check`); FSDP2 then shards over the flattened (fsdp, cp) ranks even at
 fsdp=1 (`Plan.shard_ranks`), which averages the CP ranks' gradients.
 
-Not built: CP with ep (refused by `check`), GRPO (its rollouts' decoding and per-token
+With ep (`cp=C,ep=E[,fsdp=N]`, train/parallel.py): the experts split over groups of E consecutive ranks of the
+flattened (data, cp) ranks; a MoE layer routes the tokens of this rank's part like any other tokens. What is
+sequence-wide stays exact as without ep: the sequence-wise aux loss sums its counts over this CP group, MTP
+shifts in the global order, the router loads of the bias update are summed over every rank.
+
+Not built: CP with ep and tp or pp (refused by `parallel.parse`), GRPO (its rollouts' decoding and per-token
 log-probabilities; refused), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
 sequence's K/V of one layer at a time), a GQA- or MLA-latent gather (K/V are gathered after the head
 expansion), and a fused kernel: the attention is SDPA with a boolean mask.
@@ -70,9 +75,10 @@ def check(bench, tier, plan, spec: str | None) -> None:
     if plan.cp == 1:
         return
     family = bench.family
-    if plan.ep > 1:
+    if plan.ep > 1 and not hasattr(getattr(tier, "model", None), "n_experts"):
         raise UserError(
-            f"--parallel {spec}: cp combines with dp, fsdp, dp_replicate,fsdp, tp and pp (not yet with ep)"
+            f"--parallel {spec}: expert parallelism needs a mixture-of-experts model ({bench.name} has none): "
+            "leave ep out"
         )
     if (plan.tp > 1 or plan.pp > 1) and family.name != "llama":
         # The compositions are proven for the dense decoders only (tests/test_layouts_cp_compose.py); the MoE

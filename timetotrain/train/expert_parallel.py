@@ -26,7 +26,8 @@ The all-to-alls are autograd functions whose backward is the reverse all-to-all,
 copies return to the rank that routed them; gloo (CPU) and NCCL both implement `all_to_all_single`.
 
 Telemetry: `tokens_per_expert` holds the GLOBAL per-expert counts `table.sum(0)`, shape `[E]`, identical on
-every rank and equal to what one process would count on the concatenated batch; it comes free with step 3.
+every rank and equal to what one process would count on the concatenated batch; it comes free with step 3
+(where several expert-parallel groups split the batch, one all-reduce over the replicas adds theirs).
 
 Gradients (the training convention: each rank's loss is the mean over its own samples, and the global loss
 is the mean of the rank losses over the `dp` data-parallel ranks):
@@ -162,6 +163,10 @@ class ExpertParallelDispatch:
         table = table.view(ep, n_experts)
         with torch.no_grad():
             layer.tokens_per_expert.copy_(table.sum(0))
+            if self.replicas is not None:
+                # The other expert-parallel groups routed the rest of the batch (`ep=E,fsdp=N`, `cp=C,ep=E`):
+                # the telemetry counts the whole step's tokens, as one process does (a tiny all-reduce).
+                dist.all_reduce(layer.tokens_per_expert, group=self.replicas)
         mine = table[:, rank * local : (rank + 1) * local]  # [ep, L]: rows each source sends to my experts
         # to_rank[s][d]: rows source s sends to rank d. The one host sync of the layer: splits are lists.
         to_rank = host_sizes(table.view(ep, ep, local).sum(-1), grouped.shape[0])

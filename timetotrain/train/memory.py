@@ -62,7 +62,8 @@ Where the numbers come from (an estimate, not a measurement):
 - The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid),
   HSDP across nodes;
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
-  parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`), each planned
+  parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`; for an MoE model
+  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
@@ -112,7 +113,10 @@ Where the numbers come from (an estimate, not a measurement):
   checkpointing had left out since the cast moved there). The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
   by --parallel) holds 1/E of the
-  experts and 1/N of the rest.
+  experts and 1/N of the rest. With context parallelism (`cp=C,ep=E[,fsdp=N]`) the states are those of the
+  same layout over all GPUs (`ep=E,fsdp=N x C`, or `ep=E` under DDP: FSDP2 shards over the flattened (fsdp,
+  cp) ranks, the experts split over E of them), the tokens, and so the routed copies, 1/C of each sequence
+  beside the gathered K/V (`context_parallel_bytes`).
 - `--precision fp8` (train/float8.py; facts from torchao 0.18's float8 training code): the block linears
   that float8 converts (`float8.converts`, counted on the model built on the meta device) keep their fp32
   master weight, gradient and Adam moments (states as under bf16), and everything else computes in bf16
@@ -698,18 +702,25 @@ CP_DEGREES = (2, 4, 8)
 
 
 def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac) -> list[Estimate]:
-    """`cp=C,fsdp=gpus/C` for C in `CP_DEGREES` within a node, each planned as `--parallel` names it, so
-    through the checks `ttt run`'s preflight runs (`parallel.parse`, the batch split over gpus/C
-    data-parallel ranks, `context_parallel.check`); a layout those refuse is left out."""
+    """`cp=C,fsdp=gpus/C` (an MoE model: and `cp=C,ep=E,fsdp=gpus/C`) for C in `CP_DEGREES` within a node,
+    each planned as `--parallel` names it, so through the checks `ttt run`'s preflight runs
+    (`parallel.parse`, the batch split over gpus/C data-parallel ranks, `context_parallel.check`); a layout
+    those refuse is left out."""
     rows = []
+    # An MoE model: with its experts split over the largest E dividing them and the GPUs (groups of E of
+    # the flattened (fsdp, cp) ranks, train/parallel.py), after the layout without all-to-all (a tie goes
+    # to that one). FSDP2 then gathers a block without its experts (DeepSeek-V3's 256 experts are 11 B
+    # parameters a layer), so it fits where `cp=C,fsdp=F` may not.
+    experts = getattr(tier.model, "n_experts", 0)
+    ep = math.gcd(experts, gpus) if experts else 1
     for c in CP_DEGREES:
         if gpus % c or gpus // c < 2 or c > gpus_per_node:
             continue
-        try:
-            spec = f"cp={c},fsdp={gpus // c}"
-            rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
-        except UserError:
-            continue
+        for spec in [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else []):
+            try:
+                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
+            except UserError:
+                continue
     return rows
 
 

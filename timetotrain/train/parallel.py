@@ -39,6 +39,17 @@ Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's seq
 the model is wrapped last, its gradients averaged over the dp x cp ranks (DDP over all of them, FSDP2 over the
 flattened (fsdp, cp) ranks). With tp the ranks form one (fsdp, cp, tp) mesh; FSDP2 shards over its flattened
 (fsdp, cp) dimensions even at fsdp=1 (DDP takes no DTensors: `Plan.shard_ranks`). With pp: train/pipeline.py.
+
+Context with expert parallelism, `cp=C,ep=E[,fsdp=N]` (`cp=C,ep=E` alone is `dp=world/C`, DDP, as `ep=E` alone
+is `dp=E`): rank r = d * C + c is CP rank c of data-parallel rank d. Expert parallelism splits the experts over
+the flattened (data, cp) ranks, E consecutive ranks a group, the mesh (world / E, E) of the hybrid above
+(Megatron-Core's MoE "parallel folding" folds EP over its CP x DP ranks the same way): a MoE layer routes the
+tokens a rank holds, whichever part of which sequence they are, so any E ranks can share the experts, and
+consecutive ones keep the all-to-all within a node beside the CP group's K/V gathers (at E = C a group is
+one replica's CP ranks). The world / E ranks holding a slice average its gradients once per step. The rest is
+averaged over all dp x cp ranks (DDP, or FSDP2 over the flattened (fsdp, cp) ranks), which divides out the CP
+shares (train/context_parallel.py); the expert gradients come out the same: the all-to-all's backward sums
+the CP ranks' shares of the ranks of a group, `ep` divides, the replicas average (train/expert_parallel.py).
 Model families expose their repeated blocks as `model.layers` (an nn.ModuleList); that is all we need.
 """
 
@@ -239,10 +250,21 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 "pp=4,vpp=2"
             )
         if degrees["ep"] > 1 and degrees["cp"] > 1:
-            raise UserError(
-                f"--parallel {spec!r}: ep does not combine with cp yet; use cp with dp, fsdp, dp_replicate,fsdp "
-                "or tp"
-            )
+            if any(degrees[k] > 1 for k in ("tp", "pp", "vpp")):  # (dp_replicate with ep: refused above)
+                raise UserError(
+                    f"--parallel {spec!r}: cp with ep is built as cp=C,ep=E with dp or fsdp only (not with tp "
+                    "or pp yet)"
+                )
+            # `cp=C,ep=E` is `dp=world/C` (DDP, as `ep=E` alone is `dp=E`); the experts split over groups
+            # of E consecutive ranks of the flattened (data, cp) ranks (module docstring).
+            if degrees["fsdp"] == 1 and degrees["dp"] == 1:
+                degrees["dp"] = max(1, world // degrees["cp"])
+            ranks = degrees["dp"] * degrees["fsdp"] * degrees["cp"]
+            if ranks % degrees["ep"]:
+                raise UserError(
+                    f"--parallel {spec!r}: ep must divide the {ranks} data- and context-parallel ranks (the "
+                    "experts are split over groups of ep of them); use an ep that divides dp x cp or fsdp x cp"
+                )
         if degrees["ep"] > 1 and degrees["pp"] > 1:
             if any(degrees[k] > 1 for k in ("dp", "dp_replicate", "tp", "vpp")):
                 raise UserError(
@@ -254,14 +276,15 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
             # refused by the process count below.
             if degrees["fsdp"] == 1:
                 degrees["fsdp"] = max(degrees["ep"], world // degrees["pp"])
-        if degrees["ep"] > 1 and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
+        solo = degrees["ep"] > 1 and degrees["cp"] == 1  # (with cp: checked above)
+        if solo and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
             if degrees["fsdp"] % degrees["ep"]:
                 tp = f"tp={degrees['tp']}," if degrees["tp"] > 1 else ""
                 raise UserError(
                     f"--parallel {spec!r}: ep must divide fsdp (the experts are split over groups of ep of "
                     f"the ranks FSDP2 shards the rest over); use {tp}ep=E,fsdp=N with N a multiple of E"
                 )
-        elif degrees["ep"] > 1:
+        elif solo:
             degrees["dp"] = degrees["dp"] if degrees["dp"] > 1 else world
             if degrees["ep"] != degrees["dp"]:
                 raise UserError(
