@@ -55,6 +55,7 @@ from timetotrain.models.common.sequence_shard import (
 )
 from timetotrain.models.deepseek_v3.config import DeepSeekV3Config
 from timetotrain.models.deepseek_v3.hf import hf_export, hf_mapping
+from timetotrain.models.deepseek_v3.parallelize import check_shape, tensor_parallel
 from timetotrain.models.family import ModelFamily
 
 
@@ -411,4 +412,6 @@ FAMILY = ModelFamily(
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
+    tensor_parallel=tensor_parallel,
+    tensor_parallel_check=check_shape,
 )
