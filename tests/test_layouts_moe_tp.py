@@ -41,7 +41,7 @@ DEEPSEEK = DeepSeekV3Config(
 QWEN = Qwen35MoeConfig(
     dim=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, lin_k_heads=2, lin_v_heads=4, lin_k_dim=8,
     lin_v_dim=6, n_experts=4, top_k=2, expert_ffn_dim=16, shared_ffn_dim=16, vocab_size=128,
-    max_seq_len=SEQ + 1, full_attention_interval=2, init_std=0.05,
+    max_seq_len=SEQ + 1, full_attention_interval=2,
 )  # fmt: skip
 MODELS = {"deepseekv3_671b": DEEPSEEK, "qwen": QWEN}
 # Placements of trained parameters: TP-cut weights (Shard over tp, FSDP2's _StridedShard over it), the
@@ -66,7 +66,7 @@ LAYOUT = {
     "qwen": {
         "layers.0.attn.in_proj.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
         "layers.0.attn.conv_weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
-        "layers.0.attn.A_log": "(Shard(dim=0), Shard(dim=0))",
+        "layers.0.attn.A_log": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
         "layers.0.attn.norm.weight": "(Shard(dim=0), Replicate())",
         "layers.0.attn.out_proj.weight": "(Shard(dim=0), Shard(dim=1))",
         "layers.1.attn.qkv.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
@@ -76,10 +76,10 @@ LAYOUT = {
         "layers.1.ffn.experts.w1": "plain",
     },
 }
-# The final weights' absolute tolerance: DeepSeek's router weights get gradients near zero, where rounding
-# flips their sign and Adam turns either sign into a step of about lr (tests/test_layouts_cp.py saw the
-# same between summation orders); its losses agree at rtol 1e-5 all the same.
-WEIGHT_ATOL = {"deepseekv3_671b": 2e-3, "qwen": 1e-5}
+# The final weights' absolute tolerance (seen: DeepSeek 1.2e-7, Qwen 1.1e-6 at the DeltaNet layer's input
+# side, whose small gradients Adam scales up; a weight whose gradient misses its other TP rank's part is off by
+# ~1e-3).
+WEIGHT_ATOL = 1e-5
 
 
 def tier(name: str):
@@ -169,7 +169,7 @@ def test_tp_ep_trains_as_one_process(root, name):
     assert weights.keys() == final.keys() and final
     for n, w in final.items():
         assert weights[n].shape == w.shape, n
-        torch.testing.assert_close(weights[n], w, rtol=1e-4, atol=WEIGHT_ATOL[name], msg=n)
+        torch.testing.assert_close(weights[n], w, rtol=1e-4, atol=WEIGHT_ATOL, msg=n)
 
 
 def _worker(out: Path) -> None:

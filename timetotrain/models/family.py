@@ -59,6 +59,9 @@ import torch
 # Set by a `tensor_parallel` plan on a module to the TP degree: its `weight` DTensor stands for two stacked
 # sub-tensors with each rank's slices side by side (train/tensor_parallel.py reads it).
 TP_STACKED_OVER = "_ttt_tp_stacked_over"
+# Set beside it where the module's stacked parameters are others, or of unequal parts: {parameter name: the
+# rows of each sub-tensor along dim 0, in the model's layout} (without it: `weight`, two equal halves).
+TP_STACKED_PARTS = "_ttt_tp_stacked_parts"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from timetotrain.models.qwen3_5_moe.attention import CenteredRMSNorm, GatedAtten
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
 from timetotrain.models.qwen3_5_moe.deltanet import DELTANET_CHUNK, GatedDeltaNet, LinearState
 from timetotrain.models.qwen3_5_moe.hf import hf_export, hf_mapping
+from timetotrain.models.qwen3_5_moe.parallelize import check_shape, tensor_parallel
 
 
 class GatedSharedExpert(nn.Module):
@@ -367,6 +368,8 @@ FAMILY = ModelFamily(
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
+    tensor_parallel=tensor_parallel,
+    tensor_parallel_check=check_shape,
 )
 
 __all__ = ["DecodeCache", "GatedSharedExpert", "HybridBlock", "KVCache", "LinearState", "Qwen35Moe", "FAMILY"]
