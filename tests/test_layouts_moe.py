@@ -178,17 +178,6 @@ def test_parallel_flag_for_tp_with_ep():
     )
 
 
-@pytest.mark.bad_input
-@pytest.mark.parametrize("name", ["deepseekv3_671b", "qwen35_397b_grpo"])
-def test_moe_families_without_a_plan_refuse_tp_in_one_line(name):
-    from timetotrain.errors import UserError
-    from timetotrain.train.memory import plan
-
-    bench = get(name)
-    with pytest.raises(UserError, match=f"the {bench.family.name} family has no tensor-parallel plan"):
-        plan(bench, bench.tier("reference"), 512, 80, "tp=2,ep=4")
-
-
 def test_plan_counts_tp_with_ep_per_rank(capsys):
     """`ttt plan gpt_oss_20b --gpus 64 --gpu-mem 80 --parallel tp=2,ep=4` (GBS 32: 32 data-parallel ranks):
     TP halves what it cuts, the attention and the norms, and nothing else: the router and the expert slices

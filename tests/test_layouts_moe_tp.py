@@ -187,3 +187,55 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+# -- the shape checks, the task that decodes, the plan's count --
+
+
+@pytest.mark.bad_input
+def test_tp_shape_checks_and_decoding_task_refuse_in_one_line():
+    from timetotrain.errors import UserError
+    from timetotrain.train.memory import plan
+
+    deepseek, qwen = get("deepseekv3_671b").family, get("qwen35_397b_grpo").family
+    with pytest.raises(
+        UserError,
+        match=r"^--parallel tp=4: n_heads 2 \(layers.\*.attn.q_up.weight\) and ffn_dim 50 .* divide by 4$",
+    ):
+        deepseek.tensor_parallel_check(dataclasses.replace(DEEPSEEK, ffn_dim=50), 4)
+    with pytest.raises(
+        UserError, match=r"^--parallel tp=4: n_kv_heads 2 .* and lin_k_heads 2 .* do not divide by 4$"
+    ):
+        qwen.tensor_parallel_check(QWEN, 4)
+    deepseek.tensor_parallel_check(DEEPSEEK, 2), qwen.tensor_parallel_check(QWEN, 2)  # these divide
+    # GRPO decodes its rollouts through the model, which the TP plans do not cut (training only).
+    bench = get("qwen35_397b_grpo")
+    with pytest.raises(
+        UserError, match="this task decodes rollouts, which the qwen3_5_moe tensor-parallel plan"
+    ):
+        plan(bench, bench.tier("reference"), 512, 141, "tp=2,ep=64")
+
+
+def test_plan_counts_deepseek_tp_with_ep_per_rank():
+    """`ttt plan deepseekv3_671b --gpus 1024 --parallel tp=2,ep=256`: TP halves what it cuts (MLA's
+    up-projections and output, the dense-first FFNs, the block norms) and nothing else: the rest (the
+    latent down-projections, routers, shared experts, embedding, head, MTP projections) and the expert
+    slices are those of `ep=256,fsdp=512` on 512 GPUs, where each rank's data-parallel share is the same."""
+    from timetotrain.train.memory import plan
+
+    bench = get("deepseekv3_671b")
+    ref = bench.tier("reference")
+    cfg = ref.model
+    _, rows, _ = plan(bench, ref, 1024, 141, "tp=2,ep=256")
+    _, hybrid, _ = plan(bench, ref, 512, 141, "ep=256,fsdp=512")
+    assert {r.parallel for r in rows} == {"tp=2,ep=256,fsdp=512"}
+    H, layers = cfg.n_heads, cfg.n_layers + cfg.mtp_layers
+    heads = cfg.q_lora_rank * H * cfg.qk_head_dim + cfg.kv_lora_rank * H * (cfg.qk_nope_dim + cfg.v_head_dim)
+    cut = (
+        layers * (heads + H * cfg.v_head_dim * cfg.dim + 2 * cfg.dim)
+        + cfg.first_dense * 3 * cfg.dim * cfg.ffn_dim
+    )
+    for tp, one in zip(rows, hybrid, strict=True):
+        assert (tp.ac, tp.micro_batch) == (one.ac, one.micro_batch)
+        assert tp.states == pytest.approx(one.states - 16 * cut / 1024)
+        assert one.activations / 2 < tp.activations < one.activations  # the MoE's activations are not cut
