@@ -121,3 +121,17 @@ def test_every_suggested_kind_builds(name, kind):
     for rank in (0, world - 1) if ",pp" in kind else (world - 1,):
         got = _in_child(simulate_rank, bench, tier, world, spec, rank, "fp32", False)
         assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank
+
+
+# Kinds no reference tier's search reaches for the family but `ttt plan --parallel` counts (the search tries
+# TP only where nothing without it fits or splits the batch): DeepSeek-V3 under its TP plan
+# (models/deepseek_v3/parallelize.py). qwen35_397b_grpo refuses tp (its rollouts decode: train/parallel.py).
+NAMED = [("deepseekv3_671b", "tp=2,ep=2"), ("deepseekv3_671b", "tp=2,fsdp=2")]
+
+
+@pytest.mark.parametrize("name,spec", NAMED)
+def test_named_tp_kind_builds(name, spec):
+    bench, tier = prepare.resolve_tier(name, "tiny", [])
+    tier = dataclasses.replace(tier, global_batch_size=WORLD * 2, eval_samples=WORLD * 2)
+    got = _in_child(simulate_rank, bench, tier, WORLD, spec, WORLD - 1, "fp32", False)
+    assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0
