@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import layout_results_written, layout_workers
+from conftest import layout_results_written, layout_workers, moe_layout_trained, trained_weights
 
 from timetotrain.models.common.layers import YarnScaling
 from timetotrain.models.deepseek_v3 import DeepSeekV3Config
 from timetotrain.models.qwen3_5_moe import Qwen35MoeConfig
 from timetotrain.spec.registry import get
-from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -104,36 +103,9 @@ def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
 def train(name: str, plan, rank: int = 0) -> dict:
     """The global train_loss of every step, the trained weights gathered whole (every rank calls), the
     placements of the trained parameters."""
-    from timetotrain.train.step import build_training
-
-    bench, t = tier(name)
-    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
-    accum = (GBS // plan.data_parallel) // t.micro_batch_size
-    steps = enumerate(batches(plan.data_rank(rank), plan.data_parallel))
-    losses = [
-        tr.step(s, {"ids": b}, accum, lambda m, b: lm_loss(m, b["ids"], None))[0].item() for s, b in steps
-    ]
-    placed = {
-        n: str(getattr(p, "placements", "plain")) for n, p in tr.bare.named_parameters() if p.requires_grad
-    }
+    mine = batches(plan.data_rank(rank), plan.data_parallel)
+    tr, losses, placed = moe_layout_trained(*tier(name), plan, rank, mine)
     return {"losses": losses, "weights": trained_weights(tr.bare), "placements": placed}
-
-
-def trained_weights(model) -> dict[str, torch.Tensor]:
-    """Every trained parameter whole in the model's layout: DTensors gathered (stacked rows put back),
-    expert slices all-gathered over their expert-parallel group."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from timetotrain.train.expert_parallel import expert_dtensors
-    from timetotrain.train.tensor_parallel import unstack
-
-    experts = expert_dtensors(model) if dist.is_initialized() else {}
-    out = {}
-    for n, p in model.named_parameters():
-        t = experts.get(n, p)
-        out[n] = (unstack(t.full_tensor(), p) if isinstance(t, DTensor) else t).detach().clone()
-    return out
 
 
 @functools.cache

@@ -61,12 +61,22 @@ from typing import Any
 
 import torch
 
+from timetotrain.errors import UserError
+
 # Set by a `tensor_parallel` plan on a module to the TP degree: its `weight` DTensor stands for two stacked
 # sub-tensors with each rank's slices side by side (train/tensor_parallel.py reads it).
 TP_STACKED_OVER = "_ttt_tp_stacked_over"
 # Set beside it where the module's stacked parameters are others, or of unequal parts: {parameter name: the
 # rows of each sub-tensor along dim 0, in the model's layout} (without it: `weight`, two equal halves).
 TP_STACKED_PARTS = "_ttt_tp_stacked_parts"
+
+
+def check_divides(tp: int, sizes: list[tuple[str, int, str]]) -> None:
+    """A TP plan's shape check (`tensor_parallel_check`): one line naming each of `sizes` (what, its size,
+    the tensor a column cut would split unevenly) that `tp` does not divide."""
+    problems = [f"{what} {n} ({where})" for what, n, where in sizes if n % tp]
+    if problems:
+        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
 
 
 @dataclass(frozen=True)

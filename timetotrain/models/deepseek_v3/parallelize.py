@@ -32,21 +32,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from timetotrain.errors import UserError
 from timetotrain.models.common.moe import MoE
-from timetotrain.models.family import TP_STACKED_OVER
+from timetotrain.models.family import TP_STACKED_OVER, check_divides
 
 
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: MLA's heads, and the dense-first layers' FFN width (the
     experts are not cut by TP)."""
-    problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"n_heads {cfg.n_heads} (layers.*.attn.q_up.weight)")
-    if cfg.first_dense and cfg.ffn_dim % tp:
-        problems.append(f"ffn_dim {cfg.ffn_dim} (layers.0.ffn.fc1.weight)")
-    if problems:
-        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
+    sizes = [("n_heads", cfg.n_heads, "layers.*.attn.q_up.weight")]
+    if cfg.first_dense:
+        sizes.append(("ffn_dim", cfg.ffn_dim, "layers.0.ffn.fc1.weight"))
+    check_divides(tp, sizes)
 
 
 def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:

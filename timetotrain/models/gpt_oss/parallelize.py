@@ -29,17 +29,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from timetotrain.errors import UserError
+from timetotrain.models.family import check_divides
 
 
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: the attention's KV heads must split evenly over the TP ranks
     (the experts are not cut by TP)."""
-    if cfg.n_kv_heads % tp:
-        raise UserError(
-            f"--parallel tp={tp}: n_kv_heads {cfg.n_kv_heads} of the model (layers.*.attn.qkv.weight) do not "
-            f"divide by {tp}"
-        )
+    check_divides(tp, [("n_kv_heads", cfg.n_kv_heads, "layers.*.attn.qkv.weight")])
 
 
 def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from timetotrain.errors import UserError
-from timetotrain.models.family import TP_STACKED_OVER, TP_STACKED_PARTS
+from timetotrain.models.family import TP_STACKED_OVER, TP_STACKED_PARTS, check_divides
 
 # The DeltaNet's own parameters, indexed by channel or value head: sharded along dim 0, read locally.
 _DELTANET_SHARDED = ("conv_weight", "dt_bias", "A_log")
@@ -42,13 +41,13 @@ _DELTANET_SHARDED = ("conv_weight", "dt_bias", "A_log")
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: the full attention's KV heads and the DeltaNet's key heads
     (their value heads then divide too; the experts are not cut by TP)."""
-    problems = []
-    if cfg.n_kv_heads % tp:
-        problems.append(f"n_kv_heads {cfg.n_kv_heads} (layers.*.attn.qkv.weight)")
-    if cfg.lin_k_heads % tp:
-        problems.append(f"lin_k_heads {cfg.lin_k_heads} (layers.*.attn.in_proj.weight)")
-    if problems:
-        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
+    check_divides(
+        tp,
+        [
+            ("n_kv_heads", cfg.n_kv_heads, "layers.*.attn.qkv.weight"),
+            ("lin_k_heads", cfg.lin_k_heads, "layers.*.attn.in_proj.weight"),
+        ],
+    )
 
 
 def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:
