@@ -110,9 +110,16 @@ def train(name: str, plan, rank: int = 0) -> dict:
 
 @functools.cache
 def one_process(name: str) -> dict:
+    """One process's run, on one thread as each rank runs (OMP_NUM_THREADS=1): on a loaded 2-core host two
+    threads took 36-50 s here against 1 s."""
     from timetotrain.train import parallel
 
-    return train(name, parallel.Plan())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(name, parallel.Plan())
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.cache

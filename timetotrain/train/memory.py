@@ -1298,7 +1298,8 @@ def format_plan(
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
-            "tp x ep rows: attention cut by tp; the router and the routed experts not (every TP rank of a "
-            "group runs the MoE on its whole tokens: activations of the MoE whole), the experts 1/ep per GPU."
+            "tp x ep rows: attention cut by tp; the router, shared and routed experts not (every TP rank of a "
+            "group runs the MoE on its whole tokens: activations of the MoE whole), nor MLA's latent "
+            "down-projections; the experts 1/ep per GPU."
         )
     return "\n".join(out)
