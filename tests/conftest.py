@@ -175,6 +175,43 @@ def layout_results_written(out: Path, results: dict, weights: dict) -> None:
     dist.destroy_process_group()
 
 
+def moe_layout_trained(bench, tier, plan, rank: int, batches: list) -> tuple:
+    """(the `Training`, the global train_loss of every step, the placements of the trained parameters) of
+    `tier` under `plan` through the harness's own build and step, `batches` of token ids as a causal LM (the
+    MoE layout tests: tests/test_layouts_moe.py, tests/test_layouts_moe_tp.py)."""
+    from timetotrain.tasks.causal_lm import lm_loss
+    from timetotrain.train.step import build_training
+
+    tr = build_training(bench, tier, torch.device("cpu"), 7, plan)
+    accum = (tier.global_batch_size // plan.data_parallel) // tier.micro_batch_size
+    losses = [
+        tr.step(s, {"ids": b}, accum, lambda m, b: lm_loss(m, b["ids"], None))[0].item()
+        for s, b in enumerate(batches)
+    ]
+    placed = {
+        n: str(getattr(p, "placements", "plain")) for n, p in tr.bare.named_parameters() if p.requires_grad
+    }
+    return tr, losses, placed
+
+
+def trained_weights(model) -> dict:
+    """Every trained parameter whole in the model's layout: DTensors gathered (a TP plan's stacked rows put
+    back, train/tensor_parallel.py), expert slices all-gathered over their expert-parallel group (in expert
+    order)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from timetotrain.train.expert_parallel import expert_dtensors
+    from timetotrain.train.tensor_parallel import unstack
+
+    experts = expert_dtensors(model) if dist.is_initialized() else {}
+    out = {}
+    for n, p in model.named_parameters():
+        t = experts.get(n, p)
+        out[n] = (unstack(t.full_tensor(), p) if isinstance(t, DTensor) else t).detach().clone()
+    return out
+
+
 _LAYOUT_RUNS: dict = {}
 
 

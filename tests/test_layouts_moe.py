@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_parse_refuses, layout_workers
+from conftest import assert_parse_refuses, layout_workers, moe_layout_trained, trained_weights
 
 from timetotrain.models.gpt_oss import GptOssConfig
 from timetotrain.spec.registry import get
-from timetotrain.tasks.causal_lm import lm_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -64,41 +63,16 @@ def train(plan, rank: int = 0) -> dict:
     """The global train_loss of every step ("losses"), the trained weights gathered whole (every rank
     calls), the placements of the trained parameters, the experts each layer holds here and the first."""
     from timetotrain.train.expert_parallel import expert_slice
-    from timetotrain.train.step import build_training
 
-    bench, t = tier()
-    tr = build_training(bench, t, torch.device("cpu"), 7, plan)
-    accum = (GBS // plan.data_parallel) // t.micro_batch_size
-    steps = enumerate(batches(plan.data_rank(rank), plan.data_parallel))
-    losses = [
-        tr.step(s, {"ids": b}, accum, lambda m, b: lm_loss(m, b["ids"], None))[0].item() for s, b in steps
-    ]
-    placed = {
-        n: str(getattr(p, "placements", "plain")) for n, p in tr.bare.named_parameters() if p.requires_grad
-    }
+    tr, losses, placed = moe_layout_trained(
+        *tier(), plan, rank, batches(plan.data_rank(rank), plan.data_parallel)
+    )
     experts = [block.ffn.experts.w1.shape[0] for block in tr.bare.layers]
     first = (expert_slice(tr.bare.layers[0].ffn.experts.w1) or (0, 0))[1]
     return {
         "losses": losses, "weights": trained_weights(tr.bare), "placements": placed, "experts": experts,
         "first_expert": first,
     }  # fmt: skip
-
-
-def trained_weights(model) -> dict[str, torch.Tensor]:
-    """Every trained parameter whole: DTensors gathered, expert slices all-gathered over their
-    expert-parallel group (in expert order)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from timetotrain.train.expert_parallel import expert_dtensors
-
-    experts = expert_dtensors(model) if dist.is_initialized() else {}
-    out = {}
-    for n, p in model.named_parameters():
-        if n in experts:
-            p = experts[n]
-        out[n] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-    return out
 
 
 @functools.cache
@@ -176,17 +150,6 @@ def test_parallel_flag_for_tp_with_ep():
             ("tp=2,ep=2,dp_replicate=2", 8, "combines with fsdp only"),
         ]
     )
-
-
-@pytest.mark.bad_input
-@pytest.mark.parametrize("name", ["deepseekv3_671b", "qwen35_397b_grpo"])
-def test_moe_families_without_a_plan_refuse_tp_in_one_line(name):
-    from timetotrain.errors import UserError
-    from timetotrain.train.memory import plan
-
-    bench = get(name)
-    with pytest.raises(UserError, match=f"the {bench.family.name} family has no tensor-parallel plan"):
-        plan(bench, bench.tier("reference"), 512, 80, "tp=2,ep=4")
 
 
 def test_plan_counts_tp_with_ep_per_rank(capsys):

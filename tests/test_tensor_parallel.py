@@ -155,6 +155,12 @@ def test_stacked_rows_round_trip():
     # rank 0: gate 0-1, up 4-5; rank 1: gate 2-3, up 6-7
     assert reordered[:, 0].tolist() == [0, 2, 8, 10, 4, 6, 12, 14]
     assert torch.equal(unstack(reordered, param), full)
+    # Unequal parts named by their rows (qwen3_5_moe's fused [q+gate | k | v]): 4 + 2 + 2 rows, each rank
+    # the r-th half of every part.
+    setattr(param, STACKED, ((4, 2, 2), 2))
+    reordered = logical(full, param)
+    assert reordered[:, 0].tolist() == [0, 2, 8, 12, 4, 6, 10, 14]
+    assert torch.equal(unstack(reordered, param), full)
 
 
 def _worker(out: Path, spec: str) -> None:
@@ -207,14 +213,12 @@ def test_parallel_flag_for_tensor_parallelism():
 
 
 def test_a_family_without_a_plan_refuses_tp():
-    # The plan is the family's (ModelFamily.tensor_parallel); DeepSeek-V3 has none (gpt_oss has one:
-    # tests/test_layouts_moe.py), and the harness says so in one line before it builds a mesh.
+    # The plan is the family's (ModelFamily.tensor_parallel); flux has none (the decoders and MoE families
+    # have one: tests/test_layouts_moe*.py), and the harness says so in one line before it builds a mesh.
     from timetotrain.errors import UserError
-    from timetotrain.models import deepseek_v3
+    from timetotrain.models import flux
     from timetotrain.train import parallel
 
-    assert deepseek_v3.FAMILY.tensor_parallel is None
-    with pytest.raises(
-        UserError, match="--parallel tp=2: the deepseek_v3 family has no tensor-parallel plan"
-    ):
-        parallel.apply(torch.nn.Linear(2, 2), parallel.Plan(tp=2), torch.device("cpu"), deepseek_v3.FAMILY)
+    assert flux.FAMILY.tensor_parallel is None
+    with pytest.raises(UserError, match="--parallel tp=2: the flux family has no tensor-parallel plan"):
+        parallel.apply(torch.nn.Linear(2, 2), parallel.Plan(tp=2), torch.device("cpu"), flux.FAMILY)

@@ -30,6 +30,11 @@ All of them take the family's config dataclass (a tier's `model`):
 - `tensor_parallel_elements(cfg, tp)`: optional, `activation_elements` per token on one rank under the
   family's TP plan, for a plan that does not cut the whole block (gpt_oss: the MoE runs whole on every TP
   rank); None: the memory model's Megatron count (1/tp, the column-wise inputs whole);
+- `tensor_parallel_whole(cfg)`: optional, (the model's parameters besides the routed experts that the family's
+  TP plan leaves whole on every TP rank, so that FSDP2 shards them over its ranks only: the embedding, head
+  and final norm, the routers, and DeepSeek-V3's MLA down-projections, latent norms, shared experts and MTP
+  projections, qwen3_5_moe's gated shared experts; those of one MoE block), for `ttt plan`'s tp x ep count;
+  None: the embedding, head and final norm (the total less `n_layers` blocks) and the routers (gpt_oss);
 - `peak_block_elements(cfg)`: optional, for a stack of unlike blocks (qwen3_5_moe's hybrid layers), the
   largest block's `activation_elements`: activation checkpointing recomputes one block at a time, so the
   largest one is the peak (None: `activation_elements`, the blocks being alike);
@@ -56,9 +61,22 @@ from typing import Any
 
 import torch
 
+from timetotrain.errors import UserError
+
 # Set by a `tensor_parallel` plan on a module to the TP degree: its `weight` DTensor stands for two stacked
 # sub-tensors with each rank's slices side by side (train/tensor_parallel.py reads it).
 TP_STACKED_OVER = "_ttt_tp_stacked_over"
+# Set beside it where the module's stacked parameters are others, or of unequal parts: {parameter name: the
+# rows of each sub-tensor along dim 0, in the model's layout} (without it: `weight`, two equal halves).
+TP_STACKED_PARTS = "_ttt_tp_stacked_parts"
+
+
+def check_divides(tp: int, sizes: list[tuple[str, int, str]]) -> None:
+    """A TP plan's shape check (`tensor_parallel_check`): one line naming each of `sizes` (what, its size,
+    the tensor a column cut would split unevenly) that `tp` does not divide."""
+    problems = [f"{what} {n} ({where})" for what, n, where in sizes if n % tp]
+    if problems:
+        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,7 @@ class ModelFamily:
     tensor_parallel: Callable[[Any, Any], None] | None = None
     tensor_parallel_check: Callable[[Any, int], None] | None = None
     tensor_parallel_elements: Callable[[Any, int], float] | None = None
+    tensor_parallel_whole: Callable[[Any], tuple[int, int]] | None = None
     peak_block_elements: Callable[[Any], float] | None = None
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
     root_params: Callable[[Any, bool], int] | None = None

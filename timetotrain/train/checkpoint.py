@@ -604,15 +604,23 @@ def _saved_stacking(final: Path, meta) -> dict[str, tuple[int, int]]:
     """The checkpoint's stacked layouts (`_stacked`), checked: its metadata is untrusted input. A folder
     from before they were recorded has none."""
     got = meta.get("stacked", {}) if isinstance(meta, dict) else None
+
+    def count(x) -> bool:
+        return type(x) is int and x >= 1
+
+    # parts: their number, or (unequal sub-tensors, train/tensor_parallel.py) a list of their rows
     ok = isinstance(got, dict) and all(
-        isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 1 for x in v)
+        isinstance(v, list)
+        and len(v) == 2
+        and count(v[1])
+        and (count(v[0]) or (isinstance(v[0], list) and v[0] and all(count(x) for x in v[0])))
         for v in got.values()
     )
     if not ok:
         raise UserError(
             f"{final / META}: 'stacked' is not a map of names to [parts, tp]; not a ttt checkpoint"
         )
-    return {n: tuple(v) for n, v in got.items()}
+    return {n: (v[0] if type(v[0]) is int else tuple(v[0]), v[1]) for n, v in got.items()}
 
 
 def _restacking(final: Path, model_sd: dict, ours: dict, saved: dict, target: dict, optim: bool) -> dict:

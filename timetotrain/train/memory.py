@@ -473,6 +473,13 @@ def _estimate_tp(
         whole = experts + cfg.n_layers * cfg.dim * cfg.n_experts
         whole_block = cfg.dim * cfg.n_experts + (0 if ep else layer_experts)
     cut = blocks - whole  # per model: cut by TP, sharded by FSDP2
+    if family.tensor_parallel_whole is not None:
+        # The family counts what its plan keeps whole, the embedding and head among it, for blocks that are
+        # not all `block_params` (DeepSeek-V3's dense-first layers and MTP): the rest is cut.
+        kept, kept_block = family.tensor_parallel_whole(cfg)
+        rest, whole = 0, experts + kept
+        cut = family.param_count(cfg) - whole
+        whole_block = kept_block + (0 if ep else layer_experts)
     cut_block = block - (whole_block + (layer_experts if ep else 0))
     if frozen:  # the adapters sit in the blocks; everything else is frozen
         fb = bench.task.frozen_bytes(tier, bf16)
@@ -509,11 +516,11 @@ def _estimate_tp(
     return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap, tier.global_batch_size)
 
 
-def _tp_degrees(family, cfg, gpus: int, gpus_per_node: int) -> list[int]:
+def _tp_degrees(family, cfg, gpus: int, gpus_per_node: int, task=None) -> list[int]:
     """TP degrees to try: where the family has a plan that accepts them (`tensor_parallel_check`: heads and
-    FFN width divide), and within one node (a TP group's collectives sit on every block: they need the
-    NVLink domain, not the network)."""
-    if family.tensor_parallel is None:
+    FFN width divide) for a task that does not decode (`parallel.check_tensor_parallel`), and within one node
+    (a TP group's collectives sit on every block: they need the NVLink domain, not the network)."""
+    if family.tensor_parallel is None or getattr(task, "on_policy", False):
         return []
     node = min(gpus, gpus_per_node)
 
@@ -617,7 +624,7 @@ def plan(
         if given.ep > 1:
             _check_experts(tier.model, parallel_spec, given.ep)
         if given.tp > 1:
-            parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp)
+            parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp, bench.task)
         rows = rows_of(
             kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
         )
@@ -629,7 +636,7 @@ def plan(
         rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-            for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node):
+            for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node, bench.task):
                 data = gpus // t  # TP ranks share samples
                 if gbs % data:
                     continue
@@ -744,7 +751,7 @@ def _pipeline_search_rows(
     for p in PP_DEGREES:
         if gpus % p or p > tier.model.n_layers:
             continue
-        for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node)):
+        for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node, bench.task)):
             f = gpus // p // t
             spec = f"pp={p}" + (f",tp={t}" if t > 1 else "") + (f",fsdp={f}" if f > 1 else "")
             try:
@@ -1313,7 +1320,8 @@ def format_plan(
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
-            "tp x ep rows: attention cut by tp; the router and the routed experts not (every TP rank of a "
-            "group runs the MoE on its whole tokens: activations of the MoE whole), the experts 1/ep per GPU."
+            "tp x ep rows: attention cut by tp; the router, shared and routed experts not (every TP rank of a "
+            "group runs the MoE on its whole tokens: activations of the MoE whole), nor MLA's latent "
+            "down-projections; the experts 1/ep per GPU."
         )
     return "\n".join(out)

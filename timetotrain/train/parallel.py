@@ -301,11 +301,17 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
     return plan
 
 
-def check_tensor_parallel(family, cfg, spec: str | None, tp: int) -> None:
+def check_tensor_parallel(family, cfg, spec: str | None, tp: int, task=None) -> None:
     """What `apply` would refuse of `tp` for the family (no plan, or heads that do not divide), said before
-    building anything (`ttt run`'s preflight, `ttt plan`)."""
+    building anything (`ttt run`'s preflight, `ttt plan`); with the benchmark's `task`, also a task that
+    decodes (GRPO's rollouts), which the plans do not cover: they cut the training forward only."""
     if family.tensor_parallel is None:
         raise UserError(f"--parallel {spec}: the {family.name} family has no tensor-parallel plan")
+    if getattr(task, "on_policy", False):
+        raise UserError(
+            f"--parallel {spec}: this task decodes rollouts, which the {family.name} tensor-parallel plan does "
+            "not (it cuts the training forward only): leave tp out"
+        )
     if family.tensor_parallel_check is not None:
         family.tensor_parallel_check(cfg, tp)
 

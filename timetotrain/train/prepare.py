@@ -81,7 +81,7 @@ def preflight(
     if precision == "fp8" and plan.world > 1:
         float8.check_mx_parallel(tier.fp8_recipe, parallel_spec)
     if plan.tp > 1:
-        parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp)
+        parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp, bench.task)
     share = parallel.batch_share(tier.global_batch_size, plan, d.rank)
     local = share.local
     micro = settle_micro_batch(bench, tier, plan, local, micro_batch, micro_flag)

@@ -10,7 +10,10 @@ setting `TP_STACKED_OVER` (models/family.py) on the module to the TP degree; `ma
 `STACKED` on the parameter, again after anything that replaces the parameter objects. `logical(full, param)`
 reorders a full tensor of the model's layout into that order, so initialisation and checkpoint loading
 (train/shards.py) fill the right rows. A gathered `full_tensor()` is in the reordered layout (`unstack`
-reverses it).
+reverses it). Sub-tensors of unequal sizes (qwen3_5_moe's fused [q+gate | k | v] attention input, the
+DeltaNet's [q | k | v | z | b | a] input projection and [q | k | v] convolution) are named by their row
+counts instead of their number: the plan also sets `TP_STACKED_PARTS` on the module, {parameter name:
+rows of each sub-tensor}, and each rank's slices are the r-th T-th of every sub-tensor, side by side.
 
 Partial gradients. A replicated parameter that computes on sequence-cut or feature-cut inputs (the norms under
 sequence parallelism, a row-parallel layer's LoRA `B`, models/common/lora_parallel.py) gets a `Partial()`
@@ -29,10 +32,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from timetotrain.models.family import TP_STACKED_OVER
+from timetotrain.models.family import TP_STACKED_OVER, TP_STACKED_PARTS
 from timetotrain.train.expert_parallel import expert_slice
 
-STACKED = "_ttt_tp_stacked"  # parameter attribute: (sub-tensors stacked along dim 0, TP degree)
+# Parameter attribute: (the sub-tensors stacked along dim 0: their number if equal, else a tuple of their
+# rows; TP degree).
+STACKED = "_ttt_tp_stacked"
+
+
+def _parts(full: torch.Tensor, parts) -> tuple[torch.Tensor, ...]:
+    """`full` cut into its stacked sub-tensors (`parts`: their number, or their rows)."""
+    return full.chunk(parts, dim=0) if isinstance(parts, int) else full.split(list(parts), dim=0)
 
 
 def logical(full: torch.Tensor, param) -> torch.Tensor:
@@ -41,8 +51,8 @@ def logical(full: torch.Tensor, param) -> torch.Tensor:
     if stacked is None:
         return full
     parts, tp = stacked
-    pieces = [sub.chunk(tp, dim=0) for sub in full.chunk(parts, dim=0)]
-    return torch.cat([pieces[p][r] for r in range(tp) for p in range(parts)], dim=0)
+    pieces = [sub.chunk(tp, dim=0) for sub in _parts(full, parts)]
+    return torch.cat([piece[r] for r in range(tp) for piece in pieces], dim=0)
 
 
 def unstack(full: torch.Tensor, param) -> torch.Tensor:
@@ -60,8 +70,9 @@ def stacked_layouts(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def unstack_rows(full: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     """`unstack` of a tensor whose rows were stacked as `parts` sub-tensors over `tp` ranks."""
-    per_rank = [r.chunk(parts, dim=0) for r in full.chunk(tp, dim=0)]
-    return torch.cat([per_rank[r][p] for p in range(parts) for r in range(tp)], dim=0)
+    local = parts if isinstance(parts, int) else [rows // tp for rows in parts]
+    per_rank = [_parts(r, local) for r in full.chunk(tp, dim=0)]
+    return torch.cat([per_rank[r][p] for p in range(len(per_rank[0])) for r in range(tp)], dim=0)
 
 
 @torch.no_grad()
@@ -113,9 +124,13 @@ def _held_by(p: torch.Tensor) -> float:
 
 
 def mark_stacked(model: nn.Module) -> None:
-    """Mark every block's `fc1` weight as stacked (gate, up) over the TP ranks; again after anything that
-    replaces the parameter objects (FSDP2's sharding, `to_empty`)."""
+    """Mark every stacked parameter (a block's `fc1` weight: gate, up; the modules' `TP_STACKED_PARTS`) as
+    stacked over the TP ranks; again after anything that replaces the parameter objects (FSDP2's sharding,
+    `to_empty`)."""
     for module in model.modules():
         tp = getattr(module, TP_STACKED_OVER, None)
         if tp is not None:
-            setattr(module.weight, STACKED, (2, tp))
+            for name, parts in getattr(module, TP_STACKED_PARTS, {"weight": 2}).items():
+                setattr(
+                    getattr(module, name), STACKED, (parts if isinstance(parts, int) else tuple(parts), tp)
+                )

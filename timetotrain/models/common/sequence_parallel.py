@@ -10,7 +10,12 @@ from torch import nn
 
 # torch's TP package is heavy (0.5 s): the plans import this module inside their function, under --parallel tp.
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
+from torch.distributed.tensor.parallel import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    parallelize_module,
+)
 
 
 def gathered(n_inputs: int = 1) -> PrepareModuleInput:
@@ -19,6 +24,22 @@ def gathered(n_inputs: int = 1) -> PrepareModuleInput:
     rest = (None,) * (n_inputs - 1)
     return PrepareModuleInput(
         input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+    )
+
+
+def moe_gathered() -> PrepareModuleInputOutput:
+    """The style of an MoE block that TP does not cut (models/gpt_oss/parallelize.py says why): its input
+    all-gathered along the sequence, so that every TP rank of a group routes the same whole tokens the same
+    way and runs the same (shared and routed) experts on them; its output, whole and equal on the TP ranks,
+    cut back along the sequence (a local slice, whose backward all-gathers the gradient: the router's and
+    the experts' gradients are whole and equal on the TP ranks, with no TP collective of their own)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(Shard(1),),
+        use_local_output=False,
     )
 
 
@@ -33,3 +54,13 @@ def sequence_parallel_ends(model: nn.Module, tp_mesh) -> None:
         ),
     )
     parallelize_module(model.norm, tp_mesh, gathered())
+
+
+def grad_summed(t, tp_mesh):
+    """`t` (a plain tensor, the same on every TP rank) unchanged, its gradient summed over the TP ranks in
+    the backward (Megatron's "copy to the tensor-parallel region"): for a whole tensor that this rank's
+    heads alone read, so that each rank's gradient of it is only its heads' part (MLA's one rotary key)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    whole = DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False)
+    return whole.to_local(grad_placements=[Partial()])

@@ -29,17 +29,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from timetotrain.errors import UserError
+from timetotrain.models.family import check_divides
 
 
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: the attention's KV heads must split evenly over the TP ranks
     (the experts are not cut by TP)."""
-    if cfg.n_kv_heads % tp:
-        raise UserError(
-            f"--parallel tp={tp}: n_kv_heads {cfg.n_kv_heads} of the model (layers.*.attn.qkv.weight) do not "
-            f"divide by {tp}"
-        )
+    check_divides(tp, [("n_kv_heads", cfg.n_kv_heads, "layers.*.attn.qkv.weight")])
 
 
 def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:
@@ -47,16 +43,15 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
     `colwise` / `rowwise`: the parallel style classes of the attention linears when the harness swapped
     them (float8's); torch's ColwiseParallel / RowwiseParallel by default."""
     # heavy (0.5 s): only --parallel tp
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
-    from timetotrain.models.common.sequence_parallel import gathered, sequence_parallel_ends
+    from timetotrain.models.common.sequence_parallel import gathered, moe_gathered, sequence_parallel_ends
 
     colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
@@ -70,14 +65,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
             "attn.proj": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             # The MoE's boundary (module docstring): whole tokens in, the sequence cut again out.
-            "ffn": PrepareModuleInputOutput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_input=True,
-                output_layouts=(Replicate(),),
-                desired_output_layouts=(Shard(1),),
-                use_local_output=False,
-            ),
+            "ffn": moe_gathered(),
         }
         if block.attn.q_norm is not None:  # [B, T, heads, head_dim]: this rank's heads (dim 2)
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

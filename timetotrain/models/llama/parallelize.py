@@ -22,19 +22,18 @@ from torch import nn
 
 from timetotrain.errors import UserError
 from timetotrain.models.common.lora import is_adapted
-from timetotrain.models.family import TP_STACKED_OVER
+from timetotrain.models.family import TP_STACKED_OVER, check_divides
 
 
 def check_shape(cfg, tp: int) -> None:
     """One line naming what does not divide: heads and FFN width must split evenly over the TP ranks."""
-    problems = []
-    # Named by the tensors a column-wise cut would split unevenly (layers.*: every block).
-    if cfg.n_kv_heads % tp:
-        problems.append(f"n_kv_heads {cfg.n_kv_heads} (layers.*.attn.qkv.weight)")
-    if cfg.ffn_dim % tp:
-        problems.append(f"ffn_dim {cfg.ffn_dim} (layers.*.ffn.fc1.weight)")
-    if problems:
-        raise UserError(f"--parallel tp={tp}: {' and '.join(problems)} of the model do not divide by {tp}")
+    check_divides(
+        tp,
+        [
+            ("n_kv_heads", cfg.n_kv_heads, "layers.*.attn.qkv.weight"),
+            ("ffn_dim", cfg.ffn_dim, "layers.*.ffn.fc1.weight"),
+        ],
+    )
 
 
 def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> None:

@@ -29,6 +29,7 @@ from timetotrain.models.qwen3_5_moe.attention import CenteredRMSNorm, GatedAtten
 from timetotrain.models.qwen3_5_moe.config import Qwen35MoeConfig
 from timetotrain.models.qwen3_5_moe.deltanet import DELTANET_CHUNK, GatedDeltaNet, LinearState
 from timetotrain.models.qwen3_5_moe.hf import hf_export, hf_mapping
+from timetotrain.models.qwen3_5_moe.parallelize import check_shape, tensor_parallel
 
 
 class GatedSharedExpert(nn.Module):
@@ -329,6 +330,25 @@ def activation_elements(cfg: Qwen35MoeConfig) -> float:
     return (n_full * full + (cfg.n_layers - n_full) * linear) / cfg.n_layers
 
 
+def tensor_parallel_elements(cfg: Qwen35MoeConfig, tp: int) -> float:
+    """`activation_elements` per token on one rank under the TP plan (parallelize.py), averaged over the layer
+    pattern: the block norms 1/tp (sequence parallelism), the mixer's per-head tensors 1/tp (heads split) but
+    its input gathered whole (h), the MoE whole (every TP rank of a group runs it on all the group's tokens)."""
+    h, f, k, fs = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.shared_ffn_dim
+    moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 3 * fs + 2
+    norms = 2 * 5 * h
+    # what the whole count holds besides the norms and the MoE: the mixer, its input among them
+    mixer = activation_elements(cfg) - norms - moe
+    return (norms + mixer - h) / tp + h + moe
+
+
+def tensor_parallel_whole(cfg: Qwen35MoeConfig) -> tuple[int, int]:
+    """(The model's parameters besides the routed experts that the TP plan keeps whole, those of one block):
+    the embedding, head and final norm; in every layer the router and the shared expert with its gate."""
+    moe = _moe_params(cfg, 0)
+    return 2 * cfg.vocab_size * cfg.dim + cfg.dim + cfg.n_layers * moe, moe
+
+
 def peak_block_elements(cfg: Qwen35MoeConfig) -> float:
     """The larger of the two kinds of block: what one block's recomputation holds under activation checkpointing."""
     kinds = [cfg.is_full_attention(i) for i in range(cfg.n_layers)]
@@ -367,6 +387,10 @@ FAMILY = ModelFamily(
     telemetry=telemetry,
     hf_mapping=hf_mapping,
     hf_export=hf_export,
+    tensor_parallel=tensor_parallel,
+    tensor_parallel_check=check_shape,
+    tensor_parallel_elements=tensor_parallel_elements,
+    tensor_parallel_whole=tensor_parallel_whole,
 )
 
 __all__ = ["DecodeCache", "GatedSharedExpert", "HybridBlock", "KVCache", "LinearState", "Qwen35Moe", "FAMILY"]
