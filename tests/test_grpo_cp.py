@@ -22,13 +22,35 @@ import pytest
 import torch
 from conftest import layout_results_written, layout_run
 
+from timetotrain.models.qwen3_5_moe.generate import generate
 from timetotrain.spec.registry import get
-from timetotrain.tasks.grpo import rollout_figures
+from timetotrain.tasks.grpo import GRPO, rollout_figures
+from timetotrain.tasks.rollout import TorchRollout
 
 pytestmark = pytest.mark.distributed
 
 STEPS, SEED, EVAL = 4, 5, 16
-BENCH = get("qwen35_397b_grpo")
+
+
+class Skewed(TorchRollout):
+    """The benchmark's engine, its reported log-probabilities moved as a sampler that rounds otherwise
+    would move them, so that the row statistics the loss reads over whole sequences decide something: each
+    completion token's by +-0.004 in turn (a row's TIS geometric mean over all its tokens stays within
+    [0.999, 1.002], over a part of them often not), and every fourth row's first token by 1.2 (its mean
+    exp|gen - prev| over 4-5 tokens stays under the logprob check's 2, over 2 tokens not)."""
+
+    def generate(self, *args, **kwargs):
+        completions, lps = super().generate(*args, **kwargs)
+        out = []
+        for i, lp in enumerate(lps):
+            d = torch.tensor([0.004 * (-1) ** t for t in range(len(lp))])
+            if i % 4 == 0 and len(lp):
+                d[0] = 1.2
+            out.append(lp + d)
+        return completions, out
+
+
+BENCH = dataclasses.replace(get("qwen35_397b_grpo"), task=GRPO(Skewed(generate)))
 # The tier as it runs, with a short eval (16 problems x 4 generations) after the last step.
 TINY = dataclasses.replace(BENCH.tier("tiny"), eval_samples=EVAL)
 BY_WORLD = {2: ["cp2"]}

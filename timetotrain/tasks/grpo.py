@@ -491,17 +491,18 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
-    def plan_phases(self, family, tier, rows: int, act_bytes: int) -> dict[str, float]:
-        """A GPU's phases beside the step, each with the model states resident: the decode of its `rows`
-        rollouts at once (each row's cache at the full sequence length), and the logprob check's no-grad
-        forward through the chunked head (`completion_logprobs`): the hidden states of its rows (the final
-        norm's output, fp32 under autocast, and its compute-precision copy) and one chunk of logits
-        (compute precision and its fp32 copy)."""
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, cp: int = 1) -> dict[str, float]:
+        """A GPU's phases beside the step, each with the model states resident: the decode of its rollouts at
+        once (each row's cache at the full sequence length; under `cp` every rank of a CP group decodes its
+        data rank's cp x `rows` whole, `_Rollouts.rollouts`), and the logprob check's no-grad forward
+        through the chunked head (`completion_logprobs`, in parts under cp): the hidden states of its
+        `rows` samples' tokens (the final norm's output, fp32 under autocast, and its compute-precision
+        copy) and one chunk of logits (compute precision and its fp32 copy)."""
         d, V, dim = tier.data, tier.model.vocab_size, tier.model.dim
         phases = {}
         if family.decode_state_bytes is not None:
-            phases["the rollouts' decode"] = rows * family.decode_state_bytes(
-                tier.model, d.seq_len, act_bytes
+            phases["the rollouts' decode"] = (
+                cp * rows * family.decode_state_bytes(tier.model, d.seq_len, act_bytes)
             )
         if d.logprob_error_threshold is not None:
             tokens = rows * d.seq_len
