@@ -36,8 +36,12 @@ stage computes its CP rank's part (train/pipeline.py `Stage`), the last sums the
 the llama family's dense decoders (`check`); FSDP2 then shards over the flattened (fsdp, cp) ranks even at
 fsdp=1 (`Plan.shard_ranks`), which averages the CP ranks' gradients.
 
-Not built: CP with ep (refused by `check`), GRPO (its rollouts' decoding and per-token
-log-probabilities; refused), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
+GRPO (tasks/grpo.py): every rank of a CP group decodes its data rank's rollouts whole and the group keeps
+its first rank's (`SequenceGroup.from_first`); the logprob check and the loss read per-token
+log-probabilities of this rank's positions (`ContextParallel.per_token`, the batch padded to 2N chunks),
+their row statistics and loss shares summed over the group (`SequenceParts`).
+
+Not built: CP with ep (refused by `check`), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
 sequence's K/V of one layer at a time), a GQA- or MLA-latent gather (K/V are gathered after the head
 expansion), and a fused kernel: the attention is SDPA with a boolean mask.
 """
