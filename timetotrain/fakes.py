@@ -119,7 +119,10 @@ def gpu_kernels() -> bool:
 def shapes_only() -> bool:
     """Whether a fake mode is active: tensors have shapes and no values, so a loop whose steps differ only in
     values (qwen3_5_moe's DeltaNet chunk scan) may run batched, allocating what it would (`ttt plan
-    --simulate`)."""
+    --simulate`). False while torch.compile traces (its own fake tensors are no simulation; the query would
+    break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
