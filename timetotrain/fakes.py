@@ -29,6 +29,9 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
   runs the band as masked math attention, which keeps fp32 scores, probabilities, upcast q/k/v and the
   keys repeated per query head: 5.35 GiB a layer against a full-attention layer's 3.40 at gpt_oss_20b's
   shape, 16,384 tokens per rank). The op has a fake implementation, so the simulation runs it.
+- `shapes_only()`: a fake mode is active. qwen3_5_moe's DeltaNet chunk scan (one step per 64 tokens, 1,024 a
+  layer at the reference's 65,536) then runs its steps batched, keeping the tensors the loop keeps
+  (`deltanet._chunk_scan_shapes`): op by op under the fake mode and the memory tracker the loop took hours.
 - `data_parallel(model, **kwargs)`: DDP, or for a model of fake tensors a stand-in that holds what DDP holds.
   DDP's constructor checks the parameters' shapes across ranks by reading their data in C++, and its reducer
   copies each gradient into its bucket there too: neither runs on fake tensors. What DDP adds to memory is its
@@ -111,6 +114,16 @@ def gpu_kernels() -> bool:
     """Whether tensors are being counted as a GPU's kernels would keep them (`gpu_attention`): inside it and
     under a fake mode (never for real tensors, which run this machine's kernels)."""
     return _GPU_KERNELS and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def shapes_only() -> bool:
+    """Whether a fake mode is active: tensors have shapes and no values, so a loop whose steps differ only in
+    values (qwen3_5_moe's DeltaNet chunk scan) may run batched, allocating what it would (`ttt plan
+    --simulate`). False while torch.compile traces (its own fake tensors are no simulation; the query would
+    break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 @contextlib.contextmanager

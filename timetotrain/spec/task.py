@@ -270,10 +270,11 @@ class Task(ABC):
         """A line `ttt plan` adds about what its memory estimate leaves out and why, or None."""
         return None
 
-    def plan_phases(self, family, tier, rows: int, act_bytes: int) -> dict[str, float]:
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, cp: int = 1) -> dict[str, float]:
         """`ttt plan`: the bytes per GPU of the task's own phases beside the training step's activations (GRPO:
-        the rollouts' decode, the log-probability check), by name, for the `rows` samples of one GPU; the
-        plan takes the largest of these and the step. Default: none."""
+        the rollouts' decode, the log-probability check), by name, for the `rows` samples' tokens of one GPU
+        (under context parallelism `cp`, 1/cp of cp x rows samples); the plan takes the largest of these and
+        the step. Default: none."""
         return {}
 
     def data_name(self, tier) -> str | None:

@@ -47,6 +47,7 @@ from timetotrain.tasks.policy_gradient import (
     policy_loss,
 )
 from timetotrain.tasks.rollout import RolloutEngine, TorchRollout
+from timetotrain.train.context_parallel import ContextParallel, SequenceParts
 from timetotrain.train.parallel import forwards_are_collective
 
 
@@ -119,6 +120,16 @@ def completion_logprobs(model, tokens: torch.Tensor, temperature: float) -> torc
     return -model(tokens[:, :-1], tokens[:, 1:], reduction="none", temperature=temperature)
 
 
+def completion_logprob_parts(
+    model: ContextParallel, tokens: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, SequenceParts]:
+    """`completion_logprobs` under context parallelism: this rank's positions of every row (head-tail,
+    the batch padded to 2cp chunks), and the `SequenceParts` that slice the batch's other `[B, T - 1]`
+    tensors alike and sum row statistics over the group."""
+    values, parts = model.per_token(tokens[:, :-1], tokens[:, 1:], temperature)
+    return -values, parts
+
+
 class _Resolved:
     def __init__(self, paths: list[Path]):
         self.paths = paths
@@ -128,8 +139,11 @@ class _Resolved:
 
 
 def _unwrap(model):
-    """The module itself under a DDP wrapper: decoding calls its methods (`decode`, `new_cache`)."""
-    return getattr(model, "module", model)
+    """The module itself under DDP and context-parallel wrappers: decoding calls its methods (`decode`,
+    `new_cache`) on whole sequences."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 class _Rollouts(RunData):
@@ -178,10 +192,13 @@ class _Rollouts(RunData):
 
     @torch.no_grad()
     def prepare(self, model, batch: Batch) -> Batch:
-        """`rollouts`, then the token-level mean's denominator summed over every rank."""
+        """`rollouts`, then the token-level mean's denominator summed over every rank (under cp over the
+        first rank of each CP group only: the group's ranks hold the same rollouts)."""
         out = self.rollouts(model, batch)
         n = out["norm"][:1].double()
         if self.world > 1:
+            if isinstance(model, ContextParallel) and model.index:
+                n.zero_()
             dist.all_reduce(n)
         out["norm"] = n.float().expand(out["norm"].shape[0]).clone()
         return out
@@ -189,7 +206,14 @@ class _Rollouts(RunData):
     @torch.no_grad()
     def rollouts(self, model, batch: Batch) -> Batch:
         """This rank's rollouts of `batch` as loss-ready rows (module docstring), with `norm` this rank's own
-        valid-token count: no collective here, except the forwards of a sharded model (made in lockstep)."""
+        valid-token count: no collective here, except the forwards of a sharded model (made in lockstep).
+
+        Under context parallelism (`model` a `ContextParallel`) every rank of a CP group decodes its data
+        rank's prompts whole, with the same generator (seeded by the data rank), as the forwards of FSDP2
+        need anyway; the group's first rank then scores its completions and hands them, their sampler
+        log-probabilities and rewards to the others (`SequenceGroup.from_first`), so the group trains on one
+        copy however its decodes round. The logprob check then runs in parts (`completion_logprob_parts`)."""
+        cp = model if isinstance(model, ContextParallel) else None
         model = _unwrap(model)
         step = int(batch["step"][0])
         prompts = batch["prompt"].tolist()
@@ -199,7 +223,10 @@ class _Rollouts(RunData):
             top_p=self.d.train_top_p, eos_id=arithmetic.EOS, generator=self._generator(1, step),
             lockstep=forwards_are_collective(model),
         )  # fmt: skip
-        rewards = self._rewards(problems, completions)
+        if cp is None:
+            rewards = self._rewards(problems, completions)
+        else:
+            completions, gen_lps, rewards = self._from_first(cp, problems, completions, gen_lps)
         self.last_reward = float(rewards.mean())
         adv = group_advantages(rewards, self.G)
         B, P = len(prompts), len(prompts[0])
@@ -218,10 +245,18 @@ class _Rollouts(RunData):
         tokens, mask, gen = tokens.to(self.device), mask.to(self.device), gen.to(self.device)
         sample_mask = sample_mask.to(self.device)
         if self.d.logprob_error_threshold is not None:
-            prev = completion_logprobs(model, tokens, self.d.train_temperature)
-            sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, self.d.logprob_error_threshold)
+            threshold = self.d.logprob_error_threshold
+            if cp is None:
+                prev = completion_logprobs(model, tokens, self.d.train_temperature)
+                sample_mask = sample_mask * logprob_error_mask(gen, prev, mask, threshold)
+            else:
+                prev, parts = completion_logprob_parts(cp, tokens, self.d.train_temperature)
+                keep = logprob_error_mask(parts.local(gen), prev, parts.local(mask), threshold, parts.rows)
+                sample_mask = sample_mask * keep
         n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1)
         self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
+        if cp is not None and cp.index:  # the group's figures counted once, by its first rank
+            self._sums = torch.zeros_like(self._sums)
         return {
             "tokens": tokens,
             "mask": mask,
@@ -231,6 +266,24 @@ class _Rollouts(RunData):
             "norm": n.float().expand(B).clone(),
             "rows": torch.full((B,), float(B), device=self.device),
         }
+
+    def _from_first(self, cp: ContextParallel, problems, completions, gen_lps):
+        """The CP group's first rank's completions, their log-probabilities and rewards (scored there only),
+        on every rank of the group (`rollouts`)."""
+        B, L = len(completions), self.d.max_new_tokens
+        toks = torch.full((B, L), -1, dtype=torch.long, device=self.device)
+        lps = torch.zeros(B, L, device=self.device)
+        rewards = torch.zeros(B, device=self.device)
+        if cp.index == 0:
+            for i, (c, lp) in enumerate(zip(completions, gen_lps, strict=True)):
+                toks[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+                lps[i, : len(c)] = lp.float()
+            rewards.copy_(self._rewards(problems, completions))
+        cp.sequence.from_first(toks, lps, rewards)
+        lengths = (toks >= 0).sum(1).tolist()
+        toks, lps = toks.cpu(), lps.cpu()
+        completions = [toks[i, :n].tolist() for i, n in enumerate(lengths)]
+        return completions, [lps[i, :n].clone() for i, n in enumerate(lengths)], rewards.cpu()
 
     step_key = ROLLOUT_STATS_KEY
     _sums: torch.Tensor | None = None  # of the batch `prepare` made last
@@ -259,17 +312,28 @@ class _Rollouts(RunData):
         """This micro-batch's share of the global token-level loss, scaled so that the harness's mean over
         micro-batches (/ accum) and over ranks (DDP's average) gives exactly sum over the global batch / N."""
         tokens = batch["tokens"]
-        logp = completion_logprobs(model, tokens, self.d.train_temperature)
-        loss = policy_loss(
-            logp, batch["gen_logp"], batch["adv"], batch["mask"], batch["sample_mask"], batch["norm"][0],
-            cfg=self.loss_cfg,
-        )  # fmt: skip
+        if isinstance(model, ContextParallel):
+            # This rank's positions of every row; the rows' TIS sums and the loss summed over the group.
+            logp, parts = completion_logprob_parts(model, tokens, self.d.train_temperature)
+            share = policy_loss(
+                logp, parts.local(batch["gen_logp"]), batch["adv"], parts.local(batch["mask"]),
+                batch["sample_mask"], batch["norm"][0], cfg=self.loss_cfg, across=parts.rows,
+            )  # fmt: skip
+            loss = parts.total(share)
+        else:
+            logp = completion_logprobs(model, tokens, self.d.train_temperature)
+            loss = policy_loss(
+                logp, batch["gen_logp"], batch["adv"], batch["mask"], batch["sample_mask"], batch["norm"][0],
+                cfg=self.loss_cfg,
+            )  # fmt: skip
         accum = batch["rows"][0] / tokens.shape[0]
         return loss * accum * self.world
 
     @torch.no_grad()
     def evaluate(self, model, autocast=None) -> float:
-        """pass@k over the fixed validation set (this rank's share, then summed over ranks)."""
+        """pass@k over the fixed validation set (this rank's share, then summed over ranks; under cp each
+        group's first rank counts, the group's ranks decoding alike in lockstep)."""
+        counted = not (isinstance(model, ContextParallel) and model.index)
         model = _unwrap(model)
         k = self.d.val_generations
         solved = 0.0
@@ -288,6 +352,7 @@ class _Rollouts(RunData):
             solved = float((rewards > 0).any(1).sum())
         sums = torch.tensor([solved, float(len(self.val_share))], dtype=torch.float64, device=self.device)
         if self.world > 1:
+            sums *= counted
             dist.all_reduce(sums)
         return float(sums[0] / sums[1])
 
@@ -426,17 +491,18 @@ class GRPO(Task):
     def baseline_loss(self, tier) -> float | None:
         return None
 
-    def plan_phases(self, family, tier, rows: int, act_bytes: int) -> dict[str, float]:
-        """A GPU's phases beside the step, each with the model states resident: the decode of its `rows`
-        rollouts at once (each row's cache at the full sequence length), and the logprob check's no-grad
-        forward through the chunked head (`completion_logprobs`): the hidden states of its rows (the final
-        norm's output, fp32 under autocast, and its compute-precision copy) and one chunk of logits
-        (compute precision and its fp32 copy)."""
+    def plan_phases(self, family, tier, rows: int, act_bytes: int, cp: int = 1) -> dict[str, float]:
+        """A GPU's phases beside the step, each with the model states resident: the decode of its rollouts at
+        once (each row's cache at the full sequence length; under `cp` every rank of a CP group decodes its
+        data rank's cp x `rows` whole, `_Rollouts.rollouts`), and the logprob check's no-grad forward
+        through the chunked head (`completion_logprobs`, in parts under cp): the hidden states of its
+        `rows` samples' tokens (the final norm's output, fp32 under autocast, and its compute-precision
+        copy) and one chunk of logits (compute precision and its fp32 copy)."""
         d, V, dim = tier.data, tier.model.vocab_size, tier.model.dim
         phases = {}
         if family.decode_state_bytes is not None:
-            phases["the rollouts' decode"] = rows * family.decode_state_bytes(
-                tier.model, d.seq_len, act_bytes
+            phases["the rollouts' decode"] = (
+                cp * rows * family.decode_state_bytes(tier.model, d.seq_len, act_bytes)
             )
         if d.logprob_error_threshold is not None:
             tokens = rows * d.seq_len

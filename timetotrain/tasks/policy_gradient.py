@@ -8,9 +8,14 @@ completion's token positions (padded; `mask` 1 on real completion tokens).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# Sums a row statistic `[B]` over the parts of the sequences (context parallelism: each rank holds some
+# positions of every row, train/context_parallel.py `SequenceParts.rows`); None: the rows are whole here.
+Across = Callable[[torch.Tensor], torch.Tensor] | None
 
 # The reference's constants (grpo_qwen35_397b_swe_openhands_async.yaml, advantage_estimator.py).
 STD_EPS = 1e-6
@@ -49,24 +54,30 @@ def group_advantages(
     return adv.view(-1).to(rewards.dtype)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None, norm=None) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None, norm=None, across: Across = None):
     """sum(values * mask) / (norm or sum(mask)) + 1e-8 in the denominator (the reference's masked_mean, whose
-    `global_normalization_factor` is our `norm`)."""
-    den = mask.sum(dim=dim) if norm is None else norm
-    return (values * mask).sum(dim=dim) / (den + 1e-8)
+    `global_normalization_factor` is our `norm`); `across` (per row, `dim=-1`): both sums over the row's parts."""
+    num, den = (values * mask).sum(dim=dim), mask.sum(dim=dim) if norm is None else norm
+    if across is not None:
+        num, den = across(num), across(den) if norm is None else den
+    return num / (den + 1e-8)
 
 
 def logprob_error_mask(
-    gen_logp: torch.Tensor, prev_logp: torch.Tensor, mask: torch.Tensor, threshold: float | None
-) -> torch.Tensor:
+    gen_logp: torch.Tensor, prev_logp: torch.Tensor, mask: torch.Tensor, threshold: float | None,
+    across: Across = None,
+) -> torch.Tensor:  # fmt: skip
     """The sample mask `[B]` keeping a rollout only while its mean exp(|gen - prev|) over its tokens is at most
     `threshold` (grpo.compute_and_apply_seq_logprob_error_masking): a rollout the trainer scores very
-    differently from the sampler is dropped from the update. None keeps all."""
+    differently from the sampler is dropped from the update. None keeps all. `across`: the rows are in parts
+    (`Across`), their sums are summed over them."""
     keep = torch.ones(mask.shape[0], dtype=mask.dtype, device=mask.device)
     if threshold is None:
         return keep
-    den = mask.sum(-1)
-    err = (torch.exp((gen_logp - prev_logp).abs() * mask) * mask).sum(-1) / den.clamp(min=1)
+    den, num = mask.sum(-1), (torch.exp((gen_logp - prev_logp).abs() * mask) * mask).sum(-1)
+    if across is not None:
+        den, num = across(den), across(num)
+    err = num / den.clamp(min=1)
     return torch.where((den > 0) & (err > threshold), torch.zeros_like(keep), keep)
 
 
@@ -89,6 +100,7 @@ def policy_loss(
     global_tokens: float | torch.Tensor,
     old_logp: torch.Tensor | None = None,
     cfg: LossConfig = LossConfig(),
+    across: Across = None,
 ) -> torch.Tensor:
     """The clipped policy-gradient loss (loss_functions.ClippedPGLossFn, no KL term), token level: the sum over
     this batch's valid tokens of w * max(-A r, -A clip(r, 1 - low, 1 + high)), divided by `global_tokens`,
@@ -99,7 +111,11 @@ def policy_loss(
     sampler's; `old_logp` the policy the ratio is taken against (None with `force_on_policy`: logp.detach(),
     ratio 1 in value and the plain policy gradient). The importance weight w = exp(prev - gen), prev the
     ratio's denominator, corrects for sampler-trainer mismatch; under seq-mask-tis a rollout whose geometric
-    mean w (over its tokens) is outside [tis_min, tis_max] gets w = 0."""
+    mean w (over its tokens) is outside [tis_min, tis_max] gets w = 0.
+
+    Under context parallelism (`across`, `Across`) the `[B, T]` tensors are this rank's positions of every
+    row: the geometric mean's sums are summed over the row's parts, and the result is this rank's share of
+    the loss (its tokens' sum over `global_tokens`), which the caller sums over the parts."""
     prev = logp.detach() if (cfg.force_on_policy or old_logp is None) else old_logp
     if cfg.force_on_policy:
         ratio = torch.exp(logp - logp.detach())
@@ -114,7 +130,7 @@ def policy_loss(
         log_w = torch.nan_to_num((prev - gen_logp).detach(), nan=0.0, posinf=0.0, neginf=0.0)
         w = torch.nan_to_num(torch.exp(log_w), nan=0.0, posinf=0.0, neginf=0.0)
         if cfg.tis_min is not None and cfg.tis_max is not None:
-            geo = torch.exp(masked_mean(log_w, mask, dim=-1))
+            geo = torch.exp(masked_mean(log_w, mask, dim=-1, across=across))
             keep = ((geo >= cfg.tis_min) & (geo <= cfg.tis_max)).to(w.dtype)
             w = w * keep.unsqueeze(-1)
     else:

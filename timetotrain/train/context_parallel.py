@@ -41,8 +41,12 @@ flattened (data, cp) ranks; a MoE layer routes the tokens of this rank's part li
 sequence-wide stays exact as without ep: the sequence-wise aux loss sums its counts over this CP group, MTP
 shifts in the global order, the router loads of the bias update are summed over every rank.
 
-Not built: CP with ep and tp or pp (refused by `parallel.parse`), GRPO (its rollouts' decoding and per-token
-log-probabilities; refused), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
+GRPO (tasks/grpo.py): every rank of a CP group decodes its data rank's rollouts whole and the group keeps
+its first rank's (`SequenceGroup.from_first`); the logprob check and the loss read per-token
+log-probabilities of this rank's positions (`ContextParallel.per_token`, the batch padded to 2N chunks),
+their row statistics and loss shares summed over the group (`SequenceParts`).
+
+Not built: CP with ep and tp or pp (refused by `parallel.parse`), a ring exchange that overlaps the K/V transfer with the attention (the all-gather holds the whole
 sequence's K/V of one layer at a time), a GQA- or MLA-latent gather (K/V are gathered after the head
 expansion), and a fused kernel: the attention is SDPA with a boolean mask.
 """
@@ -71,7 +75,7 @@ def head_tail_positions(seq_len: int, cp: int, c: int) -> torch.Tensor:
 
 def check(bench, tier, plan, spec: str | None) -> None:
     """One line for what CP cannot run: other kinds it does not compose with, a family without the
-    `shard` argument, an on-policy task (GRPO), a sequence that does not cut into 2cp chunks."""
+    `shard` argument, data without token sequences, a window that does not cut into 2cp chunks."""
     if plan.cp == 1:
         return
     family = bench.family
@@ -92,18 +96,14 @@ def check(bench, tier, plan, spec: str | None) -> None:
         raise UserError(
             f"--parallel {spec}: the {family.name} family has no context-parallel attention; leave cp out"
         )
-    if getattr(bench.task, "on_policy", False):
-        raise UserError(
-            f"--parallel {spec}: the {bench.name} task decodes rollouts and reads per-token log-probabilities, "
-            "which cp does not compute (it computes mean or summed losses): leave cp out"
-        )
     seq = getattr(getattr(tier, "data", None), "seq_len", None)
     if seq is None:  # (llama2_70b_lora: its blocks and LoRA dropout are not checked under cp)
         raise UserError(
-            f"--parallel {spec}: cp splits the token windows of causal-LM pretraining; this benchmark's "
-            "data has none: leave cp out"
+            f"--parallel {spec}: cp splits the token windows of causal-LM pretraining and GRPO's rollouts; "
+            "this benchmark's data has none: leave cp out"
         )
-    if seq % (2 * plan.cp):
+    # GRPO's rollouts (on-policy) vary in length: `ContextParallel.per_token` pads each batch to 2cp chunks.
+    if seq % (2 * plan.cp) and not getattr(bench.task, "on_policy", False):
         raise UserError(
             f"--parallel {spec}: cp={plan.cp} cuts each sequence into {2 * plan.cp} equal chunks, and the "
             f"sequence length {seq} does not divide; choose a cp that divides seq_len / 2"
@@ -221,6 +221,12 @@ class SequenceGroup:
         summed again in the backward."""
         return _SumShares.apply(share, self.group)
 
+    def from_first(self, *tensors: torch.Tensor) -> None:
+        """Every rank of the group gets the first rank's `tensors`, in place (GRPO's rollouts: the group
+        trains on one copy of them, whatever its ranks' decodes drew)."""
+        for t in tensors:
+            dist.broadcast(t, group=self.group, group_src=0)
+
 
 class ContextParallel(nn.Module):
     """The module the harness calls under `cp`: `forward(tokens, labels, reduction)` as a causal LM's, with
@@ -254,4 +260,43 @@ class ContextParallel(nn.Module):
         share = self.module(
             tokens, labels=labels, reduction=reduction, shard=self.shard(tokens.shape[1], tokens.device)
         )
+        return self.sequence.total(share)
+
+    def per_token(
+        self, tokens: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, SequenceParts]:
+        """The module's `reduction="none"` values (GRPO's negated log-probabilities at `temperature`) of
+        `tokens` `[B, T]` against `labels`, computed in parts: this rank's `[B, T_local]` and the
+        `SequenceParts` that place them. A length that does not cut into 2cp chunks is padded on the right
+        (any id, label ignored): under a causal mask nothing before it changes."""
+        T = tokens.shape[1]
+        padded = -(-T // (2 * self.cp)) * 2 * self.cp
+        tokens = F.pad(tokens, (0, padded - T), value=0)
+        labels = F.pad(labels, (0, padded - T), value=-100)
+        shard = self.shard(padded, tokens.device)
+        values = self.module(tokens, labels=labels, reduction="none", temperature=temperature, shard=shard)
+        return values, SequenceParts(shard, self.sequence)
+
+
+class SequenceParts:
+    """Per-token values of a batch of sequences held in parts by the CP group (`ContextParallel.per_token`):
+    this rank's positions, and the sums over the group a loss of whole sequences needs. `first`: the group's
+    first rank (it alone counts what every rank of the group holds alike, so that a sum over all ranks
+    counts each sample once)."""
+
+    def __init__(self, shard: _Shard, sequence: SequenceGroup):
+        self.shard, self.sequence = shard, sequence
+        self.first = sequence.index == 0
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a `[B, T]` per-position tensor (zeros at the padding)."""
+        padded = self.shard.positions.numel() * self.sequence.cp
+        return F.pad(t, (0, padded - t.shape[1])).index_select(1, self.shard.positions)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Per-row sums `[B]` over the parts (no gradient): a whole sequence's statistic."""
+        return _summed(t, self.sequence.group)
+
+    def total(self, share: torch.Tensor) -> torch.Tensor:
+        """The one-process value of a loss from this rank's share (`SequenceGroup.total`)."""
         return self.sequence.total(share)

@@ -39,8 +39,9 @@ in one process. The two all-gathers' backward passes cannot run out of order acr
 (A, B) pairs, so its gradient is complete only after the pairs' reduce-scatter.
 
 Entry points: `deltanet_cp_forward(layer, x, group)` (the layer's output for the rank's two chunks),
-`context_parallel(layer, group)` (swaps the layer's forward for it, so that its block calls it unchanged), and
-`gated_delta_rule_cp` (the bare rule). Training only: no decoding state, no padding mask.
+`context_parallel(layer, group)` (swaps the layer's forward for it, so that its block calls it unchanged; a
+call with a decoding state, GRPO's rollouts, runs the layer's own forward on whole sequences), and
+`gated_delta_rule_cp` (the bare rule). No padding mask.
 
 Cost: the rule runs d_k extra value columns (v-side work about (d_k + d_v) / d_v times one process's), plus
 an all-gather of 2N pairs per layer (Qwen3.5-397B, cp=8, one sample: 16 x 8 MiB fp32) and of the halos.
@@ -180,13 +181,14 @@ def deltanet_cp_forward(layer: GatedDeltaNet, x: torch.Tensor, group=None) -> to
 
 def context_parallel(layer: GatedDeltaNet, group=None) -> None:
     """From now on `layer` (as its block calls it: `layer(x, state, valid)`) computes under context parallelism
-    over `group`, `x` being the rank's two chunks (`deltanet_cp_forward`). Training only."""
+    over `group`, `x` being the rank's two chunks (`deltanet_cp_forward`); with a decoding state, as before."""
 
     def forward(x: torch.Tensor, state: LinearState | None = None, valid: torch.Tensor | None = None):
-        if state is not None or valid is not None:
-            raise ValueError(
-                "a context-parallel DeltaNet layer trains only: no decoding state, no padding mask"
-            )
+        if state is not None:
+            # Decoding (GRPO's rollouts under cp): every rank decodes whole sequences, never a part.
+            return type(layer).forward(layer, x, state, valid)
+        if valid is not None:
+            raise ValueError("a context-parallel DeltaNet layer takes no padding mask outside decoding")
         return deltanet_cp_forward(layer, x, group)
 
     layer.forward = forward

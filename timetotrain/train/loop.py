@@ -301,7 +301,7 @@ class _TimedRun:
                     )
                 batch = fetch.next()
                 if task.on_policy:  # rollouts from the weights of this step (GRPO)
-                    batch = data.prepare(self.tr.bare, batch)
+                    batch = data.prepare(self.tr.model, batch)
                 loss = self.tr.step(
                     self.step, batch, prep.accum, data.loss,
                     stop_vote=self.aborter.caught is not None, sums=data.step_sums(),

@@ -321,9 +321,9 @@ def _margin(gpu_mem_gib: float) -> float:
     return MARGIN_SHARE * gpu_mem_gib * GiB + GiB
 
 
-def _peak(bench, tier, step_bytes: float, rows: int, act_bytes: int) -> tuple[float, str]:
+def _peak(bench, tier, step_bytes: float, rows: int, act_bytes: int, cp: int = 1) -> tuple[float, str]:
     """The step's activations, or the task's larger phase (`Task.plan_phases`), with its name."""
-    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes)
+    more = bench.task.plan_phases(bench.family, tier, rows, act_bytes, cp)
     phases = {"the training step": step_bytes, **more}
     name = max(phases, key=phases.get)
     return phases[name], name
@@ -393,7 +393,7 @@ def estimate(
         end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac)
     # A task phase counts whole samples: under cp a rank holds cp x as many, 1/cp of each, as many tokens
     # as gbs / gpus whole ones (at least one: conservative where fewer).
-    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // gpus, 1), 2 if bf16 else 4)
+    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // gpus, 1), 2 if bf16 else 4, cp)
     margin = _margin(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
     if kind == "hsdp":
@@ -508,7 +508,7 @@ def _estimate_tp(
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act += context_parallel_bytes(cfg, micro, seq, cp, 2 if bf16 else 4, ac) / tp  # (the masks too: small)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
-    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // fsdp, 1), 2 if bf16 else 4)
+    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // fsdp, 1), 2 if bf16 else 4, cp)
     margin = _margin(gpu_mem_gib)
     # A rank's samples: those of its data-parallel rank (fsdp / cp of them), 1/cp of each.
     overlap = backward_overlap(tier.global_batch_size * cp // fsdp, micro, grads, act, end, peak)

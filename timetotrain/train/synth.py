@@ -241,7 +241,7 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
         batch = data.batch(i)
         if task.on_policy:  # rollouts, timed apart: generation's share of the step
             t_gen = time.perf_counter()
-            batch = data.prepare(tr.bare, batch)
+            batch = data.prepare(tr.model, batch)
             _sync(device)
             if i >= warmup:
                 rollout_s += time.perf_counter() - t_gen

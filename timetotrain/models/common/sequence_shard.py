@@ -86,10 +86,14 @@ def head_loss(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """`head_loss.logits_or_loss`; under a shard `labels` are the whole sequence's, and the loss is this
-    part's share: its sum, divided by the sequence-wide count for "mean" (no logits, no per-token form)."""
+    part's share: its sum, divided by the sequence-wide count for "mean"; with `reduction="none"` this
+    part's per-token values `[B, T_local]` in the shard's order (GRPO's log-probabilities, negated: the
+    caller reaches the rest of the sequence through the shard). No logits."""
     if shard is None:
         return logits_or_loss(hidden, head, labels, reduction, temperature)
-    if labels is None or reduction not in ("mean", "sum"):
-        raise NotImplementedError("a sharded sequence computes mean or summed losses only (pass labels)")
+    if labels is None:
+        raise NotImplementedError("a sharded sequence computes losses only (pass labels)")
+    if reduction == "none":
+        return logits_or_loss(hidden, head, shard.local(labels), reduction, temperature)
     total = linear_cross_entropy(hidden, head.weight, shard.local(labels), "sum")
     return total if reduction == "sum" else total / labelled(labels)

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain import fakes
+
 DELTANET_CHUNK = 64  # tokens per chunk of the chunked form (FLA's and HF's default)
 L2_EPS = 1e-6  # FLA's and HF's l2norm epsilon: x * rsqrt(sum x^2 + eps)
 
@@ -82,6 +84,8 @@ def chunk_gated_delta_rule(
     k_to_end = k * (G[..., -1:] - G).exp().unsqueeze(-1)
     end_decay = G[..., -1].exp()[..., None, None]
 
+    if fakes.shapes_only():  # `ttt plan --simulate`: what the loop below allocates, in a few ops
+        return _chunk_scan_shapes(w_v, w_k, q_decayed, attn, k_to_end, end_decay, state, T)
     outs = []
     for c in range(n):
         u = w_v[:, :, c] - w_k[:, :, c] @ state
@@ -89,6 +93,22 @@ def chunk_gated_delta_rule(
         state = state * end_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).reshape(B, H, n * chunk, dv)[:, :, :T]
     return out, state
+
+
+def _chunk_scan_shapes(w_v, w_k, q_decayed, attn, k_to_end, end_decay, state, T: int):
+    """The chunk loop of `chunk_gated_delta_rule` for fake tensors (no values): its n steps batched, with the
+    tensors autograd keeps being the loop's: a state `[B, H, d_k, d_v]` per chunk (each step makes one and
+    its matmuls keep it) and a `u` `[B, H, C, d_v]` per chunk, the outputs' stack, and the same inputs
+    (views of w_k, q_decayed, attn, k_to_end, end_decay). Run op by op, the loop is ~30 fake ops a chunk
+    forward and backward, 1,024 chunks a layer at 65,536 tokens: the simulation of qwen35_397b_grpo's
+    reference took hours. The backward differs by the loop's per-chunk temporaries: one slice-sized gradient
+    at a time there, the whole stacked gradients here (tests/test_simulate.py compares the two)."""
+    B, H, n, C, dv = w_v.shape
+    states = state.unsqueeze(2) * end_decay  # [B, H, n, d_k, d_v]: the state each chunk starts from
+    u = w_v - w_k @ states
+    out = q_decayed @ states + attn @ u
+    final = states[:, :, -1] * end_decay[:, :, -1] + k_to_end[:, :, -1].transpose(-1, -2) @ u[:, :, -1]
+    return out.reshape(B, H, n * C, dv)[:, :, :T], final
 
 
 def recurrent_gated_delta_rule(
