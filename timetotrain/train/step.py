@@ -185,6 +185,7 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer, init_k
         torch.device("meta"),
     ):  # (timetotrain/fakes.py: a simulation's meta model stays real meta)
         model = family.build(tier.model)
+    parallel.shard_tables_before_fill(model, plan)
     model.to_empty(device=device)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.compute == "bf16" else None)

@@ -16,7 +16,7 @@ from torch import nn
 from timetotrain.models.family import EmbeddingTables, ModelFamily
 from timetotrain.models.hstu.batch import HSTUBatch
 from timetotrain.models.hstu.config import HSTUConfig
-from timetotrain.models.hstu.embedding import FusedEmbedding
+from timetotrain.models.common.embedding import FusedEmbedding
 from timetotrain.models.hstu.head import TimestampLayerNorm, masked_bce
 from timetotrain.models.hstu.jagged import SequenceLayout, place
 from timetotrain.models.hstu.layers import reset_mlp, swish_mlp
