@@ -9,8 +9,6 @@ ones lie whole on one rank.
 Run as a script (by `forked.run_ranks`) this file is the worker: it asserts and exits non-zero on a
 mismatch."""
 
-import sys
-
 import numpy as np
 import pytest
 import torch

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.models.common.embedding import FusedEmbedding
 from timetotrain.models.family import EmbeddingTables, ModelFamily
 from timetotrain.models.hstu.batch import HSTUBatch
 from timetotrain.models.hstu.config import HSTUConfig
-from timetotrain.models.common.embedding import FusedEmbedding
 from timetotrain.models.hstu.head import TimestampLayerNorm, masked_bce
 from timetotrain.models.hstu.jagged import SequenceLayout, place
 from timetotrain.models.hstu.layers import reset_mlp, swish_mlp
