@@ -3,8 +3,8 @@ one process: the harness's order (meta build, `parallel.shard_tables_before_fill
 init, `parallel.apply`), then steps of forward, backward, row-wise Adagrad on the tables and Adam on the
 dense part. The global loss of each step at rtol 1e-5 (fp32), every row of each rank's shards and every
 dense weight after the steps equal one process's, the rows no batch looked up bit for bit; each rank holds
-its shard's rows and their Adagrad state only. The 64-row tables split row-wise over the ranks, the 24-row
-ones lie whole on one rank.
+its shard's rows and their Adagrad state only. Every table splits row-wise over the ranks (unpooled tables
+always do: train/embedding_parallel.UNPOOLED_SPLIT_ROWS).
 
 Run as a script (by `forked.run_ranks`) this file is the worker: it asserts and exits non-zero on a
 mismatch."""
@@ -92,7 +92,7 @@ def _worker() -> None:
     hstu.init(model, torch.Generator().manual_seed(5))
     shard = model.embedding
     assert isinstance(shard, ShardedEmbedding)
-    local_rows = rank_rows(place(CFG.table_sizes, world), world)[rank]
+    local_rows = rank_rows(place(CFG.table_sizes, world, 0), world)[rank]
     assert shard.weight.shape[0] == local_rows < CFG.rows  # this rank's rows only
     wrapped, _ = parallel.apply(model, plan, torch.device("cpu"), hstu.FAMILY)
     mine = [b.size // world for b in batches]

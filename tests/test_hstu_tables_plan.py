@@ -23,7 +23,7 @@ def test_reference_shape_fits_only_sharded():
     ranks = rank_bytes(t, t.dense_params, 2, True, REFERENCE_GBS, 64)
     assert sum(d["table_rows"] for d in ranks) == cfg.rows
     per = [d["embedding_weights"] for d in ranks]
-    assert max(per) < 1.3 * one["embedding_weights"] / 64  # balanced: the five big tables row-wise
+    assert max(per) < 1.01 * one["embedding_weights"] / 64  # every table row-wise: balanced
     for d in ranks:  # row-wise Adagrad: one fp32 accumulator per row
         assert d["embedding_optimizer"] == (d["table_rows"] + 1) * 4
         assert d["dense_weights_grads_optimizer"] == 4 * 4 * t.dense_params  # Adam: weight, grad, 2 states

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from timetotrain.errors import UserError
-from timetotrain.train.embedding_parallel import place
+from timetotrain.train.embedding_parallel import UNPOOLED_SPLIT_ROWS, place
 from timetotrain.train.launch import before_launch, format_launch, launch_lines
 
 GiB = 2**30
@@ -72,7 +72,8 @@ def rank_bytes(tables, dense: int, dense_states: int, rowwise: bool, gbs: int, g
     batch that land in its rows (table-wise: all of that table's; row-wise: the shard's share of the rows,
     ids taken as uniform over them). `hots` of an unpooled table is its lookups at the longest sample."""
     local = gbs // gpus
-    shards = place(tables.sizes, gpus) if gpus > 1 else None
+    split = None if tables.pooled else UNPOOLED_SPLIT_ROWS  # as train/embedding_parallel places them
+    shards = place(tables.sizes, gpus, split) if gpus > 1 else None
     all_hots = sum(tables.hots)
     ranks = []
     for r in range(gpus):
