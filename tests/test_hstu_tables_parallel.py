@@ -37,21 +37,9 @@ def _batch(step: int) -> hstu.HSTUBatch:
     longest sequence, as the reference's does: equal on every rank, a rank's samples score as in the global
     batch); ids from the first 3/4 of each table, so the last quarter is never looked up."""
     rng = np.random.default_rng(step)
-    f, sizes = CFG.features, dict(CFG.tables)
-    out = []
-    for i in range(GBS):
-        n, c = 10 if i % (GBS // 2) == 0 else int(rng.integers(2, 10)), CANDIDATES
-        uih = {name: (rng.integers(0, sizes[name] * 3 // 4, 1), 1) for name in f.contextual}
-        cand = {}
-        for u, cn, table in f.sequence:
-            uih[u] = (rng.integers(0, sizes[table] * 3 // 4, n), n)
-            cand[cn] = (rng.integers(0, sizes[table] * 3 // 4, c), c)
-        ts = 20_000_000 + np.cumsum(rng.integers(1, 200_000, n))
-        uih[f.action], uih[f.timestamp] = (rng.integers(0, 8, n), n), (ts, n)
-        cand[f.query_time] = (np.full(c, ts[-1] + 10), c)
-        cand[f.candidate_action] = (rng.integers(0, 8, c), c)
-        out.append((uih, cand))
-    return hstu.collate(out, f)
+    hist = [10 if i % (GBS // 2) == 0 else int(rng.integers(2, 10)) for i in range(GBS)]
+    samples = hstu.synthetic_samples(CFG, hist, [CANDIDATES] * GBS, seed=step, id_share=0.75)
+    return hstu.collate(samples, CFG.features)
 
 
 def _train(call, model, batches):
