@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 import torch.nn.functional as F
-from side_by_side import timed
+from side_by_side import alternate
 from torch import nn
 
 from timetotrain.models import dlrm_dcnv2 as dl
@@ -114,13 +113,7 @@ def main() -> int:
     )
     for name in args.configs.split(","):
         cfg, batch, data, ours, plain = make(name, device)
-        for s in (ours, plain, ours, plain):
-            s(data)
-        a, b = [], []
-        for _ in range(args.reps):
-            a.append(batch * args.steps / timed(ours, data, args.steps, device))
-            b.append(batch * args.steps / timed(plain, data, args.steps, device))
-        ma, mb = statistics.median(a), statistics.median(b)
+        ma, mb = alternate(ours, plain, data, batch, args.reps, args.steps, device)
         print(f"{name:<6}{cfg.rows:>12,}{batch:>7}{ma:>16,.0f}{mb:>17,.0f}{ma / mb:>7.2f}x")
     return 0
 

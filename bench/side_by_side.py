@@ -3,6 +3,7 @@ peak a MFU is measured against, and the figures of one config, so the two report
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -20,6 +21,19 @@ def timed(step, batch, n: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+def alternate(first, second, batch, samples: int, reps: int, steps: int, device: torch.device):
+    """Median samples/s of `first(batch)` and `second(batch)` (each a step of `samples` samples): both warmed
+    up twice (allocator, optimizer state), then timed in turn `reps` times, `steps` steps each, so drifting
+    load and allocator state hit both."""
+    for s in (first, second, first, second):
+        s(batch)
+    a, b = [], []
+    for _ in range(reps):
+        a.append(samples * steps / timed(first, batch, steps, device))
+        b.append(samples * steps / timed(second, batch, steps, device))
+    return statistics.median(a), statistics.median(b)
 
 
 def add_common_args(ap, gpu_config: str) -> None:

@@ -48,7 +48,8 @@ All of them take the family's config dataclass (a tier's `model`):
   whose layers differ (DeepSeek-V3: dense-first layers, top-k experts, MTP beside the head); None: every
   layer `block_params`, the head `dim x vocab`.
 - `embedding_tables(cfg)`: optional, the family's embedding tables (an `EmbeddingTables`) held in a
-  `models/common/embedding_bag.FusedEmbeddingBag`, which the harness shards by rows over the
+  `models/common/embedding_bag.FusedEmbeddingBag` (pooled) or `models/common/embedding.FusedEmbedding`
+  (one row per id), which the harness shards by rows over the
   data-parallel ranks (train/embedding_parallel.py) and `ttt plan` counts per rank
   (train/embedding_memory.py); None: no sharded tables, every layout of the decoders applies.
 """
@@ -88,6 +89,15 @@ class EmbeddingTables:
     dim: int
     # Elements the rest of the model keeps per sample for the backward (the pooled rows included).
     sample_activation_elements: float
+    # False: one row per id (hstu's models/common/embedding.FusedEmbedding), exchanged rows per id; True: bags
+    # summed per sample (DLRM's FusedEmbeddingBag), exchanged as pooled rows.
+    pooled: bool = True
+    # The parameters outside the tables (data-parallel); None: the family's `block_params` (DLRM's whole
+    # dense part is its one "block").
+    dense_params: int | None = None
+    # The tables' optimizer keeps one accumulator per row (row-wise Adagrad, whatever the benchmark's dense
+    # optimizer); None: the benchmark's `Optimizer.rowwise` says.
+    rowwise: bool | None = None
 
 
 @dataclass(frozen=True)

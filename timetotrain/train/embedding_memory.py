@@ -7,14 +7,18 @@ The activations are counted from the shapes the step keeps for the backward: the
 layer outputs, each cross layer's x_l, V x_l and W V x_l, the pooled rows; the exchange is the all-gathered
 ids of the global batch and this rank's pooled partials for every sample of it (forward and gradient). The
 sparse gradient holds one row per looked-up id before its coalesce (an upper bound: repeated ids merge),
-values and int64 indices, twice (the coalesced copy)."""
+values and int64 indices, twice (the coalesced copy).
+
+Unpooled tables (hstu, `EmbeddingTables.pooled` False) exchange rows per id instead (`rank_bytes`), their
+optimizer and dense part as the family declares them (row-wise Adagrad on the tables, the benchmark's Adam
+with its two states on the rest)."""
 
 from __future__ import annotations
 
 import math
 
 from timetotrain.errors import UserError
-from timetotrain.train.embedding_parallel import place
+from timetotrain.train.embedding_parallel import UNPOOLED_SPLIT_ROWS, place
 from timetotrain.train.launch import before_launch, format_launch, launch_lines
 
 GiB = 2**30
@@ -29,40 +33,13 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
         )
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
         raise UserError(f"--gpu-mem {gpu_mem_gib:g} must be a positive, finite number of GiB")
-    local = gbs // gpus
-    rowwise = bench.optimizer.rowwise
     tables = bench.family.embedding_tables(cfg)
-    shards = place(tables.sizes, gpus) if gpus > 1 else None
-    dense = bench.family.block_params(cfg)
-    all_hots = sum(tables.hots)
-    ranks = []
-    for r in range(gpus):
-        if shards is None:
-            rows, mine_tables = sum(tables.sizes), list(range(len(tables.sizes)))
-        else:
-            mine = [s for s in shards if s.rank == r]
-            rows, mine_tables = sum(s.rows[1] - s.rows[0] for s in mine), sorted({s.table for s in mine})
-        hots = sum(tables.hots[t] for t in mine_tables)
-        weights = (rows + 1) * tables.dim * 4
-        state = (rows + 1) * 4 if rowwise else weights
-        grad = 2 * gbs * hots * (tables.dim * 4 + 8)
-        exchange = gbs * all_hots * 4 + 2 * 2 * gbs * len(mine_tables) * tables.dim * 4
-        ranks.append(
-            {
-                "rank": r,
-                "table_rows": rows,
-                "tables": len(mine_tables),
-                "embedding_weights": weights,
-                "embedding_optimizer": state,
-                "embedding_gradient": grad,
-                "dense_weights_grads_optimizer": 3 * 4 * dense,
-                "ddp_buckets": 4 * dense if gpus > 1 else 0,
-                "activations": 4 * local * tables.sample_activation_elements,
-                "exchange": exchange if gpus > 1 else 0,
-            }
-        )
-    for d in ranks:
-        d["total"] = sum(v for k, v in d.items() if k not in ("rank", "table_rows", "tables"))
+    rowwise = tables.rowwise if tables.rowwise is not None else bench.optimizer.rowwise
+    dense = tables.dense_params if tables.dense_params is not None else bench.family.block_params(cfg)
+    # Per dense parameter: its weight and gradient, plus Adagrad's one state or Adam's two.
+    states = 1 if bench.optimizer.name == "adagrad" else 2
+    ranks = rank_bytes(tables, dense, states, rowwise, gbs, gpus)
+    shards = gpus > 1
     worst = max(ranks, key=lambda d: d["total"])
     cap = gpu_mem_gib * GiB
     return {
@@ -71,9 +48,10 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
         "gpus": gpus,
         "gpu_mem_gib": gpu_mem_gib,
         "parallel": f"dp={gpus}",
-        "optimizer": "row-wise Adagrad" if rowwise else "Adagrad (element-wise, EXACT_ADAGRAD)",
+        "optimizer": ("row-wise Adagrad" if rowwise else "Adagrad (element-wise, EXACT_ADAGRAD)")
+        + ("" if states == 1 else f" on the tables, {bench.optimizer.name} on the rest"),
         "placement": "single process"
-        if shards is None
+        if not shards
         else "table-wise, row-wise above a quarter of the rows per rank",
         "ranks": ranks,
         "worst_rank": worst["rank"],
@@ -82,6 +60,55 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
             bench.name, tier.name, f"--parallel dp={gpus}", gpus, gpus_per_node, before_launch(bench, tier)
         ),
     }
+
+
+def rank_bytes(tables, dense: int, dense_states: int, rowwise: bool, gbs: int, gpus: int) -> list[dict]:
+    """Each rank's bytes under `dp=gpus` for `tables` (an EmbeddingTables), `dense` data-parallel parameters
+    with `dense_states` optimizer states each, and the global batch `gbs`, for the placement `ttt run` builds.
+
+    Pooled tables (DLRM) exchange the all-gathered ids and the pooled partials of every sample; unpooled ones
+    (hstu: train/embedding_parallel.ShardedEmbedding) send the ids a rank looks up to their owners and get
+    the rows back, forward and gradient: per rank its own samples' lookups, and the lookups of the global
+    batch that land in its rows (table-wise: all of that table's; row-wise: the shard's share of the rows,
+    ids taken as uniform over them). `hots` of an unpooled table is its lookups at the longest sample."""
+    local = gbs // gpus
+    split = None if tables.pooled else UNPOOLED_SPLIT_ROWS  # as train/embedding_parallel places them
+    shards = place(tables.sizes, gpus, split) if gpus > 1 else None
+    all_hots = sum(tables.hots)
+    ranks = []
+    for r in range(gpus):
+        if shards is None:
+            mine = [(t, n, n) for t, n in enumerate(tables.sizes)]
+        else:
+            mine = [(s.table, s.rows[1] - s.rows[0], tables.sizes[s.table]) for s in shards if s.rank == r]
+        rows, mine_tables = sum(m[1] for m in mine), sorted({m[0] for m in mine})
+        weights = (rows + 1) * tables.dim * 4
+        if tables.pooled:
+            hots = sum(tables.hots[t] for t in mine_tables)
+            grad = 2 * gbs * hots * (tables.dim * 4 + 8)
+            exchange = gbs * all_hots * 4 + 2 * 2 * gbs * len(mine_tables) * tables.dim * 4
+        else:
+            asked = sum(gbs * tables.hots[t] * n / size for t, n, size in mine)  # lookups landing here
+            grad = 2 * asked * (tables.dim * 4 + 8)
+            sent = local * all_hots  # this rank's own lookups
+            exchange = 2 * 8 * (sent + asked) + 2 * 2 * (sent + asked) * tables.dim * 4
+        ranks.append(
+            {
+                "rank": r,
+                "table_rows": rows,
+                "tables": len(mine_tables),
+                "embedding_weights": weights,
+                "embedding_optimizer": (rows + 1) * 4 if rowwise else weights,
+                "embedding_gradient": grad,
+                "dense_weights_grads_optimizer": (2 + dense_states) * 4 * dense,
+                "ddp_buckets": 4 * dense if gpus > 1 else 0,
+                "activations": 4 * local * tables.sample_activation_elements,
+                "exchange": exchange if gpus > 1 else 0,
+            }
+        )
+    for d in ranks:
+        d["total"] = sum(v for k, v in d.items() if k not in ("rank", "table_rows", "tables"))
+    return ranks
 
 
 def format_per_rank(doc: dict) -> str:

@@ -14,6 +14,18 @@ One step, on every rank, for its local batch of B samples:
 
 The shard's gradient sums the N ranks' local-mean losses; it is divided by N, as DDP averages the dense
 gradients, so a step equals one process on the global batch.
+
+Unpooled tables (`models/common/embedding.FusedEmbedding`, hstu: one row per id, a different number of ids
+per sample) are placed the same way and exchanged as TorchRec's sharded EmbeddingCollection does, rows per
+id (`ShardedEmbedding`):
+1. each rank sorts its ids by the rank that owns their row and sends each owner its ids (an all-to-all of
+   the counts, then of the ids);
+2. the owner looks the rows up in its shard (one `embedding`, a sparse gradient over its own rows only);
+3. a second all-to-all sends the rows back; the backward runs it in reverse, so each owner receives the
+   gradients of its rows from every rank and row-wise Adagrad updates them there, its state [own rows].
+Nothing travels but the ids a rank looks up and their rows. Such a shard can be made from the meta model
+(`shard_tables_before_fill`) and filled by the family's own init (`ShardedEmbedding.reset_parameters`), so
+that no rank ever holds a whole table (hstu's reference shape is 600 GB of fp32 rows).
 """
 
 from __future__ import annotations
@@ -21,11 +33,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.models.common.embedding import FusedEmbedding, table_bound
 from timetotrain.models.common.embedding_bag import FusedEmbeddingBag
+
+# Rows drawn at a time when a shard is filled: every rank draws every table whole, chunk by chunk, and keeps
+# its own rows (so the generator stays in step across ranks), never holding more than this many rows x dim.
+FILL_ROWS = 1 << 18
+# Unpooled tables split row-wise whatever their size (`place`'s split_rows 0): an id still fetches one row
+# from one owner, so a row-wise shard costs no more traffic than a whole table, and it spreads the lookups of
+# the tables every event reads (hstu's item, artist and album: 4,085 ids per sample each) over all ranks,
+# where table-wise placement would send every artist lookup of the global batch to one rank.
+UNPOOLED_SPLIT_ROWS = 0
 
 
 @dataclass(frozen=True)
@@ -147,16 +170,126 @@ class ShardedEmbeddingBag(nn.Module):
         return result
 
 
-def shard_embeddings(model: nn.Module, rank: int, world: int, split_rows: int | None = None) -> list[str]:
-    """Replace every FusedEmbeddingBag of `model` by this rank's shards; returns the parameter and buffer
-    names DDP must leave alone."""
+class ShardedEmbedding(nn.Module):
+    """This rank's shards of a FusedEmbedding, with the same calls: `rows(ids, tables)` (global rows of the
+    whole table, as before) and `forward(rows)` -> [..., dim], one row per id. `full` may be on the meta
+    device: then the shard is allocated (meta) and left for `reset_parameters` or a copy to fill."""
+
+    def __init__(self, full: FusedEmbedding, shards: list[Shard], rank: int, world: int, group=None):
+        super().__init__()
+        self.table_sizes, self.dim, self.starts = full.table_sizes, full.dim, full.starts
+        self.rank, self.world, self.group = rank, world, group
+        self.shards = shards
+        self.mine = [s for s in shards if s.rank == rank]
+        local = sum(s.rows[1] - s.rows[0] for s in self.mine)
+        self.weight = nn.Parameter(
+            torch.empty(local, full.dim, device=full.weight.device, dtype=full.weight.dtype)
+        )
+        # Where each global row lives: shard k covers global rows [lo[k], next lo), on rank owner[k], at
+        # local row (global + shift[k]) there. Python lists, made tensors on the ids' device at the first
+        # lookup (buffers made on the meta device would come out of `to_empty` uninitialised).
+        at = [0] * world
+        spans = []
+        for s in sorted(shards, key=lambda s: (s.rank, s.table)):
+            lo = full.starts[s.table] + s.rows[0]
+            spans.append((lo, s.rank, at[s.rank] - lo))
+            at[s.rank] += s.rows[1] - s.rows[0]
+        spans.sort()
+        self.route = tuple(list(col) for col in zip(*spans, strict=True))
+        self._routes: dict = {}
+        if full.weight.device.type != "meta":
+            with torch.no_grad():
+                for s, start in self._local_starts():
+                    src = full.starts[s.table]
+                    self.weight[start : start + s.rows[1] - s.rows[0]] = full.weight[
+                        src + s.rows[0] : src + s.rows[1]
+                    ]
+
+    def _local_starts(self):
+        at = 0
+        for s in self.mine:
+            yield s, at
+            at += s.rows[1] - s.rows[0]
+
+    def rows(self, ids: torch.Tensor, tables: tuple[int, ...]) -> torch.Tensor:
+        return FusedEmbedding.rows(self, ids, tables)
+
+    def _routing(self, device):
+        if device not in self._routes:
+            self._routes[device] = [torch.tensor(col, dtype=torch.long, device=device) for col in self.route]
+        return self._routes[device]
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        shape, flat = rows.shape, rows.reshape(-1).long()
+        lo, owner, shift = self._routing(flat.device)
+        k = torch.searchsorted(lo, flat, right=True) - 1
+        local = flat + shift[k]
+        if self.world == 1:
+            return F.embedding(local, self.weight, sparse=True).view(*shape, self.dim)
+        dest = owner[k]
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        asked = flat.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(asked, local[order], recv_sizes, send_sizes, group=self.group)
+        found = F.embedding(asked, self.weight, sparse=True)
+        if found.requires_grad:
+            found.register_hook(lambda g: g / self.world)  # N local means -> the global mean
+        back = dist_fn.all_to_all_single(
+            found.new_empty(flat.shape[0], self.dim), found, send_sizes, recv_sizes, group=self.group
+        )
+        return back.index_select(0, torch.argsort(order)).view(*shape, self.dim)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """FusedEmbedding.reset_parameters' draws, table by table, in chunks of FILL_ROWS rows; this rank keeps
+        its rows. On the CPU the chunks draw the whole table's numbers (the same weights as one process, the
+        generator left where the whole draw leaves it); on a GPU each chunk is its own Philox call, so the
+        numbers differ from a whole-table draw but are the same on every rank."""
+        by_table: dict[int, list] = {}
+        for s, start in self._local_starts():
+            by_table.setdefault(s.table, []).append((s, start))
+        for t, n in enumerate(self.table_sizes):
+            b = table_bound(n)
+            for c in range(0, n, FILL_ROWS):
+                e = min(c + FILL_ROWS, n)
+                chunk = torch.empty(e - c, self.dim, device=self.weight.device, dtype=self.weight.dtype)
+                chunk.uniform_(-b, b, generator=generator)
+                for s, start in by_table.get(t, ()):
+                    a, z = max(c, s.rows[0]), min(e, s.rows[1])
+                    if a < z:
+                        self.weight[start + a - s.rows[0] : start + z - s.rows[0]] = chunk[a - c : z - c]
+
+
+def _replace(module: nn.Module, rank: int, world: int, split_rows: int | None) -> nn.Module | None:
+    if isinstance(module, FusedEmbeddingBag):
+        return ShardedEmbeddingBag(module, place(module.table_sizes, world, split_rows), rank, world)
+    if isinstance(module, FusedEmbedding):
+        rows = UNPOOLED_SPLIT_ROWS if split_rows is None else split_rows
+        return ShardedEmbedding(module, place(module.table_sizes, world, rows), rank, world)
+    return None
+
+
+# What differs per rank in each sharded module: DDP must neither broadcast nor reduce it.
+_PER_RANK = {ShardedEmbeddingBag: ("weight", "cols", "lo", "hi", "base"), ShardedEmbedding: ("weight",)}
+
+
+def shard_embeddings(
+    model: nn.Module, rank: int, world: int, split_rows: int | None = None, unpooled_only: bool = False
+) -> list[str]:
+    """Replace every FusedEmbeddingBag and FusedEmbedding of `model` by this rank's shards (tables already
+    sharded stay); returns the parameter and buffer names DDP must leave alone. `unpooled_only`: the
+    FusedEmbeddings alone (`shard_tables_before_fill`)."""
     names = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, FusedEmbeddingBag):
-                shards = place(child.table_sizes, world, split_rows)
-                setattr(parent, child_name, ShardedEmbeddingBag(child, shards, rank, world))
-                prefix = f"{parent_name}.{child_name}" if parent_name else child_name
-                # The shard and its index buffers differ per rank: DDP must neither broadcast nor reduce them.
-                names += [f"{prefix}.{n}" for n in ("weight", "cols", "lo", "hi", "base")]
+            if not (unpooled_only and isinstance(child, FusedEmbeddingBag)):
+                new = _replace(child, rank, world, split_rows)
+                if new is not None:
+                    setattr(parent, child_name, new)
+                    child = new
+            prefix = f"{parent_name}.{child_name}" if parent_name else child_name
+            names += [f"{prefix}.{n}" for n in _PER_RANK.get(type(child), ())]
     return names

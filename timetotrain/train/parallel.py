@@ -447,6 +447,15 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
     return model, ep_group, cp
 
 
+def shard_tables_before_fill(model: nn.Module, plan: Plan) -> None:
+    """Under `dp=N`, cut the meta model's unpooled tables (hstu's FusedEmbedding) into this rank's shards
+    before `to_empty`, so that the rank allocates, initialises and trains its own rows only (the reference
+    shape's 600 GB of rows never exist whole); `apply` then finds them sharded. Pooled tables (DLRM's, 100 GB
+    at most) are still built whole and cut after the init, as before."""
+    if plan.dp > 1 and plan.ep == 1 and not plan.sharded:
+        shard_embeddings(model, dist.get_rank(), plan.dp, unpooled_only=True)
+
+
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
     """`init_device_mesh`, outside any fake-tensor mode. A mesh is host bookkeeping (the rank ids sit in a
     tensor it reads back), so under `ttt plan --simulate`, which builds the model under FakeTensorMode, it

@@ -176,7 +176,8 @@ def _timed_init_from(timer: dict, *args, **kwargs) -> None:
 
 
 def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer, init_kind=None):
-    """Model on the meta device, materialised whole on `device`, initialised from `seed + 1`, warmed up,
+    """Model on the meta device (under `dp=N` its unpooled tables cut to this rank's shard first:
+    `parallel.shard_tables_before_fill`), materialised on `device`, initialised from `seed + 1`, warmed up,
     initialised from `seed` (or loaded), adapted by the task, then parallelised (DDP, expert parallelism or
     none). The order of the recorded golden runs: it fixes which random numbers each step draws."""
     family = bench.family
@@ -185,6 +186,7 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer, init_k
         torch.device("meta"),
     ):  # (timetotrain/fakes.py: a simulation's meta model stays real meta)
         model = family.build(tier.model)
+    parallel.shard_tables_before_fill(model, plan)
     model.to_empty(device=device)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.compute == "bf16" else None)

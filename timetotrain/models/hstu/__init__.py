@@ -1,7 +1,7 @@
 """The hstu family (the dlrmv4 reference's DlrmHSTU generative recommender): `config.py` its sizes,
 `batch.py` the batch and its collate, `model.py` the module, its init, counts, FLOPs and FAMILY."""
 
-from timetotrain.models.hstu.batch import HSTUBatch, collate
+from timetotrain.models.hstu.batch import HSTUBatch, collate, synthetic_samples
 from timetotrain.models.hstu.config import YAMBDA_TABLES, Features, HSTUConfig, tiny_tables
 from timetotrain.models.hstu.model import (
     FAMILY,
@@ -31,6 +31,7 @@ __all__ = [
     "init",
     "jagged_flops_per_sample",
     "param_count",
+    "synthetic_samples",
     "table_parameters",
     "tiny_tables",
 ]

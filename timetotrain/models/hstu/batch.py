@@ -105,3 +105,28 @@ def collate(samples: Sequence, features: Features | None = None) -> HSTUBatch:
         candidate_actions=cat(cand_act),
         query_times=cat(query),
     )
+
+
+def synthetic_samples(
+    cfg, hist: Sequence[int], cands: Sequence[int], seed: int, id_share: float = 1.0
+) -> list:
+    """Random samples in the dataset's layout (`collate`'s input), for tests and benchmarks: `hist[i]` history
+    events and `cands[i]` candidates for sample i, ids uniform over the first `id_share` of each table of
+    `cfg` (an HSTUConfig), action bitmasks over 3 bits, timestamps increasing at Yambda's scale (~2e7 s), the
+    candidates' query time after the last event."""
+    rng = np.random.default_rng(seed)
+    f, sizes = cfg.features, dict(cfg.tables)
+    out = []
+    for n, c in zip(hist, cands, strict=True):
+        top = {name: max(int(rows * id_share), 1) for name, rows in sizes.items()}
+        uih = {name: (rng.integers(0, top[name], 1), 1) for name in f.contextual}
+        cand = {}
+        for u, cn, table in f.sequence:
+            uih[u] = (rng.integers(0, top[table], n), n)
+            cand[cn] = (rng.integers(0, top[table], c), c)
+        ts = 20_000_000 + np.cumsum(rng.integers(1, 200_000, n))
+        uih[f.action], uih[f.timestamp] = (rng.integers(0, 8, n), n), (ts, n)
+        cand[f.query_time] = (np.full(c, ts[-1] + 10), c)
+        cand[f.candidate_action] = (rng.integers(0, 8, c), c)
+        out.append((uih, cand))
+    return out

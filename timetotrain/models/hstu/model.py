@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.models.common.embedding import FusedEmbedding
 from timetotrain.models.family import EmbeddingTables, ModelFamily
 from timetotrain.models.hstu.batch import HSTUBatch
 from timetotrain.models.hstu.config import HSTUConfig
-from timetotrain.models.hstu.embedding import FusedEmbedding
 from timetotrain.models.hstu.head import TimestampLayerNorm, masked_bce
 from timetotrain.models.hstu.jagged import SequenceLayout, place
 from timetotrain.models.hstu.layers import reset_mlp, swish_mlp
@@ -197,7 +197,10 @@ def embedding_tables(cfg: HSTUConfig) -> EmbeddingTables:
     per_table = cfg.max_seq_len - cfg.contextual_len
     hots = tuple(per_table if t in seq_tables else 1 for t in range(len(cfg.tables)))
     kept = cfg.layers * activation_elements(cfg) * cfg.max_seq_len + lookups_per_sample(cfg) * cfg.table_dim
-    return EmbeddingTables(cfg.table_sizes, hots, cfg.table_dim, float(kept))
+    return EmbeddingTables(
+        cfg.table_sizes, hots, cfg.table_dim, float(kept), pooled=False, dense_params=dense_param_count(cfg),
+        rowwise=True,  # the reference's RowWiseAdagrad on the tables, Adam on the rest
+    )  # fmt: skip
 
 
 FAMILY = ModelFamily(
