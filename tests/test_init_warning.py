@@ -6,9 +6,12 @@ test's benchmark is tests/toy_benchmark.py's with `init_from` set (tests/toy_nee
 import os
 from pathlib import Path
 
+import pytest
 from conftest import mllog, ttt_run
 from toy_benchmark import make_data
 from toy_needs_init import NEEDS
+
+pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 

@@ -179,6 +179,11 @@ class Task(ABC):
     def validate(self, tier) -> None:  # noqa: B027 - optional: most tasks accept any tier
         """Raise UserError for a tier this task cannot run (called after `--set` overrides)."""
 
+    def check_share(self, tier, local: int, ranks: int) -> None:  # noqa: B027 - optional: any share splits
+        """Raise UserError where `local` samples per data-parallel rank (of `ranks`) is a share this task
+        cannot train on. Called by `ttt run`'s preflight and by `ttt plan` for every layout it counts, so the
+        plan never suggests a split the run would refuse."""
+
     @abstractmethod
     def resolve(self, tier, data_dir: Path, verify: bool = True, init_checkpoint: Path | None = None) -> Any:
         """Preflight: locate and check the tier's data; returns a handle whose `files()` lists what is read.

@@ -57,6 +57,18 @@ def reference_first_eval_step(gbs: int) -> int:
     return math.ceil(2.5 + 3840 / gbs)
 
 
+def check_whole_groups(tier, local: int, ranks: int) -> None:
+    """Each data-parallel rank owns whole groups of generations (a group's advantages are normalised over
+    the group): one line where `local` prompts x generations do not."""
+    g = tier.data.generations
+    if local % g:
+        raise UserError(
+            f"--set global_batch_size={tier.global_batch_size}: each of the {ranks} data-parallel ranks needs "
+            f"whole groups of {g} generations (GBS a multiple of {g * ranks}); use fewer data-parallel ranks "
+            "(context parallelism splits a sample instead)"
+        )
+
+
 @dataclass(frozen=True)
 class GRPOData:
     """What a GRPO tier reads and how it samples."""
@@ -158,11 +170,7 @@ class _Rollouts(RunData):
             device,
         )
         self.local, self.offset = share.local, share.offset
-        if self.local % self.G:
-            raise UserError(
-                f"--set global_batch_size={self.gbs}: each of the {self.world} ranks needs whole groups of "
-                f"{self.G} generations (GBS a multiple of {self.G * self.world})"
-            )
+        check_whole_groups(tier, self.local, self.world)
         self.seed, self.engine, self.env = seed, engine, env
         self.loss_cfg = LossConfig()
         self.step = 0
@@ -420,6 +428,9 @@ class GRPO(Task):
                 f"--set global_batch_size={tier.global_batch_size}: GBS is prompts x {d.generations} "
                 "generations, so it must be a multiple of num_generations_per_prompt"
             )
+
+    def check_share(self, tier, local: int, ranks: int) -> None:
+        check_whole_groups(tier, local, ranks)
 
     def eval_every_steps(self, tier) -> int:
         return tier.data.eval_every_steps

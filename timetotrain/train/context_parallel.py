@@ -84,6 +84,13 @@ def check(bench, tier, plan, spec: str | None) -> None:
             f"--parallel {spec}: expert parallelism needs a mixture-of-experts model ({bench.name} has none): "
             "leave ep out"
         )
+    if plan.ep > 1 and getattr(bench.task, "on_policy", False):
+        # GRPO under cp is proven without ep (tests/test_grpo_cp.py), cp with ep for pretraining only
+        # (tests/test_layouts_cp_ep.py): the two together are not checked.
+        raise UserError(
+            f"--parallel {spec}: cp with ep is not built for {bench.name}'s rollouts; use cp with fsdp, or ep "
+            "without cp"
+        )
     if (plan.tp > 1 or plan.pp > 1) and family.name != "llama":
         # The compositions are proven for the dense decoders only (tests/test_layouts_cp_compose.py); the MoE
         # families' TP plans and the stacks pp does not split are not checked under cp.

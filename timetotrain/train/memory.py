@@ -591,6 +591,10 @@ def plan(
     def rows_of(
         kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1, cp: int = 1
     ) -> list[Estimate]:
+        try:  # a share the task cannot train on (GRPO: whole groups per rank) is no row `ttt run` takes
+            bench.task.check_share(tier, local, gbs // local)
+        except UserError:
+            return []
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
         return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
                          replicas=replicas, cp=cp)
@@ -601,6 +605,7 @@ def plan(
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
         local = parallel.check_batch_split(gbs, given)
+        bench.task.check_share(tier, local, given.data_parallel)
         if given.cp > 1:
             context_parallel.check(bench, tier, given, parallel_spec)
         if given.pp > 1:
@@ -653,8 +658,14 @@ def plan(
             # Pipeline parallelism last: only where no layout without it fits or splits the batch.
             rows += _pipeline_search_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap)
         if not rows:
+            why = ""
+            if gbs % gpus == 0:  # it splits: the task refuses the share (GRPO: whole groups per rank)
+                try:
+                    bench.task.check_share(tier, gbs // gpus, gpus)
+                except UserError as e:
+                    why = f" ({e})"
             raise UserError(
-                f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks (nor "
+                f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
                 "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
                 "--set global_batch_size"
             )
@@ -1288,6 +1299,13 @@ def format_plan(
     note = bench.task.plan_note(tier)
     if note:
         out.append(note)
+    out.extend(_row_notes(bench, tier, rows))
+    return "\n".join(out)
+
+
+def _row_notes(bench, tier, rows) -> list[str]:
+    """What the plan table's rows of another GBS or of each parallelism kind mean, one note per kind shown."""
+    out = []
     other = sorted({r.gbs for r in rows} - {tier.global_batch_size})
     if other:
         out.append(
@@ -1324,4 +1342,4 @@ def format_plan(
             "group runs the MoE on its whole tokens: activations of the MoE whole), nor MLA's latent "
             "down-projections; the experts 1/ep per GPU."
         )
-    return "\n".join(out)
+    return out

@@ -475,18 +475,7 @@ def build(
         data_mesh = mesh["data", "cp"]._flatten("data_cp") if plan.cp > 1 else mesh["data"]
         sequence = SequenceGroup(plan, dist.get_rank(), mesh["cp"].get_group()) if plan.cp > 1 else None
     if tp_mesh is not None:
-        if family.tensor_parallel is None:
-            raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
-        styles = {}
-        if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
-            styles = float8.tensor_parallel_styles(device)
-        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-        with real_host():
-            family.tensor_parallel(model, tp_mesh, **styles)  # every block, on the meta device: others' stay
-        for n, p in model.named_parameters():  # SequenceParallel's new norm Parameters: frozen stay frozen
-            if n in frozen:
-                p.requires_grad_(False)
-        parallel.remark(model, plan)
+        _tensor_parallel(model, family, plan, tp_mesh, device)
     ep_group = None
     if plan.ep > 1:  # each stage's experts over its data-parallel ranks (train/pipeline_moe.py)
         ep_group, replicas = expert_mesh(device.type, plan, parallel.device_mesh)
@@ -512,16 +501,7 @@ def build(
                 model.layers[i].compile()
     stages = [Stage(model, *ranges[s], s == 0, s == count - 1, tp_mesh, sequence) for s in indices]
     if plan.shard_ranks > 1:
-        mp = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
-        )
-        # Expert slices differ per rank and are complete: FSDP2 neither shards nor reduces them.
-        ignored = {p for p in model.parameters() if is_expert_sharded(p)} or None
-        with real_host():  # on the meta device, as `step._build_sharded` (TP's meshes: fakes.py)
-            for stage in stages:
-                for block in stage.layers.values():
-                    fully_shard(block, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
-                fully_shard(stage, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
+        _shard_stages(model, stages, data_mesh, plan)
     elif plan.compute == "bf16":  # FSDP2 casts the parameters itself; else autocast in each stage
         for stage in stages:
             stage.autocast = torch.bfloat16
@@ -566,6 +546,37 @@ def build(
     _init_adapters(task, model, tier, device, seed + 2)
     pipe.train()
     return mine, pipe, ep_group
+
+
+def _tensor_parallel(model: nn.Module, family, plan: parallel.Plan, tp_mesh, device: torch.device) -> None:
+    """The family's TP plan over the whole (meta) model, before the stages are cut out: every block, so the
+    other stages' blocks stay consistent."""
+    if family.tensor_parallel is None:
+        raise UserError(f"--parallel tp={plan.tp}: the {family.name} family has no tensor-parallel plan")
+    styles = {}
+    if plan.precision == "fp8" and plan.fp8_recipe == "tensorwise":
+        styles = float8.tensor_parallel_styles(device)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    with real_host():
+        family.tensor_parallel(model, tp_mesh, **styles)
+    for n, p in model.named_parameters():  # SequenceParallel's new norm Parameters: frozen stay frozen
+        if n in frozen:
+            p.requires_grad_(False)
+    parallel.remark(model, plan)
+
+
+def _shard_stages(model: nn.Module, stages: list, data_mesh, plan: parallel.Plan) -> None:
+    """FSDP2 per block and per stage over the stage's data-parallel (and CP) ranks, on the meta device."""
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
+    )
+    # Expert slices differ per rank and are complete: FSDP2 neither shards nor reduces them.
+    ignored = {p for p in model.parameters() if is_expert_sharded(p)} or None
+    with real_host():  # as `step._build_sharded` (TP's meshes: fakes.py)
+        for stage in stages:
+            for block in stage.layers.values():
+                fully_shard(block, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(stage, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)
 
 
 def owned(stages: list[Stage]) -> nn.Module:

@@ -84,6 +84,7 @@ def preflight(
         parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, plan.tp, bench.task)
     share = parallel.batch_share(tier.global_batch_size, plan, d.rank)
     local = share.local
+    bench.task.check_share(tier, local, plan.data_parallel)
     micro = settle_micro_batch(bench, tier, plan, local, micro_batch, micro_flag)
     if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
         # Expert all-to-alls need every rank in every eval forward: equal eval shares.
