@@ -129,6 +129,22 @@ def failing_logs(groups: list[ResultGroup], problems: list[LogProblem], ruleset:
     return out
 
 
+def _check_out_creatable(out: Path) -> None:
+    """One line, before any work, where `out` cannot be made: its nearest existing ancestor is a file or
+    not writable. Nothing is created here (a refused package leaves nothing behind)."""
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(
+            f"--out {out} cannot be created ({parent} is a file): pass a new folder in a writable place"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(
+            f"--out {out} cannot be created ({parent} is not writable): pass a new folder in a writable place"
+        )
+
+
 def build_package(
     org: str,
     system: str,
@@ -146,6 +162,7 @@ def build_package(
     out, results = Path(out), Path(results)
     if out.exists():
         raise UserError(f"--out {out} already exists: choose a new folder (ttt package never overwrites)")
+    _check_out_creatable(out)  # before the compliance checks, which take seconds a log
     for name, flag in ((org, "--org"), (system, "--system")):
         if not name or "/" in name or name.startswith("."):
             raise UserError(f"{flag} {name!r} must be a plain folder name (no '/')")
