@@ -39,6 +39,14 @@ def _threads_restored():
         torch.set_num_threads(THREADS)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): two for the whole suite, whose subprocess starts,
+    single-threaded unit tests and one-thread ranks leave a core idle much of the time; none (this
+    process) when files or tests are named, where starting workers costs more than it gains."""
+    named = [a for a in config.args if Path(a.split("::")[0]).resolve() != REPO / "tests"]
+    return 0 if named else min(2, os.cpu_count() or 1)
+
+
 # The fast lane (`-m "not slow"`) stays under 3 minutes only while every test over about 3 s is marked slow.
 # Timing depends on the host and its load, so a slow unmarked test is named at the end of the session (and
 # under TTT_SLOW_MARKS=strict fails it) rather than in a test of its own.
