@@ -210,4 +210,5 @@ FAMILY = ModelFamily(
     block_params=block_params,
     activation_elements=activation_elements,
     embedding_tables=embedding_tables,
+    table_parameters=table_parameters,
 )
