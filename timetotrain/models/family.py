@@ -70,6 +70,9 @@ class EmbeddingTables:
     dim: int
     # Elements the rest of the model keeps per sample for the backward (the pooled rows included).
     sample_activation_elements: float
+    # Pooled bags (a FusedEmbeddingBag, which --parallel dp=N shards over the ranks), or one row per id
+    # (hstu's FusedEmbedding, which no layout shards yet: `ttt plan` and a multi-rank run refuse it).
+    pooled: bool = True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,17 @@ GiB = 2**30
 HEADROOM = 0.9  # as train/memory.py: suggest only what fits with 10% to spare
 
 
+def unsharded(bench, tables) -> str:
+    """Why a family whose tables are not pooled bags has no multi-rank layout yet, in one line."""
+    rows = sum(tables.sizes)
+    return (
+        f"the {bench.family.name} tables look up one row per id (not pooled), and "
+        f"--parallel dp=N shards only pooled bags (train/embedding_parallel.py), so every rank would hold all "
+        f"{rows:,} rows ({rows * tables.dim * 4 / 1e9:,.0f} GB in fp32); model-parallel {bench.family.name} "
+        "tables are not built yet"
+    )
+
+
 def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
     cfg, gbs = tier.model, tier.global_batch_size
     if gpus < 1 or gbs % gpus:
@@ -30,8 +41,10 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
         raise UserError(f"--gpu-mem {gpu_mem_gib:g} must be a positive, finite number of GiB")
     local = gbs // gpus
-    rowwise = bench.optimizer.rowwise
     tables = bench.family.embedding_tables(cfg)
+    if not tables.pooled:
+        raise UserError(f"ttt plan {bench.name}: {unsharded(bench, tables)}")
+    rowwise = bench.optimizer.rowwise
     shards = place(tables.sizes, gpus) if gpus > 1 else None
     dense = bench.family.block_params(cfg)
     all_hots = sum(tables.hots)

@@ -16,7 +16,15 @@ from timetotrain.mlperf.logger import ResultLog, check_writable
 from timetotrain.spec import registry
 from timetotrain.spec.benchmark import Benchmark, Tier, apply_overrides
 from timetotrain.spec.task import Share
-from timetotrain.train import context_parallel, distributed, float8, parallel, pipeline, sdpa
+from timetotrain.train import (
+    context_parallel,
+    distributed,
+    embedding_memory,
+    float8,
+    parallel,
+    pipeline,
+    sdpa,
+)
 from timetotrain.train.device import platform_name, set_cpu_threads
 from timetotrain.train.device import resolve as resolve_device
 from timetotrain.train.seeds import check_seed
@@ -90,6 +98,10 @@ def preflight(
         raise UserError(
             f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
         )
+    if bench.family.embedding_tables is not None and plan.world > 1:
+        tables = bench.family.embedding_tables(tier.model)
+        if not tables.pooled:  # no layout shards them: each rank would hold and update every table whole
+            raise UserError(f"--parallel {parallel_spec}: {embedding_memory.unsharded(bench, tables)}")
     if bench.family.embedding_tables is not None and plan.dp != plan.world:
         # Embedding tables shard over the data-parallel ranks themselves (train/embedding_parallel.py).
         raise UserError(

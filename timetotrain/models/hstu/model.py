@@ -197,7 +197,7 @@ def embedding_tables(cfg: HSTUConfig) -> EmbeddingTables:
     per_table = cfg.max_seq_len - cfg.contextual_len
     hots = tuple(per_table if t in seq_tables else 1 for t in range(len(cfg.tables)))
     kept = cfg.layers * activation_elements(cfg) * cfg.max_seq_len + lookups_per_sample(cfg) * cfg.table_dim
-    return EmbeddingTables(cfg.table_sizes, hots, cfg.table_dim, float(kept))
+    return EmbeddingTables(cfg.table_sizes, hots, cfg.table_dim, float(kept), pooled=False)
 
 
 FAMILY = ModelFamily(
