@@ -20,7 +20,10 @@ def _launches(name: str, gpus: int, gpus_per_node: int) -> list[dict]:
     bench = registry.get(name)
     tier = bench.tier("reference")
     if hasattr(tier.model, "table_sizes"):  # DLRM: the per-rank table plan
-        return [per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]]
+        try:
+            return [per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]]
+        except UserError:  # tables no layout shards (dlrmv4's unpooled ones): refused in one line
+            return []
     try:
         _, _, best = plan(bench, tier, gpus, 80, None, gpus_per_node=gpus_per_node)
     except UserError:  # a benchmark the formula refuses at this size: nothing to launch
