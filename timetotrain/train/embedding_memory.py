@@ -27,7 +27,7 @@ def unsharded(bench, tables) -> str:
     return (
         f"the {bench.family.name} tables look up one row per id (not pooled), and "
         f"--parallel dp=N shards only pooled bags (train/embedding_parallel.py), so every rank would hold all "
-        f"{rows:,} rows ({rows * tables.dim * 4 / 1e9:,.0f} GB in fp32); model-parallel {bench.family.name} "
+        f"{rows:,} rows ({rows * tables.dim * 4 / 1e9:,.3g} GB in fp32); model-parallel {bench.family.name} "
         "tables are not built yet"
     )
 
