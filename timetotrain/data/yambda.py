@@ -4,7 +4,7 @@ per-sample features, in numpy (no polars, no torch, no TorchRec).
 The data root holds processed_<size>/ and shared_metadata/ (yambda_layout.py). A sample is one LISTEN event
 (the anchor) of a user with at least `min_history` earlier events (yambda.py:369-373); its label is
 listen_plus (played >= 50%). What the sample holds is in `YambdaDataset.samples` and
-docs/benchmarks/dlrmv4-data.md, with the reference's line for each rule. The events come from
+docs/benchmarks/dlrmv4.md ("Data"), with the reference's line for each rule. The events come from
 train_sessions.parquet, or from the reference's flat-event cache when it is there (yambda_cache.py: what
 MLCommons' prepared download ships instead of the parquet).
 

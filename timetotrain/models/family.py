@@ -123,6 +123,9 @@ class ModelFamily:
     decode_state_bytes: Callable[[Any, int, int], float] | None = None
     root_params: Callable[[Any, bool], int] | None = None
     embedding_tables: Callable[[Any], EmbeddingTables] | None = None
+    # The model's embedding-table parameters, for a benchmark whose optimizer gives them their own
+    # (`spec.benchmark.Optimizer.tables`); None: the family has no tables apart.
+    table_parameters: Callable[[Any], list] | None = None
     stage_costs: Callable[[Any], tuple[list[float], float]] | None = None
 
 

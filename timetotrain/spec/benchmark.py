@@ -182,6 +182,10 @@ class Optimizer:
     # Adagrad only: one accumulator per embedding row (FBGEMM's EXACT_ROWWISE_ADAGRAD) instead of one per
     # element (EXACT_ADAGRAD, what the DLRM reference's torch.optim.Adagrad maps to): train/adagrad.py.
     rowwise: bool = False
+    # The embedding tables' own optimizer, where the rules give them another (dlrmv4: row-wise Adagrad beside
+    # Adam), at the same LR and schedule; the tables are the family's `table_parameters`, and the gradient
+    # clip then covers the other parameters only (train/optim.OptimizerPair). None: one optimizer for all.
+    tables: Optimizer | None = None
 
     def log_keys(self) -> list[tuple[str, object]]:
         if self.name == "adagrad":  # closed_dlrm_dcnv2.yaml's keys; lr_decay and the accumulator are 0

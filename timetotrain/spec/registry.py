@@ -26,6 +26,7 @@ _MODULES = {
     "rgat": "timetotrain.suite.rgat",
     "dlrm_dcnv2": "timetotrain.suite.dlrm_dcnv2",
     "qwen35_397b_grpo": "timetotrain.suite.qwen35_397b_grpo",
+    "dlrmv4": "timetotrain.suite.dlrmv4",
 }
 EXTRA_ENV = "TTT_EXTRA_BENCHMARKS"
 

@@ -9,19 +9,19 @@ file computes them (tasks/seqrec_rules.py). Every other --set of a closed run is
 by `mlperf.keys.check_rules` (the official rule file, or `closed_violation` for the target, the eval cadence
 and the end LR).
 
-Rules only, so far: the HSTU model (models/hstu) and the Yambda reader (data/yambda*) are built elsewhere,
-so this declaration holds no model config yet (`model` is None), its task and its family refuse everything
-that needs data or a model in one line (`PENDING`), it has no tiny tier, and the registry does not list it.
-The integration puts models.hstu's FAMILY and the reference HSTU config here in place of `_PENDING_FAMILY`
-and None, the real task in place of `_RulesOnly`, and the line in spec/registry.py.
+`tiny` streams a synthetic Yambda (`ttt data synth-yambda --scale tiny`: 10 day windows of 256 users) in the
+same strict time order through a small HSTU (2 STU layers of width 32, 11 tables of dim 32), with the exact
+AUC over the whole held-out day; its target comes from its own RCP sweep (docs/benchmarks/dlrmv4.md, "Tiny
+tier"). Model-parallel tables under --parallel are not built: the hstu tables are unpooled, and
+train/embedding_parallel.py shards pooled bags only.
 """
 
 from __future__ import annotations
 
-from timetotrain.errors import UserError
-from timetotrain.models.family import ModelFamily
+from timetotrain.models.hstu import FAMILY, HSTUConfig
 from timetotrain.spec.benchmark import Benchmark, EndLRRule, Optimizer, RcpHparams, Tier
-from timetotrain.tasks.seqrec_rules import FirstEval, LRBand, SeqRecData, SeqRecRules, eval_interval_steps
+from timetotrain.tasks.seqrec_rules import FirstEval, LRBand, eval_interval_steps
+from timetotrain.tasks.sequential_recommendation import SequentialRecommendation, YambdaData
 
 TRAIN_SAMPLES = 2_290_835_423  # closed_dlrmv4.yaml:10, :53
 EVAL_SAMPLES = 2_058_204  # closed_dlrmv4.yaml:58: the whole held-out window
@@ -49,10 +49,15 @@ def gbs_hparams(gbs: int) -> dict[str, object]:
 
 # The rules' dense optimizer (closed_dlrmv4.yaml:67-104): Adam (0.95, 0.999), eps 1e-8, no weight decay,
 # global-norm clip 1.0 on the dense parameters. The embedding tables train with RowWiseAdagrad at the same
-# LR (closed_dlrmv4.yaml:109-117; eps 1e-8, no weight decay: yambda_5b.gin:108-115), which the task logs.
-ADAM = Optimizer(name="adam", betas=(0.95, 0.999), eps=1e-8, weight_decay=0.0, clip=1.0, decay_mask="all")
+# LR and warmup (closed_dlrmv4.yaml:109-117; eps 1e-8, no weight decay: yambda_5b.gin:108-115), which the
+# task logs; the clip leaves them out (yambda_5b.gin:117-122).
+ROWWISE_ADAGRAD = Optimizer(name="adagrad", eps=1e-8, weight_decay=0.0, rowwise=True)
+ADAM = Optimizer(
+    name="adam", betas=(0.95, 0.999), eps=1e-8, weight_decay=0.0, clip=1.0, decay_mask="all",
+    tables=ROWWISE_ADAGRAD,
+)  # fmt: skip
 
-_DATA = SeqRecData(
+_DATA = YambdaData(
     train_samples=TRAIN_SAMPLES,
     max_seq_len=MAX_SEQ_LEN,
     eval_every_data_pct=EVAL_EVERY_DATA_PCT,
@@ -62,7 +67,7 @@ _DATA = SeqRecData(
 
 REFERENCE = Tier(
     name="reference",
-    model=None,  # the integration: the reference HSTU config of models/hstu
+    model=HSTUConfig(),  # the reference's DlrmHSTU on Yambda-5B (models/hstu/config.py)
     data=_DATA,
     global_batch_size=REFERENCE_GBS,
     micro_batch_size=1024,  # the reference's per-rank batch (yambda_5b.gin:4-6)
@@ -77,53 +82,66 @@ REFERENCE = Tier(
     target=TARGET,
     runs=10,  # benchmark_meta.py:29
     division="closed",
-    description="MLPerf Training 6.1 closed configuration: HSTU on Yambda-5B (rules only: model and data not built)",
+    description="MLPerf Training 6.1 closed configuration: HSTU 3 x 512 on Yambda-5B, 11 tables (293 M rows) x 512",
 )
 
-PENDING = (
-    "dlrmv4: only its rules are declared here; the HSTU model and the Yambda reader are not part of this "
-    "build yet (issue 38)"
-)
-
-
-def _pending(*_args, **_kw):
-    raise UserError(PENDING)
-
-
-# Every hook refuses in one line: `ttt run` of this declaration (TTT_EXTRA_BENCHMARKS) stops in its preflight
-# with PENDING, and `ttt check` of a dlrmv4 log then names it instead of failing on a missing family.
-_PENDING_FAMILY = ModelFamily(
-    name="hstu", build=_pending, init=_pending, param_count=_pending, active_param_count=_pending,
-    flops_per_token=_pending, block_params=_pending, activation_elements=_pending,
+# Tiny: `ttt data synth-yambda --scale tiny` (seed 0): 10 day windows of 256 users, anchors with at least 10
+# earlier events; windows 0-8 train (24,902 anchors), window 9 is held out (3,312). A small HSTU: 2 STU layers
+# of width 32 (2 heads of 16), the 11 tables at dim 32 (the four id tables at the data's sizes, the seven
+# crosses hashed into 16,384 rows each), a history of the last 10 of each pool, no dropout (a single short
+# pass). The reference's optimizer pair and warmup form (from 0) over 20 steps; an eval every 5% of the pass.
+_T_HISTORY = 30
+_T_TABLES = (
+    ("item_id", 2000), ("artist_id", 100), ("album_id", 400), ("uid", 256),
+    *((name, 16_384) for name in (
+        "user_x_artist", "user_x_album", "user_x_hour", "item_x_hour", "artist_x_hour", "user_x_is_organic",
+        "user_x_artist_x_hour",
+    )),
 )  # fmt: skip
+_T_MODEL = HSTUConfig(
+    tables=_T_TABLES, table_dim=32, dim=32, heads=2, linear_dim=16, qk_dim=16, layers=2, preprocessor_hidden=32,
+    max_seq_len=8 + _T_HISTORY + 1, mlp_hidden=32, position_buckets=256, time_buckets=128, input_dropout=0.0,
+    linear_dropout=0.0,
+)  # fmt: skip
+_T_TRAIN, _T_EVAL, _T_GBS = 24_902, 3_312, 64
+_T_DATA = YambdaData(
+    train_samples=_T_TRAIN,
+    max_seq_len=_T_MODEL.max_seq_len,
+    eval_every_data_pct=0.05,
+    history_length=_T_HISTORY,
+    min_history=10,
+    num_train_ts=9,
+    eval_holdout_ts=9,
+    eval_batch=1024,
+    synth_scale="tiny",
+)
+_T_LR = 0.01
 
-
-class _RulesOnly(SeqRecRules):
-    """The task's rule hooks; the hooks that need the data or the model refuse in one line, before any log
-    line (resolve and synthetic run in the preflight)."""
-
-    def resolve(self, tier, data_dir, verify=True, init_checkpoint=None):
-        raise UserError(PENDING)
-
-    def open(self, tier, resolved, seed, share, device):
-        raise UserError(PENDING)
-
-    def synthetic(self, tier, local_batch, generator, device):
-        raise UserError(PENDING)
-
-    def flops_per_sample(self, family, tier):
-        raise UserError(PENDING)
-
-    def sample_items(self, tier):
-        raise UserError(PENDING)
-
+TINY = Tier(
+    name="tiny",
+    model=_T_MODEL,
+    data=_T_DATA,
+    global_batch_size=_T_GBS,
+    micro_batch_size=_T_GBS,
+    lr=_T_LR,
+    end_lr=_T_LR,
+    warmup_steps=20,
+    max_steps=_T_TRAIN // _T_GBS,
+    eval_every_samples=eval_interval_steps(_T_DATA, _T_GBS) * _T_GBS,
+    eval_samples=_T_EVAL,
+    target=0.60,
+    runs=10,
+    division="open",
+    cpu_threads=1,
+    description="synthetic Yambda, 256 users over 10 days; HSTU 2 x 32, 11 tables (<= 16,384 rows) x 32",
+)
 
 BENCHMARK = Benchmark(
     name="dlrmv4",
     area="Recommendation (sequential, generative)",
-    task=_RulesOnly(),
-    family=_PENDING_FAMILY,  # the integration: models.hstu.FAMILY
-    tiers={"reference": REFERENCE},
+    task=SequentialRecommendation(),
+    family=FAMILY,
+    tiers={"reference": REFERENCE, "tiny": TINY},
     optimizer=ADAM,
     schedule="warmup_from_zero",  # base x step / 24,000, then base (train/schedule.py)
     closed_rules=("training_6.1.0/closed_common.yaml", "training_6.1.0/closed_dlrmv4.yaml"),

@@ -25,6 +25,17 @@ GiB = 2**30
 HEADROOM = 0.9  # as train/memory.py: suggest only what fits with 10% to spare
 
 
+def unsharded(bench, tables) -> str:
+    """Why a family whose tables are not pooled bags has no multi-rank layout yet, in one line."""
+    rows = sum(tables.sizes)
+    return (
+        f"the {bench.family.name} tables look up one row per id (not pooled), and "
+        f"--parallel dp=N shards only pooled bags (train/embedding_parallel.py), so every rank would hold all "
+        f"{rows:,} rows ({rows * tables.dim * 4 / 1e9:,.3g} GB in fp32); model-parallel {bench.family.name} "
+        "tables are not built yet"
+    )
+
+
 def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
     cfg, gbs = tier.model, tier.global_batch_size
     if gpus < 1 or gbs % gpus:

@@ -154,9 +154,13 @@ def build_training(
         )
     # Sharded (DTensor) parameters take the foreach implementation; fused kernels expect plain tensors.
     fused = None if not plan.sharded else False
-    opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1)
+    tables = _table_parameters(bench, model)
+    opt = build_optimizer(model, bench.optimizer, tier.lr, fused, foreach=plan.tp == 1, tables=tables)
     sched = schedule.for_tier(bench.schedule, tier)
-    params = [p for p in model.parameters() if p.requires_grad]
+    # The clip's parameters: all that train, less tables with an optimizer of their own (dlrmv4 clips only
+    # the dense parameters, yambda_5b.gin:117-122).
+    skip = {id(p) for p in tables or ()}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
     after = None
     if plan.precision == "fp8" and plan.fsdp > 1:
         after = after_optimizer_step(model)
@@ -167,6 +171,17 @@ def build_training(
         load_seconds=timer.get("load"),
         after_opt_step=after,
     )  # fmt: skip
+
+
+def _table_parameters(bench, model) -> list | None:
+    """The embedding tables that take the optimizer's `tables` optimizer, or None where it has none."""
+    if bench.optimizer.tables is None:
+        return None
+    if bench.family.table_parameters is None:
+        raise ValueError(
+            f"{bench.name}: its optimizer pairs tables, its family names none (table_parameters)"
+        )
+    return bench.family.table_parameters(model)
 
 
 def _timed_init_from(timer: dict, *args, **kwargs) -> None:

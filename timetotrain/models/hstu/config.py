@@ -1,6 +1,6 @@
 """HSTU sizes: the dlrmv4 reference's DlrmHSTU on Yambda-5B (mlcommons/training PR #889,
 recommendation_v4/generative_recommenders/dlrm_v4/configs.py with train/gin/yambda_5b.gin) and small shapes
-for tests and the tiny tier. No model code here. Sources with lines: docs/benchmarks/dlrmv4-model.md."""
+for tests and the tiny tier. No model code here. Sources with lines: docs/benchmarks/dlrmv4.md ("Model")."""
 
 from __future__ import annotations
 

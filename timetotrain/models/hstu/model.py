@@ -5,7 +5,7 @@ postprocessor, the item MLP and the prediction head (head.py). Jagged sequences:
 parallelism and logging; the tables are sharded and the dense part data-parallel from outside.
 
 `forward(batch)` returns one logit per candidate; `labels(batch)` their targets; `loss` the reference's
-masked BCE. Sources with lines, and the choices: docs/benchmarks/dlrmv4-model.md."""
+masked BCE. Sources with lines, and the choices: docs/benchmarks/dlrmv4.md ("Model")."""
 
 from __future__ import annotations
 
@@ -213,4 +213,5 @@ FAMILY = ModelFamily(
     block_params=block_params,
     activation_elements=activation_elements,
     embedding_tables=embedding_tables,
+    table_parameters=table_parameters,
 )
