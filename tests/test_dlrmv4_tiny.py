@@ -16,6 +16,8 @@ from timetotrain.train.adagrad import SparseAdagrad
 from timetotrain.train.optim import OptimizerPair
 from timetotrain.train.step import build_training
 
+pytestmark = pytest.mark.e2e
+
 
 def ttt(*argv):
     return ttt_run(*argv, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -591,9 +591,7 @@ def plan(
     def rows_of(
         kind: str, local: int, tp: int = 1, ep: int | None = None, replicas: int = 1, cp: int = 1
     ) -> list[Estimate]:
-        try:  # a share the task cannot train on (GRPO: whole groups per rank) is no row `ttt run` takes
-            bench.task.check_share(tier, local, gbs // local)
-        except UserError:
+        if _refused_share(bench, tier, local, gbs // local):  # no row `ttt run` takes (GRPO: whole groups)
             return []
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
         return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
@@ -658,12 +656,9 @@ def plan(
             # Pipeline parallelism last: only where no layout without it fits or splits the batch.
             rows += _pipeline_search_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap)
         if not rows:
-            why = ""
-            if gbs % gpus == 0:  # it splits: the task refuses the share (GRPO: whole groups per rank)
-                try:
-                    bench.task.check_share(tier, gbs // gpus, gpus)
-                except UserError as e:
-                    why = f" ({e})"
+            # where it splits, the task may refuse the share (GRPO: whole groups per rank): say why
+            why = _refused_share(bench, tier, gbs // gpus, gpus) if gbs % gpus == 0 else ""
+            why = f" ({why})" if why else ""
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
                 "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
@@ -688,6 +683,16 @@ def plan(
         default=None,
     )  # fmt: skip
     return n, rows, best
+
+
+def _refused_share(bench, tier, local: int, ranks: int) -> str:
+    """The task's one line where it cannot train on `local` samples per data-parallel rank (of `ranks`);
+    "" where it can (`Task.check_share`)."""
+    try:
+        bench.task.check_share(tier, local, ranks)
+    except UserError as e:
+        return str(e)
+    return ""
 
 
 def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
