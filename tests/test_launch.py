@@ -20,7 +20,8 @@ def _launches(name: str, gpus: int, gpus_per_node: int) -> list[dict]:
     bench = registry.get(name)
     tier = bench.tier("reference")
     if hasattr(tier.model, "table_sizes"):  # DLRM: the per-rank table plan
-        return [per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]]
+        line = per_rank(bench, tier, gpus, 80, gpus_per_node)["launch"]
+        return [line] if line is not None else []  # none where nothing fits (dlrmv4's padded attention)
     try:
         _, _, best = plan(bench, tier, gpus, 80, None, gpus_per_node=gpus_per_node)
     except UserError:  # a benchmark the formula refuses at this size: nothing to launch

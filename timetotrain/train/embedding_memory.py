@@ -36,7 +36,7 @@ def unsharded(bench, tables) -> str:
     )
 
 
-def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8) -> dict:
+def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8, larger: bool = True) -> dict:
     cfg, gbs = tier.model, tier.global_batch_size
     if gpus < 1 or gbs % gpus:
         raise UserError(
@@ -53,7 +53,7 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
     shards = gpus > 1
     worst = max(ranks, key=lambda d: d["total"])
     cap = gpu_mem_gib * GiB
-    return {
+    doc = {
         "benchmark": bench.name,
         "tier": tier.name,
         "gpus": gpus,
@@ -67,10 +67,38 @@ def per_rank(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int = 8)
         "ranks": ranks,
         "worst_rank": worst["rank"],
         "fits": worst["total"] <= HEADROOM * cap,
+        # A launch line only for what fits: the plan never suggests what cannot run.
         "launch": launch_lines(
             bench.name, tier.name, f"--parallel dp={gpus}", gpus, gpus_per_node, before_launch(bench, tier)
-        ),
+        )
+        if worst["total"] <= HEADROOM * cap
+        else None,
     }
+    if doc["launch"] is None and larger:  # the smallest larger world that fits, or why none does
+        doc["larger"] = _larger(bench, tier, gpus, gpu_mem_gib, gpus_per_node)
+    return doc
+
+
+def _larger(bench, tier, gpus: int, gpu_mem_gib: float, gpus_per_node: int) -> str:
+    """'fits from W GPUs' for the smallest world above `gpus` that `ttt run` takes (a divisor of the global
+    batch, whole nodes) on which every rank fits; else what the largest rank needs on the largest one."""
+    gbs = tier.global_batch_size
+    worlds = [
+        w for w in range(gpus + 1, gbs + 1) if gbs % w == 0 and (w <= gpus_per_node or w % gpus_per_node == 0)
+    ]
+    doc = None
+    for w in worlds:
+        doc = per_rank(bench, tier, w, gpu_mem_gib, gpus_per_node, larger=False)
+        if doc["fits"]:
+            return f"fits from {w} GPUs"
+    if doc is None:
+        return "nor on more GPUs: the global batch splits over no more"
+    worst = doc["ranks"][doc["worst_rank"]]
+    return (
+        f"nor on more GPUs: on {doc['gpus']} GPUs ({gbs // doc['gpus']} sample(s) a rank), the largest rank needs "
+        f"{worst['total'] / GiB:,.1f} GiB ({worst['activations'] / GiB:,.1f} of activations) of the "
+        f"{HEADROOM * gpu_mem_gib:,.0f} usable; needed: GPUs with more memory, or a model whose activations shrink"
+    )
 
 
 def rank_bytes(tables, dense: int, dense_states: int, rowwise: bool, gbs: int, gpus: int) -> list[dict]:
@@ -86,12 +114,15 @@ def rank_bytes(tables, dense: int, dense_states: int, rowwise: bool, gbs: int, g
     split = None if tables.pooled else UNPOOLED_SPLIT_ROWS  # as train/embedding_parallel places them
     shards = place(tables.sizes, gpus, split) if gpus > 1 else None
     all_hots = sum(tables.hots)
+    by_rank: dict[int, list] = {}
+    for s in shards or ():
+        by_rank.setdefault(s.rank, []).append((s.table, s.rows[1] - s.rows[0], tables.sizes[s.table]))
     ranks = []
     for r in range(gpus):
         if shards is None:
             mine = [(t, n, n) for t, n in enumerate(tables.sizes)]
         else:
-            mine = [(s.table, s.rows[1] - s.rows[0], tables.sizes[s.table]) for s in shards if s.rank == r]
+            mine = by_rank.get(r, [])
         rows, mine_tables = sum(m[1] for m in mine), sorted({m[0] for m in mine})
         weights = (rows + 1) * tables.dim * 4
         if tables.pooled:
@@ -141,6 +172,9 @@ def format_per_rank(doc: dict) -> str:
         f"largest: rank {worst['rank']} at {worst['total'] / GiB:.2f} GiB of {doc['gpu_mem_gib']:g}: {verdict} "
         f"(suggested only with 10% to spare)"
     )
-    lines.append("launch:")
-    lines.extend(f"  {line}" for line in format_launch(doc["launch"]))
+    if doc["launch"] is None:
+        lines.append(f"launch: none: {doc['larger']}")
+    else:
+        lines.append("launch:")
+        lines.extend(f"  {line}" for line in format_launch(doc["launch"]))
     return "\n".join(lines)
