@@ -603,7 +603,6 @@ def plan(
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
         local = parallel.check_batch_split(gbs, given)
-        bench.task.check_share(tier, local, given.data_parallel)
         if given.cp > 1:
             context_parallel.check(bench, tier, given, parallel_spec)
         if given.pp > 1:
@@ -628,6 +627,7 @@ def plan(
             _check_experts(tier.model, parallel_spec, given.ep)
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp, bench.task)
+        bench.task.check_share(tier, local, given.data_parallel)  # (GRPO: whole groups per rank)
         rows = rows_of(
             kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
         )
