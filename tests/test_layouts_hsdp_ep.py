@@ -1,0 +1,92 @@
+"""HSDP with expert parallelism (issue 36): gpt_oss_20b under `dp_replicate=2,fsdp=2,ep=2` (4 ranks: two
+replicas of a 2-rank FSDP2 shard group; the experts split over the 2 ranks of a shard group, each slice
+held by one rank per replica, whose gradients `average_expert_replicas` averages), on gloo against one
+process through the harness's own build and step, 20 steps: train_loss at rtol 1e-5 and the final trained
+weights gathered whole. The shape is tests/test_layouts_moe.py's, one sample per micro-batch (4 data-parallel
+ranks share a global batch of 4). Run as a script (by torchrun) this file is the worker."""
+
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import layout_workers, moe_layout_trained, trained_weights
+from test_layouts_moe import CFG, batches
+from test_layouts_moe import tier as moe_tier
+
+pytestmark = pytest.mark.distributed
+
+WORLD, SPEC = 4, "dp_replicate=2,fsdp=2,ep=2"
+# The rest replicated over the first mesh dimension and sharded over the second, the experts plain slices.
+LAYOUT = {
+    "layers.0.attn.qkv.weight": "(Replicate(), Shard(dim=0))",
+    "layers.1.ffn.router.weight": "(Replicate(), Shard(dim=0))",
+    "layers.1.ffn.experts.w1": "plain",
+}
+
+
+def tier():
+    bench, t = moe_tier()
+    return bench, dataclasses.replace(t, micro_batch_size=1)
+
+
+def train(plan, rank: int = 0) -> dict:
+    from timetotrain.train.expert_parallel import expert_slice
+
+    tr, losses, placed = moe_layout_trained(
+        *tier(), plan, rank, batches(plan.data_rank(rank), plan.data_parallel)
+    )
+    first = (expert_slice(tr.bare.layers[0].ffn.experts.w1) or (0, 0))[1]
+    return {
+        "losses": losses,
+        "weights": trained_weights(tr.bare),
+        "placements": placed,
+        "first_expert": first,
+    }
+
+
+@functools.cache
+def one_process():
+    from timetotrain.train import parallel
+
+    return train(parallel.Plan())
+
+
+@pytest.mark.slow
+def test_hsdp_ep_trains_as_one_process(tmp_path):
+    ranks, weights = layout_workers(__file__, tmp_path, WORLD)
+    one = one_process()
+    expected, final = one["losses"], one["weights"]
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"]  # every rank reports the same global loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+    for param, placements in LAYOUT.items():  # the layout is the one named, not a fallback
+        assert ranks[0]["placements"][param] == placements, param
+    # Consecutive ranks of a shard group split the experts; each replica holds both slices.
+    assert [r["first_expert"] for r in ranks] == [0, 2, 0, 2]
+    assert expected[-1] < expected[0] - 0.5  # it trained
+    assert weights.keys() == final.keys() and final
+    for n, w in final.items():
+        torch.testing.assert_close(weights[n], w, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def _worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = train(parallel.parse(SPEC, world), rank)
+    weights = result.pop("weights")
+    if rank == 0:
+        torch.save(weights, out / "weights.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
