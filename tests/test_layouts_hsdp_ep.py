@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import layout_workers, moe_layout_trained, trained_weights
-from test_layouts_moe import CFG, batches
+from test_layouts_moe import batches
 from test_layouts_moe import tier as moe_tier
 
 pytestmark = pytest.mark.distributed
