@@ -178,6 +178,7 @@ if __name__ == "__main__":
 @pytest.mark.bad_input
 def test_parallel_flag_for_hsdp():
     from timetotrain.errors import UserError
+    from timetotrain.mlperf.keys import parallel_keys
     from timetotrain.train import parallel
 
     plan = parallel.parse("dp_replicate=2,fsdp=4", 8)
@@ -191,7 +192,15 @@ def test_parallel_flag_for_hsdp():
     assert (hsdp_tp.data_parallel, hsdp_tp.shard_ranks, hsdp_tp.fully_sharded) == (4, 2, True)
     assert [hsdp_tp.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert parallel.parse("dp_replicate=2,tp=2", 4).fully_sharded  # FSDP2 replicates at fsdp=1
-    assert parallel.parse("dp_replicate=2,fsdp=4,ep=2", 8).ep == 2
+    hsdp_ep = parallel.parse("dp_replicate=2,fsdp=4,ep=2", 8)
+    # The 6.1 disclosure keys carry the real degrees.
+    for p, tp, ep in ((hsdp_tp, 2, 1), (hsdp_ep, 1, 2)):
+        keys = dict(parallel_keys(p, 1))
+        assert (keys["tensor_parallelism"], keys["expert_parallelism"], keys["pipeline_parallelism"]) == (
+            tp,
+            ep,
+            1,
+        )
     assert_parse_refuses(
         [
             ("dp_replicate=2", 2, "dp_replicate is HSDP's replica count and combines with fsdp or tp"),

@@ -29,13 +29,18 @@ def test_hsdp_is_suggested_across_nodes_where_a_node_holds_the_shards():
 
 def test_64_gpus_offer_a_legal_gbs_of_the_rcp_table(capsys):
     """`ttt plan llama31_8b --tier reference --gpus 64`: the tier's GBS 16 splits over no 64 data-parallel
-    ranks, so the suggestion is TP at GBS 16 (the plan's rule keeps the tier's GBS where a layout fits);
+    ranks, so the suggestion is TP at GBS 16 (the plan's rule keeps the tier's GBS where a layout fits), as
+    HSDP x TP (TP and FSDP2 within each node, replicated over the 8 nodes) before TP x FSDP over all 64;
     beside it, the rows of GBS 64 (the RCP table's smallest larger GBS where a layout without TP fits),
     among them HSDP within each node, each row naming its GBS."""
     argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "64", "--gpu-mem", "80"]
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["suggestion"]["parallel"] == "tp=4,fsdp=16" and doc["global_batch_size"] == 16
+    assert doc["suggestion"]["parallel"] == "dp_replicate=8,fsdp=2,tp=4" and doc["global_batch_size"] == 16
+    tp_rows = {r["parallel"]: r for r in doc["rows"] if r["fits"] == "yes" and r["global_batch_size"] == 16}
+    assert "tp=4,fsdp=16" in tp_rows  # offered too; HSDP x TP holds more (states over 2 GPUs, not 16)
+    hsdp_tp = tp_rows["dp_replicate=8,fsdp=2,tp=4"]
+    assert hsdp_tp["states_gib"] > tp_rows["tp=4,fsdp=16"]["states_gib"]
     legal = set(LLAMA.rcp_hparams)
     assert all(r["global_batch_size"] in legal for r in doc["rows"])
     other = [r for r in doc["rows"] if r["global_batch_size"] != 16 and r["fits"] == "yes"]
