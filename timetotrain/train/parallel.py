@@ -13,7 +13,9 @@ optimizer states 1/S each) and the R groups are replicas that average their grad
 all-gathers stay within S ranks (one node, say) and only the gradient all-reduce crosses groups; all R x S
 ranks read different samples. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
 ranks on one sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first
-dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
+dimension. HSDP x TP, `dp_replicate=R[,fsdp=S],tp=T`: one (replicate, shard, tp) mesh, FSDP2 over its 2-D
+(replicate, shard) sub-mesh (at S = 1 it only replicates: DDP takes no DTensors). HSDP x EP,
+`dp_replicate=R,fsdp=S,ep=E` (E dividing S): the `ep=E,fsdp=N` hybrid below, FSDP2 on the (R, S) mesh. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
 same N ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`, DDP for the rest of the model), and
 `ep=N,fsdp=N` does the same with FSDP2 sharding the rest (attention, router, shared experts, embedding,
 head) over those N ranks. There the expert slices are `ignored_params` of `fully_shard`: FSDP2 neither
