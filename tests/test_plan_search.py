@@ -61,3 +61,18 @@ def test_no_other_gbs_where_the_tier_gbs_splits_without_tp():
     # 8 GPUs: GBS 16 splits over fsdp=8, so every row is at the tier's GBS
     _, rows, best = plan(LLAMA, REF, 8, 80, None)
     assert best.parallel == "fsdp=8" and {r.gbs for r in rows} == {16}
+
+
+def test_hsdp_with_tp_or_ep_counts_a_shard_group():
+    """`dp_replicate=R,fsdp=S,tp=T` holds `tp=T,fsdp=S`'s states on T x S GPUs (FSDP2 shards over S only)
+    beside the activations of R x S data-parallel ranks; `dp_replicate=R,fsdp=S,ep=E` `ep=E,fsdp=S`'s."""
+    rows = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "dp_replicate=2,fsdp=4,tp=2")[1] if r.micro_batch == 1}
+    node = {r.ac: r for r in plan(LLAMA, REF, 8, 80, "tp=2,fsdp=4")[1] if r.micro_batch == 1}
+    wide = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "tp=2,fsdp=8")[1] if r.micro_batch == 1}
+    assert rows[1].parallel == "dp_replicate=2,fsdp=4,tp=2"
+    assert rows[1].states == node[1].states > wide[1].states and rows[1].activations == wide[1].activations
+    gpt = get("gpt_oss_20b")
+    ref = gpt.tier("reference")
+    hsdp_ep = plan(gpt, ref, 16, 80, "dp_replicate=2,fsdp=8,ep=4")[1][0]
+    assert hsdp_ep.parallel == "dp_replicate=2,ep=4,fsdp=8"
+    assert hsdp_ep.states == plan(gpt, ref, 8, 80, "ep=4,fsdp=8")[1][0].states
