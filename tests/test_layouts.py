@@ -7,7 +7,11 @@ build and step (`train/step.py`), 20 steps each: train_loss at rtol 1e-5 and the
   tier's dropout (each TP rank draws the whole mask, so the masks equal one process's) and clipping;
 - llama2_70b_lora under `tp=2,fsdp=2` (4 ranks), the tier's adapters on qkv and proj, dropout 0 (data
   parallel ranks draw their own masks, so no layout over several sample streams can match with it);
-- llama31_8b under HSDP, `dp_replicate=2,fsdp=2` (4 ranks): FSDP2 on a (replicate, shard) mesh.
+- llama31_8b under HSDP, `dp_replicate=2,fsdp=2` (4 ranks): FSDP2 on a (replicate, shard) mesh;
+- llama31_8b and llama2_70b_lora (adapters on qkv and proj, dropout 0) under HSDP x TP, `dp_replicate=2,tp=2`
+  (4 ranks): one (replicate, shard, tp) mesh, FSDP2 over its (replicate, shard) sub-mesh of (2, 1), TP
+  innermost. `dp_replicate=2,fsdp=2,tp=2` takes 8 ranks, ~40 s on 2 loaded cores: it is built for one rank
+  under the fake process group instead (tests/test_plan_builds.py); it matched one process when run by hand.
 
 The harness's tiers at a small Llama shape. Run as a script (by torchrun) this file is the worker; it
 writes its losses per rank and rank 0 the gathered weights."""
@@ -41,8 +45,12 @@ SCENARIOS = {
     "lora_tp": ("llama2_70b_lora", ALL_KINDS, 0.1, "tp=2"),
     "lora_tp_fsdp": ("llama2_70b_lora", ("attn.qkv", "attn.proj"), 0.0, "tp=2,fsdp=2"),
     "hsdp": ("llama31_8b", None, None, "dp_replicate=2,fsdp=2"),
+    "hsdp_tp": ("llama31_8b", None, None, "dp_replicate=2,tp=2"),
+    "hsdp_tp_lora": ("llama2_70b_lora", ("attn.qkv", "attn.proj"), 0.0, "dp_replicate=2,tp=2"),
+    # By hand only (8 ranks, ~40 s on 2 cores): `torchrun --nproc_per_node 8 tests/test_layouts.py OUT`.
+    "hsdp_fsdp_tp": ("llama31_8b", None, None, "dp_replicate=2,fsdp=2,tp=2"),
 }
-BY_WORLD = {2: ["lora_tp"], 4: ["lora_tp_fsdp", "hsdp"]}
+BY_WORLD = {2: ["lora_tp"], 4: ["lora_tp_fsdp", "hsdp", "hsdp_tp", "hsdp_tp_lora"], 8: ["hsdp_fsdp_tp"]}
 # Placements of some trained parameters, as Megatron places the adapters (models/common/lora_parallel.py):
 # of a column-cut base A whole (a plain tensor) and B cut by rows, of a row-cut one A cut by columns and B
 # replicated; HSDP replicates over the first mesh dimension and shards over the second.
@@ -59,6 +67,10 @@ LAYOUT = {
         "layers.0.attn.qkv.weight": "(Replicate(), Shard(dim=0))",
         "embed.weight": "(Replicate(), Shard(dim=0))",
     },
+    # HSDP x TP on one (replicate, shard, tp) mesh: FSDP2's (Replicate, Shard) over its shard dimension of
+    # one rank, then TP's column cut.
+    "hsdp_tp": {"layers.0.attn.qkv.weight": "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"},
+    "hsdp_tp_lora": {"layers.0.attn.proj.lora_A.weight": "(Replicate(), Shard(dim=0), Shard(dim=1))"},
 }
 
 
@@ -135,7 +147,7 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lora_tp", "lora_tp_fsdp", "hsdp"])
+@pytest.mark.parametrize("name", ["lora_tp", "lora_tp_fsdp", "hsdp", "hsdp_tp", "hsdp_tp_lora"])
 def test_layout_trains_as_one_process(root, name):
     ranks, weights = layout_run(__file__, root, BY_WORLD, name)
     expected, final, _ = one_process(name)
@@ -145,6 +157,7 @@ def test_layout_trains_as_one_process(root, name):
 
 
 def _worker(out: Path) -> None:
+
     import torch.distributed as dist
 
     from timetotrain.train import parallel
@@ -165,6 +178,7 @@ if __name__ == "__main__":
 @pytest.mark.bad_input
 def test_parallel_flag_for_hsdp():
     from timetotrain.errors import UserError
+    from timetotrain.mlperf.keys import parallel_keys
     from timetotrain.train import parallel
 
     plan = parallel.parse("dp_replicate=2,fsdp=4", 8)
@@ -173,11 +187,28 @@ def test_parallel_flag_for_hsdp():
     assert "dp_replicate=2, fsdp=4" in plan.describe()
     with pytest.raises(UserError, match="not divisible by 8 data-parallel ranks"):
         parallel.check_batch_split(12, plan)
+    # HSDP x TP: tp innermost, then the shard ranks, the replicas outermost (`Plan.coords`)
+    hsdp_tp = parallel.parse("dp_replicate=2,fsdp=2,tp=2", 8)
+    assert (hsdp_tp.data_parallel, hsdp_tp.shard_ranks, hsdp_tp.fully_sharded) == (4, 2, True)
+    assert [hsdp_tp.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert parallel.parse("dp_replicate=2,tp=2", 4).fully_sharded  # FSDP2 replicates at fsdp=1
+    hsdp_ep = parallel.parse("dp_replicate=2,fsdp=4,ep=2", 8)
+    # The 6.1 disclosure keys carry the real degrees.
+    for p, tp, ep in ((hsdp_tp, 2, 1), (hsdp_ep, 1, 2)):
+        keys = dict(parallel_keys(p, 1))
+        assert (keys["tensor_parallelism"], keys["expert_parallelism"], keys["pipeline_parallelism"]) == (
+            tp,
+            ep,
+            1,
+        )
     assert_parse_refuses(
         [
-            ("dp_replicate=2", 2, "dp_replicate is HSDP's replica count and combines with fsdp only"),
-            ("dp_replicate=2,fsdp=2,tp=2", 8, "combines with fsdp only"),
-            ("dp_replicate=2,fsdp=2,ep=2", 4, "combines with fsdp only"),
+            ("dp_replicate=2", 2, "dp_replicate is HSDP's replica count and combines with fsdp or tp"),
+            ("dp_replicate=2,dp=2", 4, "combines with fsdp or tp"),
+            ("dp_replicate=2,fsdp=2,tp=2,ep=2", 8, "built without ep and cp"),
+            ("dp_replicate=2,ep=2", 4, "or dp_replicate=R,fsdp=S,ep=E"),
+            ("dp_replicate=2,fsdp=2,ep=4", 4, "ep must divide fsdp"),
+            ("dp_replicate=2,fsdp=2,cp=2,ep=2", 8, "not with tp, pp or dp_replicate yet"),
             ("dp=2,fsdp=2", 4, "use HSDP, dp_replicate=R,fsdp=S"),
             ("dp_replicate=2,fsdp=2", 8, "needs 4 processes"),
             ("dp_replicate=x,fsdp=2", 2, "comma-separated degrees"),

@@ -119,7 +119,7 @@ def test_cp_with_ep_flag():
             ("cp=2,ep=4", 6, "ep must divide the 6 data- and context-parallel ranks"),
             ("cp=2,ep=2,tp=2", 8, "with dp or fsdp only"),
             ("cp=2,ep=2,pp=2", 8, "with dp or fsdp only"),
-            ("cp=2,ep=2,dp_replicate=2,fsdp=2", 8, "combines with fsdp only"),
+            ("cp=2,ep=2,dp_replicate=2,fsdp=2", 8, "not with tp, pp or dp_replicate yet"),
             ("cp=2,ep=2,fsdp=2", 8, "needs 4 processes"),
         ]
     )

@@ -147,7 +147,7 @@ def test_parallel_flag_for_tp_with_ep():
             ("tp=2,ep=4", 4, "ep must divide fsdp"),
             ("tp=2,ep=2", 6, "ep must divide fsdp"),
             ("tp=2,ep=2,fsdp=2", 8, "needs 4 processes"),
-            ("tp=2,ep=2,dp_replicate=2", 8, "combines with fsdp only"),
+            ("tp=2,ep=2,dp_replicate=2", 8, "dp_replicate with tp is built without ep and cp"),
         ]
     )
 

@@ -12,7 +12,9 @@ For an MoE model the search tries it with expert parallelism too (`cp=C,ep=E,fsd
 GiB), built once (`cp=2,ep=2,fsdp=2`) for the first MoE benchmark `context_parallel.check` accepts.
 HSDP (`dp_replicate=R,fsdp=S`) is suggested across nodes where FSDP2 within a node fits, and offered beside a
 TP suggestion at a legal GBS of the RCP table (train/memory.py): the walk takes the suggestions as `ttt plan`
-makes them (`plan_at_legal_gbs`) and the kinds of the rows it offers at another GBS that fit. Pipeline parallelism is the search's other last resort: it is
+makes them (`plan_at_legal_gbs`) and the kinds of the rows it offers at another GBS that fit. HSDP x TP
+(`dp_replicate=R,fsdp=S,tp=T`), which the search prefers across nodes where TP is needed and FSDP2 over a
+node's TP groups fits, is built on 8 ranks (2 x 2 x 2); HSDP x EP by name. Pipeline parallelism is the search's other last resort: it is
 suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
 over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
 is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
@@ -45,6 +47,7 @@ SMALL = {
     "ep,fsdp": "ep=4,fsdp=4",
     "ep": "ep=4",
     "hsdp": "dp_replicate=2,fsdp=2",
+    "tp,hsdp": "dp_replicate=2,fsdp=2,tp=2",  # on 8 ranks (`_world`)
     "fsdp,cp": "cp=2,fsdp=2",
     "ep,fsdp,cp": "cp=2,ep=2,fsdp=2",
     # pipeline kinds: the rank layouts the search suggests (`pp=P[,tp=T][,fsdp=F]`, no dp), at 2 stages
@@ -116,15 +119,24 @@ def _suggested_kinds() -> list[tuple[str, str]]:
 
 def _kind_of(spec: str, gpus: int) -> str:
     p = parallel.parse(spec, gpus, world_from="--gpus is")
-    return _kind(p) + (",cp" if p.cp > 1 else "") + (",pp" if p.pp > 1 else "")
+    hsdp = ",hsdp" if p.dp_replicate > 1 and _kind(p) != "hsdp" else ""  # HSDP x TP, HSDP x EP
+    return _kind(p) + hsdp + (",cp" if p.cp > 1 else "") + (",pp" if p.pp > 1 else "")
+
+
+def _world(spec: str) -> int:
+    """The ranks a small layout runs on: the product of its degrees where they all multiply (a pipeline's,
+    HSDP x TP's: 2 x 2 x 2), else `WORLD` (ep overlaps the data-parallel ranks; `tp=2,ep=2` implies fsdp)."""
+    degrees = dict(d.split("=") for d in spec.split(","))
+    if "pp" in degrees or ("dp_replicate" in degrees and "tp" in degrees):
+        return math.prod(int(v) for v in degrees.values())
+    return WORLD
 
 
 @pytest.mark.parametrize("name,kind", _suggested_kinds())
 def test_every_suggested_kind_builds(name, kind):
     bench, tier = prepare.resolve_tier(name, "tiny", [])
     spec = SMALL[kind]
-    # a pipeline layout names every degree: its world is their product
-    world = math.prod(int(d.split("=")[1]) for d in spec.split(",")) if ",pp" in kind else WORLD
+    world = _world(spec)
     tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
     # A pipeline's first and last ranks hold different modules (module docstring); others the last rank.
     for rank in (0, world - 1) if ",pp" in kind else (world - 1,):
@@ -144,6 +156,8 @@ NAMED = [
     ("llama31_8b", "pp=2,tp=2,fsdp=2", "fp8"),
     ("deepseekv3_671b", "tp=2,ep=2", "fp32"),
     ("deepseekv3_671b", "tp=2,fsdp=2", "fp32"),
+    # HSDP x EP, which the search does not try (it tries HSDP x TP, for the dense families only)
+    ("gpt_oss_20b", "dp_replicate=2,fsdp=2,ep=2", "fp32"),
 ]
 
 
@@ -151,7 +165,7 @@ NAMED = [
 def test_named_kind_builds(name, spec, precision):
     bench, tier = prepare.resolve_tier(name, "tiny", [])
     pipeline = "pp=" in spec
-    world = math.prod(int(d.split("=")[1]) for d in spec.split(",")) if pipeline else WORLD
+    world = _world(spec)
     tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
     for rank in (0, world - 1) if pipeline else (world - 1,):
         got = _in_child(simulate_rank, bench, tier, world, spec, rank, precision, False)

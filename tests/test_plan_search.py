@@ -29,13 +29,18 @@ def test_hsdp_is_suggested_across_nodes_where_a_node_holds_the_shards():
 
 def test_64_gpus_offer_a_legal_gbs_of_the_rcp_table(capsys):
     """`ttt plan llama31_8b --tier reference --gpus 64`: the tier's GBS 16 splits over no 64 data-parallel
-    ranks, so the suggestion is TP at GBS 16 (the plan's rule keeps the tier's GBS where a layout fits);
+    ranks, so the suggestion is TP at GBS 16 (the plan's rule keeps the tier's GBS where a layout fits), as
+    HSDP x TP (TP and FSDP2 within each node, replicated over the 8 nodes) before TP x FSDP over all 64;
     beside it, the rows of GBS 64 (the RCP table's smallest larger GBS where a layout without TP fits),
     among them HSDP within each node, each row naming its GBS."""
     argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "64", "--gpu-mem", "80"]
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["suggestion"]["parallel"] == "tp=4,fsdp=16" and doc["global_batch_size"] == 16
+    assert doc["suggestion"]["parallel"] == "dp_replicate=8,fsdp=2,tp=4" and doc["global_batch_size"] == 16
+    tp_rows = {r["parallel"]: r for r in doc["rows"] if r["fits"] == "yes" and r["global_batch_size"] == 16}
+    assert "tp=4,fsdp=16" in tp_rows  # offered too; HSDP x TP holds more (states over 2 GPUs, not 16)
+    hsdp_tp = tp_rows["dp_replicate=8,fsdp=2,tp=4"]
+    assert hsdp_tp["states_gib"] > tp_rows["tp=4,fsdp=16"]["states_gib"]
     legal = set(LLAMA.rcp_hparams)
     assert all(r["global_batch_size"] in legal for r in doc["rows"])
     other = [r for r in doc["rows"] if r["global_batch_size"] != 16 and r["fits"] == "yes"]
@@ -56,3 +61,18 @@ def test_no_other_gbs_where_the_tier_gbs_splits_without_tp():
     # 8 GPUs: GBS 16 splits over fsdp=8, so every row is at the tier's GBS
     _, rows, best = plan(LLAMA, REF, 8, 80, None)
     assert best.parallel == "fsdp=8" and {r.gbs for r in rows} == {16}
+
+
+def test_hsdp_with_tp_or_ep_counts_a_shard_group():
+    """`dp_replicate=R,fsdp=S,tp=T` holds `tp=T,fsdp=S`'s states on T x S GPUs (FSDP2 shards over S only)
+    beside the activations of R x S data-parallel ranks; `dp_replicate=R,fsdp=S,ep=E` `ep=E,fsdp=S`'s."""
+    rows = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "dp_replicate=2,fsdp=4,tp=2")[1] if r.micro_batch == 1}
+    node = {r.ac: r for r in plan(LLAMA, REF, 8, 80, "tp=2,fsdp=4")[1] if r.micro_batch == 1}
+    wide = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "tp=2,fsdp=8")[1] if r.micro_batch == 1}
+    assert rows[1].parallel == "dp_replicate=2,fsdp=4,tp=2"
+    assert rows[1].states == node[1].states > wide[1].states and rows[1].activations == wide[1].activations
+    gpt = get("gpt_oss_20b")
+    ref = gpt.tier("reference")
+    hsdp_ep = plan(gpt, ref, 16, 80, "dp_replicate=2,fsdp=8,ep=4")[1][0]
+    assert hsdp_ep.parallel == "dp_replicate=2,ep=4,fsdp=8"
+    assert hsdp_ep.states == plan(gpt, ref, 8, 80, "ep=4,fsdp=8")[1][0].states

@@ -151,7 +151,7 @@ def _plan(bench, tier, args) -> dict:
         "memory_per_rank_gib_reason": None,
     }
     kind = "fsdp" if p.fsdp > 1 and p.ep == 1 else "ep,fsdp" if p.fsdp > 1 else "ep" if p.ep > 1 else "dp"
-    kind = "hsdp" if p.dp_replicate > 1 else kind
+    kind = "hsdp" if p.dp_replicate > 1 and p.ep == 1 else kind  # (with ep: `ep,fsdp` with replicas)
     if p.tp > 1 or p.pp > 1:
         doc["memory_per_rank_gib_reason"] = (
             f"{'pipeline' if p.pp > 1 else 'tensor'}-parallel layouts: see ttt plan"

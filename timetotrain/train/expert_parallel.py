@@ -343,12 +343,17 @@ def clip_grad_norm_ep(
     fsdp = [p.grad for p in params if isinstance(p.grad, DTensor)]
     wider = None  # FSDP2's group when it is wider than the expert-parallel one (`ep=E,fsdp=N`, E < N)
     for g in fsdp[:1]:
-        if len(g.placements) != 1 or g.device_mesh.size() % dist.get_world_size(group):
+        # Under HSDP (`dp_replicate=R,fsdp=S,ep=E`) the mesh is (replicate, shard): the gradients are
+        # already averaged over the replicas, so the sums run over one shard group, as under `fsdp=S`.
+        hsdp = len(g.placements) == 2 and g.placements[0].is_replicate()
+        shards = g.device_mesh.get_group(1 if hsdp else 0)
+        size = dist.get_world_size(shards)
+        if (len(g.placements) != 1 and not hsdp) or size % dist.get_world_size(group):
             raise ValueError(
                 "clip_grad_norm_ep: FSDP2 must shard over the expert-parallel group or a multiple"
             )
-        if g.device_mesh.size() != dist.get_world_size(group):
-            wider = g.device_mesh.get_group()
+        if size != dist.get_world_size(group):
+            wider = shards
     replicated = [p.grad for p in params if not is_expert_sharded(p) and not isinstance(p.grad, DTensor)]
     experts = [p.grad for p in params if is_expert_sharded(p)]
     sharded = experts + [g.to_local() for g in fsdp]

@@ -343,9 +343,10 @@ def estimate(
     ep = ep or gpus
     if tp > 1:
         return _estimate_tp(
-            bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8, ep if kind == "tp,ep" else None, cp
-        )
-    sharded = kind in ("fsdp", "ep,fsdp", "hsdp")
+            bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8, ep if kind == "tp,ep" else None, cp,
+            replicas,
+        )  # fmt: skip
+    sharded = kind in ("fsdp", "ep,fsdp", "hsdp")  # (`ep,fsdp` with `replicas`: dp_replicate=R,fsdp=S,ep=E)
     shards = gpus // replicas if sharded else 1
     trainable, frozen = bench.task.param_counts(family, tier)
     frozen_bytes = bench.task.frozen_bytes(tier, bf16)
@@ -360,7 +361,7 @@ def estimate(
         if kind == "ep":
             states -= 16 * away
         else:  # the experts split over ep GPUs, not over the shards
-            states += 16 * experts * (1 / ep - 1 / gpus)
+            states += 16 * experts * (1 / ep - 1 / shards)
         block -= layer_experts  # FSDP2 gathers a block without its (ignored) expert slices
     if bf16:
         # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
@@ -398,11 +399,13 @@ def estimate(
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
     if kind == "hsdp":
         label = f"dp_replicate={replicas},fsdp={shards}"
+    elif kind == "ep,fsdp" and replicas > 1:
+        label = f"dp_replicate={replicas},ep={ep},fsdp={shards}"
     grads = 4 * trainable / shards  # this rank's: FSDP2's reduced shards or DDP's buckets, the expert slices
     if kind == "ep":
         grads -= 4 * away
     elif kind == "ep,fsdp":
-        grads += 4 * experts * (1 / ep - 1 / gpus)
+        grads += 4 * experts * (1 / ep - 1 / shards)
     if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
         states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
     overlap = backward_overlap(tier.global_batch_size * cp // gpus, micro, grads, act, end, peak)
@@ -452,16 +455,19 @@ def _root_copies(family, cfg, bf16: bool, experts: bool = True) -> float:
 
 def _estimate_tp(
     bench, tier, gpus, gpu_mem_gib, ac, micro, bf16, tp, fp8: Fp8 | None = None, ep: int | None = None,
-    cp: int = 1,
+    cp: int = 1, replicas: int = 1,
 ) -> Estimate:  # fmt: skip
     """tp x fsdp, or tp x ep x fsdp with `ep` (module docstring); with `cp` (`tp=T,cp=C[,fsdp=F]`) FSDP2
     shards over the gpus / tp ranks of (fsdp, cp) as the code does (`Plan.shard_ranks`), a rank's tokens
     are 1/cp of each sequence, and it gathers the K/V of its heads (1/tp of them) over the whole sequence.
     A task's frozen parameters (LoRA's base: every block weight but the adapters, and the embedding and
     head) take the task's frozen bytes per parameter, not 16. An MoE family's router and routed experts are not cut by TP: the router is sharded
-    over the fsdp ranks only, the experts too, or with `ep` held as slices of 1/ep (FSDP2 ignores them)."""
+    over the fsdp ranks only, the experts too, or with `ep` held as slices of 1/ep (FSDP2 ignores them).
+    `replicas`: HSDP x TP (`dp_replicate=R,fsdp=S,tp=T`): FSDP2 shards over S = gpus / tp / R ranks only, so
+    the states are those of `tp=T,fsdp=S`, while the batch splits over all gpus / tp data-parallel ranks."""
     family, cfg = bench.family, tier.model
-    fsdp = gpus // tp
+    data = gpus // tp  # the data-parallel ranks: every sample stream
+    fsdp = data // replicas  # the ranks FSDP2 shards over
     block = family.block_params(cfg)
     blocks = cfg.n_layers * block
     rest = family.param_count(cfg) - blocks  # embedding, head, final norm
@@ -508,11 +514,13 @@ def _estimate_tp(
     act = activation_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act += context_parallel_bytes(cfg, micro, seq, cp, 2 if bf16 else 4, ac) / tp  # (the masks too: small)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
-    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // fsdp, 1), 2 if bf16 else 4, cp)
+    act, peak = _peak(bench, tier, act, max(tier.global_batch_size // data, 1), 2 if bf16 else 4, cp)
     margin = _margin(gpu_mem_gib)
-    # A rank's samples: those of its data-parallel rank (fsdp / cp of them), 1/cp of each.
-    overlap = backward_overlap(tier.global_batch_size * cp // fsdp, micro, grads, act, end, peak)
+    # A rank's samples: those of its data-parallel rank (data / cp of them), 1/cp of each.
+    overlap = backward_overlap(tier.global_batch_size * cp // data, micro, grads, act, end, peak)
     label = f"tp={tp},ep={ep},fsdp={fsdp}" if ep else f"tp={tp},fsdp={fsdp}"
+    if replicas > 1:
+        label = f"dp_replicate={replicas},fsdp={fsdp},tp={tp}"
     return Estimate(label, ac, micro, states, copies, act, margin, peak, overlap, tier.global_batch_size)
 
 
@@ -536,10 +544,11 @@ def _tp_degrees(family, cfg, gpus: int, gpus_per_node: int, task=None) -> list[i
 
 
 def _kind(p: parallel.Plan) -> str:
-    if p.dp_replicate > 1:
-        return "hsdp"
+    """The estimate's kind; HSDP's replicas (`replicas`) ride on it: `hsdp`, `tp` or `ep,fsdp` with them."""
     if p.tp > 1:
         return "tp,ep" if p.ep > 1 else "tp"
+    if p.dp_replicate > 1 and p.ep == 1:
+        return "hsdp"
     if p.ep > 1:
         return "ep,fsdp" if p.fsdp > 1 else "ep"
     return "fsdp" if p.fsdp > 1 else "dp"
@@ -645,6 +654,11 @@ def plan(
                     continue
                 if not moe:
                     rows += rows_of("tp", gbs // data, t)
+                    if gpus > gpus_per_node > t:
+                        # Across nodes, HSDP x TP: TP and FSDP2 within each node, replicated over the nodes
+                        # (train/parallel.py), its all-gathers on the node's links as HSDP's are (`plan`'s
+                        # order puts it first where it fits).
+                        rows += rows_of("tp", gbs // data, t, replicas=gpus // gpus_per_node)
                 elif math.gcd(tier.model.n_experts, data) > 1:
                     # An MoE family's plan (gpt_oss): the experts split over the data-parallel ranks by the
                     # largest ep dividing both, as the hybrid above (train/parallel.py).

@@ -13,7 +13,9 @@ optimizer states 1/S each) and the R groups are replicas that average their grad
 all-gathers stay within S ranks (one node, say) and only the gradient all-reduce crosses groups; all R x S
 ranks read different samples. Tensor parallelism (train/tensor_parallel.py) puts `tp` consecutive
 ranks on one sample stream: ranks r = i * tp + j form a (fsdp, tp) DeviceMesh, FSDP2 shards over the first
-dimension. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
+dimension. HSDP x TP, `dp_replicate=R[,fsdp=S],tp=T`: one (replicate, shard, tp) mesh, FSDP2 over its 2-D
+(replicate, shard) sub-mesh (at S = 1 it only replicates: DDP takes no DTensors). HSDP x EP,
+`dp_replicate=R,fsdp=S,ep=E` (E dividing S): the `ep=E,fsdp=N` hybrid below, FSDP2 on the (R, S) mesh. Expert parallelism overlaps the data-parallel ranks: `ep=N` shards a MoE model's experts over the
 same N ranks that split the batch (so `ep=8` alone means `dp=8, ep=8`, DDP for the rest of the model), and
 `ep=N,fsdp=N` does the same with FSDP2 sharding the rest (attention, router, shared experts, embedding,
 head) over those N ranks. There the expert slices are `ignored_params` of `fully_shard`: FSDP2 neither
@@ -133,6 +135,12 @@ class Plan:
         return 1
 
     @property
+    def fully_sharded(self) -> bool:
+        """FSDP2 wraps the model: it shards over `shard_ranks` > 1, or replicates under HSDP (at
+        `dp_replicate=R,tp=T` with fsdp=1 its shard dimension has one rank: pure replication with DTensors)."""
+        return self.shard_ranks > 1 or self.dp_replicate > 1
+
+    @property
     def sharded(self) -> bool:
         """Parameters are DTensors: built on the meta device and filled per shard (step._build_sharded)."""
         return self.fsdp > 1 or self.tp > 1
@@ -237,23 +245,18 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 f"--parallel {spec!r}: for dp x fsdp use HSDP, dp_replicate=R,fsdp=S (FSDP2 shards over S and "
                 "replicates over R)"
             )
-        if degrees["dp_replicate"] > 1 and (
-            degrees["fsdp"] == 1 or any(degrees[k] > 1 for k in ("dp", "ep", "tp"))
-        ):
-            raise UserError(
-                f"--parallel {spec!r}: dp_replicate is HSDP's replica count and combines with fsdp only; use "
-                "dp_replicate=R,fsdp=S (or dp=N for plain data parallelism)"
-            )
+        if degrees["dp_replicate"] > 1:
+            _check_hsdp(spec, degrees)
         if degrees["vpp"] > 1 and degrees["pp"] == 1:
             raise UserError(
                 f"--parallel {spec!r}: vpp is the number of pipeline stages per rank; use it with pp, e.g. "
                 "pp=4,vpp=2"
             )
         if degrees["ep"] > 1 and degrees["cp"] > 1:
-            if any(degrees[k] > 1 for k in ("tp", "pp", "vpp")):  # (dp_replicate with ep: refused above)
+            if any(degrees[k] > 1 for k in ("tp", "pp", "vpp", "dp_replicate")):
                 raise UserError(
-                    f"--parallel {spec!r}: cp with ep is built as cp=C,ep=E with dp or fsdp only (not with tp "
-                    "or pp yet)"
+                    f"--parallel {spec!r}: cp with ep is built as cp=C,ep=E with dp or fsdp only (not with tp, "
+                    "pp or dp_replicate yet)"
                 )
             # `cp=C,ep=E` is `dp=world/C` (DDP, as `ep=E` alone is `dp=E`); the experts split over groups
             # of E consecutive ranks of the flattened (data, cp) ranks (module docstring).
@@ -299,6 +302,24 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
     if plan.precision not in PRECISIONS:
         raise UserError(f"--precision {plan.precision!r}: choose {', '.join(PRECISIONS)}")
     return plan
+
+
+def _check_hsdp(spec: str, degrees: dict[str, int]) -> None:
+    """HSDP's replica count combines with fsdp (`dp_replicate=R,fsdp=S`), with tp (`dp_replicate=R[,fsdp=S],tp=T`:
+    FSDP2 over the (replicate, shard) sub-mesh of one 3-D mesh, at S = 1 pure replication) and with ep
+    dividing fsdp (`dp_replicate=R,fsdp=S,ep=E`, checked with `ep,fsdp`); not with dp, nor with tp and ep or
+    tp and cp together."""
+    k = degrees
+    if k["dp"] > 1 or (k["fsdp"] == 1 and k["tp"] == 1):
+        raise UserError(
+            f"--parallel {spec!r}: dp_replicate is HSDP's replica count and combines with fsdp or tp; use "
+            "dp_replicate=R,fsdp=S[,tp=T] or dp_replicate=R,fsdp=S,ep=E (or dp=N for plain data parallelism)"
+        )
+    if k["tp"] > 1 and (k["ep"] > 1 or k["cp"] > 1):
+        raise UserError(
+            f"--parallel {spec!r}: dp_replicate with tp is built without ep and cp (not yet); use "
+            "dp_replicate=R,fsdp=S,tp=T, or tp=T,ep=E,fsdp=N"
+        )
 
 
 def check_tensor_parallel(family, cfg, spec: str | None, tp: int, task=None) -> None:
@@ -355,7 +376,14 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
         float8.convert(model, plan.fp8_recipe, plan.fsdp > 1, device)
     if plan.tp > 1:
         check_tensor_parallel(family, getattr(model, "cfg", None), f"tp={plan.tp}", plan.tp)
-        if plan.cp > 1:
+        if plan.dp_replicate > 1:
+            # HSDP x TP: one (replicate, shard, tp) mesh in `Plan.coords` order, TP innermost; FSDP2 shards over
+            # the 2-D (replicate, shard) sub-mesh (gathers within S ranks, gradients all-reduced over R).
+            mesh = device_mesh(
+                device.type, (plan.dp_replicate, plan.fsdp, plan.tp), ("dp_replicate", "fsdp", "tp")
+            )
+            fsdp_mesh = mesh["dp_replicate", "fsdp"]
+        elif plan.cp > 1:
             # One (fsdp, cp, tp) mesh in `Plan.coords` order: TP cuts within a CP rank's sequence part, the CP
             # group is its cp slice, FSDP2 shards over the flattened (fsdp, cp) ranks.
             mesh = device_mesh(device.type, (plan.fsdp, plan.cp, plan.tp), ("fsdp", "cp", "tp"))
@@ -402,7 +430,7 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
     if plan.compile:
         for block in blocks:
             block.compile()
-    if plan.shard_ranks > 1:
+    if plan.fully_sharded:
         if fsdp_mesh is None and plan.dp_replicate > 1:
             # HSDP: on a 2-D mesh `fully_shard` shards over the last dimension (fsdp consecutive ranks) and
             # replicates over the first: a gradient reduce-scatter within a shard group, then an all-reduce
@@ -485,7 +513,7 @@ def forwards_are_collective(model: nn.Module) -> bool:
 def autocast_dtype(plan: Plan) -> torch.dtype | None:
     """FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
     # (under tp alone too: its DTensors keep their dtype)
-    if plan.compute == "bf16" and plan.shard_ranks == 1:
+    if plan.compute == "bf16" and not plan.fully_sharded:
         return torch.bfloat16
     return None
 

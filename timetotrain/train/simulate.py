@@ -356,7 +356,7 @@ def simulate_rank(
             )
             batch = data.batch(0)
             # a pipeline's stages (FSDP2 roots under fsdp), else the model
-            mt = _tracker(tr.model if prep.plan.pp > 1 else tr.bare, tr.opt, prep.plan.shard_ranks > 1)
+            mt = _tracker(tr.model if prep.plan.pp > 1 else tr.bare, tr.opt, prep.plan.fully_sharded)
             seen: dict[str, dict] = {}
 
             def snap(name: str):
@@ -376,7 +376,7 @@ def simulate_rank(
                 return data.loss(model, mb)
 
             with mt:
-                _track_untracked(mt, tr.bare, prep.plan.shard_ranks > 1)
+                _track_untracked(mt, tr.bare, prep.plan.fully_sharded)
                 try:
                     tr.step(0, batch, accum, loss)
                 except (RuntimeError, ValueError, AssertionError, TypeError) as e:
