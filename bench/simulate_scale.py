@@ -12,16 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
-BENCHES = ["llama31_8b", "gpt_oss_20b", "llama2_70b_lora", "flux1", "llama31_405b", "deepseekv3_671b",
-           "dlrm_dcnv2", "qwen35_397b_grpo"]  # fmt: skip
-GPUS = (8, 64, 256, 1024)
-MEMS = (80, 141, 192)
+from scale_grid import BENCHES, GPUS, MEMS, cell, last_line
 
 # Simulated: (benchmark, gpus, --gpu-mem whose suggestion (AC, micro-batch) is simulated, --parallel,
 # --layers, extra --set). Where nothing fits the simulation runs AC as `--ac` says (here: off) at the tier's
@@ -69,28 +65,10 @@ def _plan(bench: str, gpus: int, mem: int, extra: list[str]) -> tuple[int, str, 
     return _run(cmd)
 
 
-def _last_line(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if "warning" not in ln.lower()]
-    return (lines or ["?"])[-1].removeprefix("ttt: error: ")
-
-
 def grid_cell(bench: str, gpus: int, mem: int) -> str:
-    """`ttt plan`'s suggestion (formula only) in a few words."""
+    """`ttt plan`'s suggestion (formula only) in a few words (bench/scale_grid.py's cell)."""
     rc, out, err, _, _ = _plan(bench, gpus, mem, [])
-    if rc not in (0, 1) or not out.strip():  # (1: nothing fits, the plan printed)
-        line = _last_line(err)
-        split = re.search(r"global_batch_size (\d+) (is not divisible by|does not split over)", line)
-        return f"GBS {int(split.group(1)):,} does not split" if split else "- (" + line + ")"
-    doc = json.loads(out)
-    if "worst_rank" in doc:  # DLRM: the embedding plan (train/embedding_memory.py), one layout
-        worst = next(r for r in doc["ranks"] if r["rank"] == doc["worst_rank"])
-        return f"{doc['parallel']}: {worst['total'] / G:.0f} GiB" + ("" if doc["fits"] else " (does not fit)")
-    s = doc.get("suggestion")
-    if s is None:
-        ff = doc.get("fits_from")
-        return "nothing fits" + (f" (from {ff['gpus']:,} GPUs)" if ff else "")
-    gbs = f" (GBS {doc['global_batch_size']:,})" if "global_batch_size_chosen" in doc else ""
-    return f"{s['parallel']}{', AC' if s['ac'] else ''}, mb {s['micro_batch']}: {s['total_gib']:.0f} GiB{gbs}"
+    return cell(rc, out, err)
 
 
 def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list[str]) -> dict:
@@ -101,7 +79,7 @@ def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list
     row = {"bench": bench, "gpus": gpus, "mem": mem, "parallel": spec, "layers": layers, "wall_s": wall,
            "rss_gib": rss, "sets": sets}  # fmt: skip
     if rc not in (0, 1) or not out.strip():
-        row["error"] = _last_line(err)
+        row["error"] = last_line(err)
         return row
     doc = json.loads(out)
     sim = doc["simulation"]

@@ -54,6 +54,7 @@ SMALL = {
     "tp,pp": "pp=2,tp=2,fsdp=2",
     "fsdp,pp": "pp=2,fsdp=2",
     "dp,pp": "pp=2",
+    "ep,fsdp,pp": "pp=2,ep=2",  # fsdp=2 implied (train/pipeline_moe.py)
 }
 
 
@@ -146,7 +147,8 @@ def test_every_suggested_kind_builds(name, kind):
 
 # Kinds no reference tier's search reaches but `ttt plan --parallel` counts, built the same way: pipeline
 # stages with LoRA (llama2_70b_lora's reference fits without pp wherever the grid looks) and with
-# `--precision fp8` (the grid plans bf16); DeepSeek-V3 under its TP plan (models/deepseek_v3/parallelize.py;
+# `--precision fp8` (the grid plans bf16); pipeline with expert parallelism (`pp=2,ep=2`, fsdp=2 implied);
+# DeepSeek-V3 under its TP plan (models/deepseek_v3/parallelize.py;
 # the search tries TP only where nothing without it fits or splits the batch). qwen35_397b_grpo refuses tp
 # (its rollouts decode: train/parallel.py).
 NAMED = [
@@ -158,6 +160,10 @@ NAMED = [
     ("deepseekv3_671b", "tp=2,fsdp=2", "fp32"),
     # HSDP x EP, which the search does not try (it tries HSDP x TP, for the dense families only)
     ("gpt_oss_20b", "dp_replicate=2,fsdp=2,ep=2", "fp32"),
+    # pipeline with expert parallelism: the search's last resort for an MoE model, reached by no grid cell
+    # (a stage holds the same states per GPU as the layout without pp, plus its gradients whole)
+    ("deepseekv3_671b", "pp=2,ep=2", "fp32"),
+    ("gpt_oss_20b", "pp=2,ep=2", "fp32"),
 ]
 
 

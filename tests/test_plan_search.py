@@ -1,8 +1,10 @@
 """What `ttt plan`'s search offers across nodes (timetotrain/train/memory.py, docs/scale.md "The plan across
 nodes"): HSDP (`dp_replicate=R,fsdp=S`, S the GPUs of a node) where FSDP2 within a node fits, and, where the
 tier's GBS splits over no layout without tensor parallelism, the rows of a legal GBS of the benchmark's RCP
-table, each row saying its GBS, beside the suggestion at the tier's GBS."""
+table, each row saying its GBS, beside the suggestion at the tier's GBS; pipeline with expert parallelism
+where nothing else splits the batch."""
 
+import dataclasses
 import json
 
 from timetotrain.cli import main
@@ -76,3 +78,34 @@ def test_hsdp_with_tp_or_ep_counts_a_shard_group():
     hsdp_ep = plan(gpt, ref, 16, 80, "dp_replicate=2,fsdp=8,ep=4")[1][0]
     assert hsdp_ep.parallel == "dp_replicate=2,ep=4,fsdp=8"
     assert hsdp_ep.states == plan(gpt, ref, 8, 80, "ep=4,fsdp=8")[1][0].states
+
+
+def test_pipeline_with_expert_parallelism_is_searched_for_moe():
+    """The search's last resort for an MoE family is `pp=P,ep=E,fsdp=F` (train/memory.py
+    `_pipeline_search_rows`, E the largest dividing the experts and a stage's F ranks), through `ttt run`'s
+    preflight checks. Planted: DeepSeek-V3 reference at GBS 768 on 512 single-GPU nodes (no TP or CP within a
+    node) splits over no 512 data-parallel ranks, but over a stage's 256 or 128: pp=2 (97 GiB) does not fit
+    80 GiB, pp=4 does, and the search stops there. Where the tier's GBS splits, the pp rows are tried where
+    nothing else fits and fit no better: a stage holds 1/P of the layers on 1/P of the GPUs, the same states
+    per GPU, plus its gradients whole (64 x 80 GiB: the least of them 249 GiB)."""
+    bench = get("deepseekv3_671b")
+    ref = bench.tier("reference")
+    tier = dataclasses.replace(ref, global_batch_size=768)
+    cap = 0.9 * 80 * 2**30
+    _, rows, best = plan(bench, tier, 512, 80, None, gpus_per_node=1)
+    assert {r.parallel for r in rows} == {"pp=2,ep=256,fsdp=256", "pp=4,ep=128,fsdp=128"}
+    assert not any(r.total <= cap for r in rows if r.parallel.startswith("pp=2,"))
+    assert (best.parallel, best.ac, best.micro_batch) == ("pp=4,ep=128,fsdp=128", 1, 1) and best.total <= cap
+    # the row is the one --parallel names
+    named = plan(bench, tier, 512, 80, "pp=4,ep=128,fsdp=128", gpus_per_node=1)[1]
+    assert [r.total for r in named] == [r.total for r in rows if r.parallel.startswith("pp=4,")]
+    # gpt_oss too: GBS 24 on 16 single-GPU nodes
+    oss = get("gpt_oss_20b")
+    tier = dataclasses.replace(oss.tier("reference"), global_batch_size=24)
+    best = plan(oss, tier, 16, 80, None, gpus_per_node=1)[2]
+    assert (best.parallel, best.ac, best.micro_batch) == ("pp=2,ep=8,fsdp=8", 1, 1)
+    # the reference at its GBS on 64 x 80 GiB: pp with ep is estimated, and fits no better than without
+    _, rows, best = plan(bench, ref, 64, 80, None)
+    pp = [r for r in rows if r.parallel.startswith("pp=")]
+    assert best is None and pp and min(r.total for r in pp) > 240 * 2**30
+    assert all(",ep=" in r.parallel for r in pp)

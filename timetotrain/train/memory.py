@@ -71,7 +71,8 @@ Where the numbers come from (an estimate, not a measurement):
   before the search had CP stays; where the tier's GBS takes a TP suggestion (it splits over no layout
   without TP), the rows of the smallest larger legal GBS where one without TP fits are offered beside it,
   each row naming its GBS (`_with_legal_rows`). Pipeline parallelism last of all, where no layout above (CP included)
-  fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32, each
+  fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32 (an
+  MoE family, deepseek_v3 and gpt_oss: `pp=P,ep=E,fsdp=gpus/P`, E the largest dividing the experts and F), each
   planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (decoders whose task
   trains the model's own loss or LoRA adapters on it, fp8 too; not GRPO, nor flux) and a per-rank batch
   of at least P micro-batches; the fewest stages that fit, then the smallest TP, at the smallest
@@ -644,25 +645,10 @@ def plan(
             label = ",".join(f"{k}={getattr(given, k)}" for k in parallel.KINDS if getattr(given, k) > 1)
             rows = [dataclasses.replace(r, parallel=label) for r in rows]
     else:
-        moe = hasattr(tier.model, "n_experts")
         rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-            for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node, bench.task):
-                data = gpus // t  # TP ranks share samples
-                if gbs % data:
-                    continue
-                if not moe:
-                    rows += rows_of("tp", gbs // data, t)
-                    if gpus > gpus_per_node > t:
-                        # Across nodes, HSDP x TP: TP and FSDP2 within each node, replicated over the nodes
-                        # (train/parallel.py), its all-gathers on the node's links as HSDP's are (`plan`'s
-                        # order puts it first where it fits).
-                        rows += rows_of("tp", gbs // data, t, replicas=gpus // gpus_per_node)
-                elif math.gcd(tier.model.n_experts, data) > 1:
-                    # An MoE family's plan (gpt_oss): the experts split over the data-parallel ranks by the
-                    # largest ep dividing both, as the hybrid above (train/parallel.py).
-                    rows += rows_of("tp,ep", gbs // data, t, ep=math.gcd(tier.model.n_experts, data))
+            rows += _tensor_parallel_rows(bench, tier, gpus, gpus_per_node, rows_of)
         if not any(r.total <= cap for r in rows):
             # Context parallelism only where nothing above fits or splits the batch (module docstring).
             rows += _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac)
@@ -697,6 +683,28 @@ def plan(
         default=None,
     )  # fmt: skip
     return n, rows, best
+
+
+def _tensor_parallel_rows(bench, tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
+    """tp x fsdp for each TP degree within a node (and across nodes HSDP x TP too); for an MoE family tp x ep
+    x fsdp (`plan`'s search, where no layout without TP fits or splits the batch)."""
+    gbs, rows = tier.global_batch_size, []
+    for t in _tp_degrees(bench.family, tier.model, gpus, gpus_per_node, bench.task):
+        data = gpus // t  # TP ranks share samples
+        if gbs % data:
+            continue
+        if not hasattr(tier.model, "n_experts"):
+            rows += rows_of("tp", gbs // data, t)
+            if gpus > gpus_per_node > t:
+                # Across nodes, HSDP x TP: TP and FSDP2 within each node, replicated over the nodes
+                # (train/parallel.py), its all-gathers on the node's links as HSDP's are (`plan`'s order puts
+                # it first where it fits).
+                rows += rows_of("tp", gbs // data, t, replicas=gpus // gpus_per_node)
+        elif math.gcd(tier.model.n_experts, data) > 1:
+            # An MoE family's plan (gpt_oss): the experts split over the data-parallel ranks by the largest ep
+            # dividing both, as the hybrid above (train/parallel.py).
+            rows += rows_of("tp,ep", gbs // data, t, ep=math.gcd(tier.model.n_experts, data))
+    return rows
 
 
 def _refused_share(bench, tier, local: int, ranks: int) -> str:
@@ -769,7 +777,7 @@ def _pipeline_search_rows(
     bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap
 ) -> list[Estimate]:  # fmt: skip
     """`pp=P[,tp=T][,fsdp=F]` (P x T x F = gpus; T as `_tp_degrees` allows within a node, none too; no `dp`,
-    which the pipeline does not compose with) for P in `PP_DEGREES`, fewest stages first, stopping after the
+    which the pipeline does not compose with; an MoE model `pp=P,ep=E,fsdp=F`, no tp) for P in `PP_DEGREES`, fewest stages first, stopping after the
     first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
     `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
     (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
@@ -778,12 +786,26 @@ def _pipeline_search_rows(
     rows: list[Estimate] = []
     if not hasattr(tier.model, "n_layers"):
         return rows
+    experts = getattr(tier.model, "n_experts", 0)
     for p in PP_DEGREES:
         if gpus % p or p > tier.model.n_layers:
             continue
-        for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node, bench.task)):
-            f = gpus // p // t
-            spec = f"pp={p}" + (f",tp={t}" if t > 1 else "") + (f",fsdp={f}" if f > 1 else "")
+        if experts:
+            # An MoE model: `pp=P,ep=E,fsdp=F` (train/pipeline_moe.py; not with tp), E the largest dividing
+            # the experts and a stage's F ranks, the expert slices replicated over its F / E groups, as the
+            # hybrid without a pipeline. E = 1 (one GPU a stage, or experts that share no factor with F)
+            # is what `pipeline.check` refuses for an MoE model.
+            f = gpus // p
+            e = math.gcd(experts, f)
+            specs = [f"pp={p},ep={e},fsdp={f}"] if e > 1 else []
+        else:
+            specs = [
+                f"pp={p}"
+                + (f",tp={t}" if t > 1 else "")
+                + (f",fsdp={gpus // p // t}" if gpus // p // t > 1 else "")
+                for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node, bench.task))
+            ]
+        for spec in specs:
             try:
                 rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
             except UserError:
@@ -794,11 +816,22 @@ def _pipeline_search_rows(
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_layers(costs: tuple[float, ...], head: float, pp: int, vpp: int) -> int:
-    """The most layers `pipeline.split_layers` gives one pipeline rank (its V stages together); cached,
-    since the split's exact search is most of a pipeline row's cost and the search plans many."""
+def _stage_layers(
+    costs: tuple[float, ...], head: float, pp: int, vpp: int, first_dense: int = 0
+) -> tuple[int, int]:
+    """(layers, of them dense) of the pipeline rank `pipeline.split_layers` loads most (its V stages
+    together): the most MoE layers, then the most layers (a model's first `first_dense` layers are dense,
+    DeepSeek-V3's 3: a stage of MoE layers, not the first with the dense ones, holds the most parameters).
+    Cached, since the split's exact search is most of a pipeline row's cost and the search plans many."""
     ranges = pipeline.split_layers(list(costs), head, pp * vpp)
-    return max(sum(hi - lo for lo, hi in ranges[r::pp]) for r in range(pp))
+
+    def load(r: int) -> tuple[int, int]:
+        mine = ranges[r::pp]
+        dense = sum(max(0, min(hi, first_dense) - lo) for lo, hi in mine)
+        return sum(hi - lo for lo, hi in mine) - dense, dense
+
+    moe, dense = max((load(r) for r in range(pp)), key=lambda x: (x[0], x[0] + x[1]))
+    return moe + dense, dense
 
 
 def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8) -> list[Estimate]:
@@ -824,13 +857,19 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     cfg = tier.model
     pp, vpp = given.pp, given.vpp
     costs, head = pipeline.stage_costs(bench, cfg)  # the split's own costs (DeepSeek: per layer, MTP)
-    layers = _stage_layers(tuple(costs), head, pp, vpp)
-    n_stage = bench.family.param_count(dataclasses.replace(cfg, n_layers=layers)) - cfg.vocab_size * cfg.dim
+    layers, dense = _stage_layers(tuple(costs), head, pp, vpp, getattr(cfg, "first_dense", 0))
+
+    def deep(n: int):  # the model of n layers, the stage's dense ones first (DeepSeek-V3: at most n)
+        return dataclasses.replace(
+            cfg, n_layers=n, **({"first_dense": min(dense, n)} if hasattr(cfg, "first_dense") else {})
+        )
+
+    n_stage = bench.family.param_count(deep(layers)) - cfg.vocab_size * cfg.dim
     if given.ep > 1:
         # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): FSDP2 ignores the expert slices, which the stage's
         # layout row holds 1/E of already; what the schedule keeps whole below is the rest.
-        n_stage -= expert_params(bench.family, dataclasses.replace(cfg, n_layers=layers))[0]
-    depth = dataclasses.replace(tier, model=dataclasses.replace(cfg, n_layers=layers))
+        n_stage -= expert_params(bench.family, deep(layers))[0]
+    depth = dataclasses.replace(tier, model=deep(layers))
     trainable, frozen = bench.task.param_counts(bench.family, depth)
     n_grads = trainable if frozen else n_stage  # a frozen base has no gradients (LoRA: the adapters do)
     inner = dataclasses.replace(given, pp=1, vpp=1)
@@ -839,7 +878,7 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
     shards = given.shard_ranks
 
     def at(depth: int, ac: int, m: int) -> Estimate:  # the layout of one stage, for a model of `depth`
-        model = dataclasses.replace(cfg, n_layers=depth)
+        model = deep(depth)
         n = bench.family.param_count(model) - cfg.vocab_size * cfg.dim  # one of embedding and head
         return estimate(bench, dataclasses.replace(tier, model=model), n, gpus // pp, gpu_mem_gib, kind, ac, m,
                         bf16, tp=inner.tp, fp8=fp8, ep=inner.ep if inner.ep > 1 else None,
