@@ -133,12 +133,18 @@ def _world(spec: str) -> int:
     return WORLD
 
 
+def _small_batch(tier, world: int):
+    """Two samples a rank (GRPO: two whole groups of generations a rank, which its ranks must own)."""
+    groups = getattr(tier.data, "generations", 1)
+    return dataclasses.replace(tier, global_batch_size=world * 2 * groups, eval_samples=world * 2)
+
+
 @pytest.mark.parametrize("name,kind", _suggested_kinds())
 def test_every_suggested_kind_builds(name, kind):
     bench, tier = prepare.resolve_tier(name, "tiny", [])
     spec = SMALL[kind]
     world = _world(spec)
-    tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
+    tier = _small_batch(tier, world)
     # A pipeline's first and last ranks hold different modules (module docstring); others the last rank.
     for rank in (0, world - 1) if ",pp" in kind else (world - 1,):
         got = _in_child(simulate_rank, bench, tier, world, spec, rank, "fp32", False)
@@ -172,7 +178,7 @@ def test_named_kind_builds(name, spec, precision):
     bench, tier = prepare.resolve_tier(name, "tiny", [])
     pipeline = "pp=" in spec
     world = _world(spec)
-    tier = dataclasses.replace(tier, global_batch_size=world * 2, eval_samples=world * 2)
+    tier = _small_batch(tier, world)
     for rank in (0, world - 1) if pipeline else (world - 1,):
         got = _in_child(simulate_rank, bench, tier, world, spec, rank, precision, False)
         assert got.parameters > 0 and got.gradients > 0 and got.optimizer > 0, rank
