@@ -157,6 +157,7 @@ def bad_file(
 
 
 def read_parquet_columns(path: Path, columns: tuple[str, ...]):
+    # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
     import pyarrow.parquet as pq
 
     if not path.is_file():
@@ -175,6 +176,7 @@ def read_parquet_columns(path: Path, columns: tuple[str, ...]):
 
 def int_column(path: Path, name: str, arr) -> np.ndarray:
     """An integer column (or flattened list) as int64; nulls and non-integers refused."""
+    # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
     import pyarrow as pa
 
     if arr.null_count:
@@ -186,6 +188,7 @@ def int_column(path: Path, name: str, arr) -> np.ndarray:
 
 def read_sessions(path: Path) -> Events:
     """train_sessions.parquet flattened as yambda.py:110-123 does, each input rule checked."""
+    # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -85,6 +85,7 @@ class SessionWriter:
     """Writes the processed layout block by block under `root` (staged: all files appear at commit)."""
 
     def __init__(self, root: Path, staged: fileio.Staged, split: Split, size: str = "5b"):
+        # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
         import pyarrow as pa
 
         self.pa = pa
@@ -99,6 +100,7 @@ class SessionWriter:
         self.counts = {"train_events": 0, "test_events": 0, "sessions": 0, "users": 0}
 
     def _write(self, name: str, table) -> None:
+        # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
         import pyarrow.parquet as pq
 
         if name not in self._writers:
@@ -221,6 +223,7 @@ def write_item_maps(
     root: Path, staged: fileio.Staged, item_artist: np.ndarray, item_album: np.ndarray
 ) -> list[Path]:
     """shared_metadata/{artist,album}_item_mapping.parquet: one row per item."""
+    # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -253,6 +256,7 @@ RAW_COLUMNS = (
 def read_raw(path: Path) -> RawEvents:
     """Yambda's flat multi_event.parquet (the Hugging Face `yandex/yambda` layout) in memory, event types
     encoded as preprocess_public_data.py:413-423 does. For the 50m and 500m variants; 5b needs ~150 GB."""
+    # heavy (pyarrow): loaded only where parquet is read, not on every `ttt` start
     import pyarrow as pa
     import pyarrow.compute as pc
 
