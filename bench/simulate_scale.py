@@ -71,8 +71,8 @@ def grid_cell(bench: str, gpus: int, mem: int) -> str:
     return cell(rc, out, err)
 
 
-def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list[str]) -> dict:
-    extra = ["--parallel", spec, "--simulate", "--layers", str(layers)]
+def simulate(bench: str, gpus: int, mem: int, spec: str, layers: int, sets: list[str], flags=()) -> dict:
+    extra = ["--parallel", spec, "--simulate", "--layers", str(layers), *flags]
     for s in sets:
         extra += ["--set", s]
     rc, out, err, wall, rss = _plan(bench, gpus, mem, extra)
