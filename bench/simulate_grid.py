@@ -50,11 +50,22 @@ def key(bench: str, gpus: int, s: dict) -> str:
     return f"{bench}|{gpus}|{s['parallel']}|{s['gbs']}|{s['ac']}|{s['micro']}"
 
 
-def run_one(bench: str, gpus: int, mem: int, s: dict) -> dict:
+def run_one(bench: str, gpus: int, mem: int, s: dict, layers: int) -> dict:
     sets = [f"global_batch_size={s['gbs']}", f"micro_batch_size={s['micro']}"]
     extra_ac = ["--ac"] if s["ac"] else []
-    r = simulate(bench, gpus, mem, s["parallel"], LAYERS[bench], sets, extra_ac)
+    r = simulate(bench, gpus, mem, s["parallel"], layers, sets, extra_ac)
     return {**r, "key": key(bench, gpus, s)}
+
+
+def retry_layers(r: dict | None, bench: str) -> int | None:
+    """The depth to simulate next: the benchmark's least where not yet simulated; two layers more where the
+    simulator refused to extrapolate from the last depth tried (its peak sits in a block whose place differs
+    between the two depths), up to twice; None when done."""
+    if r is None:
+        return LAYERS[bench]
+    if "does not extrapolate" in r.get("error", "") and r["layers"] < LAYERS[bench] + 4:
+        return r["layers"] + 2
+    return None
 
 
 def load(path: str) -> dict:
@@ -78,7 +89,7 @@ def table(cells: list[tuple], done: dict) -> None:
         if r is None:
             sim, within = "not simulated", "-"
         elif "error" in r:
-            sim, within = f"does not build: {r['error']}", "no"
+            sim, within = f"refused at --layers {r['layers']}: {r['error']}", "no"
         else:
             total = r["peak_gib"] + s["margin_gib"]
             sim, within = (
@@ -110,14 +121,13 @@ def main() -> None:
     done = load(args.out)
     if not args.table:
         for bench, gpus, mem, s in cells:
-            if key(bench, gpus, s) in done:
-                continue
-            r = run_one(bench, gpus, mem, s)
-            done[r["key"]] = r
-            with open(args.out, "a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            print(f"{r['key']}: " + (r.get("error") or f"{r['peak_gib']:.1f} GiB in {r['wall_s']:.0f} s"),
-                  flush=True)  # fmt: skip
+            while (layers := retry_layers(done.get(key(bench, gpus, s)), bench)) is not None:
+                r = run_one(bench, gpus, mem, s, layers)
+                done[r["key"]] = r  # the later line of a key wins on reload, as here
+                with open(args.out, "a") as fh:
+                    fh.write(json.dumps(r) + "\n")
+                print(f"{r['key']} (--layers {layers}): "
+                      + (r.get("error") or f"{r['peak_gib']:.1f} GiB in {r['wall_s']:.0f} s"), flush=True)  # fmt: skip
     table(cells, done)
 
 
