@@ -60,11 +60,13 @@ def run_one(bench: str, gpus: int, mem: int, s: dict, layers: int) -> dict:
 def retry_layers(r: dict | None, bench: str) -> int | None:
     """The depth to simulate next: the benchmark's least where not yet simulated; two layers more where the
     simulator refused to extrapolate from the last depth tried (its peak sits in a block whose place differs
-    between the two depths), up to twice; None when done."""
+    between the two depths, or a count shrinks with depth), a repeat unit more, up to twice; None when done."""
     if r is None:
         return LAYERS[bench]
-    if "does not extrapolate" in r.get("error", "") and r["layers"] < LAYERS[bench] + 4:
-        return r["layers"] + 2
+    step = 3 if bench == "flux1" else 2  # flux: --layers N builds N and N+3 blocks
+    refused = ("does not extrapolate", "does not grow linearly")
+    if any(w in r.get("error", "") for w in refused) and r["layers"] < LAYERS[bench] + 2 * step:
+        return r["layers"] + step
     return None
 
 
