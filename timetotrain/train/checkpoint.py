@@ -424,7 +424,7 @@ def check_init_source(path: str | os.PathLike, family, cfg=None) -> str:
         )
     if (p / META).is_file():
         dcp_safe.read_metadata(p)  # a damaged or planted .metadata is refused here, before any log line
-        table_checkpoint.parse(p, _read_meta(p))  # and so is a damaged record of its tables
+        table_checkpoint.parse(p / META, _read_meta(p))  # and so is a damaged record of its tables
         return "ours"
     if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
         if family.hf_mapping is None:
@@ -529,7 +529,7 @@ def load_checkpoint(
     meta = _read_meta(final)
     saved = _saved_stacking(final, meta)
     tables = _tables(model)
-    table_record = table_checkpoint.parse(final, meta)
+    table_record = table_checkpoint.parse(final / META, meta)
     table_checkpoint.check_fits(final, table_record, tables, optimizer)
     with table_checkpoint.frozen(tables):
         state = _state(model, optimizer)

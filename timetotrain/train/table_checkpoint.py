@@ -144,12 +144,13 @@ def save(folder: Path, tables: dict[str, nn.Module], optimizer, rank: int) -> No
         write_safetensors(folder / file_name(rank), tensors, CHUNK_ROWS)
 
 
-def parse(final: Path, meta: dict) -> dict | None:
-    """The checked "tables" record of a checkpoint's META (untrusted), or None for a checkpoint saved
-    before tables were written apart (its tables are DCP entries). Every file it names exists."""
+def parse(where: Path, meta: dict) -> dict | None:
+    """The checked "tables" record of the checkpoint META `meta` read from file `where` (untrusted), or None
+    for a checkpoint saved before tables were written apart (its tables are DCP entries). Every file it
+    names exists."""
     if KEY not in meta:
         return None
-    got, where = meta[KEY], final / "ttt_checkpoint.json"
+    got, final = meta[KEY], where.parent
 
     def bad(why: str) -> UserError:
         return UserError(f"{where}: '{KEY}' {why}; not a ttt checkpoint: {_SAVE_AGAIN}")
