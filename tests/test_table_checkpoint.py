@@ -270,15 +270,22 @@ def _damage_is_one_line(good: Path, tmp: Path) -> None:
     def gap(rec):
         rec["ranges"] = [r for r in rec["ranges"] if not (r[1] == 3 and r[2] == 0)]
 
-    def reshaped(folder):  # a file whose tensor is one row short of what the record says
-        f = folder / "tables-00000.safetensors"
-        tensors = load_file(f)
-        tensors["embedding/weight/2"] = tensors["embedding/weight/2"][1:]
-        save_file(tensors, f)
+    def rewritten(change):  # a file whose tensor differs from what the record says
+        def edit(folder):
+            f = folder / "tables-00000.safetensors"
+            tensors = load_file(f)
+            tensors["embedding/weight/2"] = change(tensors["embedding/weight/2"])
+            save_file(tensors, f)
+
+        return edit
 
     refused(truncate, r"tables-00001\.safetensors: not a whole safetensors file")
     refused(nan, r"tables-00000\.safetensors: tensor embedding/weight/3 holds NaN")
-    refused(reshaped, r"tables-00000\.safetensors: tensor embedding/weight/2 is \[\d+, 8\], expected")
+    refused(
+        rewritten(lambda t: t[1:]),
+        r"tables-00000\.safetensors: tensor embedding/weight/2 is \[\d+, 8\], expected",
+    )
+    refused(rewritten(lambda t: t.double()), r"tensor embedding/weight/2 is F64, the record says F32")
     refused(meta(gap), r"ranges of table 3 do not cover its \d+ rows exactly once")
     refused(meta(lambda rec: rec.update(ranges="all")), r"ranges must be \[file, table, first, end\]")
     refused(lambda f: (f / "tables-00001.safetensors").unlink(), r"tables-00001\.safetensors: missing")

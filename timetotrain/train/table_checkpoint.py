@@ -239,7 +239,7 @@ def load(final: Path, rec: dict, tables: dict[str, nn.Module], optimizer) -> Non
             return opened[f]
 
         for name, m in tables.items():
-            saved, dim = rec[name], rec[name]["dim"]
+            saved, dim, want = rec[name], rec[name]["dim"], rec[name]["dtype"]
             held = _adagrad(optimizer, m.weight, name)
             acc = None
             if held is not None:
@@ -251,20 +251,23 @@ def load(final: Path, rec: dict, tables: dict[str, nn.Module], optimizer) -> Non
                     if a >= z:
                         continue
                     n = end - first
-                    _copy(
-                        source(f), f"{name}/weight/{t}", (n, dim), a - first, z - first, m.weight, at + a - lo
-                    )
+                    rows, into = (a - first, z - first), at + a - lo
+                    _copy(source(f), f"{name}/weight/{t}", (n, dim), want, rows, m.weight, into)
                     if acc is not None:
                         shape = (n,) if held[1] == "row" else (n, dim)
-                        _copy(source(f), f"{name}/adagrad/{t}", shape, a - first, z - first, acc, at + a - lo)
+                        _copy(source(f), f"{name}/adagrad/{t}", shape, want, rows, acc, into)
             if acc is not None:
                 held[0].state[m.weight] = {"sum": acc}
 
 
-def _copy(src, tensor: str, shape, first: int, end: int, dest: torch.Tensor, at: int) -> None:
-    """Rows [first, end) of `tensor` in the open file `src` into `dest` from row `at`, a chunk at a time."""
+def _copy(src, tensor: str, shape, want: str, rows: tuple[int, int], dest: torch.Tensor, at: int) -> None:
+    """Rows [first, end) of `tensor` (of `shape` and dtype `want` by the record) in the open file `src` into
+    `dest` from row `at`, a chunk at a time."""
     path, layout, f = src
+    first, end = rows
     dtype, start = tensor_entry(path, layout, tensor, shape, _SAVE_AGAIN)
+    if DTYPES[dtype] != want:
+        raise UserError(f"{path}: tensor {tensor} is {DTYPES[dtype]}, the record says {want}; {_SAVE_AGAIN}")
     for c in range(first, end, CHUNK_ROWS):
         rows = read_rows(f, dtype, start, shape, c, min(c + CHUNK_ROWS, end))
         if not bool(torch.isfinite(rows).all()) or ("/adagrad/" in tensor and bool((rows < 0).any())):
