@@ -5,7 +5,9 @@
   the HF tensors it is built from and how to combine them (fusing QKV, stacking experts, ...).
 - `save_checkpoint` / `load_checkpoint`: our own training state (model, optimizer, step) with
   torch.distributed.checkpoint, so each rank of an FSDP2 run writes and reads only its own shards. A folder
-  is read through `dcp_safe` (its pickled metadata and non-tensor entries are untrusted input).
+  is read through `dcp_safe` (its pickled metadata and non-tensor entries are untrusted input). Embedding
+  tables (plain-tensor weights, whole or model-parallel shards) are written beside it, each rank its rows,
+  read by row ranges in any rank count (`table_checkpoint`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from timetotrain import fileio, trees
 from timetotrain.errors import UserError
 from timetotrain.models.family import Source
 from timetotrain.progress import LiveLine
-from timetotrain.train import dcp_safe
+from timetotrain.train import dcp_safe, table_checkpoint
 from timetotrain.train.expert_parallel import expert_dtensors
+from timetotrain.train.optim import parts
+from timetotrain.train.safetensors_file import check_safetensors_layout
 from timetotrain.train.shards import copy_full, full_shape, is_part
 from timetotrain.train.tensor_parallel import stacked_layouts, unstack_rows
 
@@ -229,38 +233,6 @@ def check_hf_files(path: Path) -> None:
         check_safetensors_layout(path / shard)
 
 
-_MAX_HEADER = 100 << 20  # the safetensors library's own limit on the JSON header
-
-
-def check_safetensors_layout(file: Path) -> None:
-    """Before the safetensors library parses `file` (its errors are tracebacks, not one line): the 8-byte
-    header length, the JSON header, and every tensor's byte range must fit the file, and the data must end
-    where the file does. Reads the header only (no sha256 is known for a downloaded checkpoint; a `ttt base`
-    folder's weights are hashed against its base.json first, in `base_model.check_init_base`)."""
-    size = file.stat().st_size
-
-    def bad(why: str) -> UserError:
-        return UserError(
-            f"{file}: not a whole safetensors file ({why}); re-download or re-save the checkpoint"
-        )
-
-    with open(file, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or n > min(_MAX_HEADER, size - 8):
-            raise bad(f"{size:,} bytes, header length {n:,}")
-        try:
-            header = json.loads(f.read(n))
-            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-            starts = [int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"]
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise bad(f"unreadable header: {exc}") from None
-    if any(a < 0 or b < a for a, b in zip(starts, ends, strict=True)) or 8 + n + max(ends, default=0) != size:
-        raise bad(
-            f"{size:,} bytes, the header describes {8 + n + max(ends, default=0):,}: truncated or garbled"
-        )
-
-
 def _named_params(model: nn.Module, names: Mapping[str, str | None] | None) -> dict[str, torch.Tensor]:
     """Parameters by the name a checkpoint of the model knows them by (see `load_hf_checkpoint`'s `names`)."""
     out = {}
@@ -372,7 +344,7 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
             "checkpoints with optimizer state are not supported under expert parallelism; "
             "save the model alone"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, parts(optimizer))
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -452,6 +424,7 @@ def check_init_source(path: str | os.PathLike, family, cfg=None) -> str:
         )
     if (p / META).is_file():
         dcp_safe.read_metadata(p)  # a damaged or planted .metadata is refused here, before any log line
+        table_checkpoint.parse(p / META, _read_meta(p))  # and so is a damaged record of its tables
         return "ours"
     if (p / HF_INDEX).is_file() or (p / HF_SINGLE).is_file():
         if family.hf_mapping is None:
@@ -509,13 +482,21 @@ def save_checkpoint(
     partial = final.with_name(final.name + ".partial")
     meta = {"step": int(step), "extra": extra or {}}
     json.dumps(meta)  # fails here, before any writing
-    meta = json.dumps({**meta, "stacked": _stacked(model)})
-    main = not _distributed() or dist.get_rank() == 0
+    tables = _tables(model)
+    meta = json.dumps(
+        {**meta, "stacked": _stacked(model), table_checkpoint.KEY: table_checkpoint.record(tables, optimizer)}
+    )
+    rank = dist.get_rank() if _distributed() else 0
+    main = rank == 0
     if main and partial.exists():
         shutil.rmtree(partial)  # left by a save that crashed
     _barrier()
+    with table_checkpoint.frozen(tables):
+        state = _state(model, optimizer)
+    _drop_tables(state, tables)
     with _no_single_process_warning():
-        dcp.save(_state(model, optimizer), checkpoint_id=partial, no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
+    table_checkpoint.save(partial, tables, optimizer, rank)
     _barrier()  # every rank's shards are on disk before the rename
     if main:
         fileio.write_text(partial / META, meta)
@@ -545,9 +526,16 @@ def load_checkpoint(
         raise UserError(
             f"{final}: not a complete checkpoint (no {META}){hint}; pass a folder save_checkpoint wrote"
         )
-    meta = json.loads(fileio.read_bounded(final / META, fileio.SMALL_FILE, "checkpoint metadata").decode())
+    meta = _read_meta(final)
     saved = _saved_stacking(final, meta)
-    state = _state(model, optimizer)
+    tables = _tables(model)
+    table_record = table_checkpoint.parse(final / META, meta)
+    table_checkpoint.check_fits(final, table_record, tables, optimizer)
+    with table_checkpoint.frozen(tables):
+        state = _state(model, optimizer)
+    # Tables are read apart, after the rest; their weights go back in for the strict load (copied onto
+    # themselves). A checkpoint from before tables were written apart holds them as DCP entries.
+    live = _drop_tables(state, tables) if table_record is not None else {}
     ours = {}  # checkpoint name -> our state-dict key, when `names` renames
     if names is not None:
         if optimizer is not None:
@@ -582,10 +570,52 @@ def load_checkpoint(
         # Expert-slice views were read in place (they share the slices' storage): hand back the plain slices.
         model_sd = {ours.get(n, n): _local(t) for n, t in state["model"].items()}
         # Not strict when renamed: the parameters mapped to None are not in the checkpoint.
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=names is None))
+        set_model_state_dict(model, {**model_sd, **live}, options=StateDictOptions(strict=names is None))
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with table_checkpoint.frozen(tables):  # their optimizer state is read with them
+            set_state_dict(
+                model,
+                parts(optimizer),
+                model_state_dict={**state["model"], **live},
+                optim_state_dict=state["optim"],
+            )
+    if table_record is not None:
+        table_checkpoint.load(final, table_record, tables, optimizer)
     return meta["step"], meta["extra"]
+
+
+def _read_meta(final: Path) -> dict:
+    """The checkpoint's META (untrusted): a JSON object with an int step and an object of extras."""
+    try:
+        meta = json.loads(
+            fileio.read_bounded(final / META, fileio.SMALL_FILE, "checkpoint metadata").decode()
+        )
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(
+            f"{final / META}: not readable JSON ({e}); the checkpoint is damaged: save it again"
+        ) from None
+    if (
+        not isinstance(meta, dict)
+        or type(meta.get("step")) is not int
+        or not isinstance(meta.get("extra"), dict)
+    ):
+        raise UserError(f"{final / META}: not a ttt checkpoint's record (step, extra); save it again")
+    return meta
+
+
+def _tables(model: nn.Module) -> dict[str, nn.Module]:
+    """The embedding table modules whose weights `table_checkpoint` writes, by checkpoint name."""
+    return {_clean_name(n): m for n, m in model.named_modules() if table_checkpoint.is_table(m)}
+
+
+def _drop_tables(state: dict, tables: dict[str, nn.Module]) -> dict:
+    """Take the tables' weights (and their optimizer state) out of the DCP state; returns the weights' entries."""
+    names = {f"{n}.weight" for n in tables}
+    live = {k: state["model"].pop(k) for k in list(state["model"]) if _clean_name(k) in names}
+    if "optim" in state:
+        for k in [k for k in state["optim"]["state"] if _clean_name(k) in names]:
+            del state["optim"]["state"][k]
+    return live
 
 
 def _stacked(model: nn.Module) -> dict[str, list[int]]:

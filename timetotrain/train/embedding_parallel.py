@@ -263,6 +263,24 @@ class ShardedEmbedding(nn.Module):
                         self.weight[start + a - s.rows[0] : start + z - s.rows[0]] = chunk[a - c : z - c]
 
 
+TABLE_MODULES = (FusedEmbedding, FusedEmbeddingBag, ShardedEmbedding, ShardedEmbeddingBag)
+
+
+def local_spans(module: nn.Module) -> list[tuple[int, tuple[int, int], int]]:
+    """(table, its rows [first, end), the row of `module.weight` that holds `first`) for each row range a
+    table module (`TABLE_MODULES`) holds: every table whole, or this rank's shards in the order both sharded
+    modules lay them out (their `shards` filtered to the rank, packed). Checkpoints read and write by these
+    (train/table_checkpoint.py)."""
+    if not isinstance(module, (ShardedEmbedding, ShardedEmbeddingBag)):
+        return [(t, (0, n), module.table_rows(t).start) for t, n in enumerate(module.table_sizes)]
+    out, at = [], 0
+    for s in module.shards:
+        if s.rank == module.rank:
+            out.append((s.table, s.rows, at))
+            at += s.rows[1] - s.rows[0]
+    return out
+
+
 def _replace(module: nn.Module, rank: int, world: int, split_rows: int | None) -> nn.Module | None:
     if isinstance(module, FusedEmbeddingBag):
         return ShardedEmbeddingBag(module, place(module.table_sizes, world, split_rows), rank, world)

@@ -79,8 +79,12 @@ class OptimizerPair:
 
     def __init__(self, dense: torch.optim.Optimizer, tables: torch.optim.Optimizer):
         self.dense, self.tables = dense, tables
-        self.param_groups = dense.param_groups + tables.param_groups
         self.defaults = dense.defaults
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # Read each time: `load_state_dict` (a checkpoint's) gives each optimizer new group dicts.
+        return self.dense.param_groups + self.tables.param_groups
 
     @property
     def state(self) -> dict:
@@ -101,6 +105,12 @@ class OptimizerPair:
     def load_state_dict(self, state: dict) -> None:
         self.dense.load_state_dict(state["dense"])
         self.tables.load_state_dict(state["tables"])
+
+
+def parts(opt) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers `opt` is: both of an `OptimizerPair`, else `opt` itself (checkpoints hand them
+    to torch.distributed.checkpoint, which takes optimizers, not a pair)."""
+    return (opt.dense, opt.tables) if isinstance(opt, OptimizerPair) else (opt,)
 
 
 def _apart_by_kind(groups: list[dict]) -> list[dict]:
