@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import layout_results_written, layout_run
+from conftest import grpo_layout_worker, grpo_problems, grpo_trained, layout_run
 
 from timetotrain.models.qwen3_5_moe import Qwen35Moe, init_weights
 from timetotrain.models.qwen3_5_moe.generate import generate
 from timetotrain.spec.registry import get
-from timetotrain.tasks.grpo import rollout_figures
 from timetotrain.tasks.rollout import naive_generate
 
 pytestmark = pytest.mark.distributed
@@ -57,22 +56,12 @@ def train(plan, rank: int, problems: Path) -> tuple[dict, dict[str, torch.Tensor
     share = parallel.batch_share(TINY.global_batch_size, plan, rank)
     data = BENCH.task.open(TINY, res, SEED, share, cpu)
     accum = share.local // TINY.micro_batch_size
-    losses, stats = [], []
-    for step in range(STEPS):
-        batch = data.prepare(tr.model, data.batch(step))
-        loss, _, *sums = tr.step(step, batch, accum, data.loss, sums=data.step_sums()).tolist()
-        losses.append(loss)
-        stats.append(rollout_figures(sums))
-    result = {"loss": losses, "stats": stats, "pass": data.evaluate(tr.model)}
+    result = grpo_trained(tr, data, STEPS, accum)
     return result, {n: p.detach().clone() for n, p in tr.bare.named_parameters()}
 
 
 def problems_in(folder: Path) -> Path:
-    out = folder / "problems"
-    if not out.exists():
-        out.mkdir(parents=True)
-        BENCH.task.data_recipe(TINY, out).call(out)
-    return out
+    return grpo_problems(BENCH, TINY, folder)
 
 
 @pytest.mark.slow
@@ -125,18 +114,7 @@ def test_a_rows_own_stream_gives_it_the_same_completion_wherever_it_is_decoded()
 
 
 def _worker(out: Path) -> None:
-    import torch.distributed as dist
-
-    from timetotrain.train import parallel
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    problems = problems_in(out / f"rank{rank}")
-    results, weights = {}, {}
-    for name in BY_WORLD[world]:
-        plan = parallel.parse(SPECS[name], world)
-        results[name], weights[name] = train(plan, rank, problems)
-    layout_results_written(out, results, weights)
+    grpo_layout_worker(out, BY_WORLD, SPECS, train, BENCH, TINY)
 
 
 if __name__ == "__main__":
