@@ -338,8 +338,8 @@ class _Rollouts(RunData):
         """This rank's sums of what a GRPO user watches per step (ROLLOUT_SUMS): rewards, completion tokens, groups
         whose rewards are all equal (advantage 0: no gradient), rollouts cut at the length cap, rollouts out of
         the update (cut, or a logprob error), groups, rollouts. `owned`: the rewards of the whole groups this
-        rank counts (its own, or a split group's at the rank holding its first rollout). The host's figures are
-        known already; the dropped count stays on the device (no sync)."""
+        rank counts (its own, or a split group's at the rank holding its first rollout). The host's figures
+        are known already; the dropped count stays on the device (no sync)."""
         g = owned.view(-1, self.G)
         host = torch.tensor(
             [float(rewards.sum()), float(sum(len(c) for c in completions)),

@@ -37,10 +37,10 @@ class RolloutEngine(Protocol):
         lockstep: bool = False,
     ) -> tuple[list[list[int]], list[torch.Tensor]]:
         """(completions, fp32 log-probabilities `[len]` of each completion's tokens), in prompt order; a
-        completion ends after `eos_id` (kept) or at `max_new_tokens`. `generator`: one for the batch, or one per
-        prompt (each row then draws from its own stream alone: models/common/sampling.py). `lockstep`: the model's forwards are
-        collectives (FSDP2's all-gathers, expert all-to-alls), so every rank must make the same number of
-        them, whenever its own rows end."""
+        completion ends after `eos_id` (kept) or at `max_new_tokens`. `generator`: one for the batch, or one
+        per prompt (each row then draws from its own stream alone: models/common/sampling.py). `lockstep`: the
+        model's forwards are collectives (FSDP2's all-gathers, expert all-to-alls), so every rank must make the
+        same number of them, whenever its own rows end."""
 
 
 @torch.no_grad()

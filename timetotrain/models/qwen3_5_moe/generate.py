@@ -10,11 +10,12 @@ padding adds nothing to any state, so a row's tokens do not depend on the other 
 
 Sampling, in fp32: `temperature == 0` is greedy (argmax); otherwise the logits are divided by `temperature`,
 `top_p < 1` keeps the smallest set of most probable tokens whose probability reaches `top_p` (the first token
-always kept; nucleus sampling), and the token is drawn with `torch.multinomial` from `generator`, or, where the
-caller passes one generator per prompt, from the row's own stream (models/common/sampling.py: a row's draws
-then do not depend on the rows beside it). The returned log-probability of each token is `log_softmax(logits / temperature)` at the
-token (`temperature == 0`: of the plain logits), before the top-p cut: the distribution a full forward of the
-same weights gives, which GRPO's importance ratio compares against.
+always kept; nucleus sampling), and the token is drawn with `torch.multinomial` from `generator`, or, where
+the caller passes one generator per prompt, from the row's own stream (models/common/sampling.py: a row's
+draws then do not depend on the rows beside it). The returned log-probability of each token is
+`log_softmax(logits / temperature)` at the token (`temperature == 0`: of the plain logits), before the top-p
+cut: the distribution a full forward of the same weights gives, which GRPO's importance ratio compares
+against.
 """
 
 from __future__ import annotations
