@@ -183,6 +183,45 @@ def layout_results_written(out: Path, results: dict, weights: dict) -> None:
     dist.destroy_process_group()
 
 
+def grpo_problems(bench, tier, folder: Path) -> Path:
+    """The GRPO tier's arithmetic problems, written once under `folder` (the GRPO layout tests)."""
+    out = folder / "problems"
+    if not out.exists():
+        out.mkdir(parents=True)
+        bench.task.data_recipe(tier, out).call(out)
+    return out
+
+
+def grpo_trained(tr, data, steps: int, accum: int) -> dict:
+    """`steps` GRPO steps through the harness (rollouts by `prepare`, then `Training.step`), then an eval:
+    every step's global train_loss and rollout figures, and the pass@k (the GRPO layout tests)."""
+    from timetotrain.tasks.grpo import rollout_figures
+
+    losses, stats = [], []
+    for step in range(steps):
+        batch = data.prepare(tr.model, data.batch(step))
+        loss, _, *sums = tr.step(step, batch, accum, data.loss, sums=data.step_sums()).tolist()
+        losses.append(loss)
+        stats.append(rollout_figures(sums))
+    return {"loss": losses, "stats": stats, "pass": data.evaluate(tr.model)}
+
+
+def grpo_layout_worker(out: Path, by_world: dict, specs: dict, train, bench, tier) -> None:
+    """A GRPO layout test's torchrun worker: every scenario of its world size, `train(plan, rank, problems)`
+    on the rank's own copy of the problems, then `layout_results_written`."""
+    import torch.distributed as dist
+
+    from timetotrain.train import parallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = grpo_problems(bench, tier, out / f"rank{rank}")
+    results, weights = {}, {}
+    for name in by_world[world]:
+        results[name], weights[name] = train(parallel.parse(specs[name], world), rank, problems)
+    layout_results_written(out, results, weights)
+
+
 def moe_layout_trained(bench, tier, plan, rank: int, batches: list) -> tuple:
     """(the `Training`, the global train_loss of every step, the placements of the trained parameters) of
     `tier` under `plan` through the harness's own build and step, `batches` of token ids as a causal LM (the

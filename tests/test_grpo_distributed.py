@@ -1,12 +1,12 @@
 """qwen35_397b_grpo tiny on 2 processes (gloo under torchrun, `--parallel fsdp=2`) against one process.
 
-What must be equal, and what need not. Each rank samples its rollouts with its own generator (seeded by the
-run's seed, the step and the rank: tasks/grpo.py), so a 2-process run draws other completions than a
-1-process run of the same seed, and the two curves differ as two seeds' do; comparing them would test
-nothing. What data parallelism must not change is the step: the same rollouts, split across the ranks by
-whole groups, must give the loss, the logged figures and the update one process gives over all of them.
-So one process replays the 2-process run: at each step it makes rank 0's and rank 1's rollouts from its own
-weights with the ranks' generators (`_Rollouts.rollouts`, the part of `prepare` that holds no collective),
+Each rollout is sampled from its own stream (seeded by the run's seed, the step and its global generation
+index: tasks/grpo.py `stream_seed`), so the ranks draw the rollouts one process draws. What data parallelism
+must not change is the step: the same rollouts, split across the ranks by whole groups, must give the loss,
+the logged figures and the update one process gives over all of them (a group split over ranks:
+tests/test_grpo_split.py). So one process replays the 2-process run (`ttt run`): at each step it makes
+rank 0's and rank 1's rollouts from its own weights with the ranks' shares (`_Rollouts.rollouts`, the part
+of `prepare` that holds no collective where a rank holds whole groups),
 joins them into the global batch (the token-level mean's denominator over both) and takes one optimizer
 step on it. The logged train_loss and ttt_rollout_stats of every step, and the weights the 2-process run
 saved after its last step (`--save-checkpoint`), must equal the replay's: a later step's rollouts come from

@@ -171,12 +171,15 @@ def test_the_chunked_log_probabilities_leave_the_step_and_the_check_unchanged(te
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_ranks_own_whole_groups_and_a_split_that_cuts_one_is_refused():
+def test_ranks_hold_whole_groups_or_equal_parts_of_one_and_an_uneven_split_is_refused():
     a, b = _data(world=2, rank=0), _data(world=2, rank=1)
     ia, ib = a.batch(3)["index"], b.batch(3)["index"]
     assert len(ia) == len(ib) == Q.TINY.global_batch_size // 2 and set(ia.tolist()).isdisjoint(ib.tolist())
-    with pytest.raises(UserError, match="whole groups"):
-        _data(world=16)
+    # 16 ranks of GBS 64: 4 rollouts each, half a group of 8; ranks 0 and 1 answer the same prompt.
+    halves = [_data(world=16, rank=r).batch(3)["index"] for r in range(3)]
+    assert halves[0].tolist() == halves[1].tolist() == [halves[0][0].item()] * 4 != halves[2].tolist()
+    with pytest.raises(UserError, match="split a group of 8 generations unevenly"):
+        _data(world=8, tier=dataclasses.replace(Q.TINY, global_batch_size=48))
 
 
 def test_pass_at_k_counts_a_problem_solved_by_any_of_its_samples():

@@ -498,10 +498,13 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     # its peak the decode of its data rank's 8 whole rollouts; at 256, cp=4 (test_context_parallel_...).
     w, r8 = fits_from(bench, ref, 8, 141, None)
     assert (w, r8.parallel, r8.ac, r8.peak) == (128, "fsdp=16,cp=8", True, "the rollouts' decode")
-    # At 256 GPUs GBS 256 gives each data-parallel rank less than one group of 16 generations, which GRPO's
-    # ranks must own whole (tasks/grpo.py `check_whole_groups`): no layout `ttt run` takes, said in one line.
-    with pytest.raises(UserError, match="whole groups of 16 generations"):
-        plan(bench, ref, 256, 141, None)
+    # At 256 GPUs GBS 256 gives each data-parallel rank part of a group of 16 generations, which its ranks
+    # share (tasks/grpo.py `check_groups`): fsdp=64,cp=4 at the tier's GBS, 4 rollouts a data-parallel rank.
+    _, _, best = plan(bench, ref, 256, 141, None)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=64,cp=4", True, 1)
+    # A share that would cut a group unevenly is refused in one line (GBS 384 = 24 groups over 64 ranks).
+    with pytest.raises(UserError, match="split a group of 16 generations unevenly"):
+        plan(bench, dataclasses.replace(ref, global_batch_size=384), 64, 141, "fsdp=64")
     # What one sample on one GPU would need (the estimate of that row, which the search no longer offers).
     r = estimate(bench, ref, bench.family.param_count(cfg), 256, 141, "fsdp", 1, 1, True)
     assert (r.ac, r.micro_batch, r.peak) == (True, 1, "the training step")
@@ -515,9 +518,9 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     fixed = r.states + r.compute_copies + r.margin
     act = r.activations - r.overlap
     assert -(-act // (cap - fixed)) > 1  # the sequence must be split: cp
-    # The RCPs' 256 x 288 GiB: at the RCP table's next GBS, 512, one group per rank of fsdp=32,cp=8.
-    _, _, best = plan(bench, dataclasses.replace(ref, global_batch_size=512), 256, 288, None)
-    assert best.parallel == "fsdp=32,cp=8" and best.ac and best.total <= 0.9 * 288 * GiB
+    # The RCPs' 256 x 288 GiB: at the tier's GBS 256, one rollout a rank of fsdp=256 (a group over 16 ranks).
+    _, _, best = plan(bench, ref, 256, 288, None)
+    assert best.parallel == "fsdp=256" and best.ac and best.total <= 0.9 * 288 * GiB
 
 
 def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
@@ -697,9 +700,9 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
     assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (32, "fsdp=32")
-    # GRPO (its per-token log-probabilities in parts, tasks/grpo.py): nothing without cp fits 128 x 141 GiB
-    # (16 data-parallel ranks at most: each owns whole groups of 16), cp=8 with checkpointing does; its
-    # rollouts' decode holds the data rank's 16 whole samples.
+    # GRPO (its per-token log-probabilities in parts, tasks/grpo.py): nothing without cp fits 128 x 141 GiB,
+    # nor cp=4 (8 rollouts a data-parallel rank, half a group: 128.5 GiB with AC, over the 126.9 usable);
+    # cp=8 with checkpointing does; its rollouts' decode holds the data rank's 16 samples.
     grpo = get("qwen35_397b_grpo")
     _, rows, best = plan(grpo, grpo.tier("reference"), 128, 141, None)
     assert not any(r.total <= 0.9 * 141 * GiB for r in rows if "cp=" not in r.parallel)

@@ -75,7 +75,7 @@ def _problems(n, seed=0):
     return arithmetic.draw(n, Q.DIGITS, random.Random(seed), kind=Q.KIND)
 
 
-GBS = 32  # whole GRPO groups of 8 on each of 4 ranks
+GBS = 32  # whole GRPO groups of 8 on each of 4 ranks; on 8, half a group each
 
 
 def _opened(world: int):
@@ -108,7 +108,7 @@ def _opened(world: int):
     }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_the_ranks_batches_of_a_step_are_the_one_process_batch(world):
     one = _opened(1)
     for name, (ranks, rows) in _opened(world).items():

@@ -3,14 +3,18 @@ trains on group-relative advantages (MLPerf Training 6.1 qwen35_397b_grpo; docs/
 for every rule and where the reference states it).
 
 A global batch is `num_prompts_per_step` prompts x G generations = GBS rollouts (the samples the log
-counts), grouped contiguously; each rank owns whole groups. `RunData.batch(step)` gives a rank its prompts
-(repeated G times); `prepare(model, batch)` (the loop calls it before each step: `Task.on_policy`) samples
+counts), grouped contiguously. A data-parallel rank holds whole groups, or an equal part of one group
+(`check_groups`): then a group spans G / local consecutive ranks, which gather its rewards (`_group_rewards`)
+so that each computes the group's statistics over all G, as one process does. Each rollout is sampled from a
+stream of its own, seeded by the run's seed, the step and its global generation index (`_row_generators`),
+so the rollouts do not depend on how the batch is split. `RunData.batch(step)` gives a rank its rows'
+prompts; `prepare(model, batch)` (the loop calls it before each step: `Task.on_policy`) samples
 the completions from the current weights through the rollout engine, scores them, and returns the tensors
 the loss needs, so that micro-batches of the step are independent rows:
 
 - tokens `[B, P + L]`: prompt then completion, PAD after; `mask` `[B, P + L - 1]`: 1 where position t
   predicts a completion token; `gen_logp`: the sampler's log-probabilities there;
-- `adv` `[B]`: group-relative advantages (leave-one-out, zero std undivided);
+- `adv` `[B]`: group-relative advantages (leave-one-out, zero std undivided), over each whole group;
 - `sample_mask` `[B]`: 0 for a rollout cut at the length cap (overlong filtering) or whose trainer and
   sampler log-probabilities disagree (mean exp|gen - prev| > 2);
 - `norm` `[B]`: the global batch's valid token count (all ranks), the token-level mean's denominator, and
@@ -22,6 +26,7 @@ metric is pass@k (a problem counts when any of its k rewards is > 0), strictly a
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,16 +62,25 @@ def reference_first_eval_step(gbs: int) -> int:
     return math.ceil(2.5 + 3840 / gbs)
 
 
-def check_whole_groups(tier, local: int, ranks: int) -> None:
-    """Each data-parallel rank owns whole groups of generations (a group's advantages are normalised over
-    the group): one line where `local` prompts x generations do not."""
+def check_groups(tier, local: int, ranks: int) -> None:
+    """Each data-parallel rank holds whole groups of generations, or an equal part of one (a group then spans
+    G / local consecutive ranks, which gather its rewards: `_Rollouts._group_rewards`): one line where
+    `local` rollouts a rank would cut a group unevenly."""
     g = tier.data.generations
-    if local % g:
+    if local % g and g % local:
         raise UserError(
-            f"--set global_batch_size={tier.global_batch_size}: each of the {ranks} data-parallel ranks needs "
-            f"whole groups of {g} generations (GBS a multiple of {g * ranks}); use fewer data-parallel ranks "
-            "(context parallelism splits a sample instead)"
+            f"--set global_batch_size={tier.global_batch_size}: {ranks} data-parallel ranks get {local} "
+            f"rollouts each, which would split a group of {g} generations unevenly; make GBS / ranks a "
+            f"multiple or a divisor of {g} (change --gpus or --set global_batch_size)"
         )
+
+
+def stream_seed(seed: int, stream: int, step: int, index: int) -> int:
+    """The seed of one rollout's random stream: a hash of the run's seed, the use (1 training rollouts, 2
+    validation), the step and the rollout's global index, so that every rank seeds a rollout alike and no
+    two rollouts of a run share a stream."""
+    key = f"{seed}:{stream}:{step}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % (2**63)
 
 
 @dataclass(frozen=True)
@@ -170,26 +184,27 @@ class _Rollouts(RunData):
             device,
         )
         self.local, self.offset = share.local, share.offset
-        check_whole_groups(tier, self.local, self.world)
+        check_groups(tier, self.local, self.world)
         self.seed, self.engine, self.env = seed, engine, env
         self.loss_cfg = LossConfig()
         self.step = 0
-        self.val_share = val[share.part(len(val))]
+        part = share.part(len(val))
+        self.val_share, self.val_start = val[part], part.start
         self.last_reward = float("nan")
 
     # -- the prompts of a step: the file's order, no shuffling (the reference's `data.shuffle: false`) --
     def batch(self, step: int) -> Batch:
-        prompts = self.gbs // self.G
-        first = step * prompts + self.offset // self.G
-        idx = [(first + i) % len(self.train) for i in range(self.local // self.G)]
-        rows = [i for i in idx for _ in range(self.G)]
+        """This rank's rows of the step: global row r answers the step's prompt r // G."""
+        first = step * (self.gbs // self.G)
+        rows = [(first + (self.offset + i) // self.G) % len(self.train) for i in range(self.local)]
         ids = torch.tensor([arithmetic.prompt_ids(self.train[i]) for i in rows], dtype=torch.long)
         return {"prompt": ids, "index": torch.tensor(rows), "step": torch.full((len(rows),), step)}
 
-    def _generator(self, stream: int, step: int) -> torch.Generator:
-        # Seeded per rank, step and use, so that a run is repeatable and ranks draw different samples.
-        g = torch.Generator(device=self.device)
-        return g.manual_seed((self.seed * 1_000_003 + stream * 10_007 + step * 101 + self.rank) % (2**63))
+    def _row_generators(self, stream: int, step: int, first: int, n: int) -> list[torch.Generator]:
+        """One CPU generator per rollout, of global indices first .. first + n - 1 (`stream_seed`): a run is
+        repeatable, and a rollout is the same whichever rank (and device) samples it."""
+        seeds = [stream_seed(self.seed, stream, step, i) for i in range(first, first + n)]
+        return [torch.Generator().manual_seed(s) for s in seeds]
 
     def _rewards(self, problems, completions) -> torch.Tensor:
         texts = [arithmetic.decode(c) for c in completions]
@@ -217,10 +232,13 @@ class _Rollouts(RunData):
         valid-token count: no collective here, except the forwards of a sharded model (made in lockstep).
 
         Under context parallelism (`model` a `ContextParallel`) every rank of a CP group decodes its data
-        rank's prompts whole, with the same generator (seeded by the data rank), as the forwards of FSDP2
+        rank's prompts whole, with the same generators (one per rollout), as the forwards of FSDP2
         need anyway; the group's first rank then scores its completions and hands them, their sampler
         log-probabilities and rewards to the others (`SequenceGroup.from_first`), so the group trains on one
-        copy however its decodes round. The logprob check then runs in parts (`completion_logprob_parts`)."""
+        copy however its decodes round. The logprob check then runs in parts (`completion_logprob_parts`).
+
+        Where a group spans several data-parallel ranks their rewards are gathered first (`_group_rewards`:
+        an all-reduce of the global batch's rewards, the one collective of its own here)."""
         cp = model if isinstance(model, ContextParallel) else None
         model = _unwrap(model)
         step = int(batch["step"][0])
@@ -228,7 +246,8 @@ class _Rollouts(RunData):
         problems = [self.train[i] for i in batch["index"].tolist()]
         completions, gen_lps = self.engine.generate(
             model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.train_temperature,
-            top_p=self.d.train_top_p, eos_id=arithmetic.EOS, generator=self._generator(1, step),
+            top_p=self.d.train_top_p, eos_id=arithmetic.EOS,
+            generator=self._row_generators(1, step, self.offset, len(prompts)),
             lockstep=forwards_are_collective(model),
         )  # fmt: skip
         if cp is None:
@@ -236,7 +255,8 @@ class _Rollouts(RunData):
         else:
             completions, gen_lps, rewards = self._from_first(cp, problems, completions, gen_lps)
         self.last_reward = float(rewards.mean())
-        adv = group_advantages(rewards, self.G)
+        group, at = self._group_rewards(rewards, cp)
+        adv = group_advantages(group, self.G)[at : at + len(rewards)]
         B, P = len(prompts), len(prompts[0])
         L = max(1, max(len(c) for c in completions))
         tokens = torch.full((B, P + L), arithmetic.PAD, dtype=torch.long)
@@ -262,7 +282,9 @@ class _Rollouts(RunData):
                 keep = logprob_error_mask(parts.local(gen), prev, parts.local(mask), threshold, parts.rows)
                 sample_mask = sample_mask * keep
         n = (mask * sample_mask.unsqueeze(-1)).sum().reshape(1)
-        self._sums = self._rollout_sums(rewards, completions, truncated, sample_mask)
+        # A split group's figures are counted by the rank holding its first rollout.
+        owned = group if at == 0 else group[:0]
+        self._sums = self._rollout_sums(rewards, owned, completions, truncated, sample_mask)
         if cp is not None and cp.index:  # the group's figures counted once, by its first rank
             self._sums = torch.zeros_like(self._sums)
         return {
@@ -274,6 +296,22 @@ class _Rollouts(RunData):
             "norm": n.float().expand(B).clone(),
             "rows": torch.full((B,), float(B), device=self.device),
         }
+
+    def _group_rewards(self, rewards: torch.Tensor, cp: ContextParallel | None) -> tuple[torch.Tensor, int]:
+        """(the rewards of the whole groups this rank's rollouts belong to, where this rank's rows start among
+        them). Whole groups here: its own rewards, no collective. A group split over G / local ranks: the
+        global batch's rewards, each rank adding its own at its offset into zeros (under cp only a CP group's
+        first rank: the others hold the same rollouts), summed over all ranks in fp64 (exact: one term of each
+        row is not zero), and this rank's group cut out, so that every rank of the group computes the
+        statistics of all G rewards, as one process does."""
+        if self.local % self.G == 0:
+            return rewards, 0
+        full = torch.zeros(self.gbs, dtype=torch.float64, device=self.device)
+        if cp is None or cp.index == 0:
+            full[self.offset : self.offset + self.local] = rewards.to(self.device, torch.float64)
+        dist.all_reduce(full)
+        first = self.offset // self.G * self.G
+        return full[first : first + self.G].to("cpu", rewards.dtype), self.offset - first
 
     def _from_first(self, cp: ContextParallel, problems, completions, gen_lps):
         """The CP group's first rank's completions, their log-probabilities and rewards (scored there only),
@@ -296,12 +334,13 @@ class _Rollouts(RunData):
     step_key = ROLLOUT_STATS_KEY
     _sums: torch.Tensor | None = None  # of the batch `prepare` made last
 
-    def _rollout_sums(self, rewards, completions, truncated, sample_mask) -> torch.Tensor:
+    def _rollout_sums(self, rewards, owned, completions, truncated, sample_mask) -> torch.Tensor:
         """This rank's sums of what a GRPO user watches per step (ROLLOUT_SUMS): rewards, completion tokens, groups
         whose rewards are all equal (advantage 0: no gradient), rollouts cut at the length cap, rollouts out of
-        the update (cut, or a logprob error), groups, rollouts. The host's figures are known already; the
-        dropped count stays on the device (no sync)."""
-        g = rewards.view(-1, self.G)
+        the update (cut, or a logprob error), groups, rollouts. `owned`: the rewards of the whole groups this
+        rank counts (its own, or a split group's at the rank holding its first rollout). The host's figures
+        are known already; the dropped count stays on the device (no sync)."""
+        g = owned.view(-1, self.G)
         host = torch.tensor(
             [float(rewards.sum()), float(sum(len(c) for c in completions)),
              float((g == g[:, :1]).all(1).sum()), float(truncated.sum())],
@@ -353,7 +392,8 @@ class _Rollouts(RunData):
             ):
                 completions, _ = self.engine.generate(
                     model, prompts, max_new_tokens=self.d.max_new_tokens, temperature=self.d.val_temperature,
-                    top_p=self.d.val_top_p, eos_id=arithmetic.EOS, generator=self._generator(2, 0),
+                    top_p=self.d.val_top_p, eos_id=arithmetic.EOS,
+                    generator=self._row_generators(2, 0, self.val_start * k, len(prompts)),
                     lockstep=forwards_are_collective(model),
                 )  # fmt: skip
             rewards = self._rewards(problems, completions).view(-1, k)
@@ -406,6 +446,12 @@ class _Synthetic(_Rollouts):
             torch.rand(len(completions), generator=torch.Generator().manual_seed(len(completions))) < 0.5
         ).float()
 
+    def _group_rewards(self, rewards: torch.Tensor, cp) -> tuple[torch.Tensor, int]:
+        # No collective in synth: a split group's other ranks' (random) rewards are this rank's, repeated.
+        if self.local % self.G == 0:
+            return rewards, 0
+        return rewards.repeat(self.G // self.local), 0
+
     @torch.no_grad()
     def prepare(self, model, batch: Batch) -> Batch:
         self.train = [arithmetic.Problem("", "")] * self.local
@@ -430,7 +476,7 @@ class GRPO(Task):
             )
 
     def check_share(self, tier, local: int, ranks: int) -> None:
-        check_whole_groups(tier, local, ranks)
+        check_groups(tier, local, ranks)
 
     def eval_every_steps(self, tier) -> int:
         return tier.data.eval_every_steps

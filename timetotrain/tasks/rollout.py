@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from timetotrain.models.common.sampling import sample_next
+from timetotrain.models.common.sampling import Generators, row_uniforms, sample_next
 
 Generate = Callable[..., tuple[list[list[int]], list[torch.Tensor]]]
 
@@ -33,13 +33,14 @@ class RolloutEngine(Protocol):
         temperature: float,
         top_p: float,
         eos_id: int | None,
-        generator: torch.Generator | None,
+        generator: Generators,
         lockstep: bool = False,
     ) -> tuple[list[list[int]], list[torch.Tensor]]:
         """(completions, fp32 log-probabilities `[len]` of each completion's tokens), in prompt order; a
-        completion ends after `eos_id` (kept) or at `max_new_tokens`. `lockstep`: the model's forwards are
-        collectives (FSDP2's all-gathers, expert all-to-alls), so every rank must make the same number of
-        them, whenever its own rows end."""
+        completion ends after `eos_id` (kept) or at `max_new_tokens`. `generator`: one for the batch, or one
+        per prompt (each row then draws from its own stream alone: models/common/sampling.py). `lockstep`: the
+        model's forwards are collectives (FSDP2's all-gathers, expert all-to-alls), so every rank must make the
+        same number of them, whenever its own rows end."""
 
 
 @torch.no_grad()
@@ -51,25 +52,28 @@ def naive_generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     eos_id: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Decode without a cache: prompts of one length at a time, the whole sequence through the model at each
     new token. Draws the random numbers in the order `generate` of qwen3_5_moe does for prompts of one
-    length (one multinomial per step over the live rows)."""
+    length (one multinomial per step over the live rows), or, with one generator per prompt, each row's
+    from its own stream as `generate` does whatever the lengths."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out: list[list[int]] = [[] for _ in prompt_ids]
     lps: list[list[float]] = [[] for _ in prompt_ids]
+    u = row_uniforms(generator, len(prompt_ids), max_new_tokens, device)
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompt_ids):
         by_len.setdefault(len(p), []).append(i)
     for rows in by_len.values():
         seqs = torch.tensor([prompt_ids[i] for i in rows], dtype=torch.long, device=device)
         live = list(range(len(rows)))
-        for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
             logits = model(seqs[live])[:, -1]
-            tok, lp = sample_next(logits, temperature, top_p, generator)
+            ours = None if u is None else u[[rows[r] for r in live], t]
+            tok, lp = sample_next(logits, temperature, top_p, generator, ours)
             nxt = torch.zeros(len(rows), 1, dtype=torch.long, device=device)
             nxt[live, 0] = tok
             seqs = torch.cat([seqs, nxt], 1)

@@ -10,17 +10,19 @@ padding adds nothing to any state, so a row's tokens do not depend on the other 
 
 Sampling, in fp32: `temperature == 0` is greedy (argmax); otherwise the logits are divided by `temperature`,
 `top_p < 1` keeps the smallest set of most probable tokens whose probability reaches `top_p` (the first token
-always kept; nucleus sampling), and the token is drawn with `torch.multinomial` from `generator`, which the
-caller seeds per rank. The returned log-probability of each token is `log_softmax(logits / temperature)` at the
-token (`temperature == 0`: of the plain logits), before the top-p cut: the distribution a full forward of the
-same weights gives, which GRPO's importance ratio compares against.
+always kept; nucleus sampling), and the token is drawn with `torch.multinomial` from `generator`, or, where
+the caller passes one generator per prompt, from the row's own stream (models/common/sampling.py: a row's
+draws then do not depend on the rows beside it). The returned log-probability of each token is
+`log_softmax(logits / temperature)` at the token (`temperature == 0`: of the plain logits), before the top-p
+cut: the distribution a full forward of the same weights gives, which GRPO's importance ratio compares
+against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from timetotrain.models.common.sampling import sample_next
+from timetotrain.models.common.sampling import Generators, row_uniforms, sample_next
 
 
 @torch.no_grad()
@@ -32,7 +34,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     eos_id: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     pad_id: int = 0,
     all_steps: bool = False,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -77,6 +79,11 @@ def _decode(model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, ge
     completions: list[list[int]] = [[] for _ in range(B)]
     logprobs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     live = torch.arange(B)  # the original index of each row still in the cache
+    u = row_uniforms(generator, B, max_new_tokens, device)  # per-row streams, or None
+
+    def draw(logits, rows, step):  # the tokens of original rows `rows`
+        return sample_next(logits, temperature, top_p, generator, None if u is None else u[rows, step])
+
     done = torch.zeros(B, dtype=torch.bool)  # all_steps: rows past their EOS, whose new tokens are dropped
     for step in range(max_new_tokens):
         if all_steps and bool(done.any()):
@@ -85,9 +92,9 @@ def _decode(model, prompt_ids, P, max_new_tokens, temperature, top_p, eos_id, ge
             tokens = torch.full((B,), pad_id, dtype=torch.long, device=device)
             lp = torch.zeros(B, device=device)
             if len(todo):
-                tokens[todo], lp[todo] = sample_next(logits[todo], temperature, top_p, generator)
+                tokens[todo], lp[todo] = draw(logits[todo], todo, step)
         else:
-            tokens, lp = sample_next(logits, temperature, top_p, generator)
+            tokens, lp = draw(logits, live.to(device), step)
         tokens_cpu, lp_cpu = tokens.cpu(), lp.cpu()
         for j, b in enumerate(live.tolist()):
             if done[b]:
