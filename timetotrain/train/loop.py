@@ -32,7 +32,7 @@ from timetotrain.errors import Interrupted, UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.mlperf.structure import STOP_SIGNAL_KEY
-from timetotrain.spec.benchmark import init_warning
+from timetotrain.spec.benchmark import Benchmark, init_warning
 from timetotrain.train import distributed, prepare, run_steps
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
@@ -49,7 +49,7 @@ FAULT_ENV = "TTT_INJECT_FAULT"
 
 @dataclass
 class RunOptions:
-    benchmark: str
+    benchmark: str | Benchmark  # a registered name, or a declaration (prepare.resolve_tier)
     tier: str
     data: Path
     logdir: Path

@@ -46,8 +46,10 @@ class Prepared:
         return self.share.local
 
 
-def resolve_tier(benchmark: str, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
-    bench = registry.get(benchmark)
+def resolve_tier(benchmark: str | Benchmark, tier: str, sets: list[str]) -> tuple[Benchmark, Tier]:
+    """`benchmark`: a registered name, or a declaration itself: a variant made in Python (a tier's recipe with
+    another model family or task hooks) that no registry knows, logged under its `name`."""
+    bench = benchmark if isinstance(benchmark, Benchmark) else registry.get(benchmark)
     return bench, apply_overrides(bench, bench.tier(tier), sets)
 
 
