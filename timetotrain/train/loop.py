@@ -235,7 +235,8 @@ class _TimedRun:
             print(line, file=sys.stderr, flush=True)
 
     def log_header(self) -> None:
-        """cache_clear, init_start and the init block's keys, ours (`ttt_*`) last."""
+        """cache_clear, init_start and the init block's keys, ours (`ttt_*`) last but for the user's own
+        settings (`prepare.USER_WORDS`: before the hyperparameters)."""
         opts, prep, base = self.opts, self.prep, self.base
         extra = {
             "ttt_tier": self.tier.name,
