@@ -136,10 +136,8 @@ class _StubStep:
 
 def stand_in():
     """dlrmv4 with the stand-in task and model; the family keeps its name and parameter count (`ttt_model`)."""
-    family = dataclasses.replace(
-        BENCH.family, build=_Tiny, init=_init, table_parameters=lambda m: [m.embedding.weight],
-        embedding_tables=None,
-    )  # fmt: skip
+    tables = lambda m: [m.embedding.weight]  # noqa: E731
+    family = dataclasses.replace(BENCH.family, build=_Tiny, init=_init, table_parameters=tables)
     return dataclasses.replace(BENCH, task=_StandInTask(), family=family)
 
 
