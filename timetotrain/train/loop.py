@@ -32,7 +32,7 @@ from timetotrain.errors import Interrupted, UserError
 from timetotrain.mlperf.keys import check_rules
 from timetotrain.mlperf.logger import ResultLog
 from timetotrain.mlperf.structure import STOP_SIGNAL_KEY
-from timetotrain.spec.benchmark import init_warning
+from timetotrain.spec.benchmark import Benchmark, init_warning
 from timetotrain.train import distributed, prepare, run_steps
 from timetotrain.train.abort import Aborter
 from timetotrain.train.base_model import check_init_base
@@ -49,7 +49,7 @@ FAULT_ENV = "TTT_INJECT_FAULT"
 
 @dataclass
 class RunOptions:
-    benchmark: str
+    benchmark: str | Benchmark  # a registered name, or a declaration (prepare.resolve_tier)
     tier: str
     data: Path
     logdir: Path
@@ -235,7 +235,8 @@ class _TimedRun:
             print(line, file=sys.stderr, flush=True)
 
     def log_header(self) -> None:
-        """cache_clear, init_start and the init block's keys, ours (`ttt_*`) last."""
+        """cache_clear, init_start and the init block's keys, ours (`ttt_*`) last but for the user's own
+        settings (`prepare.USER_WORDS`: before the hyperparameters)."""
         opts, prep, base = self.opts, self.prep, self.base
         extra = {
             "ttt_tier": self.tier.name,
