@@ -38,6 +38,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.fakes import host_sizes
 from timetotrain.models.common.embedding import FusedEmbedding, table_bound
 from timetotrain.models.common.embedding_bag import FusedEmbeddingBag
 
@@ -136,7 +137,7 @@ class ShardedEmbeddingBag(nn.Module):
             inside = (x >= self.lo) & (x < self.hi)
             local = torch.where(inside, x + self.base, torch.full_like(x, self.pad)).reshape(-1)
             sizes = torch.tensor(self.bag_sizes, device=ids.device)
-            per_sample = int(sizes.sum())
+            per_sample = sum(self.bag_sizes)  # on the host (a fake tensor's sum has no value to read)
             starts = torch.cumsum(sizes, 0) - sizes
             offsets = (torch.arange(n, device=ids.device).unsqueeze(1) * per_sample + starts).reshape(-1)
             pooled = F.embedding_bag(
@@ -228,10 +229,11 @@ class ShardedEmbedding(nn.Module):
             return F.embedding(local, self.weight, sparse=True).view(*shape, self.dim)
         dest = owner[k]
         order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=self.world)
+        send = dest.new_zeros(self.world).index_add_(0, dest, torch.ones_like(dest))  # bincount, static shape
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        # (`ttt plan --simulate`: fake counts read as the ids split evenly over the owners, timetotrain/fakes.py)
+        send_sizes, recv_sizes = host_sizes(send, flat.shape[0]), host_sizes(recv, flat.shape[0])
         asked = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(asked, local[order], recv_sizes, send_sizes, group=self.group)
         found = F.embedding(asked, self.weight, sparse=True)
