@@ -79,8 +79,18 @@ What is simulated and what is assumed, as the report says it:
 - DDP layouts (`dp=N`, `ep=N`) run with a stand-in for DDP (timetotrain/fakes.py: its constructor and reducer
   read parameter and gradient data in C++, which fake tensors have none of) that holds DDP's buckets: a
   second copy of the gradients, counted in every phase as "DDP buckets" (DDP's own bucket sizes in a real
-  run). Not simulated: DLRM's model-parallel tables (`ttt plan` counts them). Allocator fragmentation, NCCL buffers and the
-  CUDA context are not tensors: `ttt plan`'s margin stands for them.
+  run). Allocator fragmentation, NCCL buffers and the CUDA context are not tensors: `ttt plan`'s margin stands
+  for them.
+- Embedding tables (dlrm_dcnv2, dlrmv4 under `dp=N`, train/embedding_parallel.py): the rank's shards, built as
+  `ttt run` builds them, and the all-to-alls of the step. Their batch is real (ids and lengths, on the host):
+  hstu's jagged layout reads its lengths there, outside the fake mode (`fakes.real_host`). Assumed: ids
+  uniform over each table's rows, so a rank's lookups split evenly over their owners (`fakes.host_sizes`),
+  and a table's sparse gradient holds a row per id looked up (`fakes.sparse_rows`: coalesce counts repeated
+  ids as distinct, DLRM's bag backward keeps the ids of a row-wise shard's padding row; both upper bounds,
+  as `ttt plan`'s count). The whole model is simulated (`--layers` is refused: three STU layers, no
+  repeated ones in DLRM). The build is tracked too: its peak (the init and the warm-up on the materialised
+  shards) and its largest tensor, where a table built whole before it is cut would show (dlrm_dcnv2's are:
+  97 GiB at the reference, docs/scale.md).
 """
 
 from __future__ import annotations
