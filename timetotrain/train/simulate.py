@@ -100,11 +100,14 @@ import math
 import resource
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from timetotrain import fakes
 from timetotrain.errors import UserError
@@ -282,21 +285,35 @@ def _sparse_counted():
         mem_tracker.get_untyped_storages = get_untyped_storages
 
 
-class _Largest(TorchDispatchMode):
-    """The largest tensor any op allocates on this rank's device (meta tensors, the model before it is
-    materialised, left out), with its shape: a whole embedding table built before it is cut would be it."""
+class _Allocations(TorchDispatchMode):
+    """What ops allocate on this rank's device while it is active (meta tensors, the model before it is
+    materialised, left out): the bytes live at the peak, and the largest tensor with its shape (a whole
+    embedding table built before it is cut would be it). For the build, before the step's tracker runs: that
+    one follows modules and refuses a module called twice, as a pipeline's warm-up calls its stage."""
 
     def __init__(self, device: torch.device):
         super().__init__()
-        self.device, self.bytes, self.shape = device, 0, ""
+        self.device, self.live, self.peak, self.largest, self.shape = device, 0, 0, 0, ""
+        self._seen = WeakIdKeyDictionary()
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.device.type == self.device.type:
-                n = _nbytes(t)
-                if n > self.bytes:
-                    self.bytes, self.shape = n, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        for t in tree_leaves(out):
+            if not (isinstance(t, torch.Tensor) and t.device.type == self.device.type):
+                continue
+            for part in (t._values(), t._indices()) if t.is_sparse else (t,):
+                st = part.untyped_storage()
+                if st not in self._seen:
+                    n = st.nbytes()
+                    self._seen[st] = weakref.ref(st, lambda _, n=n: self._freed(n))
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+            n = _nbytes(t)
+            if n > self.largest:
+                self.largest, self.shape = n, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         return out
 
 
@@ -383,7 +400,6 @@ def simulate_rank(
     a torchrun job (gloo), and the tensors are real (the check of the simulator, tests/test_simulate.py)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def preflight(tier):
@@ -400,7 +416,7 @@ def simulate_rank(
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         prepare.start_device(prep, "cpu", seed=0)
-        largest = _Largest(prep.device)
+        built = _Allocations(prep.device)
         micro = prep.tier.micro_batch_size
         # module docstring: the second micro-batch repeats the first's allocations; a pipeline's whole step
         accum = prep.accum if prep.plan.pp > 1 else min(prep.accum, 2)
@@ -411,7 +427,7 @@ def simulate_rank(
             fakes.sparse_rows() if fake else contextlib.nullcontext(),
         ):
             try:
-                with _sparse_counted(), MemTracker() as built, largest:
+                with built:
                     tr = prepare.build(prep)
             except (RuntimeError, ValueError, AssertionError, TypeError) as e:
                 raise UserError(
@@ -479,12 +495,9 @@ def simulate_rank(
             buckets = fakes.ddp_bucket_bytes(tr.model)
             for kinds in (*phases.values(), *moments.values()):
                 kinds["buckets"] += buckets
-            build = sum(
-                d["Total"] for dev, d in built.get_tracker_snapshot("peak").items() if dev.type != "meta"
-            )
             return RankMemory(
                 rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare), moments, buckets,
-                build, largest.bytes, largest.shape,
+                built.peak, built.largest, built.shape,
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
