@@ -88,8 +88,9 @@ What is simulated and what is assumed, as the report says it:
   and a table's sparse gradient holds a row per id looked up (`fakes.sparse_rows`: coalesce counts repeated
   ids as distinct, DLRM's bag backward keeps the ids of a row-wise shard's padding row; both upper bounds,
   as `ttt plan`'s count). The whole model is simulated (`--layers` is refused: three STU layers, no
-  repeated ones in DLRM). The build is tracked too: its peak (the init and the warm-up on the materialised
-  shards) and its largest tensor, where a table built whole before it is cut would show (dlrm_dcnv2's did,
+  repeated ones in DLRM). The build is tracked too, by every family (`_Allocations`, which counts what ops
+  allocate: torch's tracker follows modules, and a pipeline's warm-up calls its stage twice): its peak (the
+  init and the warm-up) and its largest tensor, where a table built whole before it is cut would show (dlrm_dcnv2's did,
   97 GiB at the reference, until its build cut them first: docs/scale.md).
 """
 
