@@ -28,7 +28,9 @@ def test_the_command_prints_per_rank_memory(capsys):
     assert "does not split over 7" in capsys.readouterr().err
 
 
-def test_simulate_is_refused_not_ignored(capsys):
+def test_simulate_with_layers_is_refused_not_ignored(capsys):
+    """The model is simulated whole (tests/test_simulate_tables.py); extrapolating over depth is refused."""
     argv = ["plan", "dlrm_dcnv2", "--tier", "reference", "--gpus", "8", "--gpu-mem", "80"]
-    assert main([*argv, "--simulate"]) == 2
-    assert "--simulate: dlrm_dcnv2's sharded tables are not built" in capsys.readouterr().err
+    assert main([*argv, "--simulate", "--layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--layers 2: dlrm_dcnv2 is simulated at its full depth" in err and err.count("\n") == 1

@@ -39,6 +39,14 @@ of ttt runs unchanged there. What cannot is here, so that nothing else needs to 
   second copy of the trained, not ignored, parameters' gradients, allocated in the constructor): the stand-in
   says their bytes (`bucket_bytes`, the simulation adds them to every phase) and its forward is the module's.
   The simulator reads a real DDP's own bucket sizes the same way (tests/test_simulate.py: equal).
+- `sparse_rows()`: an embedding table's gradient is a sparse tensor of the rows looked up, and the fake
+  implementations of torch's sparse ops do not carry its number of entries (nnz): the clone autograd makes of
+  it, `coalesce` and DLRM's `embedding_bag` backward all come out with none, so the gradient and the row-wise
+  update it drives would count 0 bytes. Inside this context they keep it: a clone and `coalesce` as many as
+  the input (coalesce's repeated ids counted as distinct, an upper bound: which ids repeat is in their
+  values), the bag backward one per id looked up (the ids pointing at a row-wise shard's padding row
+  included, which the real backward drops: how many do is in their values; ttt plan's formula counts the
+  same). F.embedding's own sparse backward already keeps it.
 - `pipeline_schedule(schedule)`: a pipeline schedule's first step starts with a vote sent from stage to stage
   and back (`_warmup_p2p`: whether every stage was given its input and output shapes, else each infers them
   from a forward sent between ranks), read with `.item()`, which a fake tensor has no value for; and the
@@ -55,6 +63,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -204,3 +213,43 @@ def pipeline_schedule(schedule) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = vote
+
+
+def _sparse_like(like_size, indices: torch.Tensor, values: torch.Tensor, coalesced: bool) -> torch.Tensor:
+    return torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+        indices.shape[0], values.dim() - 1, list(like_size), indices, values, dtype=values.dtype,
+        layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced,
+    )  # fmt: skip
+
+
+_aten = torch.ops.aten
+
+
+def _sparse_impl(mode, func, *args, **kwargs):
+    """The sparse ops of `sparse_rows` (module docstring), else NotImplemented (fake tensors' own)."""
+    if func is _aten._embedding_bag_backward.default:
+        grad, indices = args[:2]
+        num_weights, sparse = args[6], args[9]
+        if not sparse:
+            return NotImplemented
+        rows = grad.new_empty(indices.numel(), grad.shape[1])  # the bag's gradient, a row per id looked up
+        return _sparse_like((num_weights, grad.shape[1]), indices.reshape(1, -1).clone(), rows, False)
+    x = args[0]
+    if not (isinstance(x, torch.Tensor) and x.is_sparse):
+        return NotImplemented
+    coalesced = func is _aten._coalesce.default or x.is_coalesced()
+    return _sparse_like(x.shape, x._indices().clone(), x._values().clone(), coalesced)
+
+
+_SPARSE_OPS = (_aten.clone.default, _aten._coalesce.default, _aten._embedding_bag_backward.default)
+
+
+@contextlib.contextmanager
+def sparse_rows():
+    """Fake sparse gradients that keep their entries (module docstring); only under a fake mode."""
+    entry = (lambda func: func in _SPARSE_OPS, _sparse_impl)
+    fake_impls.op_implementations_checks.insert(0, entry)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(entry)

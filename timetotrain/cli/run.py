@@ -314,13 +314,13 @@ def _cmd_plan(args) -> int:
             raise UserError(
                 f"--precision fp8: {bench.name} has no block linears to train in float8; use bf16"
             )
-        if args.simulate:  # said, not ignored: the table above is counted, not built
-            raise UserError(
-                f"--simulate: {bench.name}'s sharded tables are not built under the fake process group yet; "
-                "drop --simulate (the per-rank table counts the placement `ttt run` builds, shard by shard)"
-            )
         doc = per_rank(bench, tier, args.gpus, args.gpu_mem, args.gpus_per_node)
+        sim = _simulate_tables(args, bench, tier, doc) if args.simulate else None
+        if sim and args.json:
+            doc["simulation"] = sim[1]
         print(strictjson.dumps(doc, indent=2) if args.json else format_per_rank(doc))
+        if sim and not args.json:
+            print(sim[0])
         return 0 if doc["fits"] else 1
     fp8 = fp8_model(bench, tier) if args.precision == "fp8" else None
     if fp8 and args.gpus > 1:
@@ -363,6 +363,33 @@ def _cmd_plan(args) -> int:
     if sim and not args.json:
         print(sim[1])
     return 0 if best is not None else 1
+
+
+def _simulate_tables(args, bench, tier, doc: dict):
+    """`ttt plan --simulate` for a model with embedding tables: its `dp=N` job's rank (--rank), the last rank
+    and the rank the per-rank count finds largest, built and stepped (train/simulate.py), beside that count.
+    (the report, as data)."""
+    from timetotrain.train.simulate import format_simulation, simulate
+
+    if args.layers is not None:
+        raise UserError(
+            f"--layers {args.layers}: {bench.name} is simulated at its full depth (its few layers are not "
+            "repeated enough to extrapolate); drop --layers"
+        )
+    spec = args.parallel or doc["parallel"]
+    sim = simulate(
+        bench, tier, args.gpus, spec, args.rank, None, args.precision, 0, also=(doc["worst_rank"],)
+    )
+    counted = {r: doc["ranks"][r]["total"] for r in sim.ranks}
+    top = sim.most_loaded()
+    data = {
+        **dataclasses.asdict(sim),
+        "most_loaded_rank": top.rank,
+        "peak_bytes": top.total,
+        "peak_phase": top.peak_phase,
+        "counted_bytes": counted,
+    }
+    return format_simulation(sim, None, args.gpu_mem, counted=counted), data
 
 
 def _simulate(args, bench, tier, rows, best, given_ac: int | None):

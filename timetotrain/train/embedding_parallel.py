@@ -38,6 +38,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.fakes import host_sizes
 from timetotrain.models.common.embedding import FusedEmbedding, table_bound
 from timetotrain.models.common.embedding_bag import FusedEmbeddingBag
 
@@ -96,15 +97,18 @@ class ShardedEmbeddingBag(nn.Module):
         self.shards = shards
         mine = [s for s in shards if s.rank == rank]
         self.tables_of = [sorted(s.table for s in shards if s.rank == r) for r in range(world)]
+        self.mine = mine
         local = sum(s.rows[1] - s.rows[0] for s in mine)
+        # `full` may be on the meta device (`shard_tables_before_fill`): then `reset_parameters` fills it.
         w = torch.zeros(local + 1, full.dim, device=full.weight.device, dtype=full.weight.dtype)
         starts, at = [], 0
         with torch.no_grad():
             for s in mine:
-                src = full.table_rows(s.table)
-                w[at : at + s.rows[1] - s.rows[0]] = full.weight[
-                    src.start + s.rows[0] : src.start + s.rows[1]
-                ]
+                if full.weight.device.type != "meta":
+                    src = full.table_rows(s.table)
+                    w[at : at + s.rows[1] - s.rows[0]] = full.weight[
+                        src.start + s.rows[0] : src.start + s.rows[1]
+                    ]
                 starts.append(at)
                 at += s.rows[1] - s.rows[0]
         self.weight = nn.Parameter(w)  # the last row is padding: ids outside this rank's ranges
@@ -119,12 +123,21 @@ class ShardedEmbeddingBag(nn.Module):
             lo += [s.rows[0]] * k
             hi += [s.rows[1]] * k
             base += [start - s.rows[0]] * k
-        dev = full.weight.device
-        self.register_buffer("cols", torch.tensor(cols, dtype=torch.long, device=dev), persistent=False)
-        self.register_buffer("lo", torch.tensor(lo, dtype=torch.long, device=dev), persistent=False)
-        self.register_buffer("hi", torch.tensor(hi, dtype=torch.long, device=dev), persistent=False)
-        self.register_buffer("base", torch.tensor(base, dtype=torch.long, device=dev), persistent=False)
+        # Python lists, made tensors on the ids' device at the first lookup (as ShardedEmbedding's routing:
+        # buffers made on the meta device would come out of `to_empty` uninitialised).
+        self.columns = (cols, lo, hi, base)
+        self._columns: dict = {}
         self.bag_sizes = [full.multi_hot[s.table] for s in mine]
+
+    def _local_starts(self):
+        return ShardedEmbedding._local_starts(self)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """FusedEmbeddingBag's draws, as ShardedEmbedding draws FusedEmbedding's: every table in chunks,
+        this rank keeping its rows; the padding row zero."""
+        ShardedEmbedding.reset_parameters(self, generator)
+        self.weight[self.pad].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b = ids.shape[0]
@@ -132,11 +145,16 @@ class ShardedEmbeddingBag(nn.Module):
         n = everyone.shape[0]
         mine = self.tables_of[self.rank]
         if mine:
-            x = everyone[:, self.cols].long()
-            inside = (x >= self.lo) & (x < self.hi)
-            local = torch.where(inside, x + self.base, torch.full_like(x, self.pad)).reshape(-1)
+            if ids.device not in self._columns:
+                self._columns[ids.device] = [
+                    torch.tensor(c, dtype=torch.long, device=ids.device) for c in self.columns
+                ]
+            cols, lo, hi, base = self._columns[ids.device]
+            x = everyone[:, cols].long()
+            inside = (x >= lo) & (x < hi)
+            local = torch.where(inside, x + base, torch.full_like(x, self.pad)).reshape(-1)
             sizes = torch.tensor(self.bag_sizes, device=ids.device)
-            per_sample = int(sizes.sum())
+            per_sample = sum(self.bag_sizes)  # on the host (a fake tensor's sum has no value to read)
             starts = torch.cumsum(sizes, 0) - sizes
             offsets = (torch.arange(n, device=ids.device).unsqueeze(1) * per_sample + starts).reshape(-1)
             pooled = F.embedding_bag(
@@ -228,10 +246,11 @@ class ShardedEmbedding(nn.Module):
             return F.embedding(local, self.weight, sparse=True).view(*shape, self.dim)
         dest = owner[k]
         order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=self.world)
+        send = dest.new_zeros(self.world).index_add_(0, dest, torch.ones_like(dest))  # bincount, static shape
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        # (`ttt plan --simulate`: fake counts read as the ids split evenly over the owners, timetotrain/fakes.py)
+        send_sizes, recv_sizes = host_sizes(send, flat.shape[0]), host_sizes(recv, flat.shape[0])
         asked = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(asked, local[order], recv_sizes, send_sizes, group=self.group)
         found = F.embedding(asked, self.weight, sparse=True)
@@ -291,7 +310,7 @@ def _replace(module: nn.Module, rank: int, world: int, split_rows: int | None) -
 
 
 # What differs per rank in each sharded module: DDP must neither broadcast nor reduce it.
-_PER_RANK = {ShardedEmbeddingBag: ("weight", "cols", "lo", "hi", "base"), ShardedEmbedding: ("weight",)}
+_PER_RANK = {ShardedEmbeddingBag: ("weight",), ShardedEmbedding: ("weight",)}
 
 
 def shard_embeddings(

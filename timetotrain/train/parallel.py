@@ -476,12 +476,12 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
 
 
 def shard_tables_before_fill(model: nn.Module, plan: Plan) -> None:
-    """Under `dp=N`, cut the meta model's unpooled tables (hstu's FusedEmbedding) into this rank's shards
-    before `to_empty`, so that the rank allocates, initialises and trains its own rows only (the reference
-    shape's 600 GB of rows never exist whole); `apply` then finds them sharded. Pooled tables (DLRM's, 100 GB
-    at most) are still built whole and cut after the init, as before."""
+    """Under `dp=N`, cut the meta model's tables (hstu's FusedEmbedding, DLRM's FusedEmbeddingBag) into this
+    rank's shards before `to_empty`, so that the rank allocates, initialises and trains its own rows only
+    (hstu's reference tables are 600 GB, DLRM's 97 GiB: more than an 80 GiB GPU holds, which the whole build
+    of DLRM's needed until `ttt plan --simulate` showed it); `apply` then finds them sharded."""
     if plan.dp > 1 and plan.ep == 1 and not plan.sharded:
-        shard_embeddings(model, dist.get_rank(), plan.dp, unpooled_only=True)
+        shard_embeddings(model, dist.get_rank(), plan.dp)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):

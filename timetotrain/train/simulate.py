@@ -79,20 +79,36 @@ What is simulated and what is assumed, as the report says it:
 - DDP layouts (`dp=N`, `ep=N`) run with a stand-in for DDP (timetotrain/fakes.py: its constructor and reducer
   read parameter and gradient data in C++, which fake tensors have none of) that holds DDP's buckets: a
   second copy of the gradients, counted in every phase as "DDP buckets" (DDP's own bucket sizes in a real
-  run). Not simulated: DLRM's model-parallel tables (`ttt plan` counts them). Allocator fragmentation, NCCL buffers and the
-  CUDA context are not tensors: `ttt plan`'s margin stands for them.
+  run). Allocator fragmentation, NCCL buffers and the CUDA context are not tensors: `ttt plan`'s margin stands
+  for them.
+- Embedding tables (dlrm_dcnv2, dlrmv4 under `dp=N`, train/embedding_parallel.py): the rank's shards, built as
+  `ttt run` builds them, and the all-to-alls of the step. Their batch is real (ids and lengths, on the host):
+  hstu's jagged layout reads its lengths there, outside the fake mode (`fakes.real_host`). Assumed: ids
+  uniform over each table's rows, so a rank's lookups split evenly over their owners (`fakes.host_sizes`),
+  and a table's sparse gradient holds a row per id looked up (`fakes.sparse_rows`: coalesce counts repeated
+  ids as distinct, DLRM's bag backward keeps the ids of a row-wise shard's padding row; both upper bounds,
+  as `ttt plan`'s count). The whole model is simulated (`--layers` is refused: three STU layers, no
+  repeated ones in DLRM). The build is tracked too, by every family (`_Allocations`, which counts what ops
+  allocate: torch's tracker follows modules, and a pipeline's warm-up calls its stage twice): its peak (the
+  init and the warm-up) and its largest tensor, where a table built whole before it is cut would show (dlrm_dcnv2's did,
+  97 GiB at the reference, until its build cut them first: docs/scale.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from timetotrain import fakes
 from timetotrain.errors import UserError
@@ -118,6 +134,9 @@ class RankMemory:
     # a ModuleList counts as one module), for extrapolating over depth (`_combine`); emptied after it.
     moments: dict[str, dict[str, int]] = field(default_factory=dict)
     buckets: int = 0  # DDP's gradient buckets (timetotrain/fakes.py), held from its constructor on
+    build: int = 0  # the build's peak (meta model -> this rank's parameters -> init -> warm-up), bytes
+    largest: int = 0  # the largest tensor the build allocates, bytes (a whole table would be it)
+    largest_shape: str = ""  # its shape and dtype
 
     @property
     def peak_phase(self) -> str:
@@ -244,8 +263,72 @@ def _tracker(model, opt, fsdp: bool):
     t.phase_peak = {}
     t.moments = {}
     if not fsdp:
-        t.track_external(model, opt)
+        t.track_external(model, *_optimizers(opt))
     return t
+
+
+@contextlib.contextmanager
+def _sparse_counted():
+    """torch's memory tracker reads a tensor's storage, which a sparse one (a table's gradient) has none of:
+    within this its values and indices are counted instead."""
+    from torch.distributed._tools import mem_tracker
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    def storages(t):
+        if t.is_sparse:
+            return get_untyped_storages(t._values()) | get_untyped_storages(t._indices())
+        return get_untyped_storages(t)
+
+    mem_tracker.get_untyped_storages = storages
+    try:
+        yield
+    finally:
+        mem_tracker.get_untyped_storages = get_untyped_storages
+
+
+class _Allocations(TorchDispatchMode):
+    """What ops allocate on this rank's device while it is active (meta tensors, the model before it is
+    materialised, left out): the bytes live at the peak, and the largest tensor with its shape (a whole
+    embedding table built before it is cut would be it). For the build, before the step's tracker runs: that
+    one follows modules and refuses a module called twice, as a pipeline's warm-up calls its stage."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.live, self.peak, self.largest, self.shape = device, 0, 0, 0, ""
+        self._seen = WeakIdKeyDictionary()
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not (isinstance(t, torch.Tensor) and t.device.type == self.device.type):
+                continue
+            for part in (t._values(), t._indices()) if t.is_sparse else (t,):
+                st = part.untyped_storage()
+                if st not in self._seen:
+                    n = st.nbytes()
+                    self._seen[st] = weakref.ref(st, lambda _, n=n: self._freed(n))
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+            n = _nbytes(t)
+            if n > self.largest:
+                self.largest, self.shape = n, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        return out
+
+
+def _nbytes(t) -> int:
+    """A tensor's bytes: a sparse one's values and int64 indices."""
+    if t.is_sparse:
+        return t._values().numel() * t.element_size() + t._indices().numel() * 8
+    return t.numel() * t.element_size()
+
+
+def _optimizers(opt) -> list:
+    """The torch optimizers of `opt`, in the order they step: a table model's pair (train/optim.OptimizerPair:
+    the dense part's, then the tables'), else `opt` itself."""
+    return [opt.dense, opt.tables] if hasattr(opt, "tables") else [opt]
 
 
 def _moment_module(fqn: str) -> str:
@@ -261,8 +344,7 @@ def _held(model, opt) -> tuple[int, int, int]:
     from torch.distributed.tensor import DTensor
 
     def nbytes(t) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        return local.numel() * local.element_size()
+        return _nbytes(t.to_local() if isinstance(t, DTensor) else t)
 
     params = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(b) for b in model.buffers())
     grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
@@ -317,8 +399,6 @@ def simulate_rank(
     """Build rank `rank` of `world` for `tier` (already at the depth to simulate) and run one step, counting
     its bytes. `fake=False` measures a real run instead, with the same tracker: this process is that rank of
     a torchrun job (gloo), and the tensors are real (the check of the simulator, tests/test_simulate.py)."""
-    import contextlib
-
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -337,6 +417,7 @@ def simulate_rank(
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         prepare.start_device(prep, "cpu", seed=0)
+        built = _Allocations(prep.device)
         micro = prep.tier.micro_batch_size
         # module docstring: the second micro-batch repeats the first's allocations; a pipeline's whole step
         accum = prep.accum if prep.plan.pp > 1 else min(prep.accum, 2)
@@ -344,9 +425,11 @@ def simulate_rank(
             FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext(),
             fakes.global_shapes_untracked() if fake else contextlib.nullcontext(),
             fakes.gpu_attention() if fake else contextlib.nullcontext(),
+            fakes.sparse_rows() if fake else contextlib.nullcontext(),
         ):
             try:
-                tr = prepare.build(prep)
+                with built:
+                    tr = prepare.build(prep)
             except (RuntimeError, ValueError, AssertionError, TypeError) as e:
                 raise UserError(
                     f"--parallel {spec}: rank {rank} of {world} does not build: {_line(e)}"
@@ -354,7 +437,10 @@ def simulate_rank(
             data = bench.task.synthetic(
                 prep.tier, micro * accum, torch.Generator().manual_seed(0), prep.device
             )
-            batch = data.batch(0)
+            # A batch of embedding-table ids is made real (module docstring): hstu's jagged layout is read
+            # from its lengths on the host.
+            with fakes.real_host() if bench.family.embedding_tables is not None else contextlib.nullcontext():
+                batch = data.batch(0)
             # a pipeline's stages (FSDP2 roots under fsdp), else the model
             mt = _tracker(tr.model if prep.plan.pp > 1 else tr.bare, tr.opt, prep.plan.fully_sharded)
             seen: dict[str, dict] = {}
@@ -368,14 +454,14 @@ def simulate_rank(
 
                 return hook
 
-            pre = tr.opt.register_step_pre_hook(snap("grads"))
-            post = tr.opt.register_step_post_hook(snap("opt"))
+            pre = _optimizers(tr.opt)[0].register_step_pre_hook(snap("grads"))
+            post = _optimizers(tr.opt)[-1].register_step_post_hook(snap("opt"))
 
             def loss(model, mb):
                 mt.reset_mod_stats()  # the trackers refuse a second forward of the root otherwise
                 return data.loss(model, mb)
 
-            with mt:
+            with _sparse_counted(), mt:
                 _track_untracked(mt, tr.bare, prep.plan.fully_sharded)
                 try:
                     tr.step(0, batch, accum, loss)
@@ -412,6 +498,7 @@ def simulate_rank(
                 kinds["buckets"] += buckets
             return RankMemory(
                 rank, phases, where, n_params, n_grads, n_opt, _empty_shards(tr.bare), moments, buckets,
+                built.peak, built.largest, built.shape,
             )  # fmt: skip
     finally:
         distributed.teardown(barrier=not fake)
@@ -541,7 +628,8 @@ def _combine(a: RankMemory, b: RankMemory, steps: float, depths: tuple[int, int]
     return RankMemory(
         a.rank, phases, where, lin(a.parameters, b.parameters, "the parameters"),
         lin(a.gradients, b.gradients, "the gradients"), lin(a.optimizer, b.optimizer, "the optimizer states"),
-        b.empty, buckets=lin(a.buckets, b.buckets, "DDP's buckets"),
+        b.empty, buckets=lin(a.buckets, b.buckets, "DDP's buckets"), build=lin(a.build, b.build, "the build"),
+        largest=b.largest, largest_shape=b.largest_shape,
     )  # fmt: skip
 
 
@@ -591,9 +679,10 @@ def _comparable_moments(a: RankMemory, b: RankMemory) -> list[str]:
 
 def simulate(
     bench, tier, world: int, spec: str, rank: int = 0, layers: int | None = None, precision: str = "bf16",
-    ac: int = 0,
+    ac: int = 0, also: tuple[int, ...] = (),
 ) -> Simulation:  # fmt: skip
-    """Rank `rank` and the last rank of `world`, at the tier's depth or extrapolated from `layers`."""
+    """Rank `rank`, the last rank of `world` and the ranks `also`, at the tier's depth or extrapolated from
+    `layers`."""
     if not 0 <= rank < world:
         raise UserError(f"--rank {rank} must be in [0, {world - 1}] (--gpus {world})")
     full = _depth(tier)
@@ -614,7 +703,7 @@ def simulate(
         if layers + unit <= full:
             depths = (layers, layers + unit)
     ranks = {}
-    for r in sorted({rank, world - 1}):
+    for r in sorted({rank, world - 1, *also}):
         if depths is None:
             ranks[r] = replace(
                 _in_child(simulate_rank, bench, tier, world, spec, r, precision, ac), moments={}
@@ -718,10 +807,11 @@ def _max_rss() -> int:
 
 
 def _depth(tier) -> int:
+    """The repeated layers of the tier's model: hstu's STU layers (`layers`); 0 for DLRM, which has none."""
     cfg = tier.model
     if hasattr(cfg, "n_double"):
         return cfg.n_double + cfg.n_single
-    return cfg.n_layers
+    return getattr(cfg, "n_layers", None) or getattr(cfg, "layers", 0)
 
 
 def fits_text(peak: float) -> str:
@@ -732,9 +822,10 @@ def fits_text(peak: float) -> str:
     )
 
 
-def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
+def format_simulation(sim: Simulation, est, gpu_mem_gib: float, counted: dict[int, int] | None = None) -> str:
     """The report `ttt plan --simulate` prints below the plan table: per rank, by kind, beside the formula
-    (`est`, a memory.Estimate of the same layout, AC and micro-batch, or None)."""
+    (`est`, a memory.Estimate of the same layout, AC and micro-batch, or None), or for a model with
+    embedding tables beside each rank's own count (`counted`: rank -> bytes, train/embedding_memory.py)."""
     G = 2**30
     ranks = sorted(sim.ranks)
     top = sim.most_loaded()
@@ -746,6 +837,8 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
         + " (valid where the added layers are identical: see timetotrain/train/simulate.py)"
         if sim.layers
         else f"all {sim.full_layers} layers simulated"
+        if sim.full_layers
+        else "the whole model simulated"
     )
     accum = (
         f"{min(sim.accum, sim.ran or 2)} of its {sim.accum} micro-batches run"
@@ -793,12 +886,33 @@ def format_simulation(sim: Simulation, est, gpu_mem_gib: float) -> str:
             for g in (80, 141, 192)
         )
         out.append(f"fits (peak + the plan's margin within 90% of the device) on {caps}")
+    if counted:
+        out.append(row("ttt plan's per-rank count", [counted[m.rank] for m in ms]))
+        out.append(f"ratio simulated / count, rank {top.rank}: {top.total / counted[top.rank]:.2f}")
+    if any(m.build for m in ms):
+        out.append(row("build's peak (init, warm-up)", [m.build for m in ms]))
+        big = max(ms, key=lambda m: m.largest)
+        out.append(
+            f"largest tensor the build allocates: {big.largest_shape} ({big.largest / G:.2f} GiB, rank {big.rank})"
+        )
+    if counted:
+        need = max(top.total, *(m.build for m in ms))
+        verdict = "yes" if need <= 0.9 * gpu_mem_gib * G else "no"
+        out.append(
+            f"fits (the larger of the step's and the build's peaks within 90% of {gpu_mem_gib:g} GiB): {verdict}"
+        )
     empty = sorted({n for m in ms for n in m.empty})
     if empty:
         out.append(f"ranks holding no rows of: {', '.join(empty[:5])}" + (" ..." if len(empty) > 5 else ""))
     out.append(f"simulation: {sim.seconds:.1f} s, peak RSS {sim.rss / G:.2f} GiB (this process)")
+    assumed = (
+        "ids uniform over each table's rows (the lookups split evenly over their owners), a table's sparse "
+        "gradient one row per id looked up (module docstring)"
+        if counted
+        else "balanced MoE routing"
+    )
     out.append(
-        "assumed: balanced MoE routing; not counted: allocator fragmentation, NCCL buffers, the CUDA context "
+        f"assumed: {assumed}; not counted: allocator fragmentation, NCCL buffers, the CUDA context "
         "(the plan's margin). Not validated on GPUs."
     )
     return "\n".join(out)

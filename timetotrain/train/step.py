@@ -5,6 +5,7 @@ optimizer and schedule; under FSDP2 the order that never holds the whole model o
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -199,10 +200,13 @@ def _build_whole(bench, tier, device, seed, plan, init_checkpoint, timer, init_k
     with (
         real_host(),
         torch.device("meta"),
-    ):  # (timetotrain/fakes.py: a simulation's meta model stays real meta)
+    ):  # (timetotrain/fakes.py: a simulation's meta model, its table shards too, stays real meta)
         model = family.build(tier.model)
-    parallel.shard_tables_before_fill(model, plan)
-    model.to_empty(device=device)
+        parallel.shard_tables_before_fill(model, plan)
+    # Each module once: DLRM lists its MLPs twice (`layers`), and under `ttt plan --simulate` a parameter
+    # made fake by the first visit cannot be swapped again by the second.
+    for module in model.modules():
+        module.to_empty(device=device, recurse=False)
     family.init(model, torch.Generator(device=device).manual_seed(seed + 1))
     _warmup(bench, model, tier, device, torch.bfloat16 if plan.compute == "bf16" else None)
     family.init(model, torch.Generator(device=device).manual_seed(seed))
@@ -264,7 +268,11 @@ def _warmup(bench, model, tier, device, autocast: torch.dtype | None) -> None:
     an fp32 warm-up of a bf16 run would pick other kernels and size the allocator for fp32 activations."""
     mb = min(tier.micro_batch_size, 2)
     data = bench.task.synthetic(tier, mb, torch.Generator(device=device).manual_seed(0), device)
+    # A table model's batch is real under `ttt plan --simulate`: its values steer host bookkeeping (hstu's
+    # jagged layout; timetotrain/fakes.py). Without a fake mode this is nothing.
+    with real_host() if bench.family.embedding_tables is not None else contextlib.nullcontext():
+        batch = data.batch(0)
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-        loss = data.loss(model, data.batch(0))
+        loss = data.loss(model, batch)
     loss.backward()
     model.zero_grad(set_to_none=True)

@@ -4,6 +4,8 @@ family that declares its tables (`ModelFamily.embedding_tables`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,15 @@ class FusedEmbeddingBag(nn.Module):
         for k in self.multi_hot[:-1]:
             first.append(first[-1] + k)
         self.bag_start.copy_(torch.tensor(first, dtype=torch.long))
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The buffers, and each table U(-sqrt(1/rows), sqrt(1/rows)) (TorchRec's EmbeddingBagConfig default),
+        drawn table by table from `generator`."""
+        self.fill_buffers()
+        for t, rows in enumerate(self.table_sizes):
+            bound = math.sqrt(1.0 / rows)
+            self.weight[self.table_rows(t)].uniform_(-bound, bound, generator=generator)
 
     def table_rows(self, t: int) -> slice:
         start = sum(self.table_sizes[:t])

@@ -73,11 +73,7 @@ def init(model: DLRMDCNv2, generator: torch.Generator) -> None:
     """The reference's init: each table U(-sqrt(1/rows), sqrt(1/rows)) (TorchRec's EmbeddingBagConfig
     default, applied by its batched kernel), torch's nn.Linear default for both MLPs (weight and bias
     U(-1/sqrt(fan_in), 1/sqrt(fan_in))), Xavier-normal W and V and zero bias in the cross net."""
-    emb = model.embedding
-    emb.fill_buffers()
-    for t, rows in enumerate(emb.table_sizes):
-        bound = math.sqrt(1.0 / rows)
-        emb.weight[emb.table_rows(t)].uniform_(-bound, bound, generator=generator)
+    model.embedding.reset_parameters(generator)  # (or a rank's shards of it, drawn alike)
     for seq in (model.bottom, model.top):
         for m in seq:
             if isinstance(m, nn.Linear):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timetotrain.fakes import real_host
 from timetotrain.models.common.embedding import FusedEmbedding
 from timetotrain.models.family import EmbeddingTables, ModelFamily
 from timetotrain.models.hstu.batch import HSTUBatch
@@ -83,7 +84,10 @@ class HSTU(nn.Module):
 
     def forward(self, batch: HSTUBatch) -> torch.Tensor:
         """One logit per candidate, [T_c]."""
-        layout = SequenceLayout.build(batch.uih_lengths, batch.num_candidates, self.cfg.contextual_len)
+        # Host bookkeeping read from the lengths: under `ttt plan --simulate` it runs on the real batch
+        # outside the fake mode (timetotrain/fakes.py); otherwise a no-op.
+        with real_host():
+            layout = SequenceLayout.build(batch.uih_lengths, batch.num_candidates, self.cfg.contextual_len)
         contextual, uih, candidates = self.embed(batch)
         user = self.user_embeddings(batch, layout, contextual, uih, candidates)
         item = self.item_mlp(candidates.flatten(1))
