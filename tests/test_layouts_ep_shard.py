@@ -4,7 +4,9 @@ expert-parallel groups of 2, each slice of 2 of the 4 experts held by 2 ranks, w
 the harness's own build and step, 20 steps: train_loss at rtol 1e-5 and the final trained weights gathered
 whole, each rank's expert storage half of its slice's, the last step's expert-load telemetry counting the
 global micro-batch on every rank, and a ttt checkpoint of the trained model: read back by the same layout (the same weights) and
-by one process (the gathered ones). The shape is tests/test_layouts_moe.py's, one sample per micro-batch.
+by one process (the gathered ones); and one MoE layer whose routing leaves the ranks of one slice without
+rows (tests/test_expert_parallel.py's idle case). The shape is tests/test_layouts_moe.py's, one sample per
+micro-batch.
 Run as a script (by torchrun) this file is the worker."""
 
 import functools
@@ -93,9 +95,49 @@ def test_ep_shard_trains_as_one_process(tmp_path):
     for n, w in weights["reloaded"].items():
         assert torch.equal(w, weights[NAME][n]), n
     bench, t = tier()
+    # No token for experts 2-3: their ranks (1 and 3) get exactly zero gradients, the others the layer's.
+    for rank, r in enumerate(ranks):
+        idle = r["idle"]
+        assert idle["counts"][2:] == [0, 0] and sum(idle["counts"]) == 24 * 2, idle
+        assert idle["w1 zero"] == idle["w2 zero"] == (rank % 2 == 1), (rank, idle)
+        if rank % 2 == 0:
+            assert idle["w1"] <= 1e-5 and idle["w2"] <= 1e-5, (rank, idle)
     single = build_training(bench, t, torch.device("cpu"), 99, init_checkpoint=tmp_path / "ckpt")
     for n, w in single.bare.named_parameters():
         assert torch.equal(w.detach(), weights[NAME][n]), n
+
+
+def idle_layer(plan) -> dict:
+    """One MoE layer under the layout's expert sharding where no token picks experts 2 or 3: ranks 1 and 3
+    (the slice of experts 2-3) receive no rows, yet enter their slice's all-gather and reduce-scatter with
+    the busy ranks' expert collectives (one step would hang otherwise) and get zero gradients. Each rank's
+    expert gradients, gathered over its replicas, against one layer on the 4 ranks' tokens."""
+    import copy
+
+    import torch.distributed as dist
+    from test_expert_parallel import _layer_case
+
+    from timetotrain.train import parallel
+    from timetotrain.train.expert_parallel import apply_expert_parallel, shard_expert_replicas
+
+    rank = dist.get_rank()
+    moe, x, cotangent = _layer_case([[2, 3], [2, 3]])  # 24 tokens, none for experts 2 and 3
+    ref = copy.deepcopy(moe)
+    (ref(x) * cotangent).sum().div(x.shape[0]).backward()  # the mean over ranks of each rank's token mean
+    mesh = parallel.device_mesh("cpu", (WORLD // plan.ep, plan.ep), ("replica", "ep"))
+    apply_expert_parallel(moe, mesh["ep"].get_group(), None, mesh["replica"].get_group(), mesh)
+    shard_expert_replicas(moe, None)
+    mine = x.chunk(WORLD)[rank]
+    (moe(mine) * cotangent.chunk(WORLD)[rank]).sum().div(mine.shape[0]).backward()
+    local = moe.n_experts // plan.ep
+    rows = slice(rank % plan.ep * local, (rank % plan.ep + 1) * local)
+    out = {"counts": moe.tokens_per_expert.tolist()}
+    for w in ("w1", "w2"):
+        grad = getattr(moe.experts, w).grad.full_tensor()
+        want = getattr(ref.experts, w).grad[rows]
+        out[w] = (grad - want).abs().max().item() / want.abs().max().clamp_min(1e-30).item()
+        out[w + " zero"] = bool(grad.abs().max() == 0)
+    return out
 
 
 def _worker(out: Path) -> None:
@@ -104,7 +146,9 @@ def _worker(out: Path) -> None:
     from timetotrain.train import parallel
 
     dist.init_process_group("gloo")
-    result = train(parallel.parse(SPEC, dist.get_world_size()), dist.get_rank(), out)
+    plan = parallel.parse(SPEC, dist.get_world_size())
+    idle = idle_layer(plan)
+    result = {**train(plan, dist.get_rank(), out), "idle": idle}
     layout_results_written(out, result, {NAME: result.pop("weights"), "reloaded": result.pop("reloaded")})
 
 

@@ -40,7 +40,13 @@ is the mean of the rank losses over the `dp` data-parallel ranks):
   divides expert gradients by `ep` (exact for power-of-two `ep`). With `ep == dp` (EP over the data-parallel
   ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` (the hybrid
   `ep=E,fsdp=N`, built under FSDP2 only) the expert grads are additionally AVERAGED over the `edp` ranks
-  that hold the same slice (`average_expert_replicas`: sum / ep / edp = the mean over all dp ranks).
+  that hold the same slice: sum / ep / edp = the mean over all dp ranks. Under `ep=E,fsdp=N` (with or
+  without pp) FSDP2 shards each slice over those `edp` replicas (`shard_expert_replicas`, torchtitan's
+  expert FSDP): each holds 1/edp of the slice's weights, gradients and AdamW states, the slice is
+  all-gathered before the experts' forward and its gradient reduce-scattered after their backward, divided
+  by ep * edp there (the hook cannot see FSDP2's gathered copy). Where the slices stay whole on their
+  replicas (HSDP, tp or cp with ep: `parallel.Plan.expert_shards`), `average_expert_replicas` all-reduces
+  their gradients once per step instead.
 
 So the caller keeps DDP for the replicated parameters and hides the expert slices from it
 (`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor
@@ -51,7 +57,8 @@ reduce-scatters them; it averages the rest over the N ranks as DDP would), and t
 autocast when FSDP2 casts the rest to bf16 (`compute_dtype`). `is_expert_sharded` / `expert_sharded_names`
 tell which parameters are sharded, `expert_slice` which rows of the full stack a slice holds;
 `clip_grad_norm_ep` clips by the true global norm (expert slices and FSDP2's gradient shards summed over
-the group, replicated gradients once).
+the group, replicated gradients once; a slice sharded over its replicas is a DTensor on the ("replica",
+"ep") mesh, each element on one rank).
 
 Where the whole model exists (DDP), apply EP to the bare model after its weights are initialised
 (identically on every rank: slicing the same full tensors keeps the same model), before activation
@@ -65,6 +72,7 @@ hooks: `mark_expert_slices` puts them back. State dicts hold only the local slic
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -188,26 +196,20 @@ class ExpertParallelDispatch:
             regroup = torch.sort(ids, stable=True).indices
             rx, rp = rx.index_select(0, regroup), rp.index_select(0, regroup)
 
-        cast = (
-            torch.autocast(rx.device.type, dtype=self.compute_dtype)
-            if self.compute_dtype is not None
-            else contextlib.nullcontext()
-        )
-        if sum(recv) == 0:
-            # No rows for any local expert. The experts run anyway, on one zero row of prob 0 for the first
-            # local expert, whose output is dropped: the received rows and the weights stay in the graph (the
-            # dispatch's backward is a collective every rank must enter; the weights get zero gradients, not
-            # None, like the single-process layer's idle experts, so AdamW updates them in step), and where
-            # FSDP2 shards the slice over its replicas, their all-gather and reduce-scatter, which every
-            # replica must enter too, run here as on the others.
-            one = torch.zeros(local, dtype=mine.dtype, device=mine.device)
-            one[0] = 1
-            row = rx.new_zeros(1, rx.shape[1]) + 0 * rx.sum()
-            prob = rp.new_zeros(1) + 0 * rp.sum()
-            with cast:
+        with self._around_experts(rx.device.type):
+            if sum(recv) == 0:
+                # No rows for any local expert. The experts run anyway, on one zero row of prob 0 for the first
+                # local expert, whose output is dropped: the received rows and the weights stay in the graph
+                # (the dispatch's backward is a collective every rank must enter; the weights get zero
+                # gradients, not None, like the single-process layer's idle experts, so AdamW updates them in
+                # step), and where FSDP2 shards the slice over its replicas, their all-gather and
+                # reduce-scatter, which every replica must enter too, run here as on the others.
+                one = torch.zeros(local, dtype=mine.dtype, device=mine.device)
+                one[0] = 1
+                row = rx.new_zeros(1, rx.shape[1]) + 0 * rx.sum()
+                prob = rp.new_zeros(1) + 0 * rp.sum()
                 y = layer.experts(row, one, prob)[:0]
-        else:
-            with cast:
+            else:
                 y = layer.experts(rx, mine.sum(0), rp)
         if regroup is not None:
             inverse = torch.empty_like(regroup).scatter_(
@@ -215,6 +217,19 @@ class ExpertParallelDispatch:
             )
             y = y.index_select(0, inverse)
         return _AllToAll.apply(y, send, recv, group)
+
+    @contextlib.contextmanager
+    def _around_experts(self, device_type: str):
+        """The experts' call: under autocast to `compute_dtype` where set; where FSDP2 shards the slices, without
+        its warning that the experts return a view (`_ContiguousGrad`'s identity on the grouped-mm path),
+        which an in-place op would detach from its pre-backward hook: nothing here writes to it."""
+        with contextlib.ExitStack() as stack:
+            if self.compute_dtype is not None:
+                stack.enter_context(torch.autocast(device_type, dtype=self.compute_dtype))
+            if self.mesh is not None:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            yield
 
 
 def apply_expert_parallel(

@@ -356,22 +356,28 @@ def estimate(
     # Expert parallelism (module docstring): experts not held by this GPU, and a block's experts.
     experts = away = 0.0
     layer_experts = 0
+    # FSDP2 shards each expert slice over the shards / ep GPUs holding it (`Plan.expert_shards`: the hybrid,
+    # not under HSDP or cp), so the experts' states are 1/shards, as the rest's.
+    efsdp = kind == "ep,fsdp" and replicas == 1 and cp == 1 and shards > ep
     if kind.startswith("ep"):
         experts, layer_experts = expert_params(family, cfg)
         away = experts * (1 - 1 / ep)
         if kind == "ep":
             states -= 16 * away
-        else:  # the experts split over ep GPUs, not over the shards
+        elif not efsdp:  # the experts split over ep GPUs, not over the shards
             states += 16 * experts * (1 / ep - 1 / shards)
-        block -= layer_experts  # FSDP2 gathers a block without its (ignored) expert slices
+        # FSDP2 gathers a block without its (ignored) expert slices; sharded slices are gathered by their
+        # own wrap inside the block's forward, one slice (1/ep of the layer's experts) per gathered block.
+        block -= layer_experts * (1 - 1 / ep if efsdp else 1)
     if bf16:
         # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
         # frozen base unless it is stored in bf16 already).
         fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
         if sharded:
             # The local expert slices' bf16 copies, of every layer: the step's cast cache keeps them until
-            # the step ends, checkpointing or not (module docstring).
-            local = experts - away
+            # the step ends, checkpointing or not (module docstring). Sharded slices are gathered in bf16
+            # instead, a block's at a time (in `block`).
+            local = 0 if efsdp else experts - away
             copies = 2 * 2 * block + 2 * local
         else:
             copies = 2 * (fp32_weights - away)
@@ -405,7 +411,7 @@ def estimate(
     grads = 4 * trainable / shards  # this rank's: FSDP2's reduced shards or DDP's buckets, the expert slices
     if kind == "ep":
         grads -= 4 * away
-    elif kind == "ep,fsdp":
+    elif kind == "ep,fsdp" and not efsdp:
         grads += 4 * experts * (1 / ep - 1 / shards)
     if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
         states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
@@ -865,14 +871,19 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
         )
 
     n_stage = bench.family.param_count(deep(layers)) - cfg.vocab_size * cfg.dim
+    inner = dataclasses.replace(given, pp=1, vpp=1)
+    n_slice = 0.0  # the stage's expert slice on a GPU, where FSDP2 shards it over its replicas
     if given.ep > 1:
-        # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): FSDP2 ignores the expert slices, which the stage's
-        # layout row holds 1/E of already; what the schedule keeps whole below is the rest.
-        n_stage -= expert_params(bench.family, deep(layers))[0]
+        # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): the stage's layout row holds 1/E of the experts already
+        # (1/N where FSDP2 shards each slice over its N/E replicas); what the schedule keeps whole below is
+        # the rest, and the sharded slices: the schedule defers their wrap's reduction and resharding too.
+        stage_experts = expert_params(bench.family, deep(layers))[0]
+        n_stage -= stage_experts
+        if inner.expert_shards > 1:
+            n_slice = stage_experts / given.ep
     depth = dataclasses.replace(tier, model=deep(layers))
     trainable, frozen = bench.task.param_counts(bench.family, depth)
     n_grads = trainable if frozen else n_stage  # a frozen base has no gradients (LoRA: the adapters do)
-    inner = dataclasses.replace(given, pp=1, vpp=1)
     # Under cp FSDP2 shards a stage over its (fsdp, cp) ranks even at fsdp=1 (`Plan.shard_ranks`).
     kind = "fsdp" if _kind(inner) == "dp" and given.cp > 1 else _kind(inner)
     shards = given.shard_ranks
@@ -914,7 +925,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                 # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
                 # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
                 states += 4 * n_grads / inner.tp * (1 - 1 / shards)
-                gathered = (2 if bf16 else 4) * n_stage / inner.tp
+                states += 4 * n_slice * (1 - 1 / inner.expert_shards)
+                gathered = (2 if bf16 else 4) * (n_stage / inner.tp + n_slice)
                 if fp8 is not None and bf16:  # the float8 linears gathered in float8 (tensorwise)
                     gathered -= (2 - fp8.gather_bytes) * fp8.per_block * layers / inner.tp
                 copies = max(copies, gathered)

@@ -22,9 +22,12 @@ head) over those N ranks. There the expert slices are `ignored_params` of `fully
 shards, gathers, casts nor reduces them (expert_parallel.py gives them their gradient scale), and under
 bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep=E,fsdp=N` with E < N (E
 dividing N) is the expert-data-parallel hybrid: the ranks form an (N/E, E) mesh, consecutive E ranks are an
-expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) hold it
-replicated and average its gradients (`expert_parallel.average_expert_replicas`, once per step), and FSDP2
-still shards the rest over all N. Under DDP `ep` must equal the data-parallel degree.
+expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) share it:
+FSDP2 shards each slice over them (`expert_parallel.shard_expert_replicas`, a wrap of its own per MoE
+layer's experts: gathered for their forward, the gradient reduce-scattered after their backward; torchtitan's
+expert FSDP), and shards the rest over all N. Under HSDP, tp or cp with ep the slices stay whole on their
+replicas, which average their gradients once per step (`expert_parallel.average_expert_replicas`;
+`Plan.expert_shards`). Under DDP `ep` must equal the data-parallel degree.
 
 Tensor with expert parallelism, `tp=T,ep=E[,fsdp=N]` (an MoE family with a TP plan: gpt_oss,
 models/gpt_oss/parallelize.py): rank r = i * T + j is TP rank j of data-parallel rank i (tp innermost, as
@@ -34,7 +37,8 @@ MoE's input is gathered whole on each TP rank, so the T ranks of a group route t
 way and run the same experts. Expert parallelism splits the experts over the data-parallel index i, one
 expert-parallel group per TP index j: the ranks form an (N / E, E, T) mesh ("replica", "ep", "tp"); the
 group of rank (i, j) is the ranks (i', j) with i' // E = i // E, it holds slice i % E, and where N > E
-the N / E ranks (i + kE, j) holding the same slice average its gradients as in the hybrid above. The TP
+the N / E ranks (i + kE, j) holding the same slice hold it whole and average its gradients
+(`average_expert_replicas`; not sharded over them under tp yet). The TP
 ranks of a group hold equal slices with equal gradients: no collective crosses the TP dimension for them.
 
 Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's sequence over C consecutive ranks:
