@@ -113,8 +113,11 @@ Where the numbers come from (an estimate, not a measurement):
   `ttt plan --simulate`: 4.8 GiB per GPU at deepseekv3_671b `ep=256`, which the count of two blocks under
   checkpointing had left out since the cast moved there). The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
-  by --parallel) holds 1/E of the
-  experts and 1/N of the rest. With context parallelism (`cp=C,ep=E[,fsdp=N]`) the states are those of the
+  by --parallel) holds 1/E of the experts, each slice sharded over its N/E holders
+  (`expert_parallel.shard_expert_replicas`), so 1/N of the experts' states as of the rest; a gathered block
+  holds its slice (in the compute precision) and no bf16 copy of the slices outlives it. Where the slices stay
+  whole on their replicas (HSDP x EP, tp or cp with ep: `Plan.expert_shards`) they count 1/E, their copies
+  as under `ep=N,fsdp=N`. With context parallelism (`cp=C,ep=E[,fsdp=N]`) the states are those of the
   same layout over all GPUs (`ep=E,fsdp=N x C`, or `ep=E` under DDP: FSDP2 shards over the flattened (fsdp,
   cp) ranks, the experts split over E of them), the tokens, and so the routed copies, 1/C of each sequence
   beside the gathered K/V (`context_parallel_bytes`).
@@ -737,7 +740,7 @@ def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Es
     hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
     if moe and tier.model.n_experts % gpus and hybrid > 1:
         # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
-        # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
+        # divides both, each slice sharded over the rest (ep=E,fsdp=N, train/parallel.py).
         rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
     if gpus > gpus_per_node > 1:
         # Across nodes, HSDP: FSDP2 within each node, replicated over the nodes (module docstring). Its
@@ -798,7 +801,7 @@ def _pipeline_search_rows(
             continue
         if experts:
             # An MoE model: `pp=P,ep=E,fsdp=F` (train/pipeline_moe.py; not with tp), E the largest dividing
-            # the experts and a stage's F ranks, the expert slices replicated over its F / E groups, as the
+            # the experts and a stage's F ranks, the expert slices sharded over its F / E groups, as the
             # hybrid without a pipeline. E = 1 (one GPU a stage, or experts that share no factor with F)
             # is what `pipeline.check` refuses for an MoE model.
             f = gpus // p
