@@ -670,11 +670,12 @@ def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
 
 
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
-    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at any legal GBS, nor
-    on more GPUs; the search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits at the
-    tier's GBS with the smallest C that splits the batch and fits, and the launch line runs it. Where a
-    layout without CP fits (8 x 80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32), the suggestion is that one;
-    GRPO's reference on 128 x 141 GiB gets cp=8."""
+    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
+    search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits there with the smallest C
+    that splits the batch and fits, and `ttt run`'s preflight takes it. Where a layout without CP fits (8 x
+    80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32; 64 x 16 GiB: `ep=32,fsdp=64` at GBS
+    64, since its expert slices are sharded over their 2 holders), the suggestion is that one; GRPO's
+    reference on 128 x 141 GiB gets cp=8."""
     from timetotrain.train import context_parallel, parallel
 
     bench = get("gpt_oss_20b")
@@ -691,8 +692,8 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
-    assert doc["global_batch_size"] == tier.global_batch_size
-    assert "--parallel fsdp=16,cp=4 " in doc["suggestion"]["launch"]["command"]
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
+    assert "--parallel ep=32,fsdp=64 " in doc["suggestion"]["launch"]["command"]
     # Where a layout without CP fits, no CP row is even estimated.
     assert not any("cp=" in r.parallel for r in plan(bench, tier, 8, 80, None)[1])
     assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0
