@@ -3,8 +3,9 @@
 shards it over (`expert_parallel.shard_expert_replicas`), FSDP2 sharding the rest over all 4.
 deepseekv3_671b's small config (MLA, shared expert, dense first layer, MTP, bias balancing): train_loss and
 the clipped gradient norm as one process's at rtol 1e-5 over a few steps, every rank holding half the
-experts' rows as a quarter of the expert weights; and the same from a Hugging Face checkpoint (every rank
-reads its shard of its slice) as one process loading it."""
+experts' rows as a quarter of the expert weights; the same from a Hugging Face checkpoint (every rank
+reads its shard of its slice) as one process loading it; and bf16 with activation checkpointing near fp32's
+losses, the slices' masters fp32."""
 
 import dataclasses
 import datetime
@@ -40,6 +41,8 @@ def _worker(rank: int, root: str) -> None:
     plan = Plan(fsdp=WORLD, ep=EP)
     try:
         res = {"seed": _train("ds", plan, rank, STEPS), "hf": _train("ds", plan, rank, 2, init=root / "hf")}
+        bf16 = dataclasses.replace(plan, precision="bf16", activation_checkpointing=1)
+        res["bf16 ac"] = _train("ds", bf16, rank, STEPS)
         torch.save(res, root / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -65,6 +68,11 @@ def test_ep_smaller_than_fsdp_trains_as_one_process(tmp_path, monkeypatch):
         # Each rank stores a quarter of the experts: half its slice of half of them.
         assert res["expert_numel"] * WORLD == res["expert_numel_whole"], rank
         _close(both["hf"]["loss"], loaded["loss"])
+        # bf16 with checkpointing: the slices gathered in bf16 (also when recomputed), fp32 masters kept.
+        bf16 = both["bf16 ac"]
+        assert bf16["expert_dtypes"] == ["torch.float32"] and bf16["expert_numel"] == res["expert_numel"]
+        _close(bf16["loss"], one["loss"], rtol=2e-2)
+        assert bf16["loss"][-1] < bf16["loss"][0]
         _close(res["loss"], one["loss"])
         _close(res["norm"], one["norm"])
         torch.testing.assert_close(torch.tensor(res["bias"]), torch.tensor(one["bias"]), rtol=0, atol=1e-7)
