@@ -123,6 +123,10 @@ def _train(family: str, plan: Plan, rank: int, steps: int, init=None, weights: b
         "counts": tr.bare.tokens_per_expert().tolist(),
         "expert_dtypes": sorted({str(p.dtype) for p in experts}),
         "n_experts_local": [p.shape[0] for p in experts],
+        # Expert elements this rank stores (FSDP2's shard of a slice sharded over its replicas), and those of
+        # the whole model's experts.
+        "expert_numel": sum(getattr(p, "_local_tensor", p).numel() for p in experts),
+        "expert_numel_whole": sum(expert_parallel.expert_slice(p)[0] * p.shape[1:].numel() for p in experts),
     }
 
 
@@ -152,15 +156,13 @@ def _worker(rank: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def write_bases(root: Path) -> None:
+    """A base to continue from: another seed's model, as a Hugging Face folder (`root / "hf"`) and as a ttt
+    checkpoint (`root / "ttt"`)."""
     from safetensors.torch import save_file
 
     from timetotrain.train.checkpoint import save_checkpoint
 
-    root = tmp_path_factory.mktemp("ep-fsdp")
-    torch.set_num_threads(1)
-    # A base to continue from: another seed's model, as a Hugging Face folder and as a ttt checkpoint.
     bench, tier = TIERS["ds"]
     base = build_training(bench, tier, torch.device("cpu"), seed=11).bare
     gen = torch.Generator().manual_seed(5)
@@ -174,6 +176,13 @@ def results(tmp_path_factory):
     save_file(state, root / "hf" / "model.safetensors", metadata={"format": "pt"})
     (root / "hf" / "config.json").write_text(json.dumps(config))
     save_checkpoint(root / "ttt", base, None, step=0)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-fsdp")
+    torch.set_num_threads(1)
+    write_bases(root)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
         mp.spawn(_worker, args=(str(root),), nprocs=WORLD, join=True)

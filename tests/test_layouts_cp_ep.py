@@ -127,12 +127,13 @@ def test_cp_with_ep_flag():
 
 def test_plan_counts_and_searches_cp_with_ep():
     """`ttt plan --parallel cp=2,ep=4,fsdp=8` (gpt_oss_20b reference, 16 GPUs): the states and compute copies
-    of `ep=4,fsdp=16` (FSDP2 over the flattened (fsdp, cp) ranks, a quarter of the experts on every GPU), the
-    activations of `cp=2,fsdp=8` (half of each sequence, the gathered K/V). Without --parallel on 16 x 32 GiB
+    of `ep=4,fsdp=16` (FSDP2 over the flattened (fsdp, cp) ranks, a quarter of the experts on every GPU),
+    less the sharding of its expert slices over their 4 holders, which cp keeps whole (train/parallel.py
+    `Plan.expert_shards`), the activations of `cp=2,fsdp=8` (half of each sequence, the gathered K/V). Without --parallel on 16 x 32 GiB
     nothing without cp fits, nor `cp=4,fsdp=4` (a gathered block holds all 32 experts): the search suggests
     `cp=4,ep=16,fsdp=4` before `cp=8,fsdp=2`."""
     from timetotrain.spec.registry import get
-    from timetotrain.train.memory import HEADROOM, GiB, plan
+    from timetotrain.train.memory import HEADROOM, GiB, expert_params, plan
 
     bench = get("gpt_oss_20b")
     ref = bench.tier("reference")
@@ -140,8 +141,13 @@ def test_plan_counts_and_searches_cp_with_ep():
     _, (ep, ep_ac), _ = plan(bench, ref, 16, 80, "ep=4,fsdp=16")
     _, cp, _ = plan(bench, ref, 16, 80, "cp=2,fsdp=8")
     assert {r.parallel for r in both} == {"fsdp=8,ep=4,cp=2"} and len(both) == len(cp)
+    experts, layer = expert_params(bench.family, ref.model)
+    # Whole slices: 16 B per expert parameter on 1/4 (not 1/16) of them, their bf16 copies kept for the step
+    # (2 B on 1/4), two gathered blocks without theirs (less 2 x 2 B on 1/4 of a layer's).
+    whole = (16 * experts * (1 / 4 - 1 / 16), 2 * experts / 4 - 2 * 2 * layer / 4)
     for r, c in zip(both, cp, strict=True):
-        assert (r.states, r.compute_copies) == (ep.states, ep.compute_copies)
+        assert r.states == pytest.approx(ep.states + whole[0])
+        assert r.compute_copies == pytest.approx(ep.compute_copies + whole[1])
         assert (r.ac, r.micro_batch, r.activations) == (c.ac, c.micro_batch, c.activations)
     assert both[0].activations < ep.activations / 1.5  # half of each sequence (plus the gathered K/V)
     _, rows, best = plan(bench, ref, 16, 32, None)

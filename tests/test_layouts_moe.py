@@ -154,13 +154,14 @@ def test_parallel_flag_for_tp_with_ep():
 
 def test_plan_counts_tp_with_ep_per_rank(capsys):
     """`ttt plan gpt_oss_20b --gpus 64 --gpu-mem 80 --parallel tp=2,ep=4` (GBS 32: 32 data-parallel ranks):
-    TP halves what it cuts, the attention and the norms, and nothing else: the router and the expert slices
-    (1/4 of the experts, held by each rank) are those of `ep=4,fsdp=32` on 32 GPUs, and so is the MoE's
-    share of the activations, which every TP rank keeps whole."""
+    TP halves what it cuts, the attention and the norms, and nothing else: the router is that of
+    `ep=4,fsdp=32` on 32 GPUs, and so is the MoE's share of the activations, which every TP rank keeps
+    whole; the expert slices (1/4 of the experts) are whole on each rank under tp, where the hybrid shards
+    each over its 8 holders (train/parallel.py `Plan.expert_shards`)."""
     from timetotrain.cli import main
     from timetotrain.models.common.layers import attention_matmul_params
     from timetotrain.spec.benchmark import apply_overrides
-    from timetotrain.train.memory import plan
+    from timetotrain.train.memory import expert_params, plan
 
     bench = get("gpt_oss_20b")
     ref = apply_overrides(bench, bench.tier("reference"), ["global_batch_size=32"])
@@ -172,9 +173,10 @@ def test_plan_counts_tp_with_ep_per_rank(capsys):
     cut += cfg.n_layers * (2 * cfg.dim + 2 * cfg.head_dim)  # the block norms and QK-norms
     tokens = cfg.max_seq_len  # micro-batch 1 of one 8,192-token sample on both
     moe_whole = bench.family.tensor_parallel_elements(cfg, 2)
+    whole = 16 * expert_params(bench.family, cfg)[0] * (1 / 4 - 1 / 32)  # slices whole, not 1/8 each
     for tp, one in zip(rows, hybrid, strict=True):
         assert (tp.ac, tp.micro_batch) == (one.ac, one.micro_batch)
-        assert tp.states == pytest.approx(one.states - 16 * cut / 64)
+        assert tp.states == pytest.approx(one.states + whole - 16 * cut / 64)
         if not tp.ac:
             kept = (bench.family.activation_elements(cfg) - moe_whole) * cfg.n_layers * tokens * 2
             assert tp.activations == pytest.approx(one.activations - kept)

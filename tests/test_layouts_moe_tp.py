@@ -219,9 +219,11 @@ def test_tp_shape_checks_and_decoding_task_refuse_in_one_line():
 def test_plan_counts_deepseek_tp_with_ep_per_rank():
     """`ttt plan deepseekv3_671b --gpus 1024 --parallel tp=2,ep=256`: TP halves what it cuts (MLA's
     up-projections and output, the dense-first FFNs, the block norms) and nothing else: the rest (the
-    latent down-projections, routers, shared experts, embedding, head, MTP projections) and the expert
-    slices are those of `ep=256,fsdp=512` on 512 GPUs, where each rank's data-parallel share is the same."""
-    from timetotrain.train.memory import plan
+    latent down-projections, routers, shared experts, embedding, head, MTP projections) is that of
+    `ep=256,fsdp=512` on 512 GPUs, where each rank's data-parallel share is the same; the expert slices are
+    1/256 of the experts there and here, but whole under tp, where the hybrid shards each over its 2
+    holders (train/parallel.py `Plan.expert_shards`)."""
+    from timetotrain.train.memory import expert_params, plan
 
     bench = get("deepseekv3_671b")
     ref = bench.tier("reference")
@@ -235,7 +237,8 @@ def test_plan_counts_deepseek_tp_with_ep_per_rank():
         layers * (heads + H * cfg.v_head_dim * cfg.dim + 2 * cfg.dim)
         + cfg.first_dense * 3 * cfg.dim * cfg.ffn_dim
     )
+    whole = 16 * expert_params(bench.family, cfg)[0] * (1 / 256 - 1 / 512)  # a slice whole, not half
     for tp, one in zip(rows, hybrid, strict=True):
         assert (tp.ac, tp.micro_batch) == (one.ac, one.micro_batch)
-        assert tp.states == pytest.approx(one.states - 16 * cut / 1024)
+        assert tp.states == pytest.approx(one.states + whole - 16 * cut / 1024)
         assert one.activations / 2 < tp.activations < one.activations  # the MoE's activations are not cut

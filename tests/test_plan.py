@@ -323,30 +323,32 @@ def test_the_step_peaks_at_the_larger_end_of_its_backward():
     """The last backward starts with every activation and the earlier micro-batches' gradients and ends, in
     the first block, with every gradient beside that block's backward (`backward_end_bytes`); the total
     charges the larger, not the sum. deepseekv3_671b on 8,192 GPUs has 2 samples per rank: at micro-batch 2
-    the step is one micro-batch, whose end (9.7 GiB of expert gradients among the rest) is less than the sum
-    (the start holds no gradient yet), at micro-batch 1 two, whose start is the sum; gpt_oss_20b
-    ep=8,fsdp=8 at micro-batch 2 (one as well) ends above the sum, its experts' gradients and a block's
-    backward outgrowing the checkpointed inputs."""
-    from timetotrain.train.memory import backward_end_bytes, expert_params
+    the step is one micro-batch, whose end (under HSDP, `dp_replicate=32,fsdp=256,ep=256`, 9.9 GiB of
+    gradients, the whole expert slices' among them) is less than the sum (the start holds no gradient yet);
+    under `ep=256,fsdp=8192`, whose slices FSDP2 shards over their 32 replicas, the gradients are 1/8192 of
+    the model's and the sum is less their share; at micro-batch 1 two micro-batches, whose start is the sum;
+    gpt_oss_20b ep=8,fsdp=8 at micro-batch 2 (one as well) ends above the sum, its experts' gradients and a
+    block's backward outgrowing the checkpointed inputs."""
+    from timetotrain.train.memory import backward_end_bytes
 
-    def parts(name, gpus, spec, micro):
+    def parts(name, gpus, spec, micro, shards):
         bench = get(name)
         tier = bench.tier("reference")
         cfg = tier.model
         _, rows, _ = plan(bench, tier, gpus, 80, spec)
         r = next(r for r in rows if r.ac and r.micro_batch == micro)
-        experts, _ = expert_params(bench.family, cfg)
-        ep = int(spec.split(",")[0][3:])
-        grads = 4 * (bench.family.param_count(cfg) / gpus + experts * (1 / ep - 1 / gpus))
+        grads = 4 * bench.family.param_count(cfg) / shards  # everything, experts too, 1/shards per GPU
         end = backward_end_bytes(bench.family, cfg, micro * bench.task.sample_items(tier)[1], 2, True)
         return r, r.states + r.compute_copies + r.activations + r.margin, grads, end
 
-    one, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 2)
+    one, total, grads, end = parts("deepseekv3_671b", 8192, "dp_replicate=32,fsdp=256,ep=256", 2, 256)
     assert grads > 9 * GiB and grads + end > one.activations > end
     assert one.total == pytest.approx(total - one.activations + end) and one.total < total - 7 * GiB
-    two, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 1)
+    sharded, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 2, 8192)
+    assert grads < one.activations - end and sharded.total == pytest.approx(total - grads)
+    two, total, grads, end = parts("deepseekv3_671b", 8192, "ep=256,fsdp=8192", 1, 8192)
     assert two.activations > end and two.overlap == 0 and two.total == pytest.approx(total)
-    oss, total, grads, end = parts("gpt_oss_20b", 8, "ep=8,fsdp=8", 2)
+    oss, total, grads, end = parts("gpt_oss_20b", 8, "ep=8,fsdp=8", 2, 8)
     assert end > oss.activations and oss.total == pytest.approx(total - oss.activations + end)
 
 
@@ -416,7 +418,8 @@ def test_moe_benchmarks_get_ep_rows_by_default():
 
 def test_more_gpus_than_experts_get_the_expert_data_parallel_hybrid():
     """DeepSeek-V3's 256 experts on 1,024 GPUs: ep=256,fsdp=1024 (train/parallel.py), 1/256 of the experts
-    and 1/1024 of the rest on each GPU; suggested on 80 GiB, where nothing else fits."""
+    sharded over the 4 GPUs holding it and 1/1024 of the rest, so 1/1024 of the model's states on each GPU;
+    suggested on 80 GiB, where nothing else fits."""
     from timetotrain.train.memory import expert_params
 
     ds = get("deepseekv3_671b")
@@ -425,13 +428,11 @@ def test_more_gpus_than_experts_get_the_expert_data_parallel_hybrid():
     hybrid = [r for r in rows if r.parallel == "ep=256,fsdp=1024"]
     experts, _ = expert_params(ds.family, tier.model)
     n = ds.family.param_count(tier.model)
-    assert hybrid and all(
-        r.states == pytest.approx(16 * ((n - experts) / 1024 + experts / 256)) for r in hybrid
-    )
+    assert experts > n / 2 and hybrid and all(r.states == pytest.approx(16 * n / 1024) for r in hybrid)
     assert best is not None and best.parallel == "ep=256,fsdp=1024"
     _, given, _ = plan(ds, tier, 256, 80, "ep=64,fsdp=256")
     assert {r.parallel for r in given} == {"ep=64,fsdp=256"}
-    assert given[0].states == pytest.approx(16 * ((n - experts) / 256 + experts / 64))
+    assert given[0].states == pytest.approx(16 * n / 256)
 
 
 def test_every_benchmark_is_planned_or_refused_in_one_line(capsys):
@@ -672,11 +673,12 @@ def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
 
 
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
-    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at any legal GBS, nor
-    on more GPUs; the search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits at the
-    tier's GBS with the smallest C that splits the batch and fits, and the launch line runs it. Where a
-    layout without CP fits (8 x 80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32), the suggestion is that one;
-    GRPO's reference on 128 x 141 GiB gets cp=8."""
+    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
+    search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits there with the smallest C
+    that splits the batch and fits, and `ttt run`'s preflight takes it. Where a layout without CP fits (8 x
+    80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32; 64 x 16 GiB: `ep=32,fsdp=64` at GBS
+    64, since its expert slices are sharded over their 2 holders), the suggestion is that one; GRPO's
+    reference on 128 x 141 GiB gets cp=8."""
     from timetotrain.train import context_parallel, parallel
 
     bench = get("gpt_oss_20b")
@@ -693,8 +695,8 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
-    assert doc["global_batch_size"] == tier.global_batch_size
-    assert "--parallel fsdp=16,cp=4 " in doc["suggestion"]["launch"]["command"]
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
+    assert "--parallel ep=32,fsdp=64 " in doc["suggestion"]["launch"]["command"]
     # Where a layout without CP fits, no CP row is even estimated.
     assert not any("cp=" in r.parallel for r in plan(bench, tier, 8, 80, None)[1])
     assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0

@@ -129,7 +129,8 @@ def _world(spec: str) -> int:
     HSDP x TP's: 2 x 2 x 2), else `WORLD` (ep overlaps the data-parallel ranks; `tp=2,ep=2` implies fsdp)."""
     degrees = dict(d.split("=") for d in spec.split(","))
     if "pp" in degrees or ("dp_replicate" in degrees and "tp" in degrees):
-        return math.prod(int(v) for v in degrees.values())
+        # (with fsdp named, ep splits its ranks: `pp=2,ep=2,fsdp=4` is 8 ranks)
+        return math.prod(int(v) for k, v in degrees.items() if not (k == "ep" and "fsdp" in degrees))
     return WORLD
 
 
@@ -164,12 +165,17 @@ NAMED = [
     ("llama31_8b", "pp=2,tp=2,fsdp=2", "fp8"),
     ("deepseekv3_671b", "tp=2,ep=2", "fp32"),
     ("deepseekv3_671b", "tp=2,fsdp=2", "fp32"),
+    # the hybrid with its expert slices sharded over their 2 replicas (FSDP2 wraps of their own, bf16
+    # gathers), which the search offers only where GPUs outnumber the experts (1,024 for DeepSeek-V3)
+    ("deepseekv3_671b", "ep=2,fsdp=4", "bf16"),
     # HSDP x EP, which the search does not try (it tries HSDP x TP, for the dense families only)
     ("gpt_oss_20b", "dp_replicate=2,fsdp=2,ep=2", "fp32"),
     # pipeline with expert parallelism: the search's last resort for an MoE model, reached by no grid cell
     # (a stage holds the same states per GPU as the layout without pp, plus its gradients whole)
     ("deepseekv3_671b", "pp=2,ep=2", "fp32"),
     ("gpt_oss_20b", "pp=2,ep=2", "fp32"),
+    # and with each stage's expert slices sharded over their 2 holders (8 ranks)
+    ("gpt_oss_20b", "pp=2,ep=2,fsdp=4", "bf16"),
 ]
 
 

@@ -7,9 +7,11 @@ where nothing else splits the batch."""
 import dataclasses
 import json
 
+import pytest
+
 from timetotrain.cli import main
 from timetotrain.spec.registry import get
-from timetotrain.train.memory import plan
+from timetotrain.train.memory import expert_params, plan
 
 LLAMA = get("llama31_8b")
 REF = LLAMA.tier("reference")
@@ -67,7 +69,8 @@ def test_no_other_gbs_where_the_tier_gbs_splits_without_tp():
 
 def test_hsdp_with_tp_or_ep_counts_a_shard_group():
     """`dp_replicate=R,fsdp=S,tp=T` holds `tp=T,fsdp=S`'s states on T x S GPUs (FSDP2 shards over S only)
-    beside the activations of R x S data-parallel ranks; `dp_replicate=R,fsdp=S,ep=E` `ep=E,fsdp=S`'s."""
+    beside the activations of R x S data-parallel ranks; `dp_replicate=R,fsdp=S,ep=E` `ep=E,fsdp=S`'s, less
+    the sharding of the expert slices over their replicas, which HSDP keeps whole (train/parallel.py)."""
     rows = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "dp_replicate=2,fsdp=4,tp=2")[1] if r.micro_batch == 1}
     node = {r.ac: r for r in plan(LLAMA, REF, 8, 80, "tp=2,fsdp=4")[1] if r.micro_batch == 1}
     wide = {r.ac: r for r in plan(LLAMA, REF, 16, 80, "tp=2,fsdp=8")[1] if r.micro_batch == 1}
@@ -77,7 +80,9 @@ def test_hsdp_with_tp_or_ep_counts_a_shard_group():
     ref = gpt.tier("reference")
     hsdp_ep = plan(gpt, ref, 16, 80, "dp_replicate=2,fsdp=8,ep=4")[1][0]
     assert hsdp_ep.parallel == "dp_replicate=2,ep=4,fsdp=8"
-    assert hsdp_ep.states == plan(gpt, ref, 8, 80, "ep=4,fsdp=8")[1][0].states
+    n, (experts, _) = gpt.family.param_count(ref.model), expert_params(gpt.family, ref.model)
+    assert hsdp_ep.states == pytest.approx(16 * ((n - experts) / 8 + experts / 4))
+    assert plan(gpt, ref, 8, 80, "ep=4,fsdp=8")[1][0].states == pytest.approx(16 * n / 8)
 
 
 def test_pipeline_with_expert_parallelism_is_searched_for_moe():

@@ -693,10 +693,10 @@ def _checkpoint_error(final: Path, failures: list[BaseException]) -> BaseExcepti
 
 
 def _local(t):
-    """An expert slice's DTensor view (`_state`) -> the slice itself; anything else as it is."""
-    if isinstance(t, DTensor) and getattr(t, "_ttt_expert_view", False):
-        return t.to_local()
-    return t
+    """An expert slice's DTensor view (`_state`) -> the slice's own parameter (a plain slice, or FSDP2's
+    shard of it: `expert_parallel.expert_dtensors`), which the view was read into; anything else as it is."""
+    param = getattr(t, "_ttt_expert_view", None) if isinstance(t, DTensor) else None
+    return t if param is None else param.detach()
 
 
 def _check_fits(final: Path, state: dict) -> None:

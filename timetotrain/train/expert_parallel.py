@@ -40,7 +40,13 @@ is the mean of the rank losses over the `dp` data-parallel ranks):
   divides expert gradients by `ep` (exact for power-of-two `ep`). With `ep == dp` (EP over the data-parallel
   ranks) that is the full answer and expert grads must NOT be all-reduced; with `dp = ep * edp` (the hybrid
   `ep=E,fsdp=N`, built under FSDP2 only) the expert grads are additionally AVERAGED over the `edp` ranks
-  that hold the same slice (`average_expert_replicas`: sum / ep / edp = the mean over all dp ranks).
+  that hold the same slice: sum / ep / edp = the mean over all dp ranks. Under `ep=E,fsdp=N` (with or
+  without pp) FSDP2 shards each slice over those `edp` replicas (`shard_expert_replicas`, torchtitan's
+  expert FSDP): each holds 1/edp of the slice's weights, gradients and AdamW states, the slice is
+  all-gathered before the experts' forward and its gradient reduce-scattered after their backward, divided
+  by ep * edp there (the hook cannot see FSDP2's gathered copy). Where the slices stay whole on their
+  replicas (HSDP, tp or cp with ep: `parallel.Plan.expert_shards`), `average_expert_replicas` all-reduces
+  their gradients once per step instead.
 
 So the caller keeps DDP for the replicated parameters and hides the expert slices from it
 (`ignore_experts_in_ddp`, before constructing DDP): DDP then neither averages them over the EP group nor
@@ -51,7 +57,8 @@ reduce-scatters them; it averages the rest over the N ranks as DDP would), and t
 autocast when FSDP2 casts the rest to bf16 (`compute_dtype`). `is_expert_sharded` / `expert_sharded_names`
 tell which parameters are sharded, `expert_slice` which rows of the full stack a slice holds;
 `clip_grad_norm_ep` clips by the true global norm (expert slices and FSDP2's gradient shards summed over
-the group, replicated gradients once).
+the group, replicated gradients once; a slice sharded over its replicas is a DTensor on the ("replica",
+"ep") mesh, each element on one rank).
 
 Where the whole model exists (DDP), apply EP to the bare model after its weights are initialised
 (identically on every rank: slicing the same full tensors keeps the same model), before activation
@@ -65,16 +72,19 @@ hooks: `mark_expert_slices` puts them back. State dicts hold only the local slic
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from timetotrain.fakes import host_sizes
+from timetotrain.fakes import host_sizes, real_host
 from timetotrain.models.common.moe import MoE
 
 # Marks expert-sharded Parameters with (experts in the full stack, first expert held); an attribute on the
@@ -148,10 +158,14 @@ class ExpertParallelDispatch:
     def __init__(
         self, group: dist.ProcessGroup | None, ep: int, rank: int, local: int,
         compute_dtype: torch.dtype | None = None, replicas: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
     ):  # fmt: skip
         self.group, self.ep, self.rank, self.local = group, ep, rank, local
         # The ranks holding the same slice in the other expert-parallel groups (`ep=E,fsdp=N`, E < N), or None.
         self.replicas = replicas
+        # The ("replica", "ep") mesh of those groups where FSDP2 shards each slice over its replicas
+        # (`shard_expert_replicas`), else None: the slices stay whole and `average_expert_replicas` averages.
+        self.mesh = mesh
         # Autocast dtype for the expert matmuls (None: whatever autocast state the caller runs under).
         self.compute_dtype = compute_dtype
 
@@ -182,19 +196,20 @@ class ExpertParallelDispatch:
             regroup = torch.sort(ids, stable=True).indices
             rx, rp = rx.index_select(0, regroup), rp.index_select(0, regroup)
 
-        w1, w2 = layer.experts.w1, layer.experts.w2
-        if sum(recv) == 0:
-            # No rows for any local expert. Keep the received rows and the weights in the graph anyway: the
-            # dispatch's backward is a collective every rank must enter, and the weights get zero gradients
-            # (not None) like the single-process layer's idle experts, so AdamW updates them in step.
-            y = rx.new_zeros(0, w2.shape[1]) + 0 * (rx.sum() + rp.sum() + w1.sum() + w2.sum()).to(rx.dtype)
-        else:
-            cast = (
-                torch.autocast(rx.device.type, dtype=self.compute_dtype)
-                if self.compute_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with cast:
+        with self._around_experts(rx.device.type):
+            if sum(recv) == 0:
+                # No rows for any local expert. The experts run anyway, on one zero row of prob 0 for the first
+                # local expert, whose output is dropped: the received rows and the weights stay in the graph
+                # (the dispatch's backward is a collective every rank must enter; the weights get zero
+                # gradients, not None, like the single-process layer's idle experts, so AdamW updates them in
+                # step), and where FSDP2 shards the slice over its replicas, their all-gather and
+                # reduce-scatter, which every replica must enter too, run here as on the others.
+                one = torch.zeros(local, dtype=mine.dtype, device=mine.device)
+                one[0] = 1
+                row = rx.new_zeros(1, rx.shape[1]) + 0 * rx.sum()
+                prob = rp.new_zeros(1) + 0 * rp.sum()
+                y = layer.experts(row, one, prob)[:0]
+            else:
                 y = layer.experts(rx, mine.sum(0), rp)
         if regroup is not None:
             inverse = torch.empty_like(regroup).scatter_(
@@ -203,16 +218,30 @@ class ExpertParallelDispatch:
             y = y.index_select(0, inverse)
         return _AllToAll.apply(y, send, recv, group)
 
+    @contextlib.contextmanager
+    def _around_experts(self, device_type: str):
+        """The experts' call: under autocast to `compute_dtype` where set; where FSDP2 shards the slices, without
+        its warning that the experts return a view (`_ContiguousGrad`'s identity on the grouped-mm path),
+        which an in-place op would detach from its pre-backward hook: nothing here writes to it."""
+        with contextlib.ExitStack() as stack:
+            if self.compute_dtype is not None:
+                stack.enter_context(torch.autocast(device_type, dtype=self.compute_dtype))
+            if self.mesh is not None:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            yield
+
 
 def apply_expert_parallel(
     model: nn.Module, group: dist.ProcessGroup | None = None, compute_dtype: torch.dtype | None = None,
-    replicas: dist.ProcessGroup | None = None,
+    replicas: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None,
 ) -> None:  # fmt: skip
     """Shard the experts of every `MoE` in `model` over `group` (default: all ranks), in place; works on a
     model on the meta device too. `compute_dtype`: run the expert matmuls under autocast to it (bf16 under
     FSDP2, which casts only the parameters it manages). `replicas`: the ranks of the other expert-parallel
     groups holding the same slices (the hybrid `ep=E,fsdp=N`), whose gradients `average_expert_replicas`
-    averages.
+    averages; with `mesh`, the ("replica", "ep") DeviceMesh of `replicas` and `group`, the slices are to be
+    sharded over their replicas by `shard_expert_replicas` instead.
 
     A group of one rank leaves the model as it is. Raises if a layer's expert count is not a multiple of
     the group size or EP was already applied.
@@ -238,7 +267,45 @@ def apply_expert_parallel(
             # A fresh Parameter (clone, not a view) so the full stack is freed and the optimizer sees [L, ...].
             shard = nn.Parameter(full.detach()[lo : lo + local].clone(), requires_grad=full.requires_grad)
             setattr(moe.experts, w, shard)
-        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype, replicas)
+        moe.dispatcher = ExpertParallelDispatch(group, ep, rank, local, compute_dtype, replicas, mesh)
+    mark_expert_slices(model)
+
+
+def _sharded_dispatchers(model: nn.Module) -> list[tuple[MoE, ExpertParallelDispatch]]:
+    """The expert-parallel layers whose slices FSDP2 shards over their replicas (`ExpertParallelDispatch.mesh`)."""
+    out = []
+    for moe in model.modules():
+        dispatch = getattr(moe, "dispatcher", None) if isinstance(moe, MoE) else None
+        if isinstance(dispatch, ExpertParallelDispatch) and dispatch.mesh is not None:
+            out.append((moe, dispatch))
+    return out
+
+
+def shard_expert_replicas(model: nn.Module, param_dtype: torch.dtype | None) -> None:
+    """`fully_shard` every expert slice over the N / E ranks that hold it (`ep=E,fsdp=N`, E < N, and the same
+    within a pipeline stage), torchtitan's expert FSDP ("efsdp"): each rank keeps 1/(N/E) of its slice's fp32
+    weights, gradients and AdamW states; FSDP2 all-gathers the slice (in `param_dtype`) before the experts'
+    forward and reduce-scatters its gradient after their backward. The gradient a replica computes is the
+    sum over its expert-parallel group of the rank-loss gradients (module docstring), so the reduce-scatter
+    divides the sum over the N / E replicas by N = E x N / E: the mean over all data-parallel ranks, what the
+    `ep` hook and `average_expert_replicas` give whole slices. Dim 0 (experts) is cut where the local
+    experts divide evenly, else dim 1 (torchtitan's choice too: no padded, empty shards). Call on the model
+    before FSDP2 wraps its blocks (which then leave the slices to this inner wrap), on the meta device or
+    not; the probs stay in their dtype (`cast_forward_inputs=False`: the experts weight the activation in
+    fp32, as without FSDP2)."""
+    for moe, dispatch in _sharded_dispatchers(model):
+        with real_host():  # slicing a mesh reads rank ids (timetotrain/fakes.py)
+            replicas = dispatch.mesh["replica"]
+        size = replicas.size()
+        dim = 0 if dispatch.local % size == 0 else 1
+        mp = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        fully_shard(moe.experts, mesh=replicas, mp_policy=mp, shard_placement_fn=lambda p, d=dim: Shard(d))
+        moe.experts.set_gradient_divide_factor(float(dispatch.ep * size))
+        if dist.get_backend(replicas.get_group()) != "nccl":
+            # gloo (CPU) has no pre-multiplied sum: sum, then divide (as the rest's AVG is done there).
+            moe.experts.set_force_sum_reduction_for_comms(True)
     mark_expert_slices(model)
 
 
@@ -256,7 +323,8 @@ def average_expert_replicas(model: nn.Module) -> None:
             continue
         n = dist.get_world_size(dispatch.replicas)
         for p in (moe.experts.w1, moe.experts.w2):
-            if p.grad is not None:
+            # (A slice FSDP2 shards over its replicas, a DTensor, was averaged by its reduce-scatter.)
+            if p.grad is not None and not isinstance(p, DTensor):
                 dist.all_reduce(p.grad, group=dispatch.replicas)
                 p.grad.div_(n)
 
@@ -273,7 +341,9 @@ def mark_expert_slices(model: nn.Module) -> None:
             if getattr(p, _SHARDED, None) is not None:
                 continue
             setattr(p, _SHARDED, (moe.n_experts, dispatch.rank * dispatch.local))
-            if p.requires_grad:
+            # (A slice FSDP2 shards over its replicas, a DTensor, is divided by its reduce-scatter instead:
+            # the forward runs on FSDP2's gathered copy, whose gradient never reaches this tensor's hooks.)
+            if p.requires_grad and not isinstance(p, DTensor):
                 # Each rank's expert grad sums all EP ranks' loss gradients: divide by ep (module docstring).
                 p.register_hook(lambda g, ep=dispatch.ep: g / ep)
 
@@ -297,7 +367,10 @@ def expert_dtensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every expert slice of `model` as a DTensor of its full `[E, ...]` stack, sharded on dim 0 over the
     expert-parallel group and sharing the slice's storage, by the slice's parameter name (wrapper levels
     included). What torch.distributed.checkpoint needs to write and read the slices of all ranks as one
-    tensor (a plain tensor it takes for a replica, keeping rank 0's alone)."""
+    tensor (a plain tensor it takes for a replica, keeping rank 0's alone). A slice FSDP2 shards over its
+    replicas (`shard_expert_replicas`) is a DTensor on the ("replica", "ep") mesh: its local shard is the
+    replica's part of the group's part, as FSDP2 over tensor parallelism cuts a TP shard again
+    (`_StridedShard` over the replicas where FSDP2 cut dim 0, a plain `Shard(1)` where it cut dim 1)."""
     meshes: dict[int, DeviceMesh] = {}
     out = {}
     for prefix, moe in model.named_modules():
@@ -307,14 +380,21 @@ def expert_dtensors(model: nn.Module) -> dict[str, torch.Tensor]:
         group = dispatch.group or dist.group.WORLD
         for name in ("w1", "w2"):
             p = getattr(moe.experts, name)
-            if id(group) not in meshes:
-                meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
             shape = torch.Size((moe.n_experts, *p.shape[1:]))
             stride = torch.empty(shape, device="meta").stride()
+            if isinstance(p, DTensor):
+                (inner,) = p.placements
+                outer = _StridedShard(0, split_factor=dispatch.ep) if inner.dim == 0 else inner
+                mesh, placements, local = dispatch.mesh, [outer, Shard(0)], p.to_local()
+            else:
+                if id(group) not in meshes:
+                    meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
+                mesh, placements, local = meshes[id(group)], [Shard(0)], p
             view = DTensor.from_local(
-                p.detach(), meshes[id(group)], [Shard(0)], run_check=False, shape=shape, stride=stride
+                local.detach(), mesh, placements, run_check=False, shape=shape, stride=stride
             )
-            view._ttt_expert_view = True  # (checkpoint.py hands the slice back after loading)
+            # (checkpoint.py hands the parameter back after loading into the view, which shares its storage)
+            view._ttt_expert_view = p
             out[f"{prefix}.experts.{name}"] = view
     return out
 
@@ -340,7 +420,10 @@ def clip_grad_norm_ep(
     all-reduce). Without an initialised process group it is plain global-norm clipping.
     """
     params = [p for p in params if p.grad is not None]
-    fsdp = [p.grad for p in params if isinstance(p.grad, DTensor)]
+    # FSDP2's gradient shards of the rest, and of the expert slices it shards over their replicas
+    # (`shard_expert_replicas`: on another mesh, but with the slices' groups they cover the same ranks).
+    fsdp = [p.grad for p in params if isinstance(p.grad, DTensor) and not is_expert_sharded(p)]
+    expert_shards = [p.grad for p in params if isinstance(p.grad, DTensor) and is_expert_sharded(p)]
     wider = None  # FSDP2's group when it is wider than the expert-parallel one (`ep=E,fsdp=N`, E < N)
     for g in fsdp[:1]:
         # Under HSDP (`dp_replicate=R,fsdp=S,ep=E`) the mesh is (replicate, shard): the gradients are
@@ -354,9 +437,13 @@ def clip_grad_norm_ep(
             )
         if size != dist.get_world_size(group):
             wider = shards
+    if expert_shards and wider is None:
+        raise ValueError(
+            "clip_grad_norm_ep: expert slices sharded over replicas need FSDP2 over all their ranks"
+        )
     replicated = [p.grad for p in params if not is_expert_sharded(p) and not isinstance(p.grad, DTensor)]
-    experts = [p.grad for p in params if is_expert_sharded(p)]
-    sharded = experts + [g.to_local() for g in fsdp]
+    experts = [p.grad for p in params if is_expert_sharded(p) and not isinstance(p.grad, DTensor)]
+    sharded = experts + [g.to_local() for g in fsdp + expert_shards]
     device = params[0].grad.device if params else torch.device("cpu")
     zero = torch.zeros((), device=device, dtype=torch.float32)
     rep = torch.nn.utils.get_total_norm(replicated, foreach=foreach) if replicated else zero
@@ -365,16 +452,17 @@ def clip_grad_norm_ep(
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(shard_sq, group=group)
     else:
-        # One sum over FSDP2's N ranks: each expert slice is held (averaged, equal) by N / E of them, so it
-        # counts 1 / (N / E) per holder; every FSDP2 shard element sits on one rank.
-        local = [g.to_local() for g in fsdp]
+        # One sum over FSDP2's N ranks: every element of an FSDP2 shard, the rest's or an expert slice's
+        # sharded over its replicas, sits on one rank; a whole expert slice is held (averaged, equal) by
+        # N / E of them, so it counts 1 / (N / E) per holder.
+        local = [g.to_local() for g in fsdp + expert_shards]
         shard_sq = torch.nn.utils.get_total_norm(local, foreach=foreach) ** 2 if local else zero.clone()
         if experts:
             copies = dist.get_world_size(wider) // dist.get_world_size(group)
             shard_sq = shard_sq + torch.nn.utils.get_total_norm(experts, foreach=foreach) ** 2 / copies
         dist.all_reduce(shard_sq, group=wider)
     total = (rep**2 + shard_sq).sqrt()
-    if fsdp:
+    if fsdp or expert_shards:
         # DTensor gradients take no plain-tensor factor: scale the local shards (as clip_grads_with_norm_).
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(replicated + sharded, coef)

@@ -113,8 +113,11 @@ Where the numbers come from (an estimate, not a measurement):
   `ttt plan --simulate`: 4.8 GiB per GPU at deepseekv3_671b `ep=256`, which the count of two blocks under
   checkpointing had left out since the cast moved there). The routed copies a GPU computes are counted as one GPU's own tokens'
   (balanced routing). `ep=E,fsdp=N` with E < N (the hybrid: offered when GPUs outnumber the experts, or named
-  by --parallel) holds 1/E of the
-  experts and 1/N of the rest. With context parallelism (`cp=C,ep=E[,fsdp=N]`) the states are those of the
+  by --parallel) holds 1/E of the experts, each slice sharded over its N/E holders
+  (`expert_parallel.shard_expert_replicas`), so 1/N of the experts' states as of the rest; a gathered block
+  holds its slice (in the compute precision) and no bf16 copy of the slices outlives it. Where the slices stay
+  whole on their replicas (HSDP x EP, tp or cp with ep: `Plan.expert_shards`) they count 1/E, their copies
+  as under `ep=N,fsdp=N`. With context parallelism (`cp=C,ep=E[,fsdp=N]`) the states are those of the
   same layout over all GPUs (`ep=E,fsdp=N x C`, or `ep=E` under DDP: FSDP2 shards over the flattened (fsdp,
   cp) ranks, the experts split over E of them), the tokens, and so the routed copies, 1/C of each sequence
   beside the gathered K/V (`context_parallel_bytes`).
@@ -356,22 +359,28 @@ def estimate(
     # Expert parallelism (module docstring): experts not held by this GPU, and a block's experts.
     experts = away = 0.0
     layer_experts = 0
+    # FSDP2 shards each expert slice over the shards / ep GPUs holding it (`Plan.expert_shards`: the hybrid,
+    # not under HSDP or cp), so the experts' states are 1/shards, as the rest's.
+    efsdp = kind == "ep,fsdp" and replicas == 1 and cp == 1 and shards > ep
     if kind.startswith("ep"):
         experts, layer_experts = expert_params(family, cfg)
         away = experts * (1 - 1 / ep)
         if kind == "ep":
             states -= 16 * away
-        else:  # the experts split over ep GPUs, not over the shards
+        elif not efsdp:  # the experts split over ep GPUs, not over the shards
             states += 16 * experts * (1 / ep - 1 / shards)
-        block -= layer_experts  # FSDP2 gathers a block without its (ignored) expert slices
+        # FSDP2 gathers a block without its (ignored) expert slices; sharded slices are gathered by their
+        # own wrap inside the block's forward, one slice (1/ep of the layer's experts) per gathered block.
+        block -= layer_experts * (1 - 1 / ep if efsdp else 1)
     if bf16:
         # DDP: autocast caches a bf16 copy of each fp32 weight the step reads (the trainable ones, and a
         # frozen base unless it is stored in bf16 already).
         fp32_weights = trainable + (frozen if frozen_bytes == 4 else 0)
         if sharded:
             # The local expert slices' bf16 copies, of every layer: the step's cast cache keeps them until
-            # the step ends, checkpointing or not (module docstring).
-            local = experts - away
+            # the step ends, checkpointing or not (module docstring). Sharded slices are gathered in bf16
+            # instead, a block's at a time (in `block`).
+            local = 0 if efsdp else experts - away
             copies = 2 * 2 * block + 2 * local
         else:
             copies = 2 * (fp32_weights - away)
@@ -405,7 +414,7 @@ def estimate(
     grads = 4 * trainable / shards  # this rank's: FSDP2's reduced shards or DDP's buckets, the expert slices
     if kind == "ep":
         grads -= 4 * away
-    elif kind == "ep,fsdp":
+    elif kind == "ep,fsdp" and not efsdp:
         grads += 4 * experts * (1 / ep - 1 / shards)
     if not sharded:  # DDP's buckets: a second copy of the gradients it reduces (timetotrain/fakes.py),
         states += 4 * (trainable - experts)  # all but the expert slices, which it ignores
@@ -731,7 +740,7 @@ def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Es
     hybrid = math.gcd(tier.model.n_experts, gpus) if moe else 1
     if moe and tier.model.n_experts % gpus and hybrid > 1:
         # More GPUs than experts (DeepSeek-V3's 256 on 1,024): expert groups of the largest ep that
-        # divides both, the slices replicated over the rest (ep=E,fsdp=N, train/parallel.py).
+        # divides both, each slice sharded over the rest (ep=E,fsdp=N, train/parallel.py).
         rows += rows_of("ep,fsdp", gbs // gpus, ep=hybrid)
     if gpus > gpus_per_node > 1:
         # Across nodes, HSDP: FSDP2 within each node, replicated over the nodes (module docstring). Its
@@ -792,7 +801,7 @@ def _pipeline_search_rows(
             continue
         if experts:
             # An MoE model: `pp=P,ep=E,fsdp=F` (train/pipeline_moe.py; not with tp), E the largest dividing
-            # the experts and a stage's F ranks, the expert slices replicated over its F / E groups, as the
+            # the experts and a stage's F ranks, the expert slices sharded over its F / E groups, as the
             # hybrid without a pipeline. E = 1 (one GPU a stage, or experts that share no factor with F)
             # is what `pipeline.check` refuses for an MoE model.
             f = gpus // p
@@ -865,14 +874,19 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
         )
 
     n_stage = bench.family.param_count(deep(layers)) - cfg.vocab_size * cfg.dim
+    inner = dataclasses.replace(given, pp=1, vpp=1)
+    n_slice = 0.0  # the stage's expert slice on a GPU, where FSDP2 shards it over its replicas
     if given.ep > 1:
-        # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): FSDP2 ignores the expert slices, which the stage's
-        # layout row holds 1/E of already; what the schedule keeps whole below is the rest.
-        n_stage -= expert_params(bench.family, deep(layers))[0]
+        # `pp=P,ep=E,fsdp=N` (train/pipeline_moe.py): the stage's layout row holds 1/E of the experts already
+        # (1/N where FSDP2 shards each slice over its N/E replicas); what the schedule keeps whole below is
+        # the rest, and the sharded slices: the schedule defers their wrap's reduction and resharding too.
+        stage_experts = expert_params(bench.family, deep(layers))[0]
+        n_stage -= stage_experts
+        if inner.expert_shards > 1:
+            n_slice = stage_experts / given.ep
     depth = dataclasses.replace(tier, model=deep(layers))
     trainable, frozen = bench.task.param_counts(bench.family, depth)
     n_grads = trainable if frozen else n_stage  # a frozen base has no gradients (LoRA: the adapters do)
-    inner = dataclasses.replace(given, pp=1, vpp=1)
     # Under cp FSDP2 shards a stage over its (fsdp, cp) ranks even at fsdp=1 (`Plan.shard_ranks`).
     kind = "fsdp" if _kind(inner) == "dp" and given.cp > 1 else _kind(inner)
     shards = given.shard_ranks
@@ -914,7 +928,8 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
                 # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
                 # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
                 states += 4 * n_grads / inner.tp * (1 - 1 / shards)
-                gathered = (2 if bf16 else 4) * n_stage / inner.tp
+                states += 4 * n_slice * (1 - 1 / inner.expert_shards)
+                gathered = (2 if bf16 else 4) * (n_stage / inner.tp + n_slice)
                 if fp8 is not None and bf16:  # the float8 linears gathered in float8 (tensorwise)
                     gathered -= (2 - fp8.gather_bytes) * fp8.per_block * layers / inner.tp
                 copies = max(copies, gathered)

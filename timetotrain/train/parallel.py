@@ -22,9 +22,12 @@ head) over those N ranks. There the expert slices are `ignored_params` of `fully
 shards, gathers, casts nor reduces them (expert_parallel.py gives them their gradient scale), and under
 bf16 the experts compute under autocast instead of FSDP2's parameter cast. `ep=E,fsdp=N` with E < N (E
 dividing N) is the expert-data-parallel hybrid: the ranks form an (N/E, E) mesh, consecutive E ranks are an
-expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) hold it
-replicated and average its gradients (`expert_parallel.average_expert_replicas`, once per step), and FSDP2
-still shards the rest over all N. Under DDP `ep` must equal the data-parallel degree.
+expert-parallel group that splits the experts, the N/E ranks of one expert slice (r, r + E, ...) share it:
+FSDP2 shards each slice over them (`expert_parallel.shard_expert_replicas`, a wrap of its own per MoE
+layer's experts: gathered for their forward, the gradient reduce-scattered after their backward; torchtitan's
+expert FSDP), and shards the rest over all N. Under HSDP, tp or cp with ep the slices stay whole on their
+replicas, which average their gradients once per step (`expert_parallel.average_expert_replicas`;
+`Plan.expert_shards`). Under DDP `ep` must equal the data-parallel degree.
 
 Tensor with expert parallelism, `tp=T,ep=E[,fsdp=N]` (an MoE family with a TP plan: gpt_oss,
 models/gpt_oss/parallelize.py): rank r = i * T + j is TP rank j of data-parallel rank i (tp innermost, as
@@ -34,7 +37,8 @@ MoE's input is gathered whole on each TP rank, so the T ranks of a group route t
 way and run the same experts. Expert parallelism splits the experts over the data-parallel index i, one
 expert-parallel group per TP index j: the ranks form an (N / E, E, T) mesh ("replica", "ep", "tp"); the
 group of rank (i, j) is the ranks (i', j) with i' // E = i // E, it holds slice i % E, and where N > E
-the N / E ranks (i + kE, j) holding the same slice average its gradients as in the hybrid above. The TP
+the N / E ranks (i + kE, j) holding the same slice hold it whole and average its gradients
+(`average_expert_replicas`; not sharded over them under tp yet). The TP
 ranks of a group hold equal slices with equal gradients: no collective crosses the TP dimension for them.
 
 Context parallelism (`cp=C`, train/context_parallel.py) splits each sample's sequence over C consecutive ranks:
@@ -80,6 +84,7 @@ from timetotrain.train.expert_parallel import (
     ignore_experts_in_ddp,
     is_expert_sharded,
     mark_expert_slices,
+    shard_expert_replicas,
 )
 from timetotrain.train.tensor_parallel import mark_stacked
 
@@ -139,6 +144,16 @@ class Plan:
         """FSDP2 wraps the model: it shards over `shard_ranks` > 1, or replicates under HSDP (at
         `dp_replicate=R,tp=T` with fsdp=1 its shard dimension has one rank: pure replication with DTensors)."""
         return self.shard_ranks > 1 or self.dp_replicate > 1
+
+    @property
+    def expert_shards(self) -> int:
+        """The ranks FSDP2 shards each expert slice over (`expert_parallel.shard_expert_replicas`): the N / E
+        ranks holding the same slice under `ep=E,fsdp=N` (E < N), with or without `pp`; 1 where the slices
+        stay whole on every holder (E = N, DDP, and not yet with tp, cp or dp_replicate, whose replicas
+        average them: `expert_parallel.average_expert_replicas`)."""
+        if self.ep == 1 or self.fsdp <= self.ep or self.tp > 1 or self.cp > 1 or self.dp_replicate > 1:
+            return 1
+        return self.fsdp // self.ep
 
     @property
     def sharded(self) -> bool:
@@ -405,13 +420,16 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
                 p.requires_grad_(False)
         remark(model, plan)
     if plan.ep > 1:
-        replicas = None
+        replicas = experts_mesh = None
         if plan.ep == plan.world:
             # A group of its own keeps the all-to-alls apart from DDP's all-reduces and FSDP2's collectives.
             ep_group = dist.new_group(list(range(plan.ep)))
         elif plan.tp == 1:  # ep=E,fsdp=N (module docstring): rank r is expert rank r % E of group r // E
             mesh = device_mesh(device.type, (plan.world // plan.ep, plan.ep), ("replica", "ep"))
-            ep_group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
+            with real_host():
+                ep_group, replicas = mesh["ep"].get_group(), mesh["replica"].get_group()
+            # FSDP2 shards each slice over its replicas (`Plan.expert_shards`), else they average it.
+            experts_mesh = mesh if plan.expert_shards > 1 else None
         else:  # tp=T,ep=E,fsdp=N (module docstring): one expert-parallel group per TP index j
             shape = (plan.data_parallel // plan.ep, plan.ep, plan.tp)
             mesh = device_mesh(device.type, shape, ("replica", "ep", "tp"))
@@ -420,7 +438,9 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # FSDP2 casts only the parameters it manages to bf16; the expert slices it ignores compute under
         # autocast instead (DDP runs the whole forward under autocast already).
         bf16_experts = plan.compute == "bf16" and plan.fsdp > 1
-        apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
+        apply_expert_parallel(
+            model, ep_group, torch.bfloat16 if bf16_experts else None, replicas, experts_mesh
+        )
     blocks = model.layers
     every = check_ac_every(plan.activation_checkpointing, len(blocks))
     if every:
@@ -446,10 +466,13 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
         )
-        # Expert slices differ per rank and are complete: FSDP2 must neither shard nor reduce them.
+        # The expert slices sharded over their replicas get an FSDP2 wrap of their own first (the blocks'
+        # then leave them to it); whole slices differ per rank: FSDP2 must neither shard nor reduce them.
+        shard_expert_replicas(model, mp.param_dtype)
         ignored = None
         if ep_group is not None:
-            ignored = {p for p in model.parameters() if is_expert_sharded(p)}
+            ignored = {p for p in model.parameters() if is_expert_sharded(p) and not isinstance(p, DTensor)}
+            ignored = ignored or None
         for block in blocks:
             fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
         # The root too: blocks outside `model.layers` (DeepSeek's MTP) hold experts.

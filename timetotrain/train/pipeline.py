@@ -88,7 +88,7 @@ from timetotrain.spec.task import Task
 from timetotrain.train import float8, parallel
 from timetotrain.train.checkpoint import _clean_name, check_init_source, load_checkpoint, load_hf_checkpoint
 from timetotrain.train.context_parallel import SequenceGroup
-from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded
+from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded, shard_expert_replicas
 from timetotrain.train.pipeline_moe import Owned, aux_into_backward, aux_losses, expert_mesh
 from timetotrain.train.shards import _FILLS, draw_full, full_init
 
@@ -478,10 +478,11 @@ def build(
         _tensor_parallel(model, family, plan, tp_mesh, device)
     ep_group = None
     if plan.ep > 1:  # each stage's experts over its data-parallel ranks (train/pipeline_moe.py)
-        ep_group, replicas = expert_mesh(device.type, plan, parallel.device_mesh)
+        ep_group, replicas, experts_mesh = expert_mesh(device.type, plan, parallel.device_mesh)
         bf16_experts = plan.compute == "bf16" and plan.shard_ranks > 1  # FSDP2 casts only what it manages
         with real_host():
-            apply_expert_parallel(model, ep_group, torch.bfloat16 if bf16_experts else None, replicas)
+            dtype = torch.bfloat16 if bf16_experts else None
+            apply_expert_parallel(model, ep_group, dtype, replicas, experts_mesh)
 
     count = plan.pp * plan.vpp
     cfg = tier.model
@@ -570,9 +571,14 @@ def _shard_stages(model: nn.Module, stages: list, data_mesh, plan: parallel.Plan
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if plan.compute == "bf16" else None, reduce_dtype=torch.float32
     )
-    # Expert slices differ per rank and are complete: FSDP2 neither shards nor reduces them.
-    ignored = {p for p in model.parameters() if is_expert_sharded(p)} or None
     with real_host():  # as `step._build_sharded` (TP's meshes: fakes.py)
+        # The stages' expert slices sharded over their replicas get an FSDP2 wrap of their own first (the
+        # other stages' MoE layers, on the meta device, are never allocated: no collective, their wrap is
+        # dropped with them); whole slices differ per rank: FSDP2 neither shards nor reduces them.
+        for stage in stages:
+            shard_expert_replicas(stage, mp.param_dtype)
+        plain = {p for p in model.parameters() if is_expert_sharded(p) and not isinstance(p, DTensor)}
+        ignored = plain or None
         for stage in stages:
             for block in stage.layers.values():
                 fully_shard(block, mesh=data_mesh, mp_policy=mp, ignored_params=ignored)

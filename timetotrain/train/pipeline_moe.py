@@ -4,9 +4,12 @@ forward, routers without aux loss or bias, need only the expert parallelism and 
 
 Expert parallelism within a stage. The ranks are laid out pipeline outermost (`parallel.Plan.coords`): rank
 p x N + d is data-parallel rank d of stage p. The experts of every MoE layer are split over groups of E
-consecutive data-parallel ranks of the same stage, a (pp, N / E, E) mesh; where N > E the N / E ranks of one
-slice average its gradients (`expert_parallel.average_expert_replicas`), as in the `ep=E,fsdp=N` hybrid.
-FSDP2 shards everything else of a stage over its N ranks and ignores the slices.
+consecutive data-parallel ranks of the same stage, a (pp, N / E, E) mesh; where N > E FSDP2 shards each
+slice over the N / E ranks of the stage that hold it (`expert_parallel.shard_expert_replicas`), as in the
+`ep=E,fsdp=N` hybrid, and everything else of a stage over its N ranks. torch's schedule turns FSDP2's
+resharding and gradient reduction off until the step's last micro-batch, for the experts' wrap as for the
+rest: through the step a rank holds its whole slice gathered (compute precision) and its fp32 gradient
+unsharded; the sharding saves the weights' fp32 masters and the AdamW moments (`ttt plan`'s pp rows).
 
 The loss. One process's training loss is LM + MTP + the sum of every MoE layer's sequence aux loss. The
 routers live on different stages; only the last stage's output reaches the schedule's loss. An earlier
@@ -66,11 +69,13 @@ def aux_losses(modules) -> torch.Tensor | None:
 
 
 def expert_mesh(device_type: str, plan, device_mesh):
-    """(expert-parallel group, replica group or None) of this rank: the (pp, N / E, E) mesh (module docstring)."""
+    """(expert-parallel group, replica group or None, this stage's ("replica", "ep") mesh where FSDP2 shards
+    the slices over their replicas, else None) of this rank: the (pp, N / E, E) mesh (module docstring)."""
     data = plan.dp * plan.fsdp
     mesh = device_mesh(device_type, (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep"))
     with real_host():
-        return mesh["ep"].get_group(), mesh["replica"].get_group() if data > plan.ep else None
+        stage = mesh["replica", "ep"] if plan.expert_shards > 1 else None
+        return mesh["ep"].get_group(), mesh["replica"].get_group() if data > plan.ep else None, stage
 
 
 class Owned(nn.Module):

@@ -24,7 +24,8 @@ the unsharded build would give:
 Expert slices (`ep=N,fsdp=N`: plain tensors holding rows `[first, first + L)` of a full `[E, ...]` expert
 stack, `expert_parallel.expert_slice`) are parts of a full tensor too: `full_init` draws the whole stack and
 keeps the rows, `local_shard` / `copy_full` cut them, so a rank's experts equal the same rows of the
-one-process model's.
+one-process model's. Under `ep=E,fsdp=N` (E < N) FSDP2 shards each slice over its replicas: a DTensor of the
+slice's shape, whose part of the rows is cut as any DTensor's.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ def is_part(param: torch.Tensor) -> bool:
 def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of `full` (a tensor of `full_shape(param)`) that this rank's local tensor of `param` holds:
     a view, cut per mesh dimension as DTensor's `Shard(d)` does (`torch.chunk`, trailing ranks possibly
-    short or empty; `Replicate` keeps everything), or an expert slice's rows."""
+    short or empty; `Replicate` keeps everything), or an expert slice's rows (cut again where FSDP2 shards
+    the slice over its replicas: a DTensor of the slice's shape)."""
     if tuple(full.shape) != full_shape(param):
         expected = list(full_shape(param))
         raise ValueError(f"full tensor {list(full.shape)} does not match the parameter's {expected}")
     part = expert_slice(param)
     if part is not None:
-        return full[part[1] : part[1] + param.shape[0]]
+        full = full[part[1] : part[1] + param.shape[0]]
+        if not isinstance(param, DTensor):
+            return full
     full = logical(full, param)  # a tensor-parallel fused layout's row order (train/tensor_parallel.py)
     if any(type(p).__name__ == "_StridedShard" for p in param.placements):
         # FSDP over tensor parallelism cuts the TP shard again: DTensor's own split knows the order.

@@ -36,7 +36,7 @@ def train_step(
         total = model.forward_backward(batch, accum, loss_fn)
     else:
         total = _forward_backward(model, batch, accum, loss_fn, autocast)
-    if ep_group is not None:  # expert slices replicated over expert-parallel groups (ep=E,fsdp=N, E < N)
+    if ep_group is not None:  # whole expert slices held by several groups (HSDP, tp or cp with ep)
         expert_parallel.average_expert_replicas(model)
     if tp_world is not None:  # replicated parameters that computed on cut inputs: their grads are partial
         replicate_partial_grads(params)

@@ -105,7 +105,8 @@ def clip_grad_norm_tp(params, max_norm: float, world: int) -> torch.Tensor:
                 if not (placement.is_replicate() or placement.is_partial()):
                     shards *= g.device_mesh.size(i)
             local = g.to_local()
-            total += local.float().pow(2).sum() * (shards / world)
+            # (an expert slice FSDP2 shards over its replicas: 1 / ep of the experts, cut over its mesh)
+            total += local.float().pow(2).sum() * (shards / world) / _held_by(p)
         else:
             total += g.float().pow(2).sum() / (world * _held_by(p))
     dist.all_reduce(total)
@@ -117,8 +118,9 @@ def clip_grad_norm_tp(params, max_norm: float, world: int) -> torch.Tensor:
 
 
 def _held_by(p: torch.Tensor) -> float:
-    """The share of all ranks holding the plain tensor `p`: 1, or 1 / ep for an expert slice (`tp=T,ep=E`:
-    each slice of 1 / ep of the experts sits on world / ep ranks, its TP ranks and replicas)."""
+    """The share of the model's copy of `p` that `p` holds: 1, or 1 / ep for an expert slice (`tp=T,ep=E`:
+    each slice of 1 / ep of the experts sits on world / ep ranks, its TP ranks and replicas; a slice FSDP2
+    shards over its replicas, `pp=P,ep=E,fsdp=N`, is cut further by its DTensor placement)."""
     part = expert_slice(p)
     return 1.0 if part is None else p.shape[0] / part[0]
 
