@@ -769,6 +769,10 @@ def _simulate_stages(bench, tier, world, spec, plan, rank, layers, precision, ac
 
 
 def _child(conn, fn, args) -> None:
+    # GNU OpenMP is not fork-safe: a parent that ran a parallel region (a test before, on 2 threads) leaves a
+    # thread pool the child does not have, and the child's first parallel op (hstu's repeat_interleave)
+    # waits for it forever. One thread keeps torch's ops out of OpenMP; the simulation's real ops are small.
+    torch.set_num_threads(1)
     try:
         conn.send((True, fn(*args)))
     except BaseException as e:  # noqa: BLE001 - sent to the parent, which raises it
