@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
-from timetotrain.train import distributed, prepare, run_steps
+from timetotrain.train import distributed, free_cores, prepare, run_steps
 from timetotrain.train import peak as peaks
 from timetotrain.train.device import platform_name, threads_kept
 
@@ -49,6 +50,9 @@ class SynthOptions:
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
     wandb: bool = False
     config: dict | None = None  # the --config file and the values it gave, logged as ttt_config
+    threads: int | None = (
+        None  # CPU intra-op threads; default: OMP_NUM_THREADS, the tier's, or the free cores
+    )
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -115,6 +119,7 @@ def _synth(opts: SynthOptions) -> dict:
         micro_batch=opts.micro_batch, micro_flag="--micro-batch", device=opts.device, seed=opts.seed,
     )  # fmt: skip
     prepare.start_device(prep, opts.device, seed=opts.seed)
+    threads = _cpu_threads(prep, opts.threads)
     item = bench.task.sample_items(prep.tier)
     out = run_steps.open_outputs(prep, "synth-", {"mode": "synthetic"}, item, opts)
     log = out.log  # the live line writes to stderr: --json keeps stdout to the summary
@@ -122,6 +127,7 @@ def _synth(opts: SynthOptions) -> dict:
     try:
         _log_header(log, prep, opts)
         tr, data, peak = _build(prep, out)
+        peak.threads = threads
         log.end("init_stop")
         window = _time_steps(prep, tr, data, steps, warmup, opts.compile, out)
         summary = _summary(prep, window, item, peak)
@@ -146,6 +152,26 @@ def _synth(opts: SynthOptions) -> dict:
     return summary
 
 
+def _cpu_threads(prep, flag: int | None) -> dict | None:
+    """A CPU synth's intra-op threads, set (free_cores.choose_threads: --threads, OMP_NUM_THREADS, the tier's,
+    else one per core other processes leave free), and what decided them; None on an accelerator."""
+    if prep.device.type != "cpu":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    omp = os.environ.get("OMP_NUM_THREADS")
+    n, why, seen = free_cores.choose_threads(flag, omp, prep.tier.cpu_threads, processes=local)
+    if n is not None:
+        torch.set_num_threads(n)
+    used = torch.get_num_threads()
+    if seen is not None and seen.busy and prep.dist.main:  # why this run is narrower than the host
+        print(f"ttt: {free_cores.thread_words(used)}, {why}; --threads N chooses another", file=sys.stderr,
+              flush=True)  # fmt: skip
+    doc = {"threads": used, "why": why}
+    if seen is not None:
+        doc.update(cpus=seen.cpus, cores_busy=seen.busy, busy_cores_worth=seen.others)
+    return doc
+
+
 @dataclass
 class _Full:
     """The benchmark and the tier's model before --layers changed it."""
@@ -163,6 +189,8 @@ def _resolve(opts: SynthOptions):
     warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
     if steps < 2:
         raise UserError(f"--steps {steps}: need at least 2 timed steps")
+    if opts.threads is not None and opts.threads < 1:
+        raise UserError(f"--threads {opts.threads}: must be at least 1 (one CPU thread per core to use)")
     if warmup < 0:
         raise UserError(f"--warmup-steps {warmup} must be >= 0")
     full = _Full(bench, getattr(tier.model, "n_layers", None), tier.model)
@@ -450,6 +478,7 @@ class _Peak:
     source: str
     cpu: peaks.CpuPeak | None = None
     load_before: float | None = None  # the host's 1-minute load average before the timed window
+    threads: dict | None = None  # CPU: the intra-op threads and what decided them (_cpu_threads)
 
 
 def _peak(device: torch.device) -> _Peak:
@@ -480,6 +509,11 @@ def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
         "host_busy": busy,
         "note": peaks.load_note([peak.load_before, after], busy, cores),
     }
+    if peak.threads is not None:
+        doc["threads"] = peak.threads
+        doc["note"] = (
+            f"{free_cores.thread_words(peak.threads['threads'])}: {peak.threads['why']}; {doc['note']}"
+        )
     if peak.cpu is not None:
         doc["peak_measured_tflops"] = peak.cpu.measured / 1e12
         doc["peak_theoretical_tflops"] = (peak.cpu.theoretical or 0.0) / 1e12 or None
