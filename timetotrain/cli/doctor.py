@@ -3,7 +3,8 @@ FLOP/s MFU is computed against on each, the official logging package, and which 
 
 What a bug report needs, and what decides a run's figures: the torch build (CUDA or ROCm, NCCL), the devices,
 and the peak that `ttt synth` divides by (train/peak.py: a datasheet figure per accelerator; on a CPU the larger
-of a measured matmul peak and the theoretical one, beside the load average it was measured under).
+of a measured matmul peak and the theoretical one at the threads `ttt synth` would take, beside the free cores
+and the load average it was measured under).
 
 torch and the train modules are imported inside the functions that need them: `ttt --version` reads
 `version()` here and should not wait 1 s for torch.
@@ -219,8 +220,9 @@ def add_commands(sub) -> None:
         "CUDA or ROCm build, cuDNN, NCCL), the distributed backends, every device with the peak FLOP/s ttt "
         "computes MFU against (a datasheet figure per accelerator, timetotrain/train/peak.py; on a CPU the "
         "larger of a matmul peak measured now, best of many windows over 1 s, and the theoretical one from "
-        "the CPU's flags and clock), the host's load average (with a warning when it is busy), mlperf-logging, "
-        "and the optional peers installed.",
+        "the CPU's flags and clock, both at the thread count `ttt synth` would take: one per core other "
+        "processes leave free, sampled from /proc/stat), the host's load average (with a warning when it is "
+        "busy), mlperf-logging, and the optional peers installed.",
     )
     s.add_argument("--json", action="store_true", help="the same as one JSON object")
     s.set_defaults(func=_cmd_doctor)
