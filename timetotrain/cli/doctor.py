@@ -66,7 +66,8 @@ def _cpu_entry() -> dict:
     # processes keep busy, from which `ttt synth` takes its thread count (the peak is measured at that count).
     load = peak.load_average()
     seen = free_cores.sample()
-    n, why, _ = free_cores.choose_threads(None, os.environ.get("OMP_NUM_THREADS"), None, lambda: seen)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    n, why, _ = free_cores.choose_threads(None, omp, None, lambda: seen, ceiling=torch.get_num_threads())
     with threads_kept():
         if n is not None:
             torch.set_num_threads(n)

@@ -73,6 +73,12 @@ class CoreSample:
     def free(self) -> int:
         return max(1, self.cpus - self.busy)
 
+    def threads(self, ceiling: int) -> int:
+        """Threads for the free cores: `ceiling` (torch's count: one per physical core, half the CPUs of a
+        host whose cores run two hardware threads, which share one core's FMA units) times the share of
+        the CPUs left free, at least 1."""
+        return max(1, min(ceiling, ceiling * (self.cpus - self.busy) // self.cpus))
+
     def describe(self) -> str:
         return (
             f"{self.busy} of {self.cpus} cores busy with other processes ({self.others:.2f} cores' worth over "
@@ -104,12 +110,13 @@ def sample(seconds: float = WINDOW_S, stat: Path = STAT, cpus: set[int] | None =
 
 
 def choose_threads(
-    flag: int | None, omp: str | None, tier: int | None, take_sample=None, processes: int = 1
-) -> tuple[int | None, str, CoreSample | None]:
+    flag: int | None, omp: str | None, tier: int | None, take_sample=None, processes: int = 1,
+    ceiling: int | None = None,
+) -> tuple[int | None, str, CoreSample | None]:  # fmt: skip
     """(threads to set, or None to leave torch's count; why; the sample, where one was taken), first match:
     `--threads N`, OMP_NUM_THREADS, the tier's `cpu_threads`, else one per core other processes leave free.
     The sample is taken only when it decides, and only for one process per host (torchrun's ranks on one
-    host would each take every free core)."""
+    host would each take every free core). `ceiling`: the count on an idle host (default: one per CPU)."""
     if flag is not None:
         return flag, f"--threads {flag}", None
     if omp:
@@ -121,7 +128,7 @@ def choose_threads(
     seen = (take_sample or sample)()
     if seen is None:
         return None, "torch's default (no /proc/stat to see the free cores)", None
-    return seen.free, f"one per free core, {seen.describe()}", seen
+    return seen.threads(ceiling or seen.cpus), f"one per free core, {seen.describe()}", seen
 
 
 def thread_words(n: int) -> str:

@@ -159,7 +159,9 @@ def _cpu_threads(prep, flag: int | None) -> dict | None:
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     omp = os.environ.get("OMP_NUM_THREADS")
-    n, why, seen = free_cores.choose_threads(flag, omp, prep.tier.cpu_threads, processes=local)
+    n, why, seen = free_cores.choose_threads(
+        flag, omp, prep.tier.cpu_threads, processes=local, ceiling=torch.get_num_threads()
+    )
     if n is not None:
         torch.set_num_threads(n)
     used = torch.get_num_threads()
