@@ -50,9 +50,8 @@ class SynthOptions:
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
     wandb: bool = False
     config: dict | None = None  # the --config file and the values it gave, logged as ttt_config
-    threads: int | None = (
-        None  # CPU intra-op threads; default: OMP_NUM_THREADS, the tier's, or the free cores
-    )
+    # CPU intra-op threads (--threads); default: OMP_NUM_THREADS, the tier's, or one per free core.
+    threads: int | None = None
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
