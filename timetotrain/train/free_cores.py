@@ -128,7 +128,8 @@ def choose_threads(
     seen = (take_sample or sample)()
     if seen is None:
         return None, "torch's default (no /proc/stat to see the free cores)", None
-    return seen.threads(ceiling or seen.cpus), f"one per free core, {seen.describe()}", seen
+    rule = "one per free core" if seen.busy < seen.cpus else "no core free, so 1"
+    return seen.threads(ceiling or seen.cpus), f"{rule}, {seen.describe()}", seen
 
 
 def thread_words(n: int) -> str:
