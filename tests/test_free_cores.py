@@ -111,6 +111,11 @@ def test_synth_takes_the_free_cores_and_its_peak_is_theirs(monkeypatch, capsys):
     assert host["note"].startswith(
         "1 thread: one per free core, 1 of 2 cores busy with other processes (1.03"
     )
+    assert "the threads ran" not in host["note"] and "cpu_time_share" not in host
+    # A neighbour that came during the run: the thread got a quarter of its core's time, said after the load.
+    host = synth._host_figures(p, torch.device("cpu"), 10.0, 2.5)
+    assert host["cpu_time_share"] == 0.25
+    assert host["note"].endswith("; the threads ran 25% of the timed window (other processes had the cores)")
     assert synth._cpu_threads(prep, 2)["why"] == "--threads 2" and torch.get_num_threads() == 2
     assert synth._cpu_threads(SimpleNamespace(device=torch.device("meta")), None) is None
 

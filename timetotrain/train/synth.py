@@ -244,6 +244,7 @@ class _Window:
     warmup: int
     rollout_s: float = 0.0  # on-policy tasks: the rollouts' share of the window
     rollout_tokens: int = 0
+    cpu_s: float = 0.0  # this process's CPU time over the timed window (all its threads)
 
 
 def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) -> _Window:
@@ -266,6 +267,7 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
             _sync(device)
             e0 = _energy_mj(device)
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             clock.mark()
         batch = data.batch(i)
         if task.on_policy:  # rollouts, timed apart: generation's share of the step
@@ -280,6 +282,7 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
             clock.mark()
     _sync(device)
     wall = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
     if live:
         live.update(f"{what}: {steps} steps timed in {wall:.1f} s", force=True)
     e1 = _energy_mj(device)
@@ -288,7 +291,9 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
     samples = (warmup + steps) * tier.global_batch_size
     out.log.end("block_stop", metadata={"samples_count": samples})
     energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
-    return _Window(wall, per_step, final_loss, energy, samples, steps, warmup, rollout_s, rollout_tokens)
+    return _Window(
+        wall, per_step, final_loss, energy, samples, steps, warmup, rollout_s, rollout_tokens, cpu_s
+    )
 
 
 def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -> dict:
@@ -348,7 +353,7 @@ def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -
         "peak_tflops_per_device": peak_flops / 1e12,
         "peak_source": peak_src,
         "mfu": achieved / d.world / peak_flops,
-        "host": _host_figures(peak, device, w.wall),
+        "host": _host_figures(peak, device, w.wall, w.cpu_s),
         "peak_memory_bytes": int(max_mem),
         "peak_memory_kind": "GPU max allocated" if device.type == "cuda" else "host peak RSS (whole process)",
         "energy_joules": tot_energy if have_energy == d.world else None,
@@ -495,7 +500,7 @@ def _peak(device: torch.device) -> _Peak:
     return _Peak(cpu.flops, cpu.describe(), cpu)
 
 
-def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
+def _host_figures(peak: _Peak, device: torch.device, wall: float, cpu_s: float | None = None) -> dict:
     """The load average before and after the timed window, and whether other processes wanted the cores the
     run used (this run's own threads, on every rank of this host, taken out of the later figure)."""
     per_rank = torch.get_num_threads() if device.type == "cpu" else 1
@@ -510,6 +515,14 @@ def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
         "host_busy": busy,
         "note": peaks.load_note([peak.load_before, after], busy, cores),
     }
+    if peak.threads is not None and cpu_s is not None:
+        # What the pre-run sample cannot see: a neighbour that starts during the run. The threads' CPU time
+        # over the window, per thread: under 1 where they waited for a core (a spinning thread counts as busy).
+        doc["cpu_time_share"] = share = cpu_s / max(wall * per_rank, 1e-9)
+        if share < 0.8:
+            doc["note"] += (
+                f"; the threads ran {share:.0%} of the timed window (other processes had the cores)"
+            )
     if peak.threads is not None:
         doc["threads"] = peak.threads
         doc["note"] = (
