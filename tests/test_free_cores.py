@@ -59,9 +59,17 @@ def test_stat_lines_are_parsed():
     ],
 )
 def test_the_cores_other_processes_keep_busy(after, cpus, busy, free):
-    seen = free_cores.sample(0.0, _Reads(_stat((0,) * 10, (0,) * 10), _stat(*after)), cpus)
+    reads = _Reads(_stat((0,) * 10, (0,) * 10), _stat(*after))
+    seen = free_cores.sample(0.0, reads, cpus, own_cpu=lambda: 0.0)  # this process idle in the window
     assert (seen.cpus, seen.busy, seen.free) == (len(cpus), busy, free)
     assert seen.describe().startswith(f"{busy} of {len(cpus)} cores busy with other processes (")
+
+
+def test_this_process_is_not_another():
+    """The busy time this process's own threads spent in the window (one spinning pool thread) is taken out."""
+    own = iter([0.0, 0.3])  # a core's worth over the 0.3 s window
+    reads = _Reads(_stat((0,) * 10, (0,) * 10), _stat((100, 0, 0, 0, 0, 0, 0, 0, 0, 0), IDLE))
+    assert free_cores.sample(0.3, reads, {0, 1}, own_cpu=own.__next__).busy == 0
 
 
 def test_no_stat_file_is_no_sample(tmp_path):

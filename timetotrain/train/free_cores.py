@@ -93,13 +93,16 @@ def allowed_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def sample(seconds: float = WINDOW_S, stat: Path = STAT, cpus: set[int] | None = None) -> CoreSample | None:
-    """Sleep `seconds` between two reads of /proc/stat; None where there is none (not Linux)."""
+def sample(
+    seconds: float = WINDOW_S, stat: Path = STAT, cpus: set[int] | None = None, own_cpu=time.process_time
+) -> CoreSample | None:
+    """Sleep `seconds` between two reads of /proc/stat; None where there is none (not Linux). `own_cpu`: this
+    process's CPU seconds (all its threads), taken out of the busy time."""
     cpus = allowed_cpus() if cpus is None else cpus
     try:
-        before, own0, t0 = read_stat(stat.read_text()), time.process_time(), time.monotonic()
+        before, own0, t0 = read_stat(stat.read_text()), own_cpu(), time.monotonic()
         time.sleep(seconds)
-        after, own1, t1 = read_stat(stat.read_text()), time.process_time(), time.monotonic()
+        after, own1, t1 = read_stat(stat.read_text()), own_cpu(), time.monotonic()
     except (OSError, ValueError):
         return None
     shares = busy_share(before, after, cpus)
