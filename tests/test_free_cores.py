@@ -122,8 +122,17 @@ def test_synth_takes_the_free_cores_and_its_peak_is_theirs(monkeypatch, capsys):
     assert "the threads ran" not in host["note"] and "cpu_time_share" not in host
     # A neighbour that came during the run: the thread got a quarter of its core's time, said after the load.
     host = synth._host_figures(p, torch.device("cpu"), 10.0, 2.5)
-    assert host["cpu_time_share"] == 0.25
+    assert host["cpu_time_share"] == 0.25 and host["host_busy"] and "WARNING: busy host" in host["note"]
     assert host["note"].endswith("; the threads ran 25% of the timed window (other processes had the cores)")
+    # The thread had its core all along: a load average still high from the run before warns of nothing.
+    monkeypatch.setattr(peak, "load_average", lambda: 4.0)
+    p.load_before = 4.0
+    host = synth._host_figures(p, torch.device("cpu"), 10.0, 9.9)
+    assert (
+        not host["host_busy"]
+        and "WARNING" not in host["note"]
+        and "load average (1 min) 4.00" in host["note"]
+    )
     assert synth._cpu_threads(prep, 2)["why"] == "--threads 2" and torch.get_num_threads() == 2
     assert synth._cpu_threads(SimpleNamespace(device=torch.device("meta")), None) is None
 

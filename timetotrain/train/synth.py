@@ -500,14 +500,27 @@ def _peak(device: torch.device) -> _Peak:
     return _Peak(cpu.flops, cpu.describe(), cpu)
 
 
+CPU_SHARE_OK = 0.8  # a CPU run whose threads ran less of the timed window than this shared their cores
+
+
 def _host_figures(peak: _Peak, device: torch.device, wall: float, cpu_s: float | None = None) -> dict:
     """The load average before and after the timed window, and whether other processes wanted the cores the
-    run used (this run's own threads, on every rank of this host, taken out of the later figure)."""
+    run used: on a CPU, from the threads' own CPU time over the window and the free-core sample; elsewhere
+    from the load average (this run's own threads, on every rank of this host, taken out of the later
+    figure)."""
     per_rank = torch.get_num_threads() if device.type == "cpu" else 1
     cores = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this host
     after = peaks.load_average()
     others = [x for x in (peak.load_before, after and peaks.others_load(after, cores, wall)) if x is not None]
     busy = bool(others) and peaks.host_busy(max(others), cores)
+    share = None
+    if peak.threads is not None and cpu_s is not None:
+        # A CPU run's own threads say it better than the load average, which lags a minute and still holds
+        # the previous run: their CPU time over the window, per thread, is under 1 where they waited for a
+        # core (a neighbour that came during the run, which the sample before it could not see).
+        share = cpu_s / max(wall * per_rank, 1e-9)
+        no_core_free = peak.threads.get("cores_busy", 0) >= peak.threads.get("cpus", math.inf)
+        busy = share < CPU_SHARE_OK or no_core_free
     doc = {
         "load_average_1min": [peak.load_before, after],
         "cpu_count": os.cpu_count(),
@@ -515,11 +528,9 @@ def _host_figures(peak: _Peak, device: torch.device, wall: float, cpu_s: float |
         "host_busy": busy,
         "note": peaks.load_note([peak.load_before, after], busy, cores),
     }
-    if peak.threads is not None and cpu_s is not None:
-        # What the pre-run sample cannot see: a neighbour that starts during the run. The threads' CPU time
-        # over the window, per thread: under 1 where they waited for a core (a spinning thread counts as busy).
-        doc["cpu_time_share"] = share = cpu_s / max(wall * per_rank, 1e-9)
-        if share < 0.8:
+    if share is not None:
+        doc["cpu_time_share"] = share
+        if share < CPU_SHARE_OK:
             doc["note"] += (
                 f"; the threads ran {share:.0%} of the timed window (other processes had the cores)"
             )
