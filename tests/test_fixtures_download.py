@@ -261,7 +261,9 @@ def test_the_session_start_points_the_tests_at_the_fetched_cache(tmp_path, mirro
     import conftest
 
     root, pins = mirror
-    monkeypatch.delenv("TTT_SHARED_DATA", raising=False)  # restored (or removed again) after the test
+    # Set first, so that the value the session start writes is undone after the test whatever it was.
+    monkeypatch.setenv("TTT_SHARED_DATA", "-")
+    monkeypatch.delenv("TTT_SHARED_DATA")
     monkeypatch.delenv(conftest.FETCH_ENV, raising=False)
     monkeypatch.delenv("TTT_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
