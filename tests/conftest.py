@@ -69,13 +69,59 @@ def pytest_terminal_summary(terminalreporter):
     if _NO_FIXTURE:
         # A fresh clone has no ../shared/data: one line says what was left out and how to get it, where
         # `-ra` lists each skip by its own reason.
+        where = f"the data fixtures are not in {shared_data_dir()}"
+        if _FETCH.get("fetched"):
+            where += (
+                " (fetched there from their public sources, which do not hold the MLPerf v5.1 result logs)"
+            )
+        elif _FETCH.get("failed"):
+            where += f" and fetching them into {_FETCH['cache']} failed, leaving nothing: {_FETCH['failed']}"
         terminalreporter.write_line(
-            f"ttt: {len(_NO_FIXTURE)} test(s) skipped: the data fixtures are not in {shared_data_dir()}; "
-            "get them with `ttt data download fixtures --out DIR` and run again with TTT_SHARED_DATA=DIR, "
-            "or copy a shared/data folder from a machine that has one next to this clone (../shared/data; "
-            "the MLPerf v5.1 result logs come only that way)",
+            f"ttt: {len(_NO_FIXTURE)} test(s) skipped: {where}; get them with `ttt data download fixtures --out "
+            "DIR` (--mirror URL|DIR where GitHub is out of reach) and run again with TTT_SHARED_DATA=DIR; any "
+            "folder already in that layout (c4/, cc12m/, coco_mini/, govreport/, tokenizers/, e.g. copied from "
+            "another machine) can be passed as it is with TTT_SHARED_DATA=DIR, or put next to this clone as "
+            "../shared/data (the MLPerf v5.1 result logs come only that way)",
             yellow=True,
         )
+
+
+# Where ../shared/data is absent and TTT_SHARED_DATA unset (a fresh clone), the session fetches the fixtures
+# once into the user's cache (timetotrain/data/fixtures.py fetch_cached) and points TTT_SHARED_DATA there for
+# its tests, xdist workers and subprocesses. TTT_FETCH_FIXTURES=0 turns it off; TTT_FIXTURES_MIRROR=URL|DIR
+# fetches from a copy in `ttt data download fixtures --mirror`'s layout instead of GitHub.
+FETCH_ENV = "TTT_FETCH_FIXTURES"
+MIRROR_ENV = "TTT_FIXTURES_MIRROR"
+_FETCH: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers (trylast), which inherit the environment
+def pytest_sessionstart(session):
+    if (
+        hasattr(session.config, "workerinput")
+        or "TTT_SHARED_DATA" in os.environ
+        or shared_data_dir().exists()
+    ):
+        return
+    if os.environ.get(FETCH_ENV, "1") == "0":
+        return
+    from timetotrain.data import fixtures
+
+    cache = fixtures.cache_dir()
+    _FETCH["cache"] = cache
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not (cache / fixtures.COMPLETE).is_file():
+        reporter.write_line(
+            f"ttt: no data fixtures at {shared_data_dir()}: fetching them once into {cache} "
+            f"({FETCH_ENV}=0 skips this)"
+        )
+    try:
+        fixtures.fetch_cached(cache, os.environ.get(MIRROR_ENV) or fixtures.RAW)
+    except Exception as e:  # offline, a changed source, a bug: the tests that need the data skip, said once
+        _FETCH["failed"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return
+    _FETCH["fetched"] = True
+    os.environ["TTT_SHARED_DATA"] = str(cache)
 
 
 def pytest_sessionfinish(session, exitstatus):

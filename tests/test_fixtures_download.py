@@ -8,11 +8,17 @@ equal the measured fixtures byte for byte. (Against the real sources, fetched fr
 commits, all seven outputs were byte-identical when this was written.)
 """
 
+import contextlib
+import functools
 import gzip
+import http.server
 import io
 import json
+import os
 import struct
 import tarfile
+import threading
+import time
 
 import pytest
 from conftest import require_file, shared_data_dir
@@ -20,6 +26,7 @@ from conftest import require_file, shared_data_dir
 from timetotrain.cli import main
 from timetotrain.data import fixtures as fx
 from timetotrain.data.download import file_digest
+from timetotrain.errors import UserError
 
 
 def _varint(n: int) -> bytes:
@@ -184,3 +191,111 @@ def test_an_offline_host_is_told_about_mirror(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--mirror URL" not in err and "pass it as it is" in err
     assert sorted(p.name for p in (tmp_path / "t").rglob("*")) == ["mine"]
+
+
+# -- the test session's copy in the user's cache (tests/conftest.py pytest_sessionstart) --
+
+
+@contextlib.contextmanager
+def _served(root):
+    """`root` served over HTTP on 127.0.0.1 only (GET and HEAD), as raw.githubusercontent.com serves the
+    sources."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+FETCHED = ["govreport", "tokenizers"]  # two small outputs: one rebuilt from its source, one as it is
+
+
+def test_a_session_fetches_the_fixtures_into_its_cache(tmp_path, mirror, monkeypatch):
+    root, pins = mirror
+    monkeypatch.delenv("TTT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cache = fx.cache_dir()
+    assert cache == tmp_path / "xdg" / "timetotrain" / "fixtures"
+    with _served(root) as url:
+        got, notes = fx.fetch_cached(cache, url, pins, only=FETCHED)
+    assert got == cache and notes == [] and (cache / fx.COMPLETE).is_file()
+    rels = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
+    assert rels == sorted([fx.COMPLETE, *(r for r in fx.OUTPUTS if r.split("/")[0] in FETCHED)])
+    for rel in rels[1:]:  # the layout ../shared/data has, byte for byte; the sources are not kept
+        assert (cache / rel).read_bytes() == (shared_data_dir() / rel).read_bytes(), rel
+    assert [p.name for p in cache.parent.iterdir()] == ["fixtures"]  # no partial folder beside it
+    # The next session uses it as it is: no server, no network.
+    assert fx.fetch_cached(cache, "http://127.0.0.1:9", pins, only=FETCHED) == (cache, [])
+    monkeypatch.setenv("TTT_CACHE", str(tmp_path / "team"))  # the data cache a team shares, where set
+    assert fx.cache_dir() == tmp_path / "team" / "fixtures"
+
+
+def test_a_failed_fetch_leaves_nothing_behind(tmp_path, mirror):
+    root, pins = mirror
+    cache = tmp_path / "xdg" / "timetotrain" / "fixtures"
+    llama2 = root / fx.MAXTEXT[0] / fx.MAXTEXT[1] / "src/maxtext/assets/tokenizers/tokenizer.llama2"
+    llama2.write_bytes(llama2.read_bytes()[:-10])  # the last source fetched is changed at its source
+    with _served(root) as url, pytest.raises(UserError, match="tokenizer.llama2: sha256"):
+        fx.fetch_cached(cache, url, pins, only=FETCHED)
+    assert not (tmp_path / "xdg").exists()  # not the fetched govreport source, not even the parents it made
+    # Offline (nothing listens): told within the probe's timeout, before anything is written.
+    (tmp_path / "xdg").mkdir()
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^127.0.0.1:9 not reached in 5 s \("):
+        fx.fetch_cached(cache, "http://127.0.0.1:9", pins)
+    assert time.monotonic() - t0 < 5 and list((tmp_path / "xdg").iterdir()) == []
+    # A folder in the way that no fetch made is not taken for one, nor written into.
+    (cache / "c4").mkdir(parents=True)
+    with _served(root) as url, pytest.raises(UserError, match=r"holds files but no \.complete"):
+        fx.fetch_cached(cache, url, pins, only=FETCHED)
+    assert [p.name for p in cache.iterdir()] == ["c4"]
+
+
+def test_the_session_start_points_the_tests_at_the_fetched_cache(tmp_path, mirror, monkeypatch):
+    """conftest's pytest_sessionstart on a fresh clone: fetched, then TTT_SHARED_DATA names the cache for
+    the tests, the xdist workers it starts next and every subprocess."""
+    import conftest
+
+    root, pins = mirror
+    # Set first, so that the value the session start writes is undone after the test whatever it was.
+    monkeypatch.setenv("TTT_SHARED_DATA", "-")
+    monkeypatch.delenv("TTT_SHARED_DATA")
+    monkeypatch.delenv(conftest.FETCH_ENV, raising=False)
+    monkeypatch.delenv("TTT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(conftest, "REPO", tmp_path / "clone")  # no ../shared/data beside it
+    monkeypatch.setattr(conftest, "_FETCH", {})
+    real = fx.fetch_cached
+    lines = []
+    reporter = type("R", (), {"write_line": lambda self, line, **kw: lines.append(line)})()
+    session = type("S", (), {})()
+    session.config = type(
+        "C", (), {"pluginmanager": type("P", (), {"get_plugin": lambda self, n: reporter})()}
+    )()
+    with _served(root) as url:
+        monkeypatch.setenv(conftest.MIRROR_ENV, url)
+        monkeypatch.setattr(fx, "fetch_cached", lambda cache, base: real(cache, base, pins, only=FETCHED))
+        conftest.pytest_sessionstart(session)
+    cache = tmp_path / "xdg" / "timetotrain" / "fixtures"
+    assert os.environ["TTT_SHARED_DATA"] == str(cache) and conftest.shared_data_dir() == cache
+    assert conftest._FETCH == {"cache": cache, "fetched": True} and "fetching them once into" in lines[0]
+    assert (cache / "tokenizers/llama2/tokenizer.model").is_file()
+
+
+def test_a_session_told_not_to_fetch_or_given_the_data_fetches_nothing(tmp_path, monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "REPO", tmp_path / "clone")
+    monkeypatch.setattr(conftest, "_FETCH", {})
+    monkeypatch.setattr(fx, "fetch_cached", lambda *a: pytest.fail("fetched"))
+    session = type("S", (), {"config": None})()
+    monkeypatch.setenv("TTT_SHARED_DATA", str(tmp_path / "mine"))  # the user's folder, even a missing one
+    conftest.pytest_sessionstart(session)
+    monkeypatch.delenv("TTT_SHARED_DATA")
+    monkeypatch.setenv(conftest.FETCH_ENV, "0")
+    conftest.pytest_sessionstart(session)
+    assert conftest._FETCH == {} and "TTT_SHARED_DATA" not in os.environ

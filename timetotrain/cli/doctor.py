@@ -3,7 +3,8 @@ FLOP/s MFU is computed against on each, the official logging package, and which 
 
 What a bug report needs, and what decides a run's figures: the torch build (CUDA or ROCm, NCCL), the devices,
 and the peak that `ttt synth` divides by (train/peak.py: a datasheet figure per accelerator; on a CPU the larger
-of a measured matmul peak and the theoretical one, beside the load average it was measured under).
+of a measured matmul peak and the theoretical one at the threads `ttt synth` would take, beside the free cores
+and the load average it was measured under).
 
 torch and the train modules are imported inside the functions that need them: `ttt --version` reads
 `version()` here and should not wait 1 s for torch.
@@ -58,17 +59,30 @@ def optional_peers() -> dict[str, str | None]:
 def _cpu_entry() -> dict:
     import torch
 
-    from timetotrain.train import peak
-    from timetotrain.train.device import platform_name
+    from timetotrain.train import free_cores, peak
+    from timetotrain.train.device import platform_name, threads_kept
 
-    threads = torch.get_num_threads()
-    load = peak.load_average()  # before the measurement: the host as this command found it
+    # The host as this command found it, before the measurement: the load average, and the cores other
+    # processes keep busy, from which `ttt synth` takes its thread count (the peak is measured at that count).
+    load = peak.load_average()
+    seen = free_cores.sample()
+    omp = os.environ.get("OMP_NUM_THREADS")
+    n, why, _ = free_cores.choose_threads(None, omp, None, lambda: seen, ceiling=torch.get_num_threads())
+    with threads_kept():
+        if n is not None:
+            torch.set_num_threads(n)
+        threads = torch.get_num_threads()
+        cpu = peak.cpu_peak(threads)
     busy = load is not None and peak.host_busy(load, threads)
-    cpu = peak.cpu_peak(threads)
     return {
         "device": "cpu",
         "name": platform_name(torch.device("cpu")),
-        "torch_threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "cores_busy": seen.busy if seen else None,
+        "cores_free": seen.free if seen else None,
+        "busy_cores_worth": seen.others if seen else None,
+        "synth_threads": threads,
+        "synth_threads_why": why,
         "peak_flops": cpu.flops,
         "peak_source": cpu.describe(),
         "peak_measured_flops": cpu.measured,
@@ -176,7 +190,13 @@ def format_environment(env: dict) -> str:
         else:
             what = f"{d['name']}, {d['memory_gib']:,.1f} GiB, compute capability {d['capability']}"
         peak = _flops(d["peak_flops"]) + f" ({d['peak_source'] or d.get('peak_flops_reason')})"
-        lines.append(f"  {d['device']:<8}{what}\n  {'':<8}peak {peak}")
+        lines.append(f"  {d['device']:<8}{what}")
+        if "synth_threads" in d:
+            n = d["synth_threads"]
+            lines.append(
+                f"  {'':<8}ttt synth takes {n} thread{'' if n == 1 else 's'}: {d['synth_threads_why']}"
+            )
+        lines.append(f"  {'':<8}peak {peak}")
         if "load_note" in d:
             lines.append(f"  {'':<8}{d['load_note']}")
     have = [f"{n} {v}" for n, v in env["optional_peers"].items() if v]
@@ -201,8 +221,9 @@ def add_commands(sub) -> None:
         "CUDA or ROCm build, cuDNN, NCCL), the distributed backends, every device with the peak FLOP/s ttt "
         "computes MFU against (a datasheet figure per accelerator, timetotrain/train/peak.py; on a CPU the "
         "larger of a matmul peak measured now, best of many windows over 1 s, and the theoretical one from "
-        "the CPU's flags and clock), the host's load average (with a warning when it is busy), mlperf-logging, "
-        "and the optional peers installed.",
+        "the CPU's flags and clock, both at the thread count `ttt synth` would take: one per core other "
+        "processes leave free, sampled from /proc/stat), the host's load average (with a warning when it is "
+        "busy), mlperf-logging, and the optional peers installed.",
     )
     s.add_argument("--json", action="store_true", help="the same as one JSON object")
     s.set_defaults(func=_cmd_doctor)

@@ -191,6 +191,7 @@ def _cmd_synth(args) -> int:
             tensorboard=Path(args.tensorboard) if args.tensorboard else None,
             wandb=args.wandb,
             config=args.config_doc,
+            threads=args.threads,
         )
     )
     if "log" in summary and args.json:  # rank 0 only
@@ -499,6 +500,15 @@ def _add_synth(sub) -> None:
     s.add_argument("--steps", type=int, default=None, help="timed steps (default 30 tiny, 20 reference)")
     s.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first (default 5)")
     s.add_argument("--micro-batch", type=int, default=None, help="micro-batch per rank (sets accumulation)")
+    s.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU intra-op threads (default: OMP_NUM_THREADS, else the tier's setting, else one per core that "
+        "other processes leave free, sampled from /proc/stat just before the run; MFU's peak is that of the "
+        "threads used)",
+    )
     s.add_argument(
         "--layers",
         type=int,

@@ -23,6 +23,9 @@ the tiers were measured on, so what this writes is that data byte for byte:
 Sources are fetched from `https://raw.githubusercontent.com/<repo>/<commit>/<path>`, or from `--mirror`
 (a URL or folder holding the same `<repo>/<commit>/<path>` layout), into OUT/.sources (kept, so a second call
 fetches nothing), each through `download.fetch` (resumable, retried).
+
+`fetch_cached` is the test session's way to them (tests/conftest.py, where no ../shared/data is beside the
+clone): all of them built once into a cache (`cache_dir`), or nothing there at all.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import shutil
 import struct
 import tarfile
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from PIL import Image
@@ -301,3 +310,78 @@ def build(
         fileio.write_bytes(dest, data)
         written.append(dest)
     return written, notes
+
+
+# -- the test session's copy --
+
+COMPLETE = ".complete"  # written last: a cache folder holding it is a whole fetch
+PROBE_TIMEOUT_S = 5.0
+
+
+def cache_dir() -> Path:
+    """Where `fetch_cached` keeps the fixtures: `$TTT_CACHE/fixtures` beside the other data caches a team may
+    share (prepared data, bases), else the user's own, `$XDG_CACHE_HOME/timetotrain/fixtures` (default
+    ~/.cache/timetotrain/fixtures)."""
+    if os.environ.get("TTT_CACHE"):
+        return Path(os.environ["TTT_CACHE"]) / "fixtures"
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "timetotrain" / "fixtures"
+
+
+def _probe(base: str, pins: dict, timeout: float) -> None:
+    """Ask for the first pinned source's headers within `timeout` seconds: an offline host (or one whose
+    firewall drops the packets) is told in seconds, before anything is written; download.fetch itself waits
+    a minute for each of its retries."""
+    if "://" not in base or base.startswith("file://"):
+        return  # a folder: download.fetch says what is missing
+    repo, commit, rel = next(iter(pins))
+    url = f"{base}/{repo}/{commit}/{urllib.parse.quote(rel)}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError as e:
+        raise UserError(f"{url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise UserError(
+            f"{urllib.parse.urlparse(url).netloc} not reached in {timeout:g} s ({reason})"
+        ) from None
+
+
+def fetch_cached(
+    cache: Path, base: str = RAW, sources_pins: dict | None = None, only: list[str] | None = None,
+    timeout: float = PROBE_TIMEOUT_S,
+) -> tuple[Path, list[str]]:  # fmt: skip
+    """The fixtures in `cache`, built there once from their public sources (`build`): (cache, notes). The
+    build goes to a new folder beside `cache`, renamed into place when whole, so a stopped or concurrent
+    session never sees half of it; the fetched sources are dropped (the outputs are what tests read). A
+    failure leaves nothing behind (neither the folder nor a parent it made) and raises UserError."""
+    if (cache / COMPLETE).is_file():
+        return cache, []
+    if cache.is_dir() and any(cache.iterdir()):
+        raise UserError(f"{cache} holds files but no {COMPLETE} (not a whole fetch): remove it and run again")
+    pins = SOURCES if sources_pins is None else sources_pins
+    _probe(base.rstrip("/"), pins, timeout)
+    made = [d for d in (cache.parent, *cache.parent.parents) if not d.exists()]
+    work = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f"{cache.name}.partial-", dir=cache.parent))
+        _, notes = build(work, only=only, sources=Sources(work / ".sources", base, pins))
+        shutil.rmtree(work / ".sources", ignore_errors=True)
+        (work / COMPLETE).write_text(f"built from {base} by timetotrain.data.fixtures.fetch_cached\n")
+        try:
+            os.rename(work, cache)
+        except OSError:  # another session finished first (or a stale folder is in the way): theirs stands
+            if not (cache / COMPLETE).is_file():
+                raise
+            shutil.rmtree(work)
+        return cache, notes
+    except BaseException:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+        for d in made:  # deepest first: only the folders this call made, and only when empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise

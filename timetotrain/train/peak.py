@@ -6,10 +6,12 @@ CPUs: no table can know the host, so two figures are taken and MFU divides by th
 - measured: the best fp32 matmul rate of many one-matmul windows over a second. One half-second burst on a
   busy host measured a fraction of the cores (1.9 GFLOP/s on a 2-core AVX-512 host) and turned the same
   throughput into "MFU 67%"; the best window of many is the one the neighbours left alone.
-- theoretical: cores x clock x fp32 FLOPs per cycle of the widest FMA the CPU's flags name (/proc/cpuinfo;
+- theoretical: threads x clock x fp32 FLOPs per cycle of the widest FMA the CPU's flags name (/proc/cpuinfo;
   the clock from cpufreq's maximum where the kernel exposes it, else the `cpu MHz` line). A busy host cannot
   lower it, so it caps what a busy measurement can do to MFU.
-The larger of the two is an upper bound of what the cores can do, so MFU against it is a lower bound.
+The larger of the two is an upper bound of what the cores can do, so MFU against it is a lower bound. Both are
+of the threads the run used, not of every core of the host: a synth that took 1 of 2 cores because the
+other was busy (train/free_cores.py) divides by one core's peak.
 
 The 1-minute load average is read around the measurement: a host whose other processes want more cores
 than this run leaves free is busy, and the figures say so instead of passing for the machine's.
@@ -157,8 +159,8 @@ class CpuPeak:
 
 
 def cpu_peak(threads: int | None = None) -> CpuPeak:
-    """Both CPU peaks for `threads` cores (default: torch's thread count, at most the CPUs this process may
-    run on)."""
+    """Both CPU peaks for `threads` threads, one core each (default: torch's thread count; at most the CPUs
+    this process may run on)."""
     threads = threads or torch.get_num_threads()
     cores = min(threads, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else threads
     theory = theoretical_cpu_peak(cores)

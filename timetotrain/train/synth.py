@@ -13,6 +13,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from timetotrain import fileio, strictjson
 from timetotrain.errors import UserError
 from timetotrain.progress import LiveLine
-from timetotrain.train import distributed, prepare, run_steps
+from timetotrain.train import distributed, free_cores, prepare, run_steps
 from timetotrain.train import peak as peaks
 from timetotrain.train.device import platform_name, threads_kept
 
@@ -49,6 +50,8 @@ class SynthOptions:
     tensorboard: Path | None = None  # the summary figures as TensorBoard scalars (train/trackers.py)
     wandb: bool = False
     config: dict | None = None  # the --config file and the values it gave, logged as ttt_config
+    # CPU intra-op threads (--threads); default: OMP_NUM_THREADS, the tier's, or one per free core.
+    threads: int | None = None
 
 
 # Default lengths: enough steps for a stable median without making a first try slow.
@@ -115,6 +118,7 @@ def _synth(opts: SynthOptions) -> dict:
         micro_batch=opts.micro_batch, micro_flag="--micro-batch", device=opts.device, seed=opts.seed,
     )  # fmt: skip
     prepare.start_device(prep, opts.device, seed=opts.seed)
+    threads = _cpu_threads(prep, opts.threads)
     item = bench.task.sample_items(prep.tier)
     out = run_steps.open_outputs(prep, "synth-", {"mode": "synthetic"}, item, opts)
     log = out.log  # the live line writes to stderr: --json keeps stdout to the summary
@@ -122,6 +126,7 @@ def _synth(opts: SynthOptions) -> dict:
     try:
         _log_header(log, prep, opts)
         tr, data, peak = _build(prep, out)
+        peak.threads = threads
         log.end("init_stop")
         window = _time_steps(prep, tr, data, steps, warmup, opts.compile, out)
         summary = _summary(prep, window, item, peak)
@@ -146,6 +151,28 @@ def _synth(opts: SynthOptions) -> dict:
     return summary
 
 
+def _cpu_threads(prep, flag: int | None) -> dict | None:
+    """A CPU synth's intra-op threads, set (free_cores.choose_threads: --threads, OMP_NUM_THREADS, the tier's,
+    else one per core other processes leave free), and what decided them; None on an accelerator."""
+    if prep.device.type != "cpu":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    omp = os.environ.get("OMP_NUM_THREADS")
+    n, why, seen = free_cores.choose_threads(
+        flag, omp, prep.tier.cpu_threads, processes=local, ceiling=torch.get_num_threads()
+    )
+    if n is not None:
+        torch.set_num_threads(n)
+    used = torch.get_num_threads()
+    if seen is not None and seen.busy and prep.dist.main:  # why this run is narrower than the host
+        print(f"ttt: {free_cores.thread_words(used)}, {why}; --threads N chooses another", file=sys.stderr,
+              flush=True)  # fmt: skip
+    doc = {"threads": used, "why": why}
+    if seen is not None:
+        doc.update(cpus=seen.cpus, cores_busy=seen.busy, busy_cores_worth=seen.others)
+    return doc
+
+
 @dataclass
 class _Full:
     """The benchmark and the tier's model before --layers changed it."""
@@ -163,6 +190,8 @@ def _resolve(opts: SynthOptions):
     warmup = opts.warmup_steps if opts.warmup_steps is not None else DEFAULT_WARMUP.get(tier.name, 5)
     if steps < 2:
         raise UserError(f"--steps {steps}: need at least 2 timed steps")
+    if opts.threads is not None and opts.threads < 1:
+        raise UserError(f"--threads {opts.threads}: must be at least 1 (one CPU thread per core to use)")
     if warmup < 0:
         raise UserError(f"--warmup-steps {warmup} must be >= 0")
     full = _Full(bench, getattr(tier.model, "n_layers", None), tier.model)
@@ -215,6 +244,7 @@ class _Window:
     warmup: int
     rollout_s: float = 0.0  # on-policy tasks: the rollouts' share of the window
     rollout_tokens: int = 0
+    cpu_s: float = 0.0  # this process's CPU time over the timed window (all its threads)
 
 
 def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) -> _Window:
@@ -237,6 +267,7 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
             _sync(device)
             e0 = _energy_mj(device)
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             clock.mark()
         batch = data.batch(i)
         if task.on_policy:  # rollouts, timed apart: generation's share of the step
@@ -251,6 +282,7 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
             clock.mark()
     _sync(device)
     wall = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
     if live:
         live.update(f"{what}: {steps} steps timed in {wall:.1f} s", force=True)
     e1 = _energy_mj(device)
@@ -259,7 +291,9 @@ def _time_steps(prep, tr, data, steps: int, warmup: int, compiled: bool, out) ->
     samples = (warmup + steps) * tier.global_batch_size
     out.log.end("block_stop", metadata={"samples_count": samples})
     energy = (e1 - e0) / 1e3 if e0 is not None and e1 is not None else None
-    return _Window(wall, per_step, final_loss, energy, samples, steps, warmup, rollout_s, rollout_tokens)
+    return _Window(
+        wall, per_step, final_loss, energy, samples, steps, warmup, rollout_s, rollout_tokens, cpu_s
+    )
 
 
 def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -> dict:
@@ -319,7 +353,7 @@ def _summary(prep, w: _Window, item: tuple[str, int], peak: tuple[float, str]) -
         "peak_tflops_per_device": peak_flops / 1e12,
         "peak_source": peak_src,
         "mfu": achieved / d.world / peak_flops,
-        "host": _host_figures(peak, device, w.wall),
+        "host": _host_figures(peak, device, w.wall, w.cpu_s),
         "peak_memory_bytes": int(max_mem),
         "peak_memory_kind": "GPU max allocated" if device.type == "cuda" else "host peak RSS (whole process)",
         "energy_joules": tot_energy if have_energy == d.world else None,
@@ -450,6 +484,7 @@ class _Peak:
     source: str
     cpu: peaks.CpuPeak | None = None
     load_before: float | None = None  # the host's 1-minute load average before the timed window
+    threads: dict | None = None  # CPU: the intra-op threads and what decided them (_cpu_threads)
 
 
 def _peak(device: torch.device) -> _Peak:
@@ -465,14 +500,27 @@ def _peak(device: torch.device) -> _Peak:
     return _Peak(cpu.flops, cpu.describe(), cpu)
 
 
-def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
+CPU_SHARE_OK = 0.8  # a CPU run whose threads ran less of the timed window than this shared their cores
+
+
+def _host_figures(peak: _Peak, device: torch.device, wall: float, cpu_s: float | None = None) -> dict:
     """The load average before and after the timed window, and whether other processes wanted the cores the
-    run used (this run's own threads, on every rank of this host, taken out of the later figure)."""
+    run used: on a CPU, from the threads' own CPU time over the window and the free-core sample; elsewhere
+    from the load average (this run's own threads, on every rank of this host, taken out of the later
+    figure)."""
     per_rank = torch.get_num_threads() if device.type == "cpu" else 1
     cores = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks on this host
     after = peaks.load_average()
     others = [x for x in (peak.load_before, after and peaks.others_load(after, cores, wall)) if x is not None]
     busy = bool(others) and peaks.host_busy(max(others), cores)
+    share = None
+    if peak.threads is not None and cpu_s is not None:
+        # A CPU run's own threads say it better than the load average, which lags a minute and still holds
+        # the previous run: their CPU time over the window, per thread, is under 1 where they waited for a
+        # core (a neighbour that came during the run, which the sample before it could not see).
+        share = cpu_s / max(wall * per_rank, 1e-9)
+        no_core_free = peak.threads.get("cores_busy", 0) >= peak.threads.get("cpus", math.inf)
+        busy = share < CPU_SHARE_OK or no_core_free
     doc = {
         "load_average_1min": [peak.load_before, after],
         "cpu_count": os.cpu_count(),
@@ -480,6 +528,17 @@ def _host_figures(peak: _Peak, device: torch.device, wall: float) -> dict:
         "host_busy": busy,
         "note": peaks.load_note([peak.load_before, after], busy, cores),
     }
+    if share is not None:
+        doc["cpu_time_share"] = share
+        if share < CPU_SHARE_OK:
+            doc["note"] += (
+                f"; the threads ran {share:.0%} of the timed window (other processes had the cores)"
+            )
+    if peak.threads is not None:
+        doc["threads"] = peak.threads
+        doc["note"] = (
+            f"{free_cores.thread_words(peak.threads['threads'])}: {peak.threads['why']}; {doc['note']}"
+        )
     if peak.cpu is not None:
         doc["peak_measured_tflops"] = peak.cpu.measured / 1e12
         doc["peak_theoretical_tflops"] = (peak.cpu.theoretical or 0.0) / 1e12 or None
