@@ -20,6 +20,7 @@ from timetotrain.train.memory import (
     fits_from,
     format_plan,
     launch,
+    padded_experts,
     plan,
     plan_doc,
 )
@@ -674,25 +675,23 @@ def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
 
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
-    search's last resort, cp=C,fsdp=64/C (train/memory.py module docstring), fits there with the smallest C
-    that splits the batch and fits, and `ttt run`'s preflight takes it. Where a layout without CP fits (8 x
-    80 GiB), or at a legal larger GBS (32 x 24 GiB: fsdp=32 at GBS 32; 64 x 16 GiB: `ep=32,fsdp=64` at GBS
-    64, since its expert slices are sharded over their 2 holders), the suggestion is that one; GRPO's
-    reference on 128 x 141 GiB gets cp=8."""
+    search's last resort, cp (train/memory.py module docstring), is tried with each C that splits the batch:
+    `cp=C,fsdp=64/C` is left out (FSDP2 over 64 ranks pads the 32 experts' shards: `padded_experts`), and
+    `cp=C,ep=32,fsdp=64/C` is counted but does not fit. At a legal larger GBS `ep=32,fsdp=64` does (GBS 64,
+    its expert slices sharded over their 2 holders), and `ttt plan` suggests it. Where a layout without CP
+    fits (8 x 80 GiB, 32 x 24 GiB at GBS 32: fsdp=32) the suggestion is that one; GRPO's reference on 128 x
+    141 GiB gets cp=8, and `ttt run`'s preflight takes it."""
     from timetotrain.train import context_parallel, parallel
 
     bench = get("gpt_oss_20b")
     tier = bench.tier("reference")
     _, rows, best = plan(bench, tier, 64, 16, None)
     cap = 0.9 * 16 * GiB
-    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel)
-    assert best.parallel == "fsdp=16,cp=4" and best.total <= cap
+    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel) and best is None
     # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it. Each C
-    # with the experts split over the GPUs too (32 experts, 64 GPUs: ep=32), after the one without.
+    # with the experts split over the GPUs (32 experts, 64 GPUs: ep=32); without, FSDP2 pads them.
     cp_rows = {r.parallel for r in rows if "cp=" in r.parallel}
-    assert cp_rows == {"fsdp=16,cp=4", "fsdp=8,cp=8", "fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
-    given = parallel.parse(best.parallel, 64)
-    context_parallel.check(bench, tier, given, best.parallel)  # `ttt run`'s preflight takes it
+    assert cp_rows == {"fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
     assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
@@ -709,6 +708,10 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     _, rows, best = plan(grpo, grpo.tier("reference"), 128, 141, None)
     assert not any(r.total <= 0.9 * 141 * GiB for r in rows if "cp=" not in r.parallel)
     assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=16,cp=8", 1, 1)
+    given = parallel.parse(best.parallel, 128)
+    context_parallel.check(
+        grpo, grpo.tier("reference"), given, best.parallel
+    )  # `ttt run`'s preflight takes it
 
 
 def test_pipeline_is_searched_where_nothing_else_splits_the_batch(capsys, monkeypatch, tmp_path):
@@ -785,3 +788,20 @@ def test_pipeline_rows_of_lora_and_fp8():
     fp8_rows = plan(dense, ref, 8, 80, "pp=2,fsdp=4", fp8=fp8_model(dense, ref))[1]
     assert [r.compute_copies for r in fp8_rows] < [r.compute_copies for r in bf16_rows]
     assert [r.states for r in fp8_rows] == [r.states for r in bf16_rows]
+
+
+def test_the_search_leaves_out_fsdp_over_more_ranks_than_experts():
+    """qwen35_397b_grpo's 512 experts: FSDP2 over 1,024 ranks pads each rank's expert shard (simulated 139.9
+    GiB against the formula's 58.8 at `fsdp=128,cp=8`), so the search offers no such layout, while the
+    same layout over 256 ranks, or with the experts split by ep first, stays."""
+    bench = get("qwen35_397b_grpo")
+    tier = bench.tier("reference")
+    assert padded_experts(tier, "fsdp", 1024) and padded_experts(tier, "tp", 4096, tp=4)
+    assert not padded_experts(tier, "fsdp", 512) and not padded_experts(tier, "ep,fsdp", 1024, ep=512)
+    assert not padded_experts(REF, "fsdp", 1024)  # a dense model
+    _, rows, best = plan(bench, tier, 256, 141, None)
+    assert best is not None and best.parallel == "fsdp=64,cp=4"
+    with pytest.raises(UserError, match="does not split"):
+        plan(bench, tier, 1024, 141, None)
+    # the user's own layout is still counted (and `--simulate` can show what the padding costs)
+    assert plan(bench, tier, 1024, 141, "fsdp=256,cp=4")[1]

@@ -587,9 +587,11 @@ def _check_experts(cfg, spec: str, ep: int) -> None:
 
 def plan(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
-    gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None,
+    gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None, searched: bool = False,
 ):  # fmt: skip
     """All candidate configurations with their estimates, and the suggested one (or None if none fits).
+    `searched`: `parallel_spec` is one the search tries (`_context_parallel_rows`), not the user's: a layout
+    the formula cannot count (`padded_experts`) is left out rather than estimated.
     `ac`: only that activation checkpointing (`--ac`: 1, `--ac-every K`: K); None: each layout without and
     with checkpointing of every block.
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
@@ -612,6 +614,9 @@ def plan(
     ) -> list[Estimate]:
         if _refused_share(bench, tier, local, gbs // local):  # no row `ttt run` takes (GRPO: whole groups)
             return []
+        if (searching or searched) and padded_experts(tier, kind, gpus, tp, ep, replicas):
+            left_out.append(kind)
+            return []
         micros = [m for m in (1, 2, 4, 8, 16) if m <= local and local % m == 0]
         return [estimate(bench, tier, n, gpus, gpu_mem_gib, kind, ac, m, bf16, tp=tp, fp8=fp8, ep=ep,
                          replicas=replicas, cp=cp)
@@ -619,6 +624,8 @@ def plan(
 
     # Suggest only what fits with 10% to spare: the estimate itself can be off by 5-10%.
     cap = HEADROOM * gpu_mem_gib * GiB
+    searching = not parallel_spec
+    left_out: list[str] = []  # kinds `padded_experts` kept from the search, for the refusal's reason
     if parallel_spec:
         given = parallel.parse(parallel_spec, gpus, world_from="--gpus is")
         local = parallel.check_batch_split(gbs, given)
@@ -668,6 +675,11 @@ def plan(
             # where it splits, the task may refuse the share (GRPO: whole groups per rank): say why
             why = _refused_share(bench, tier, gbs // gpus, gpus) if gbs % gpus == 0 else ""
             why = f" ({why})" if why else ""
+            if left_out:
+                why += (
+                    f"; layouts with FSDP2 over more than the model's {tier.model.n_experts} experts are left "
+                    "out (their padded expert shards are not counted: see `padded_experts`)"
+                )
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
                 "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
@@ -714,6 +726,19 @@ def _tensor_parallel_rows(bench, tier, gpus: int, gpus_per_node: int, rows_of) -
             # dividing both, as the hybrid above (train/parallel.py).
             rows += rows_of("tp,ep", gbs // data, t, ep=math.gcd(tier.model.n_experts, data))
     return rows
+
+
+def padded_experts(tier, kind: str, gpus: int, tp: int = 1, ep: int | None = None, replicas: int = 1) -> bool:
+    """Whether FSDP2 shards an MoE model's stacked expert weights (dim 0: the experts) over more ranks than
+    there are experts, with no expert parallelism to split them first. Each rank then holds one expert or
+    none, and the all-gathers run over shards padded to one expert each: simulated, qwen35_397b_grpo's 512
+    experts under `fsdp=128,cp=8` (FSDP2 over all 1,024 ranks) peak at 139.9 GiB against this formula's
+    58.8 (100.8 GiB of gathered blocks; docs/scale.md, "Every suggestion simulated"), which the formula does
+    not count, so the search does not suggest such a layout."""
+    experts = getattr(tier.model, "n_experts", 0)
+    if not experts or kind not in ("fsdp", "hsdp", "tp"):  # (the `ep` kinds split the experts first)
+        return False
+    return gpus // (replicas * tp) > experts
 
 
 def _refused_share(bench, tier, local: int, ranks: int) -> str:
@@ -772,7 +797,7 @@ def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, 
             continue
         for spec in [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else []):
             try:
-                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
+                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
             except UserError:
                 continue
     return rows
@@ -816,7 +841,7 @@ def _pipeline_search_rows(
             ]
         for spec in specs:
             try:
-                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)[1]
+                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
             except UserError:
                 continue
         if any(r.total <= cap for r in rows):
