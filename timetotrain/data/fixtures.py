@@ -368,7 +368,7 @@ def fetch_cached(
         work = Path(tempfile.mkdtemp(prefix=f"{cache.name}.partial-", dir=cache.parent))
         _, notes = build(work, only=only, sources=Sources(work / ".sources", base, pins))
         shutil.rmtree(work / ".sources", ignore_errors=True)
-        (work / COMPLETE).write_text(f"built from {base} by timetotrain.data.fixtures.fetch_cached\n")
+        fileio.write_text(work / COMPLETE, f"built from {base} by timetotrain.data.fixtures.fetch_cached\n")
         try:
             os.rename(work, cache)
         except OSError:  # another session finished first (or a stale folder is in the way): theirs stands
