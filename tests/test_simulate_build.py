@@ -1,14 +1,14 @@
 """The build's peak of `ttt plan --simulate` (`simulate._Allocations`: the meta model -> this rank's shards ->
 init -> warm-up) for the FSDP2 families, against a real 2-rank gloo build of the tiny tier.
 
-The real build is measured by the CPU allocator itself (torch's profiler records every allocation and free,
-a storage resized to 0 or back included), not by the counter under test: counted the counter's way on both
+The real build is measured by the CPU allocator itself (torch's profiler records every allocation and free, a
+storage resized to 0 or back included), not by the counter under test: counted the counter's way on both
 sides, a counter that misses a free agrees with itself. llama31_8b and gpt_oss_20b (MoE) on `fsdp=2`: the
-simulated build's peak within 0.1% of the allocator's (measured: 5,056 bytes below it of 29 and 38 MB, the
-warm-up's CPU random generator, which the allocator holds from its first draw, no tensor), the largest
-tensor equal to the byte. Before
-the counter followed DTensors to their local shards and FSDP2's storage resizes it read 36.3 MB for
-llama31_8b (25% above), and at the reference 94.3 GiB for llama31_8b `fsdp=8` at 3 layers (51.4 now).
+simulated build's peak within 0.1% of the allocator's (measured: 5,056 bytes below it of 29 and 38 MB,
+allocated at the warm-up's first draw from its generator and held by no op's output: the generator's state, it
+seems), the largest tensor equal to the byte. Before the counter followed DTensors to their local shards and
+FSDP2's storage resizes it read 36.3 MB for llama31_8b (25% above), and at the reference 94.3 GiB for
+llama31_8b `fsdp=8` at 3 layers (51.4 now).
 
 Run as a script (by torchrun) this file is the worker: it writes its rank's measured bytes to a file."""
 
