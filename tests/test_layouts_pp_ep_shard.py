@@ -118,3 +118,15 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.bad_input
+def test_pp_reduce_names_its_choices():
+    from timetotrain.errors import UserError
+    from timetotrain.spec.benchmark import apply_overrides, validate
+
+    bench = get(NAME)
+    assert apply_overrides(bench, bench.tier("tiny"), ["pp_reduce=stage"]).pp_reduce == "stage"
+    with pytest.raises(UserError, match=r"--set pp_reduce=block: choose one of experts, stage, step") as e:
+        validate(bench, apply_overrides(bench, bench.tier("tiny"), ["pp_reduce=block"]))
+    assert "\n" not in str(e.value)
