@@ -1,25 +1,27 @@
 """When a pipeline stage's FSDP2 wraps reduce their gradients and reshard their parameters (`--set
 pp_reduce=`, train/pipeline.py).
 
-torch's schedule (torch/distributed/pipelining/stage.py, `backward_maybe_with_nosync`) turns FSDP2's gradient
-reduction and resharding off on every FSDP2 module of a stage before each micro-batch's backward, and turns them
-back on only in `perform_reduce_grad` after the step's last one: through the step a rank holds each wrap's
-gradient whole in fp32 and its parameters gathered (compute precision), one reduce-scatter and no all-gather
-per wrap and step. For a stage's expert slices sharded over their holders (`pp=P,ep=E,fsdp=N`, E < N:
-`expert_parallel.shard_expert_replicas`) that is the whole slice twice over: DeepSeek-V3's published
-`pp=4,ep=32,fsdp=64` on 80 GiB GPUs simulated 98.0 GiB (docs/scale.md, "Pipeline: expert slices reduced per
-micro-batch").
+torch's schedule (torch/distributed/pipelining/stage.py, `backward_maybe_with_nosync`) turns FSDP2's
+gradient reduction and resharding off on every FSDP2 module of a stage before each micro-batch's backward,
+and turns them back on only in `perform_reduce_grad` after the step's last one: through the step a rank
+holds each wrap's gradient whole in fp32 and its parameters gathered (compute precision), one
+reduce-scatter per wrap and step. For a stage's expert slices sharded over their holders
+(`pp=P,ep=E,fsdp=N`, E < N: `expert_parallel.shard_expert_replicas`) that is every slice gathered and its
+gradient whole: DeepSeek-V3's published `pp=4,ep=32,fsdp=64` on 80 GiB GPUs simulated 98.0 GiB
+(docs/scale.md, "Pipeline: expert slices reduced per micro-batch").
 
 `pp_reduce` chooses the wraps that instead reshard after each micro-batch's backward and reduce-scatter its
 gradient there, into the shard's accumulated gradient (FSDP2's own accumulation without no-sync):
-- `experts` (default): the expert slices' wraps. Their reduce-scatter runs over the N / E holders of a slice
-  only (2 ranks, within a node, at the published layout), and each micro-batch gathers the slice again;
+- `experts` (default): the expert slices' wraps, whose collectives run over a slice's N / E holders only;
+  each micro-batch then gathers the slice again;
 - `stage`: every wrap of the stage (its blocks and the stage root too): the blocks' gradients and gathered
-  weights shrink to shards as well, for a reduce-scatter over all N ranks of the stage and two more
-  all-gathers (forward, backward) per block and micro-batch;
+  weights shrink to shards as well, for a reduce-scatter and two all-gathers (forward, backward) of every
+  block over all N ranks of the stage per micro-batch, not one reduce-scatter per step;
 - `step`: torch's schedule as it is.
-The measured peaks (docs/scale.md) are why `experts` is the default: it brings the published layout under
-the 72 GiB line, and `stage` lowers the peak further for N-rank collectives per micro-batch.
+Measured (docs/scale.md): at the published DeepSeek-V3 layout `experts` lowers the simulated peak from
+98.0 to 80.9 GiB, `stage` to 55.9, the only one under the 72 GiB line. `stage` is not the default because it
+multiplies the stage's N-rank collectives by the micro-batch count (256 a step at the reference GBS on 256
+GPUs), which a layout that fits without it should not pay; `ttt plan --set pp_reduce=stage` counts it.
 
 Gradients come out the same: each micro-batch's reduce-scatter divides by the wrap's factor, the sum of the
 micro-batches' shares is the share of the sum, and `perform_reduce_grad` then finds those wraps' gradients
