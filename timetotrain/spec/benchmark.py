@@ -53,6 +53,9 @@ class Tier:
     # torchao's float8 recipe under `--precision fp8` (train/float8.py): a run setting, not a hyperparameter
     # of the rules, so neither logged as one nor checked by a rule file.
     fp8_recipe: str = "tensorwise"
+    # Under a pipeline with FSDP2, the wraps that reduce their gradients and reshard after every micro-batch's
+    # backward, not once a step (train/pipeline_reduce.py): a run setting, as fp8_recipe.
+    pp_reduce: str = "experts"
     # The gradient-clip norm where the rules tie it to the GBS (qwen35_397b_grpo: 0.125 x sqrt(256 / GBS)),
     # replacing the optimizer's; None: `Optimizer.clip`.
     clip: float | None = None
@@ -161,7 +164,10 @@ SETTABLE = (
     "target",
     "division",
     "fp8_recipe",
+    "pp_reduce",
 )
+
+PP_REDUCE = ("experts", "stage", "step")  # train/pipeline_reduce.py
 
 # train/float8.py applies them; the last two: MXFP8 (torchao's MX training, CUDA 10.0+ or emulated on a CPU)
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp")
@@ -435,6 +441,8 @@ def setting(tier: Tier, name: str):
 def validate(bench: Benchmark, t: Tier) -> None:
     if t.fp8_recipe not in FP8_RECIPES:
         raise UserError(f"--set fp8_recipe={t.fp8_recipe}: choose one of {', '.join(FP8_RECIPES)}")
+    if t.pp_reduce not in PP_REDUCE:
+        raise UserError(f"--set pp_reduce={t.pp_reduce}: choose one of {', '.join(PP_REDUCE)}")
     for key in ("global_batch_size", "micro_batch_size", "max_steps", "eval_samples", "eval_every_samples"):
         if getattr(t, key) <= 0:
             raise UserError(f"--set {key}={getattr(t, key)}: must be positive")

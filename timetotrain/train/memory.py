@@ -878,7 +878,10 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
       with (V - 1) P + 2 (P - 1) forwards of one virtual stage (L / (P V) layers), one more in the steady
       state; at most the step's micro-batches. The rest (head and loss, the block AC recomputes) once;
     - under FSDP2 it turns gradient reduction and resharding off until the last micro-batch: the stage's
-      gradients whole in fp32 and its parameters gathered (per TP rank), not shards and two blocks;
+      gradients whole in fp32 and its parameters gathered (per TP rank), not shards and two blocks; save
+      for the wraps `--set pp_reduce=` reduces and reshards per micro-batch (train/pipeline_reduce.py):
+      `experts` (the default) the sharded expert slices, of which one layer's is then gathered with its
+      gradient whole at a time, `stage` all (the layout's own row);
     - one rank per stage (`pp=P` alone) has no DDP, so none of its buckets.
     Of a task that freezes the model (LoRA) only the trainable parameters (its adapters, all in the blocks)
     have gradients: the two corrections above count those, the stage's states its adapters' optimizer
@@ -949,12 +952,16 @@ def _pipeline_rows(bench, tier, given, gpus, gpu_mem_gib, local, acs, bf16, fp8)
             states, copies = e.states, e.compute_copies
             if not stage_layout:  # one rank per stage: no DDP, so none of its buckets (a gradient copy)
                 states -= 4 * n_grads
-            if shards > 1:
+            if shards > 1 and tier.pp_reduce != "stage":
                 # torch's schedule turns FSDP2's gradient reduction and resharding off until the last
                 # micro-batch: the stage's gradients whole in fp32 and its parameters gathered, per TP rank.
                 states += 4 * n_grads / inner.tp * (1 - 1 / shards)
-                states += 4 * n_slice * (1 - 1 / inner.expert_shards)
-                gathered = (2 if bf16 else 4) * (n_stage / inner.tp + n_slice)
+                gathered = (2 if bf16 else 4) * n_stage / inner.tp
+                if tier.pp_reduce == "step":  # the sharded expert slices too
+                    states += 4 * n_slice * (1 - 1 / inner.expert_shards)
+                    gathered += (2 if bf16 else 4) * n_slice
+                elif n_slice:  # they reshard per micro-batch: one MoE layer's slice gathered, gradient whole
+                    gathered += ((2 if bf16 else 4) + 4) * n_slice / (layers - min(dense, layers))
                 if fp8 is not None and bf16:  # the float8 linears gathered in float8 (tensorwise)
                     gathered -= (2 - fp8.gather_bytes) * fp8.per_block * layers / inner.tp
                 copies = max(copies, gathered)
@@ -1429,7 +1436,8 @@ def _row_notes(bench, tier, rows) -> list[str]:
             "pp rows (the search tries them only where no layout without pipeline parallelism fits or splits "
             "the batch): the layers cut into pp stages (train/pipeline.py), each sharded over its tp x fsdp "
             "GPUs; a stage holds its gradients whole in fp32 and its parameters gathered through the step "
-            "(torch's schedule defers FSDP2's reduction to the last micro-batch), and 1F1B up to pp "
+            "(torch's schedule defers FSDP2's reduction to the last micro-batch; the sharded expert slices "
+            "reduce per micro-batch, and under --set pp_reduce=stage every wrap does), and 1F1B up to pp "
             "micro-batches of its blocks' activations; suggested: the fewest stages that fit, at the "
             "smallest micro-batch (the most micro-batches: the least bubble). Method only: not validated on "
             "GPUs."

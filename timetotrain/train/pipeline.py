@@ -26,7 +26,10 @@ One step. The micro-batches are the run's gradient accumulation (local batch / m
 of P. The task's loss function is called with a stand-in for the model (`_Capture`) to learn the model's
 inputs (tokens, labels), then the schedule runs them; the last stage's output is each micro-batch's mean
 loss, and the schedule divides the accumulated gradients by the micro-batch count: the step's loss and
-gradients are those of the unpipelined step (the mean over micro-batches of each one's mean loss).
+gradients are those of the unpipelined step (the mean over micro-batches of each one's mean loss). Under
+FSDP2 the schedule reduces a stage's gradients once, after the last micro-batch, save for the wraps
+`--set pp_reduce=` reduces after every micro-batch (the sharded expert slices by default:
+train/pipeline_reduce.py).
 Only the last stage has the loss: `Pipeline.forward_backward` returns it times P there and 0 elsewhere,
 so that `Training.step`'s sum over all ranks of loss / world is the mean. The gradient norm for clipping
 sums each stage's squares over all ranks (`Training.tp_world` is the ranks of one stage). Evaluation
@@ -75,7 +78,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
@@ -90,6 +93,7 @@ from timetotrain.train.checkpoint import _clean_name, check_init_source, load_ch
 from timetotrain.train.context_parallel import SequenceGroup
 from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded, shard_expert_replicas
 from timetotrain.train.pipeline_moe import Owned, aux_into_backward, aux_losses, expert_mesh
+from timetotrain.train.pipeline_reduce import ReducingStage, per_micro_batch
 from timetotrain.train.shards import _FILLS, draw_full, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
@@ -301,7 +305,8 @@ class Pipeline(nn.Module):
     reduction=)`) it evaluates: forward only, the result on every rank of the pipeline."""
 
     def __init__(
-        self, stages: list[Stage], indices: list[int], count: int, group, device, accum: int, boundary: tuple
+        self, stages: list[Stage], indices: list[int], count: int, group, device, accum: int, boundary: tuple,
+        reduce: str = "experts",
     ):  # fmt: skip
         super().__init__()
         self.stages = nn.ModuleList(stages)
@@ -310,8 +315,17 @@ class Pipeline(nn.Module):
         self.pp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.last = count - 1 in indices
+        # `reduce`: the wraps that reduce and reshard per micro-batch (train/pipeline_reduce.py)
         pipes = [
-            PipelineStage(s, i, count, device, *_examples(i, count, *boundary), group=group)
+            ReducingStage(
+                s,
+                i,
+                count,
+                device,
+                *_examples(i, count, *boundary),
+                group=group,
+                per_micro=per_micro_batch(s, reduce),
+            )
             for s, i in zip(stages, indices, strict=True)
         ]
         if len(pipes) == 1:
@@ -524,7 +538,7 @@ def build(
     width = cfg.dim * (1 + len(getattr(model, "mtp", ())))
     length = _stream_length(tokens[1], plan)
     boundary = (torch.Size([tokens[0] // accum, tokens[1]]), width, stream, length)
-    pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary)
+    pipe = Pipeline(stages, indices, count, pp_group, device, accum, boundary, tier.pp_reduce)
     _init(family, model, device, seed + 1)
     _init_adapters(task, model, tier, device, seed + 2)
     # One step through the schedule before the clock (kernels, allocator), from the `seed + 1` weights;

@@ -7,9 +7,10 @@ p x N + d is data-parallel rank d of stage p. The experts of every MoE layer are
 consecutive data-parallel ranks of the same stage, a (pp, N / E, E) mesh; where N > E FSDP2 shards each
 slice over the N / E ranks of the stage that hold it (`expert_parallel.shard_expert_replicas`), as in the
 `ep=E,fsdp=N` hybrid, and everything else of a stage over its N ranks. torch's schedule turns FSDP2's
-resharding and gradient reduction off until the step's last micro-batch, for the experts' wrap as for the
-rest: through the step a rank holds its whole slice gathered (compute precision) and its fp32 gradient
-unsharded; the sharding saves the weights' fp32 masters and the AdamW moments (`ttt plan`'s pp rows).
+resharding and gradient reduction off until the step's last micro-batch; the slices' wraps are turned back
+on for every micro-batch (`--set pp_reduce=experts`, the default: train/pipeline_reduce.py), so a rank holds
+one layer's slice gathered at a time and the slices' gradients as shards, not every slice gathered (compute
+precision) with its fp32 gradient whole through the step (`ttt plan`'s pp rows).
 
 The loss. One process's training loss is LM + MTP + the sum of every MoE layer's sequence aux loss. The
 routers live on different stages; only the last stage's output reaches the schedule's loss. An earlier
