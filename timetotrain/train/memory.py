@@ -661,7 +661,16 @@ def plan(
             label = ",".join(f"{k}={getattr(given, k)}" for k in parallel.KINDS if getattr(given, k) > 1)
             rows = [dataclasses.replace(r, parallel=label) for r in rows]
     else:
-        rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of)
+
+        def named(spec: str) -> list[Estimate]:
+            """The rows of `spec` planned as `--parallel` names it, through every check of `ttt run`'s
+            preflight; none where those refuse it."""
+            try:
+                return plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
+            except UserError:
+                return []
+
+        rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of, named)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
             rows += _tensor_parallel_rows(bench, tier, gpus, gpus_per_node, rows_of)
@@ -751,9 +760,10 @@ def _refused_share(bench, tier, local: int, ranks: int) -> str:
     return ""
 
 
-def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
+def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of, named) -> list[Estimate]:
     """The search's first layouts, where the batch splits over all GPUs (`plan`): dp and fsdp; for an MoE
-    model ep and ep x fsdp (or the hybrid); across nodes HSDP. None where the batch does not split."""
+    model ep and ep x fsdp (or the hybrid); across nodes HSDP, for an MoE model HSDP x EP too (`named`: a
+    `--parallel` spec planned through `ttt run`'s checks). None where the batch does not split."""
     gbs = tier.global_batch_size
     if gbs % gpus:
         return []
@@ -772,6 +782,17 @@ def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Es
         # all-gathers stay on the node's links; it holds fsdp=gpus_per_node's states, so where it fits
         # it goes before fsdp over every GPU (`plan`'s order).
         rows += rows_of("hsdp", gbs // gpus, replicas=gpus // gpus_per_node)
+        node_ep = math.gcd(tier.model.n_experts, gpus_per_node) if moe else 1
+        if node_ep > 1:
+            # An MoE model, HSDP x EP: the same shard groups of one node, the experts split over E of its
+            # GPUs (the largest dividing the experts and the node), each slice whole on every replica
+            # (`Plan.expert_shards`): its all-to-alls and all-gathers stay on the node, only the gradients
+            # cross nodes, so where it fits it goes before `ep=E,fsdp=gpus` (`plan`'s order). At E = the
+            # node it holds HSDP's states plus its slices' bf16 copies: a tie goes to HSDP (no all-to-all,
+            # listed first), so it is picked where HSDP is not offered, over a node of more GPUs than
+            # experts (`padded_experts`: gpt_oss_20b's 32 on nodes of 64).
+            reps = gpus // gpus_per_node
+            rows += named(f"dp_replicate={reps},fsdp={gpus_per_node},ep={node_ep}")
     return rows
 
 
@@ -795,7 +816,16 @@ def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, 
     for c in CP_DEGREES:
         if gpus % c or gpus // c < 2 or c > gpus_per_node:
             continue
-        for spec in [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else []):
+        specs = [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else [])
+        # With tensor parallelism (`cp=C,tp=T[,fsdp=F]`, the llama family's dense decoders: what
+        # `context_parallel.check` takes), the C x T ranks of a sample within one node: where neither cp nor
+        # tp alone fits, each cutting what the other leaves whole (TP the states and a block's heads, CP the
+        # sequence, the head's and loss's included). Fewer TP first, then fewer CP (`plan`'s order).
+        for t in _tp_degrees(bench.family, tier.model, gpus // c, gpus_per_node, bench.task):
+            if min(gpus, gpus_per_node) % (c * t) == 0:
+                f = gpus // (c * t)
+                specs.append(f"cp={c},tp={t}" + (f",fsdp={f}" if f > 1 else ""))
+        for spec in specs:
             try:
                 rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
             except UserError:
