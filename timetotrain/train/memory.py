@@ -60,10 +60,13 @@ Where the numbers come from (an estimate, not a measurement):
   over all GPUs splits the batch, and where it fits it goes before `fsdp` at the same checkpointing, even
   at a smaller micro-batch (`plan`'s order); on one node it is never tried.
 - The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid),
-  HSDP across nodes;
+  HSDP across nodes (MoE: HSDP x EP too, `dp_replicate=nodes,fsdp=node,ep=E`, E the largest dividing the
+  experts and the node, planned as --parallel names it; at E = the node it holds HSDP's states plus its
+  slices' bf16 copies, so a tie goes to HSDP, without all-to-all);
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
   parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`; for an MoE model
-  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs), each planned
+  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs; for the llama family
+  `cp=C,tp=T[,fsdp=F]` with C x T within a node, fewer TP first), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
@@ -597,8 +600,9 @@ def plan(
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
-    fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits,
-    then cp x fsdp if none of those fits either, then pp x tp x fsdp if nothing does (module docstring)."""
+    fsdp, for an MoE model ep and ep x fsdp too, HSDP (x EP) across nodes, then tp x fsdp (TP within a node)
+    if none of those fits, then cp x fsdp (x ep, x tp) if none of those fits either, then pp x tp x fsdp if
+    nothing does (module docstring)."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
