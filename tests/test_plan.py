@@ -805,3 +805,42 @@ def test_the_search_leaves_out_fsdp_over_more_ranks_than_experts():
         plan(bench, tier, 1024, 141, None)
     # the user's own layout is still counted (and `--simulate` can show what the padding costs)
     assert plan(bench, tier, 1024, 141, "fsdp=256,cp=4")[1]
+
+
+def test_hsdp_with_ep_and_cp_with_tp_are_searched_where_they_are_the_pick():
+    """The search's other products (train/memory.py `_data_parallel_rows`, `_context_parallel_rows`), each
+    planned as `--parallel` names it. HSDP x EP across nodes: gpt_oss_20b at GBS 128 on 2 nodes of 64 GPUs
+    (80 GiB) gets `dp_replicate=2,ep=32,fsdp=64` without AC, before `ep=32,fsdp=128` (which fits too, its
+    all-gathers and all-to-alls crossing nodes), where HSDP without ep is not offered (FSDP2 over 64 ranks
+    pads the 32 experts); on nodes of 8 plain HSDP fits as well and a tie goes to it (no all-to-all).
+    cp x tp: llama31_8b at sequence 131,072 on 8 x 48 GiB, where no layout with tp alone or cp alone fits,
+    gets `cp=4,tp=2` (fewer TP first: `cp=2,tp=4` fits too), and `ttt run`'s checks take it; on 8 x 64
+    `tp=2,fsdp=4` fits and no cp row is estimated."""
+    from timetotrain.train import context_parallel, parallel
+
+    bench = get("gpt_oss_20b")
+    tier = dataclasses.replace(bench.tier("reference"), global_batch_size=128)
+    _, rows, best = plan(bench, tier, 128, 80, None, gpus_per_node=64)
+    fits = {r.parallel for r in rows if r.total <= 0.9 * 80 * GiB and not r.ac}
+    assert {"ep=32,fsdp=128", "dp_replicate=2,ep=32,fsdp=64"} <= fits
+    assert not any(r.parallel == "dp_replicate=2,fsdp=64" for r in rows)
+    assert (best.parallel, best.ac, best.micro_batch) == ("dp_replicate=2,ep=32,fsdp=64", 0, 1)
+    tier = dataclasses.replace(bench.tier("reference"), global_batch_size=64)
+    _, rows, best = plan(bench, tier, 64, 141, None)
+    assert {"dp_replicate=8,fsdp=8", "dp_replicate=8,ep=8,fsdp=8"} <= {r.parallel for r in rows if not r.ac}
+    assert (best.parallel, best.ac) == ("dp_replicate=8,fsdp=8", 0)
+
+    ref = dataclasses.replace(
+        REF,
+        model=dataclasses.replace(REF.model, max_seq_len=131072),
+        data=dataclasses.replace(REF.data, seq_len=131072),
+    )
+    _, rows, best = plan(BENCH, ref, 8, 48, None)
+    cap = 0.9 * 48 * GiB
+    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel or "tp=" not in r.parallel)
+    assert {"cp=4,tp=2", "cp=2,tp=4"} <= {r.parallel for r in rows if r.total <= cap}
+    assert (best.parallel, best.ac, best.micro_batch) == ("cp=4,tp=2", 1, 1)
+    given = parallel.parse(best.parallel, 8)
+    context_parallel.check(BENCH, ref, given, best.parallel)  # `ttt run`'s preflight takes it
+    _, rows, best = plan(BENCH, ref, 8, 64, None)
+    assert best.parallel == "tp=2,fsdp=4" and not any("cp=" in r.parallel for r in rows)

@@ -14,7 +14,11 @@ HSDP (`dp_replicate=R,fsdp=S`) is suggested across nodes where FSDP2 within a no
 TP suggestion at a legal GBS of the RCP table (train/memory.py): the walk takes the suggestions as `ttt plan`
 makes them (`plan_at_legal_gbs`) and the kinds of the rows it offers at another GBS that fit. HSDP x TP
 (`dp_replicate=R,fsdp=S,tp=T`), which the search prefers across nodes where TP is needed and FSDP2 over a
-node's TP groups fits, is built on 8 ranks (2 x 2 x 2); HSDP x EP by name. Pipeline parallelism is the search's other last resort: it is
+node's TP groups fits, is built on 8 ranks (2 x 2 x 2); HSDP x EP (`dp_replicate=2,fsdp=2,ep=2`), which the
+search tries across nodes for an MoE model (gpt_oss_20b's GBS 64 rows on 64 GPUs offer it), on 4. The search
+tries cp with tp (`cp=C,tp=T[,fsdp=F]`) beside cp where `context_parallel.check` takes both (the llama
+family's dense decoders): built once per such family, as `cp=2,tp=2` (4 ranks, FSDP2 over the 2 cp ranks).
+Pipeline parallelism is the search's other last resort: it is
 suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
 over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
 is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
@@ -47,8 +51,10 @@ SMALL = {
     "ep,fsdp": "ep=4,fsdp=4",
     "ep": "ep=4",
     "hsdp": "dp_replicate=2,fsdp=2",
+    "ep,fsdp,hsdp": "dp_replicate=2,fsdp=2,ep=2",
     "tp,hsdp": "dp_replicate=2,fsdp=2,tp=2",  # on 8 ranks (`_world`)
     "fsdp,cp": "cp=2,fsdp=2",
+    "tp,cp": "cp=2,tp=2",  # FSDP2 over the 2 cp ranks (train/parallel.py `Plan.shard_ranks`)
     "ep,fsdp,cp": "cp=2,ep=2,fsdp=2",
     # pipeline kinds: the rank layouts the search suggests (`pp=P[,tp=T][,fsdp=F]`, no dp), at 2 stages
     "tp,pp": "pp=2,tp=2,fsdp=2",
@@ -106,6 +112,13 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         if bench.family.name not in cp_families:
             cp_families.add(bench.family.name)
             out.add((name, "fsdp,cp"))
+            try:  # and with tp where `ttt run` takes both (the llama family), the search's cp x tp
+                given = parallel.parse("cp=2,tp=2,fsdp=2", 8)
+                parallel.check_tensor_parallel(bench.family, tier.model, "tp=2", 2, bench.task)
+                context_parallel.check(bench, tier, given, "cp=2,tp=2,fsdp=2")
+                out.add((name, "tp,cp"))
+            except UserError:
+                pass
         if hasattr(tier.model, "n_experts") and not cp_ep:  # the search tries cp with ep for an MoE model
             cp_ep = True
             out.add((name, "ep,fsdp,cp"))
@@ -168,8 +181,6 @@ NAMED = [
     # the hybrid with its expert slices sharded over their 2 replicas (FSDP2 wraps of their own, bf16
     # gathers), which the search offers only where GPUs outnumber the experts (1,024 for DeepSeek-V3)
     ("deepseekv3_671b", "ep=2,fsdp=4", "bf16"),
-    # HSDP x EP, which the search does not try (it tries HSDP x TP, for the dense families only)
-    ("gpt_oss_20b", "dp_replicate=2,fsdp=2,ep=2", "fp32"),
     # pipeline with expert parallelism: the search's last resort for an MoE model, reached by no grid cell
     # (a stage holds the same states per GPU as the layout without pp, plus its gradients whole)
     ("deepseekv3_671b", "pp=2,ep=2", "fp32"),

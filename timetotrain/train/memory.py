@@ -60,10 +60,13 @@ Where the numbers come from (an estimate, not a measurement):
   over all GPUs splits the batch, and where it fits it goes before `fsdp` at the same checkpointing, even
   at a smaller micro-batch (`plan`'s order); on one node it is never tried.
 - The search without --parallel, fewest collectives first: dp and fsdp (MoE: ep, ep x fsdp, the hybrid),
-  HSDP across nodes;
+  HSDP across nodes (MoE: HSDP x EP too, `dp_replicate=nodes,fsdp=node,ep=E`, E the largest dividing the
+  experts and the node, planned as --parallel names it; at E = the node it holds HSDP's states plus its
+  slices' bf16 copies, so a tie goes to HSDP, without all-to-all);
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
   parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`; for an MoE model
-  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs), each planned
+  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs; for the llama family
+  `cp=C,tp=T[,fsdp=F]` with C x T within a node, fewer TP first), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
@@ -597,8 +600,9 @@ def plan(
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
-    fsdp, for an MoE model ep and ep x fsdp too, then tp x fsdp (TP within a node) if none of those fits,
-    then cp x fsdp if none of those fits either, then pp x tp x fsdp if nothing does (module docstring)."""
+    fsdp, for an MoE model ep and ep x fsdp too, HSDP (x EP) across nodes, then tp x fsdp (TP within a node)
+    if none of those fits, then cp x fsdp (x ep, x tp) if none of those fits either, then pp x tp x fsdp if
+    nothing does (module docstring)."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
@@ -661,7 +665,16 @@ def plan(
             label = ",".join(f"{k}={getattr(given, k)}" for k in parallel.KINDS if getattr(given, k) > 1)
             rows = [dataclasses.replace(r, parallel=label) for r in rows]
     else:
-        rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of)
+
+        def named(spec: str) -> list[Estimate]:
+            """The rows of `spec` planned as `--parallel` names it, through every check of `ttt run`'s
+            preflight; none where those refuse it."""
+            try:
+                return plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
+            except UserError:
+                return []
+
+        rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of, named)
         if not any(r.total <= cap for r in rows):
             # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
             rows += _tensor_parallel_rows(bench, tier, gpus, gpus_per_node, rows_of)
@@ -751,9 +764,10 @@ def _refused_share(bench, tier, local: int, ranks: int) -> str:
     return ""
 
 
-def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
+def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of, named) -> list[Estimate]:
     """The search's first layouts, where the batch splits over all GPUs (`plan`): dp and fsdp; for an MoE
-    model ep and ep x fsdp (or the hybrid); across nodes HSDP. None where the batch does not split."""
+    model ep and ep x fsdp (or the hybrid); across nodes HSDP, for an MoE model HSDP x EP too (`named`: a
+    `--parallel` spec planned through `ttt run`'s checks). None where the batch does not split."""
     gbs = tier.global_batch_size
     if gbs % gpus:
         return []
@@ -772,6 +786,17 @@ def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of) -> list[Es
         # all-gathers stay on the node's links; it holds fsdp=gpus_per_node's states, so where it fits
         # it goes before fsdp over every GPU (`plan`'s order).
         rows += rows_of("hsdp", gbs // gpus, replicas=gpus // gpus_per_node)
+        node_ep = math.gcd(tier.model.n_experts, gpus_per_node) if moe else 1
+        if node_ep > 1:
+            # An MoE model, HSDP x EP: the same shard groups of one node, the experts split over E of its
+            # GPUs (the largest dividing the experts and the node), each slice whole on every replica
+            # (`Plan.expert_shards`): its all-to-alls and all-gathers stay on the node, only the gradients
+            # cross nodes, so where it fits it goes before `ep=E,fsdp=gpus` (`plan`'s order). At E = the
+            # node it holds HSDP's states plus its slices' bf16 copies: a tie goes to HSDP (no all-to-all,
+            # listed first), so it is picked where HSDP is not offered, over a node of more GPUs than
+            # experts (`padded_experts`: gpt_oss_20b's 32 on nodes of 64).
+            reps = gpus // gpus_per_node
+            rows += named(f"dp_replicate={reps},fsdp={gpus_per_node},ep={node_ep}")
     return rows
 
 
@@ -795,7 +820,16 @@ def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, 
     for c in CP_DEGREES:
         if gpus % c or gpus // c < 2 or c > gpus_per_node:
             continue
-        for spec in [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else []):
+        specs = [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else [])
+        # With tensor parallelism (`cp=C,tp=T[,fsdp=F]`, the llama family's dense decoders: what
+        # `context_parallel.check` takes), the C x T ranks of a sample within one node: where neither cp nor
+        # tp alone fits, each cutting what the other leaves whole (TP the states and a block's heads, CP the
+        # sequence, the head's and loss's included). Fewer TP first, then fewer CP (`plan`'s order).
+        for t in _tp_degrees(bench.family, tier.model, gpus // c, gpus_per_node, bench.task):
+            if min(gpus, gpus_per_node) % (c * t) == 0:
+                f = gpus // (c * t)
+                specs.append(f"cp={c},tp={t}" + (f",fsdp={f}" if f > 1 else ""))
+        for spec in specs:
             try:
                 rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
             except UserError:
