@@ -157,8 +157,7 @@ from dataclasses import dataclass
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
-from timetotrain.train import context_parallel, parallel, pipeline
-from timetotrain.train.expert_fsdp import even_dim
+from timetotrain.train import context_parallel, expert_fsdp, parallel, pipeline
 from timetotrain.train.float8 import converter
 from timetotrain.train.launch import before_launch, check_nodes, format_launch, launch_lines
 
@@ -742,9 +741,7 @@ def padded_experts(tier, kind: str, gpus: int, tp: int = 1, ep: int | None = Non
     experts = getattr(cfg, "n_experts", 0)
     if not experts or kind not in ("fsdp", "hsdp", "tp"):  # (the `ep` kinds split the experts first)
         return False
-    ranks = gpus // (replicas * tp)
-    stacks = ((experts, 2 * cfg.expert_ffn_dim, cfg.dim), (experts, cfg.dim, cfg.expert_ffn_dim))  # w1, w2
-    return ranks > experts and any(even_dim(shape, ranks) is None for shape in stacks)
+    return expert_fsdp.pads(experts, cfg.dim, cfg.expert_ffn_dim, gpus // (replicas * tp))
 
 
 def _refused_share(bench, tier, local: int, ranks: int) -> str:
