@@ -676,9 +676,10 @@ def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
     search's last resort, cp (train/memory.py module docstring), is tried with each C that splits the batch:
-    `cp=C,fsdp=64/C` is left out (FSDP2 over 64 ranks pads the 32 experts' shards: `padded_experts`), and
-    `cp=C,ep=32,fsdp=64/C` is counted but does not fit. At a legal larger GBS `ep=32,fsdp=64` does (GBS 64,
-    its expert slices sharded over their 2 holders), and `ttt plan` suggests it. Where a layout without CP
+    `cp=C,fsdp=64/C` (FSDP2 over 64 ranks cuts the 32 experts' stacks on their FFN rows, no padded shard:
+    train/expert_fsdp.py) and `cp=C,ep=32,fsdp=64/C`; only the former fits, with AC. At a legal larger GBS
+    `ep=32,fsdp=64` fits without cp (GBS 64, its expert slices sharded over their 2 holders), and `ttt plan`
+    suggests it. Where a layout without CP
     fits (8 x 80 GiB, 32 x 24 GiB at GBS 32: fsdp=32) the suggestion is that one; GRPO's reference on 128 x
     141 GiB gets cp=8, and `ttt run`'s preflight takes it."""
     from timetotrain.train import context_parallel, parallel
@@ -687,11 +688,13 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     tier = bench.tier("reference")
     _, rows, best = plan(bench, tier, 64, 16, None)
     cap = 0.9 * 16 * GiB
-    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel) and best is None
+    assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=16,cp=4", 1, 1)
+    assert not any(r.total <= cap for r in rows if "ep=" in r.parallel)
     # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it. Each C
-    # with the experts split over the GPUs (32 experts, 64 GPUs: ep=32); without, FSDP2 pads them.
+    # with FSDP2 over all the GPUs, and with the experts split over them first (32 experts, 64 GPUs: ep=32).
     cp_rows = {r.parallel for r in rows if "cp=" in r.parallel}
-    assert cp_rows == {"fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
+    assert cp_rows == {"fsdp=16,cp=4", "fsdp=8,cp=8", "fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
     assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
@@ -790,29 +793,35 @@ def test_pipeline_rows_of_lora_and_fp8():
     assert [r.states for r in fp8_rows] == [r.states for r in bf16_rows]
 
 
-def test_the_search_leaves_out_fsdp_over_more_ranks_than_experts():
-    """qwen35_397b_grpo's 512 experts: FSDP2 over 1,024 ranks pads each rank's expert shard (simulated 139.9
-    GiB against the formula's 58.8 at `fsdp=128,cp=8`), so the search offers no such layout, while the
-    same layout over 256 ranks, or with the experts split by ep first, stays."""
+def test_the_search_leaves_out_only_fsdp_that_pads_the_experts():
+    """qwen35_397b_grpo's 512 experts under FSDP2 over 1,024 ranks: cut on their FFN rows (train/expert_fsdp.py:
+    before, dim 0 padded to one expert per rank simulated at 139.9 GiB against the formula's 58.8 at
+    `fsdp=128,cp=8`), no shard is padded, so the search offers such layouts again. Only where no dimension
+    of a stacked expert weight splits evenly over more ranks than experts does FSDP2 still pad them, and
+    the search leaves that layout out (the user's own is still counted)."""
     bench = get("qwen35_397b_grpo")
     tier = bench.tier("reference")
-    assert padded_experts(tier, "fsdp", 1024) and padded_experts(tier, "tp", 4096, tp=4)
-    assert not padded_experts(tier, "fsdp", 512) and not padded_experts(tier, "ep,fsdp", 1024, ep=512)
+    assert not padded_experts(tier, "fsdp", 1024) and not padded_experts(tier, "tp", 4096, tp=4)
+    assert not padded_experts(tier, "ep,fsdp", 1024, ep=512)
     assert not padded_experts(REF, "fsdp", 1024)  # a dense model
-    _, rows, best = plan(bench, tier, 256, 141, None)
-    assert best is not None and best.parallel == "fsdp=64,cp=4"
-    with pytest.raises(UserError, match="does not split"):
-        plan(bench, tier, 1024, 141, None)
-    # the user's own layout is still counted (and `--simulate` can show what the padding costs)
-    assert plan(bench, tier, 1024, 141, "fsdp=256,cp=4")[1]
+    _, rows, best = plan(bench, tier, 1024, 141, None)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=256,cp=4", 1, 1)
+    assert plan(bench, tier, 1024, 80, None)[2].parallel == "fsdp=128,cp=8"
+    # An odd width and FFN (3 x 1,367, 3 x 341): no dimension of w1 [512, 2,046, 4,101] divides 1,024.
+    odd = dataclasses.replace(tier, model=dataclasses.replace(tier.model, dim=4101, expert_ffn_dim=1023))
+    assert padded_experts(odd, "fsdp", 1024) and padded_experts(odd, "hsdp", 2048, replicas=2)
+    assert not padded_experts(odd, "fsdp", 512)  # fewer ranks than experts: dim 0 splits
+    with pytest.raises(UserError, match="does not split"):  # (at 1,024 GPUs only cp or pp rows split GBS 256)
+        plan(bench, odd, 1024, 141, None)
+    assert plan(bench, odd, 1024, 141, "fsdp=256,cp=4")[1]
 
 
-def test_hsdp_with_ep_and_cp_with_tp_are_searched_where_they_are_the_pick():
+def test_hsdp_with_ep_is_offered_and_cp_with_tp_picked_where_needed():
     """The search's other products (train/memory.py `_data_parallel_rows`, `_context_parallel_rows`), each
     planned as `--parallel` names it. HSDP x EP across nodes: gpt_oss_20b at GBS 128 on 2 nodes of 64 GPUs
-    (80 GiB) gets `dp_replicate=2,ep=32,fsdp=64` without AC, before `ep=32,fsdp=128` (which fits too, its
-    all-gathers and all-to-alls crossing nodes), where HSDP without ep is not offered (FSDP2 over 64 ranks
-    pads the 32 experts); on nodes of 8 plain HSDP fits as well and a tie goes to it (no all-to-all).
+    (80 GiB) is offered `dp_replicate=2,ep=32,fsdp=64` and `ep=32,fsdp=128` without AC, and picks plain HSDP
+    (FSDP2 over the node's 64 ranks cuts the 32 experts' stacks evenly: `expert_fsdp`), which holds less
+    and needs no all-to-all; on nodes of 8 likewise.
     cp x tp: llama31_8b at sequence 131,072 on 8 x 48 GiB, where no layout with tp alone or cp alone fits,
     gets `cp=4,tp=2` (fewer TP first: `cp=2,tp=4` fits too), and `ttt run`'s checks take it; on 8 x 64
     `tp=2,fsdp=4` fits and no cp row is estimated."""
@@ -823,8 +832,7 @@ def test_hsdp_with_ep_and_cp_with_tp_are_searched_where_they_are_the_pick():
     _, rows, best = plan(bench, tier, 128, 80, None, gpus_per_node=64)
     fits = {r.parallel for r in rows if r.total <= 0.9 * 80 * GiB and not r.ac}
     assert {"ep=32,fsdp=128", "dp_replicate=2,ep=32,fsdp=64"} <= fits
-    assert not any(r.parallel == "dp_replicate=2,fsdp=64" for r in rows)
-    assert (best.parallel, best.ac, best.micro_batch) == ("dp_replicate=2,ep=32,fsdp=64", 0, 1)
+    assert (best.parallel, best.ac, best.micro_batch) == ("dp_replicate=2,fsdp=64", 0, 1)
     tier = dataclasses.replace(bench.tier("reference"), global_batch_size=64)
     _, rows, best = plan(bench, tier, 64, 141, None)
     assert {"dp_replicate=8,fsdp=8", "dp_replicate=8,ep=8,fsdp=8"} <= {r.parallel for r in rows if not r.ac}

@@ -160,7 +160,7 @@ from dataclasses import dataclass
 from timetotrain.errors import UserError
 from timetotrain.models.common.head_loss import chunk_rows
 from timetotrain.models.common.layers import RMSNORM_SAVED
-from timetotrain.train import context_parallel, parallel, pipeline
+from timetotrain.train import context_parallel, expert_fsdp, parallel, pipeline
 from timetotrain.train.float8 import converter
 from timetotrain.train.launch import before_launch, check_nodes, format_launch, launch_lines
 
@@ -594,7 +594,7 @@ def plan(
 ):  # fmt: skip
     """All candidate configurations with their estimates, and the suggested one (or None if none fits).
     `searched`: `parallel_spec` is one the search tries (`_context_parallel_rows`), not the user's: a layout
-    the formula cannot count (`padded_experts`) is left out rather than estimated.
+    the formula cannot count (`padded_experts`: padded expert shards) is left out rather than estimated.
     `ac`: only that activation checkpointing (`--ac`: 1, `--ac-every K`: K); None: each layout without and
     with checkpointing of every block.
     `parallel_spec` (`--parallel`) is read by `parallel.parse`, as `ttt run` reads it, with --gpus as the
@@ -690,8 +690,9 @@ def plan(
             why = f" ({why})" if why else ""
             if left_out:
                 why += (
-                    f"; layouts with FSDP2 over more than the model's {tier.model.n_experts} experts are left "
-                    "out (their padded expert shards are not counted: see `padded_experts`)"
+                    f"; layouts with FSDP2 over more than the model's {tier.model.n_experts} experts, whose "
+                    "expert weights no dimension splits evenly over, are left out (their padded expert shards "
+                    "are not counted: see `padded_experts`)"
                 )
             raise UserError(
                 f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
@@ -742,16 +743,18 @@ def _tensor_parallel_rows(bench, tier, gpus: int, gpus_per_node: int, rows_of) -
 
 
 def padded_experts(tier, kind: str, gpus: int, tp: int = 1, ep: int | None = None, replicas: int = 1) -> bool:
-    """Whether FSDP2 shards an MoE model's stacked expert weights (dim 0: the experts) over more ranks than
-    there are experts, with no expert parallelism to split them first. Each rank then holds one expert or
-    none, and the all-gathers run over shards padded to one expert each: simulated, qwen35_397b_grpo's 512
-    experts under `fsdp=128,cp=8` (FSDP2 over all 1,024 ranks) peak at 139.9 GiB against this formula's
-    58.8 (100.8 GiB of gathered blocks; docs/scale.md, "Every suggestion simulated"), which the formula does
-    not count, so the search does not suggest such a layout."""
-    experts = getattr(tier.model, "n_experts", 0)
+    """Whether FSDP2 pads an MoE model's stacked expert weights: sharded whole (no expert parallelism to split
+    them first) over more ranks than there are experts, it cuts each on the first dimension that divides
+    evenly over its ranks (train/expert_fsdp.py: the FFN rows or the model width), and pads only where none
+    does. Each rank then holds one expert or none and the all-gathers run over shards padded to one expert
+    each, which this formula does not count (before the even cut, simulated, qwen35_397b_grpo's 512 experts
+    under `fsdp=128,cp=8` peaked at 139.9 GiB against the formula's 58.8: docs/scale.md), so the search does
+    not suggest such a layout."""
+    cfg = tier.model
+    experts = getattr(cfg, "n_experts", 0)
     if not experts or kind not in ("fsdp", "hsdp", "tp"):  # (the `ep` kinds split the experts first)
         return False
-    return gpus // (replicas * tp) > experts
+    return expert_fsdp.pads(experts, cfg.dim, cfg.expert_ffn_dim, gpus // (replicas * tp))
 
 
 def _refused_share(bench, tier, local: int, ranks: int) -> str:

@@ -79,6 +79,7 @@ from timetotrain.spec.task import Share
 from timetotrain.train import float8
 from timetotrain.train.context_parallel import ContextParallel
 from timetotrain.train.embedding_parallel import shard_embeddings
+from timetotrain.train.expert_fsdp import expert_placements
 from timetotrain.train.expert_parallel import (
     apply_expert_parallel,
     ignore_experts_in_ddp,
@@ -469,14 +470,19 @@ def _apply(model: nn.Module, plan: Plan, device: torch.device, family):
         # The expert slices sharded over their replicas get an FSDP2 wrap of their own first (the blocks'
         # then leave them to it); whole slices differ per rank: FSDP2 must neither shard nor reduce them.
         shard_expert_replicas(model, mp.param_dtype)
-        ignored = None
+        ignored = placement = None
         if ep_group is not None:
             ignored = {p for p in model.parameters() if is_expert_sharded(p) and not isinstance(p, DTensor)}
             ignored = ignored or None
+        else:
+            # Without ep FSDP2 shards the whole expert stacks: on a dimension that splits evenly over its
+            # ranks, not dim 0 padded to one expert per rank where they outnumber the experts (expert_fsdp.py).
+            placement = expert_placements(model, fsdp_mesh.size(fsdp_mesh.ndim - 1))
+        wrap = dict(mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored, shard_placement_fn=placement)
         for block in blocks:
-            fully_shard(block, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
+            fully_shard(block, **wrap)
         # The root too: blocks outside `model.layers` (DeepSeek's MTP) hold experts.
-        fully_shard(model, mesh=fsdp_mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(model, **wrap)
         remark(model, plan)
         return model, ep_group, cp
     if plan.dp > 1 or plan.cp > 1:  # cp alone too: its ranks' gradients are averaged like dp's
