@@ -579,8 +579,9 @@ def test_grpo_head_keeps_the_hidden_states_not_the_logits():
 
 
 def test_a_gbs_that_does_not_split_is_planned_at_the_rcp_tables_next(capsys):
-    """llama31_8b's GBS 16 splits over no layout of 256 GPUs (TP groups are at most 8 wide): the plan is
-    made at the RCP table's smallest GBS that fits, with that RCP's LR, and the launch line carries it."""
+    """llama31_8b's GBS 16 splits over no layout of 256 GPUs but a CP pair across nodes with TP 8 (TP groups
+    are at most 8 wide), a last resort: the plan is made at the RCP table's smallest GBS where a layout
+    without CP fits, with that RCP's LR, and the launch line carries it."""
     argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "256", "--gpu-mem", "80", "--json"]
     assert main(argv) == 0
     doc = strict_loads(capsys.readouterr().out)
