@@ -83,20 +83,26 @@ def test_a_context_parallel_suggestion_launches():
 
 
 def test_a_pipeline_suggestion_launches():
-    """The search's other last resort (train/memory.py): llama31_405b on 2,048 x 80 GiB, where GBS 1152
-    splits over no layout without a pipeline, on nodes of 8 and of 4 GPUs (TP within a node: tp=4 there,
-    and more stages to fit); the line is 2,048 processes over whole nodes, and its --parallel is one `ttt
-    run` parses with a pipeline (its preflight: tests/test_plan.py)."""
+    """The search's last resorts (train/memory.py) for llama31_405b on 80 GiB, where GBS 1152 splits over at
+    most 128 data-parallel ranks: on 2,048 GPUs in nodes of 8 the CP pair across two nodes, TP filling each
+    (`cp=2,tp=8,fsdp=128`); where that pair does not split it either, a pipeline: 4,096 GPUs in nodes of 8,
+    2,048 in nodes of 4 (TP within a node: tp=4 there, and more stages to fit). The line is the GPUs'
+    processes over whole nodes, and its --parallel is one `ttt run` parses (its preflight:
+    tests/test_plan.py)."""
     from timetotrain.train import parallel
 
     bench = registry.get("llama31_405b")
     tier = bench.tier("reference")
-    for gpus_per_node, want in ((8, "pp=8,tp=8,fsdp=32"), (4, "pp=16,tp=4,fsdp=32")):
-        _, _, best = plan(bench, tier, 2048, 80, None, gpus_per_node=gpus_per_node)
+    cases = ((2048, 8, "fsdp=128,cp=2,tp=8"), (4096, 8, "pp=8,tp=8,fsdp=64"), (2048, 4, "pp=16,tp=4,fsdp=32"))
+    for gpus, gpus_per_node, want in cases:
+        _, _, best = plan(bench, tier, gpus, 80, None, gpus_per_node=gpus_per_node)
         assert best.parallel == want
-        line = launch(bench, tier, best, 2048, gpus_per_node)["command"].replace("$MASTER_ADDR", "head")
-        _check_torchrun(line, 2048, gpus_per_node)
+        line = launch(bench, tier, best, gpus, gpus_per_node)["command"].replace("$MASTER_ADDR", "head")
+        _check_torchrun(line, gpus, gpus_per_node)
         args = build_parser().parse_args(
             get_args_parser().parse_args(shlex.split(line)[1:]).training_script_args
         )
-        assert parallel.parse(args.parallel, 2048).pp > 1 and args.set == ["micro_batch_size=1"]
+        given = parallel.parse(args.parallel, gpus)
+        # TP fills a node; the batch takes a CP pair across two nodes or pipeline stages, never both
+        assert given.tp == gpus_per_node and (given.cp > 1) != (given.pp > 1)
+        assert args.set == ["micro_batch_size=1"]

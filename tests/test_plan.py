@@ -579,8 +579,9 @@ def test_grpo_head_keeps_the_hidden_states_not_the_logits():
 
 
 def test_a_gbs_that_does_not_split_is_planned_at_the_rcp_tables_next(capsys):
-    """llama31_8b's GBS 16 splits over no layout of 256 GPUs (TP groups are at most 8 wide): the plan is
-    made at the RCP table's smallest GBS that fits, with that RCP's LR, and the launch line carries it."""
+    """llama31_8b's GBS 16 splits over no layout of 256 GPUs but a CP pair across nodes with TP 8 (TP groups
+    are at most 8 wide), a last resort: the plan is made at the RCP table's smallest GBS where a layout
+    without CP fits, with that RCP's LR, and the launch line carries it."""
     argv = ["plan", "llama31_8b", "--tier", "reference", "--gpus", "256", "--gpu-mem", "80", "--json"]
     assert main(argv) == 0
     doc = strict_loads(capsys.readouterr().out)
@@ -590,9 +591,13 @@ def test_a_gbs_that_does_not_split_is_planned_at_the_rcp_tables_next(capsys):
     assert f"planned at {gbs}" in doc["global_batch_size_chosen"]
     assert f"LR {bench.rcp_hparams[gbs].lr:g}" in doc["global_batch_size_chosen"]
     assert f"--set global_batch_size={gbs}" in doc["suggestion"]["launch"]["command"]
-    # A GBS the user set is theirs: refused in one line where it does not split, never replaced.
-    assert main([*argv[:-1], "--set", "global_batch_size=16"]) == 2
-    assert "global_batch_size 16 does not split over 256" in capsys.readouterr().err
+    # A GBS the user set is theirs: planned where a layout splits it (16: TP 8 x a CP pair across nodes, 16
+    # data-parallel ranks), refused in one line where none does, never replaced.
+    assert main([*argv, "--set", "global_batch_size=16"]) == 0
+    doc = strict_loads(capsys.readouterr().out)
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (16, "fsdp=16,cp=2,tp=8")
+    assert main([*argv[:-1], "--set", "global_batch_size=8"]) == 2
+    assert "global_batch_size 8 does not split over 256" in capsys.readouterr().err
 
 
 def test_the_launch_line_carries_the_users_sets(capsys):
@@ -718,11 +723,13 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
 
 
 def test_pipeline_is_searched_where_nothing_else_splits_the_batch(capsys, monkeypatch, tmp_path):
-    """llama31_405b reference on 2,048 x 80 GiB: GBS 1152 splits over no 2,048 / tp data-parallel ranks (at
-    most 128 of them divide it), so no layout without pipeline parallelism exists; the search's last resort
-    (train/memory.py `_pipeline_search_rows`) tries pp = 2, 4, 8 and stops at the fewest stages that fit:
-    `pp=8,tp=8,fsdp=32`, at micro-batch 1 (36 micro-batches a step, the least bubble). `ttt run`'s preflight
-    takes the launch line's flags on rank 0 of 2,048, and so does `ttt run --dry-run`. Where a layout
+    """llama31_405b reference on 4,096 x 80 GiB: GBS 1152 splits over no 4,096 / tp data-parallel ranks (at
+    most 128 of them divide it), nor over a CP pair across nodes' 256, so no layout without pipeline
+    parallelism exists (on 2,048 the CP pair splits it: `test_cp_with_tp_across_nodes_where_tp_fills_a_node`);
+    the search's last resort (train/memory.py `_pipeline_search_rows`) tries pp = 2 (no split), 4, 8 and stops
+    at the fewest stages that fit: `pp=8,tp=8,fsdp=64`, at micro-batch 1 (18 micro-batches a step, the least
+    bubble). `ttt run`'s preflight takes the launch line's flags on rank 0 of 4,096, and so does `ttt run
+    --dry-run`. Where a layout
     without pp fits (512 x 80) none is even estimated; benchmarks whose families or tasks have no stage
     split (MoE, LoRA, GRPO) get no pp row where nothing fits."""
     import shlex
@@ -732,32 +739,33 @@ def test_pipeline_is_searched_where_nothing_else_splits_the_batch(capsys, monkey
 
     bench = get("llama31_405b")
     tier = bench.tier("reference")
-    _, rows, best = plan(bench, tier, 2048, 80, None)
+    _, rows, best = plan(bench, tier, 4096, 80, None)
     cap = 0.9 * 80 * GiB
     assert rows and all(r.parallel.startswith("pp=") for r in rows)
-    assert {r.parallel.split(",")[0] for r in rows} == {"pp=2", "pp=4", "pp=8"}  # none past the first fit
+    # pp=2 splits it over no 4,096 / (2 x tp) ranks; none past the first fit
+    assert {r.parallel.split(",")[0] for r in rows} == {"pp=4", "pp=8"}
     assert not any(r.total <= cap for r in rows if not r.parallel.startswith("pp=8,"))
-    assert (best.parallel, best.ac, best.micro_batch) == ("pp=8,tp=8,fsdp=32", 1, 1) and best.total <= cap
-    assert main(["plan", bench.name, "--gpus", "2048", "--gpu-mem", "80"]) == 0
+    assert (best.parallel, best.ac, best.micro_batch) == ("pp=8,tp=8,fsdp=64", 1, 1) and best.total <= cap
+    assert main(["plan", bench.name, "--gpus", "4096", "--gpu-mem", "80"]) == 0
     text = capsys.readouterr().out
-    assert "micro-batch 1, 36 micro-batches a step (the pipeline schedule needs at least 8)" in text
+    assert "micro-batch 1, 18 micro-batches a step (the pipeline schedule needs at least 8)" in text
     assert "pp rows (the search tries them only where no layout without pipeline" in text
-    line = next(w.strip() for w in text.splitlines() if w.strip().startswith("torchrun --nnodes 256 "))
+    line = next(w.strip() for w in text.splitlines() if w.strip().startswith("torchrun --nnodes 512 "))
     argv = shlex.split(line)
     ttt = argv[argv.index("-m") + 2 :]  # run llama31_405b --tier reference ... --parallel ... --ac
-    assert ttt[ttt.index("--parallel") + 1] == "pp=8,tp=8,fsdp=32" and "--ac" in ttt
-    # `ttt run`'s preflight on rank 0 of the 2,048, with the line's micro-batch (its --set).
+    assert ttt[ttt.index("--parallel") + 1] == "pp=8,tp=8,fsdp=64" and "--ac" in ttt
+    # `ttt run`'s preflight on rank 0 of the 4,096, with the line's micro-batch (its --set).
     prep = prepare.preflight(
-        bench, apply_overrides(bench, tier, ["micro_batch_size=1"]), tmp_path, "pp=8,tp=8,fsdp=32", "bf16", 1,
-        False, device="cpu", ranks=distributed.Dist(rank=0, world=2048, local_rank=0),
+        bench, apply_overrides(bench, tier, ["micro_batch_size=1"]), tmp_path, "pp=8,tp=8,fsdp=64", "bf16", 1,
+        False, device="cpu", ranks=distributed.Dist(rank=0, world=4096, local_rank=0),
     )  # fmt: skip
-    assert (prep.plan.pp, prep.plan.tp, prep.plan.fsdp, prep.local_batch, prep.accum) == (8, 8, 32, 36, 36)
+    assert (prep.plan.pp, prep.plan.tp, prep.plan.fsdp, prep.local_batch, prep.accum) == (8, 8, 64, 18, 18)
     # The launch line's ttt command, as a dry run on that rank (torchrun's environment).
-    monkeypatch.setenv("WORLD_SIZE", "2048")
+    monkeypatch.setenv("WORLD_SIZE", "4096")
     assert main([*ttt, "--dry-run", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
     assert doc["rules"]["verdict"] == "pass"
-    assert (doc["plan"]["per_rank_batch"], doc["plan"]["accumulation_steps"]) == (36, 36)
+    assert (doc["plan"]["per_rank_batch"], doc["plan"]["accumulation_steps"]) == (18, 18)
     # Where a layout without pp fits, no pp row is estimated.
     assert not any("pp=" in r.parallel for r in plan(bench, tier, 512, 80, None)[1])
     # Where nothing fits, tasks without a stage split get none either (`pipeline.check`: GRPO).
@@ -852,3 +860,34 @@ def test_hsdp_with_ep_is_offered_and_cp_with_tp_picked_where_needed():
     context_parallel.check(BENCH, ref, given, best.parallel)  # `ttt run`'s preflight takes it
     _, rows, best = plan(BENCH, ref, 8, 64, None)
     assert best.parallel == "tp=2,fsdp=4" and not any("cp=" in r.parallel for r in rows)
+
+
+def test_cp_with_tp_across_nodes_where_tp_fills_a_node():
+    """NVIDIA's llama31_405b layout (TP 8 within a node, CP 2 across two): llama31_405b on 2,048 x 80 GiB,
+    where GBS 1152 splits over at most 128 data-parallel ranks and no layout within a node splits it, gets
+    `cp=2,tp=8,fsdp=128` (AC, micro-batch 1) before any pipeline, and `ttt run`'s checks take it; on 4,096
+    GPUs the CP pair leaves 256 data-parallel ranks (no split), so the pipeline stays (`CROSS_NODE_CP` stops
+    at 2). Where a layout within a node fits (llama31_8b at sequence 131,072 on 2 nodes x 32 GiB: cp x fsdp,
+    cp x tp within a node), no CP group crosses nodes: its rows are not estimated."""
+    from timetotrain.train import context_parallel, parallel
+
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    _, rows, best = plan(bench, tier, 2048, 80, None)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=128,cp=2,tp=8", 1, 1)
+    assert not any("pp=" in r.parallel for r in rows)  # tried before the pipeline, which is not reached
+    given = parallel.parse(best.parallel, 2048)
+    assert parallel.check_batch_split(tier.global_batch_size, given) == 9
+    context_parallel.check(bench, tier, given, best.parallel)
+    assert plan(bench, tier, 4096, 80, None)[2].parallel == "pp=8,tp=8,fsdp=64"
+
+    ref = dataclasses.replace(
+        REF,
+        model=dataclasses.replace(REF.model, max_seq_len=131072),
+        data=dataclasses.replace(REF.data, seq_len=131072),
+    )
+    _, rows, best = plan(BENCH, ref, 16, 32, None)
+    assert best.parallel == "fsdp=2,cp=8" and "cp=2,tp=8" not in {r.parallel for r in rows}
+    # where nothing within a node fits, the pair across the 2 nodes is estimated (and does not fit either)
+    _, rows, best = plan(BENCH, ref, 16, 24, None)
+    assert best is None and "cp=2,tp=8" in {r.parallel for r in rows}

@@ -18,9 +18,11 @@ node's TP groups fits, is built on 8 ranks (2 x 2 x 2); HSDP x EP (`dp_replicate
 search tries across nodes for an MoE model (gpt_oss_20b's GBS 64 rows on 64 GPUs offer it), on 4. The search
 tries cp with tp (`cp=C,tp=T[,fsdp=F]`) beside cp where `context_parallel.check` takes both (the llama
 family's dense decoders): built once per such family, as `cp=2,tp=2` (4 ranks, FSDP2 over the 2 cp ranks).
-Pipeline parallelism is the search's other last resort: it is
-suggested where no layout without it fits or splits the batch (llama31_405b on 2,048 GPUs: GBS 1152 splits
-over at most 128 data-parallel ranks), so the grid walks 2,048 GPUs too, for pipeline kinds. Such a kind
+Across nodes it tries cp x tp with TP filling a node (`cp=2,tp=8,fsdp=F`, NVIDIA's llama31_405b layout, the
+pick on 2,048 GPUs): the same `tp,cp` kind. Pipeline parallelism is the search's other last resort: it is
+suggested where no layout without it fits or splits the batch (llama31_405b on 4,096 GPUs: GBS 1152 splits
+over at most 128 data-parallel ranks, and the CP pair across nodes leaves 256), so the grid walks 4,096 GPUs
+too, for pipeline kinds. Such a kind
 is built on both ends of the pipeline (rank 0, the first stage with the embedding; the last rank, the
 last stage with the head and loss), as `ttt plan --simulate` builds it (`fakes.pipeline_schedule` runs
 torch's schedule under the fake process group), in its composition with tp and fsdp on 8 ranks
@@ -89,14 +91,15 @@ def _suggested_kinds() -> list[tuple[str, str]]:
         if "reference" not in bench.tiers or "tiny" not in bench.tiers:
             continue
         tier = bench.tier("reference")
-        for gpus in (8, 64, 256, 1024, 2048):
+        for gpus in (8, 64, 256, 1024, 4096):
             for mem in (80, 141, 192):
                 try:
                     rows, best = _searched(bench, tier, gpus, mem)
                 except UserError:  # no memory model (rgat, DLRM's tables: their own plan), or no split
                     continue
-                # 2,048 GPUs for the pipeline kinds only (where 405B's batch needs a pipeline to split);
-                # the grid of docs/scale.md, which the other kinds stand for, stops at 1,024
+                # 4,096 GPUs for the pipeline kinds only (where 405B's batch needs a pipeline to split; on
+                # 2,048 the CP pair across nodes splits it); the grid of docs/scale.md, which the other
+                # kinds stand for, stops at 1,024
                 if best is not None and (gpus <= 1024 or "pp=" in best.parallel):
                     out.add((name, _kind_of(best.parallel, gpus)))
                     cap = HEADROOM * mem * GiB

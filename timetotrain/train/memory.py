@@ -66,7 +66,9 @@ Where the numbers come from (an estimate, not a measurement):
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
   parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`; for an MoE model
   `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs; for the llama family
-  `cp=C,tp=T[,fsdp=F]` with C x T within a node, fewer TP first), each planned
+  `cp=C,tp=T[,fsdp=F]` with C x T within a node, fewer TP first; where none of those fits or splits the
+  batch either, across nodes `cp=2,tp=node[,fsdp=F]`, TP filling each of the CP pair's two nodes, NVIDIA's
+  llama31_405b layout: `CROSS_NODE_CP`), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
@@ -83,7 +85,8 @@ Where the numbers come from (an estimate, not a measurement):
   does (a stage holds 1/P of the layers on 1/P of the GPUs, the same states per GPU, plus its gradients
   whole and parameters gathered under FSDP2, and 1F1B keeps P micro-batches of its L/P layers in flight):
   what it adds is data-parallel ranks the batch splits over, P x T GPUs sharing each sample (llama31_405b
-  on 2,048 GPUs: GBS 1152 splits over at most 128, so `pp=8,tp=8,fsdp=32`). tests/test_plan_builds.py
+  on 4,096 GPUs: GBS 1152 splits over at most 128, so `pp=8,tp=8,fsdp=64`; on 2,048 the CP pair across
+  nodes splits it, `cp=2,tp=8,fsdp=128`). tests/test_plan_builds.py
   builds a suggested pipeline kind for both ends of the pipeline under the fake process group.
 - Tensor parallelism (`tp=T,fsdp=F`, train/tensor_parallel.py), considered when nothing with dp or fsdp
   alone fits or splits the batch (or when --parallel names tp): the block parameters split over T x F ranks, the embedding, head
@@ -601,8 +604,8 @@ def plan(
     world size; only layouts `ttt run` would accept are estimated (the batch splits over the data-parallel
     ranks, TP divides the heads and the FFN width, the experts split over the ep ranks). Without it: dp and
     fsdp, for an MoE model ep and ep x fsdp too, HSDP (x EP) across nodes, then tp x fsdp (TP within a node)
-    if none of those fits, then cp x fsdp (x ep, x tp) if none of those fits either, then pp x tp x fsdp if
-    nothing does (module docstring)."""
+    if none of those fits, then cp x fsdp (x ep, x tp) within a node if none of those fits either, then cp x
+    tp across nodes with TP filling a node, then pp x tp x fsdp if nothing does (module docstring)."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus} must be at least 1")
     if not (math.isfinite(gpu_mem_gib) and gpu_mem_gib > 0):
@@ -682,6 +685,12 @@ def plan(
             # Context parallelism only where nothing above fits or splits the batch (module docstring).
             rows += _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac)
         if not any(r.total <= cap for r in rows):
+            # Then a sample's C x T ranks across nodes, TP filling each node (NVIDIA's 405B layout): before a
+            # pipeline, whose bubble costs more than CP's K/V exchange over the network (`CROSS_NODE_CP`).
+            rows += _context_parallel_rows(
+                bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, across_nodes=True
+            )
+        if not any(r.total <= cap for r in rows):
             # Pipeline parallelism last: only where no layout without it fits or splits the batch.
             rows += _pipeline_search_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap)
         if not rows:
@@ -704,7 +713,8 @@ def plan(
     # bubble, (P - 1) of its P - 1 + micro-batches idle, and a hand-off per micro-batch; pipeline rows are
     # only tried where nothing without them fits), then no tensor parallelism, then the smallest TP degree
     # (its collectives sit on every block), then the smallest CP degree (its K/V all-gathers sit on every
-    # attention layer), then no recomputation, then HSDP across nodes (its all-gathers stay on a node, where
+    # attention layer; a CP group across nodes is only estimated where none within a node fits, so it never
+    # meets one here), then no recomputation, then HSDP across nodes (its all-gathers stay on a node, where
     # fsdp over every GPU all-gathers every block over the network, forward and backward; a larger
     # micro-batch gains less), then the larger micro-batch (fewer, bigger matmuls; under a pipeline the
     # smaller: more micro-batches shrink its bubble, 7 / 43 of the step at 36 micro-batches of 8 stages,
@@ -806,24 +816,41 @@ def _data_parallel_rows(tier, gpus: int, gpus_per_node: int, rows_of, named) -> 
 # Context-parallel degrees the search tries: a sample's sequence over up to one node's GPUs (its K/V
 # all-gathers sit on every attention layer).
 CP_DEGREES = (2, 4, 8)
+# Across nodes, only where TP fills each node: a CP pair on two nodes, as NVIDIA runs llama31_405b (TP 8 x
+# CP 2). Each CP rank beyond one adds a K/V transfer over the network on every attention layer while a rank's
+# attention shrinks to 1/C of the sample: at 2 there is one, which the attention of the rank's own chunk can
+# hide; more would be a choice nobody publishes for a pretraining sequence of 8,192 tokens.
+CROSS_NODE_CP = (2,)
 
 
-def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac) -> list[Estimate]:
+def _context_parallel_rows(
+    bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, across_nodes: bool = False
+) -> list[Estimate]:  # fmt: skip
     """`cp=C,fsdp=gpus/C` (an MoE model: and `cp=C,ep=E,fsdp=gpus/C`) for C in `CP_DEGREES` within a node,
     each planned as `--parallel` names it, so through the checks `ttt run`'s preflight runs
     (`parallel.parse`, the batch split over gpus/C data-parallel ranks, `context_parallel.check`); a layout
-    those refuse is left out."""
-    rows = []
+    those refuse is left out. `across_nodes`: instead `cp=C,tp=node[,fsdp=F]` for C in `CROSS_NODE_CP`, the
+    C x T ranks of a sample on C nodes, TP filling each (the llama family; `plan` tries them only where no
+    layout within a node fits or splits the batch)."""
+    specs, rows = [], []
+    if across_nodes:
+        t = gpus_per_node
+        tps = _tp_degrees(bench.family, tier.model, gpus, gpus_per_node, bench.task) if gpus > t else []
+        specs = [
+            f"cp={c},tp={t}" + (f",fsdp={gpus // (c * t)}" if gpus > c * t else "")
+            for c in CROSS_NODE_CP
+            if t in tps and gpus % (c * t) == 0
+        ]
     # An MoE model: with its experts split over the largest E dividing them and the GPUs (groups of E of
     # the flattened (fsdp, cp) ranks, train/parallel.py), after the layout without all-to-all (a tie goes
     # to that one). FSDP2 then gathers a block without its experts (DeepSeek-V3's 256 experts are 11 B
     # parameters a layer), so it fits where `cp=C,fsdp=F` may not.
     experts = getattr(tier.model, "n_experts", 0)
     ep = math.gcd(experts, gpus) if experts else 1
-    for c in CP_DEGREES:
+    for c in () if across_nodes else CP_DEGREES:
         if gpus % c or gpus // c < 2 or c > gpus_per_node:
             continue
-        specs = [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else [])
+        specs += [f"cp={c},fsdp={gpus // c}"] + ([f"cp={c},ep={ep},fsdp={gpus // c}"] if ep > 1 else [])
         # With tensor parallelism (`cp=C,tp=T[,fsdp=F]`, the llama family's dense decoders: what
         # `context_parallel.check` takes), the C x T ranks of a sample within one node: where neither cp nor
         # tp alone fits, each cutting what the other leaves whole (TP the states and a block's heads, CP the
@@ -832,11 +859,11 @@ def _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, 
             if min(gpus, gpus_per_node) % (c * t) == 0:
                 f = gpus // (c * t)
                 specs.append(f"cp={c},tp={t}" + (f",fsdp={f}" if f > 1 else ""))
-        for spec in specs:
-            try:
-                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
-            except UserError:
-                continue
+    for spec in specs:
+        try:
+            rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
+        except UserError:
+            continue
     return rows
 
 
