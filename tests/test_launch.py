@@ -64,7 +64,7 @@ def test_every_launch_line_parses_as_whole_nodes(name, gpus_per_node):
 
 
 def test_a_context_parallel_suggestion_launches():
-    """The search's last resort (train/memory.py): qwen35_397b_grpo on 128 x 141 GiB, where only
+    """The search's last resort (train/memory.py): qwen35_397b_grpo on 256 x 141 GiB, where only
     cp=C,fsdp=F fits, on nodes of 8 GPUs and of 16; its launch line carries that --parallel, which `ttt run`
     parses."""
     from timetotrain.train import parallel
@@ -72,14 +72,14 @@ def test_a_context_parallel_suggestion_launches():
     bench = registry.get("qwen35_397b_grpo")
     tier = bench.tier("reference")
     for gpus_per_node in (8, 16):
-        _, _, best = plan(bench, tier, 128, 141, None, gpus_per_node=gpus_per_node)
+        _, _, best = plan(bench, tier, 256, 141, None, gpus_per_node=gpus_per_node)
         assert ",cp=" in best.parallel
-        line = launch(bench, tier, best, 128, gpus_per_node)["command"].replace("$MASTER_ADDR", "head")
-        _check_torchrun(line, 128, gpus_per_node)
+        line = launch(bench, tier, best, 256, gpus_per_node)["command"].replace("$MASTER_ADDR", "head")
+        _check_torchrun(line, 256, gpus_per_node)
         args = build_parser().parse_args(
             get_args_parser().parse_args(shlex.split(line)[1:]).training_script_args
         )
-        assert parallel.parse(args.parallel, 128).cp > 1
+        assert parallel.parse(args.parallel, 256).cp > 1
 
 
 def test_a_pipeline_suggestion_launches():

@@ -15,6 +15,7 @@ from timetotrain.spec.registry import get
 from timetotrain.tasks.rectified_flow import flow_loss
 from timetotrain.train.memory import (
     GiB,
+    _root_copies,
     activation_bytes,
     estimate,
     fits_from,
@@ -263,7 +264,8 @@ def test_flux1_on_8x80_suggests_fsdp_without_checkpointing():
     assert all(r.total > 80 * GiB for r in rows if r.parallel == "dp=8")  # 177 GiB of states alone
     one = next(r for r in rows if r.parallel == "fsdp=8" and not r.ac and r.micro_batch == 1)
     assert one.states == 16 * n / 8
-    assert one.compute_copies == 2 * 2 * flux.double_block_params(tier.model)  # two double blocks gathered
+    # Two double blocks gathered in bf16 and, through the backward, one's unsharded fp32 gradient.
+    assert one.compute_copies == (2 * 2 + 4) * flux.double_block_params(tier.model)
     assert one.activations == flux.activation_bytes(tier.model, 1, 2, ac=False)
     assert 4.2 * GiB < one.activations < 4.4 * GiB  # 57 blocks x 512 tokens x 154-166 kB
     no_ac = {r.micro_batch: r.total for r in rows if r.parallel == "fsdp=8" and not r.ac}
@@ -314,7 +316,8 @@ def test_expert_parallel_rows():
         assert b.activations == a.activations
         # bf16 copies: FSDP2 gathers blocks without experts; the local expert slices' copies are cast once per
         # step and kept until it ends (models/common/weight_cast.py), for every layer, checkpointing or not.
-        assert b.compute_copies == pytest.approx(a.compute_copies - 4 * per_layer + 2 * experts / 8)
+        # The unsharded fp32 gradient of the block FSDP2 reduce-scatters (4 B a parameter): no experts either.
+        assert b.compute_copies == pytest.approx(a.compute_copies - (2 * 2 + 4) * per_layer + 2 * experts / 8)
     assert best is not None and best.parallel == "ep=8,fsdp=8"
     with pytest.raises(UserError, match="needs a mixture-of-experts model"):
         plan(BENCH, REF, 8, 80, "ep=8,fsdp=8")
@@ -491,19 +494,19 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     """qwen35_397b_grpo reference on H200s (141 GiB): no layout without context parallelism fits. At 256 GPUs
     (GBS 256: one rollout per GPU) the smallest such layout's one 65,536-token sample keeps the checkpointed
     blocks and GRPO's chunked log-probability head (one chunk of logits, as a causal LM's loss); the
-    sequence must be split, and cp layouts fit. On the RCPs' 256 x 288 GiB (GB300) fsdp=256 fits: until the
+    sequence must be split, and cp layouts fit. On the RCPs' 256 x 288 GiB (GB300) ep=256,fsdp=256 fits: until the
     head was chunked it needed ~333 GiB of activations."""
     bench = get("qwen35_397b_grpo")
     ref = bench.tier("reference")
     cfg, T = ref.model, ref.data.seq_len
-    # With context parallelism (GRPO's log-probabilities in parts) it fits from 128 GPUs: fsdp=16,cp=8, AC,
-    # its peak the decode of its data rank's 8 whole rollouts; at 256, cp=4 (test_context_parallel_...).
+    # With context parallelism (GRPO's log-probabilities in parts) it fits from 256 GPUs: fsdp=32,cp=8, AC
+    # (at 128, fsdp=16,cp=8 holds a block's unsharded fp32 gradient, 24.5 GiB, beside the rest: 153 GiB).
     w, r8 = fits_from(bench, ref, 8, 141, None)
-    assert (w, r8.parallel, r8.ac, r8.peak) == (128, "fsdp=16,cp=8", True, "the rollouts' decode")
+    assert (w, r8.parallel, r8.ac, r8.peak) == (256, "fsdp=32,cp=8", True, "the training step")
     # At 256 GPUs GBS 256 gives each data-parallel rank part of a group of 16 generations, which its ranks
-    # share (tasks/grpo.py `check_groups`): fsdp=64,cp=4 at the tier's GBS, 4 rollouts a data-parallel rank.
+    # share (tasks/grpo.py `check_groups`): fsdp=32,cp=8 at the tier's GBS, 8 rollouts a data-parallel rank.
     _, _, best = plan(bench, ref, 256, 141, None)
-    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=64,cp=4", True, 1)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=32,cp=8", True, 1)
     # A share that would cut a group unevenly is refused in one line (GBS 384 = 24 groups over 64 ranks).
     with pytest.raises(UserError, match="split a group of 16 generations unevenly"):
         plan(bench, dataclasses.replace(ref, global_batch_size=384), 64, 141, "fsdp=64")
@@ -520,9 +523,12 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     fixed = r.states + r.compute_copies + r.margin
     act = r.activations - r.overlap
     assert -(-act // (cap - fixed)) > 1  # the sequence must be split: cp
-    # The RCPs' 256 x 288 GiB: at the tier's GBS 256, one rollout a rank of fsdp=256 (a group over 16 ranks).
-    _, _, best = plan(bench, ref, 256, 288, None)
-    assert best.parallel == "fsdp=256" and best.ac and best.total <= 0.9 * 288 * GiB
+    # The RCPs' 256 x 288 GiB: at the tier's GBS 256, one rollout a rank of ep=256,fsdp=256 (a group over 16
+    # ranks); fsdp=256's gathered blocks hold their experts, and through the backward a block's unsharded fp32
+    # gradient (24.5 GiB): 264.9 GiB with AC, over the line.
+    _, rows, best = plan(bench, ref, 256, 288, None)
+    assert best.parallel == "ep=256,fsdp=256" and best.ac and best.total <= 0.9 * 288 * GiB
+    assert all(r.total > 0.9 * 288 * GiB for r in rows if r.parallel == "fsdp=256")
 
 
 def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():
@@ -679,28 +685,29 @@ def test_nvidias_405b_layout_cp_with_tp_and_pp_is_estimated():
 
 
 def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
-    """gpt_oss_20b reference on 64 x 16 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
+    """gpt_oss_20b reference on 64 x 18 GiB: no dp, fsdp, ep or tp x ep layout fits at the tier's GBS; the
     search's last resort, cp (train/memory.py module docstring), is tried with each C that splits the batch:
     `cp=C,fsdp=64/C` (FSDP2 over 64 ranks cuts the 32 experts' stacks on their FFN rows, no padded shard:
-    train/expert_fsdp.py) and `cp=C,ep=32,fsdp=64/C`; only the former fits, with AC. At a legal larger GBS
+    train/expert_fsdp.py) and `cp=C,ep=32,fsdp=64/C`; only the latter fits, with AC (the former's gathered
+    blocks hold their experts, and their unsharded fp32 gradients through the backward). At a legal larger GBS
     `ep=32,fsdp=64` fits without cp (GBS 64, its expert slices sharded over their 2 holders), and `ttt plan`
     suggests it. Where a layout without CP
-    fits (8 x 80 GiB, 32 x 24 GiB at GBS 32: fsdp=32) the suggestion is that one; GRPO's reference on 128 x
-    141 GiB gets cp=8, and `ttt run`'s preflight takes it."""
+    fits (8 x 80 GiB, 32 x 24 GiB at GBS 32: ep=32,fsdp=32) the suggestion is that one; GRPO's reference on
+    256 x 141 GiB gets cp=8, and `ttt run`'s preflight takes it."""
     from timetotrain.train import context_parallel, parallel
 
     bench = get("gpt_oss_20b")
     tier = bench.tier("reference")
-    _, rows, best = plan(bench, tier, 64, 16, None)
-    cap = 0.9 * 16 * GiB
+    _, rows, best = plan(bench, tier, 64, 18, None)
+    cap = 0.9 * 18 * GiB
     assert not any(r.total <= cap for r in rows if "cp=" not in r.parallel)
-    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=16,cp=4", 1, 1)
-    assert not any(r.total <= cap for r in rows if "ep=" in r.parallel)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=16,ep=32,cp=4", 1, 1)
+    assert not any(r.total <= cap for r in rows if "ep=" not in r.parallel)
     # cp=2 leaves 32 data-parallel ranks, over which GBS 16 does not split: `ttt run` refuses it. Each C
     # with FSDP2 over all the GPUs, and with the experts split over them first (32 experts, 64 GPUs: ep=32).
     cp_rows = {r.parallel for r in rows if "cp=" in r.parallel}
     assert cp_rows == {"fsdp=16,cp=4", "fsdp=8,cp=8", "fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
-    assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "16", "--json"]) == 0
+    assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "18", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
     assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
     assert "--parallel ep=32,fsdp=64 " in doc["suggestion"]["launch"]["command"]
@@ -708,15 +715,15 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     assert not any("cp=" in r.parallel for r in plan(bench, tier, 8, 80, None)[1])
     assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
-    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (32, "fsdp=32")
-    # GRPO (its per-token log-probabilities in parts, tasks/grpo.py): nothing without cp fits 128 x 141 GiB,
-    # nor cp=4 (8 rollouts a data-parallel rank, half a group: 128.5 GiB with AC, over the 126.9 usable);
-    # cp=8 with checkpointing does; its rollouts' decode holds the data rank's 16 samples.
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (32, "ep=32,fsdp=32")
+    # GRPO (its per-token log-probabilities in parts, tasks/grpo.py): nothing without cp fits 256 x 141 GiB,
+    # nor cp=4 (129.9 GiB with AC, over the 126.9 usable); cp=8 with checkpointing does.
     grpo = get("qwen35_397b_grpo")
-    _, rows, best = plan(grpo, grpo.tier("reference"), 128, 141, None)
+    _, rows, best = plan(grpo, grpo.tier("reference"), 256, 141, None)
     assert not any(r.total <= 0.9 * 141 * GiB for r in rows if "cp=" not in r.parallel)
-    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=16,cp=8", 1, 1)
-    given = parallel.parse(best.parallel, 128)
+    assert not any(r.total <= 0.9 * 141 * GiB for r in rows if "cp=4" in r.parallel)
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=32,cp=8", 1, 1)
+    given = parallel.parse(best.parallel, 256)
     context_parallel.check(
         grpo, grpo.tier("reference"), given, best.parallel
     )  # `ttt run`'s preflight takes it
@@ -801,6 +808,31 @@ def test_pipeline_rows_of_lora_and_fp8():
     assert [r.states for r in fp8_rows] == [r.states for r in bf16_rows]
 
 
+def test_sharded_rows_count_a_blocks_unsharded_fp32_gradient():
+    """FSDP2 reduce-scatters a block's gradients in fp32 (reduce_dtype, train/parallel.py), whole through the
+    backward: llama31_405b `fsdp=64` with AC on 64 x 192 GiB simulated at 161.7 GiB (`--simulate --layers
+    3`), 147.0 by the formula without them, 158.9 with. Every sharded row counts them (4 B per parameter of a
+    block, as the TP rows do); DDP reduces no gathered block, and its rows are as before."""
+    bench = get("llama31_405b")
+    tier = bench.tier("reference")
+    cfg, fam = tier.model, bench.family
+    n, block = fam.param_count(cfg), fam.block_params(cfg)
+    root = _root_copies(fam, cfg, True)
+    for kind, replicas in (("fsdp", 1), ("hsdp", 8)):
+        r = estimate(bench, tier, n, 64, 192, kind, 1, 1, True, replicas=replicas)
+        assert r.compute_copies == 2 * 2 * block + 4 * block + root, kind
+    assert estimate(bench, tier, n, 64, 192, "dp", 1, 1, True).compute_copies == 2 * n
+    # A LoRA block's gradients are its adapters' only.
+    lora = get("llama2_70b_lora")
+    lt = lora.tier("reference")
+    trainable, _ = lora.task.param_counts(lora.family, lt)
+    r = estimate(lora, lt, lora.family.param_count(lt.model), 8, 80, "fsdp", 1, 1, True)
+    lb = lora.family.block_params(lt.model)
+    assert r.compute_copies == 2 * 2 * lb + 4 * trainable / lt.model.n_layers + _root_copies(
+        lora.family, lt.model, True
+    )
+
+
 def test_the_search_leaves_out_only_fsdp_that_pads_the_experts():
     """qwen35_397b_grpo's 512 experts under FSDP2 over 1,024 ranks: cut on their FFN rows (train/expert_fsdp.py:
     before, dim 0 padded to one expert per rank simulated at 139.9 GiB against the formula's 58.8 at
@@ -814,7 +846,12 @@ def test_the_search_leaves_out_only_fsdp_that_pads_the_experts():
     assert not padded_experts(REF, "fsdp", 1024)  # a dense model
     _, rows, best = plan(bench, tier, 1024, 141, None)
     assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=256,cp=4", 1, 1)
-    assert plan(bench, tier, 1024, 80, None)[2].parallel == "fsdp=128,cp=8"
+    # On 80 GiB nothing fits: `fsdp=128,cp=8` simulated at 86.3 GiB + 5.0 margin, over the line's 72.0, and the
+    # rows now count what the formula missed there, the unsharded fp32 gradient of the 6.6 B-parameter block
+    # FSDP2 reduce-scatters (24.5 GiB): 88.3 GiB with the margin.
+    assert plan(bench, tier, 1024, 80, None)[2] is None
+    row = next(r for r in plan(bench, tier, 1024, 80, "fsdp=128,cp=8")[1] if r.ac and r.micro_batch == 1)
+    assert 0.9 * 80 * GiB < row.total < 89 * GiB
     # An odd width and FFN (3 x 1,367, 3 x 341): no dimension of w1 [512, 2,046, 4,101] divides 1,024.
     odd = dataclasses.replace(tier, model=dataclasses.replace(tier.model, dim=4101, expert_ffn_dim=1023))
     assert padded_experts(odd, "fsdp", 1024) and padded_experts(odd, "hsdp", 2048, replicas=2)

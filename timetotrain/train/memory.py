@@ -9,7 +9,15 @@ Where the numbers come from (an estimate, not a measurement):
   a time (the one computing and the one prefetched) and of the root group (embedding, head, final norm:
   gathered whole for the forward and the backward, in fp32 too; found by `ttt plan --simulate`); under DDP
   autocast's cached bf16 copy of every fp32 weight (2 B per parameter; none for a base already stored in
-  bf16).
+  bf16). Every FSDP2 row (fsdp, HSDP, the ep hybrids, cp or tp with FSDP2) counts besides, through the
+  backward, the unsharded fp32 gradients of the block it reduce-scatters (`reduce_dtype` fp32, train/
+  parallel.py; FSDP2 keeps one block's reduce-scatter input while the next block computes its gradients):
+  4 B per trained parameter of what the block's wrap gathers (no experts under `ep=N,fsdp=N`, HSDP x EP or
+  cp with ep, whose slices FSDP2 ignores; one sharded slice under the hybrid `ep=E,fsdp=N`, whose slices
+  have their own wrap; a LoRA block's adapters only; 1/T of it under tp). Found by `ttt plan --simulate`:
+  qwen35_397b_grpo `fsdp=128,cp=8` on 1,024 GPUs simulated 27.5 GiB over the formula without them (a
+  6.6 B-parameter block: 24.5 GiB), llama31_405b `fsdp=64` with AC 14.7 (11.9); the TP rows counted them
+  already. DDP reduces its own buckets (counted with the states).
 - Activations: the model family's count of the elements autograd keeps per token for one block
   (`ModelFamily.activation_elements`; for a Llama block: RMSNorm keeps its input, the normalised values and
   the weighted output (3h, twice per block); SDPA keeps rotated q, k, v and its output (q h, k and v
@@ -395,6 +403,10 @@ def estimate(
         copies = 4 * 2 * block if sharded else 0
     if sharded:
         copies += _root_copies(family, cfg, bf16, experts=not kind.startswith("ep"))
+        # Through the backward, the unsharded fp32 gradients of the block FSDP2 reduce-scatters (module
+        # docstring), as the TP rows count them: of what the block's wrap gathers (`block`: no experts under
+        # ep, one sharded slice at a time under the hybrid), its trained part (a LoRA block's adapters).
+        copies += 4 * (trainable / cfg.n_layers if frozen else block)
     end = None
     if family.activation_bytes is not None:
         if ac > 1:
