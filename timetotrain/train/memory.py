@@ -706,21 +706,12 @@ def plan(
             # Pipeline parallelism last: only where no layout without it fits or splits the batch.
             rows += _pipeline_search_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap)
         if not rows:
-            # where it splits, the task may refuse the share (GRPO: whole groups per rank): say why
-            why = _refused_share(bench, tier, gbs // gpus, gpus) if gbs % gpus == 0 else ""
-            why = f" ({why})" if why else ""
-            if left_out:
-                why += (
-                    f"; layouts with FSDP2 over more than the model's {tier.model.n_experts} experts, whose "
-                    "expert weights no dimension splits evenly over, are left out (their padded expert shards "
-                    "are not counted: see `padded_experts`)"
-                )
-            raise UserError(
-                f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
-                "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
-                "--set global_batch_size"
-            )
-    fitting = [r for r in rows if r.total <= cap]
+            raise _no_split(bench, tier, gpus, left_out)
+    return n, rows, _pick([r for r in rows if r.total <= cap])
+
+
+def _pick(fitting: list[Estimate]) -> Estimate | None:
+    """The suggestion among the rows that fit (`plan`), None where none does."""
     # Prefer no pipeline, then the fewest stages (a practitioner's pick: each stage adds to the schedule's
     # bubble, (P - 1) of its P - 1 + micro-batches idle, and a hand-off per micro-batch; pipeline rows are
     # only tried where nothing without them fits), then no tensor parallelism, then the smallest TP degree
@@ -731,7 +722,7 @@ def plan(
     # micro-batch gains less), then the larger micro-batch (fewer, bigger matmuls; under a pipeline the
     # smaller: more micro-batches shrink its bubble, 7 / 43 of the step at 36 micro-batches of 8 stages,
     # 7 / 16 at 9), then DDP (no gathers).
-    best = max(
+    return max(
         fitting,
         key=lambda r: (
             -degree(r, "pp"), -tp_degree(r), -degree(r, "cp"), not r.ac, r.parallel.startswith("dp_replicate"),
@@ -739,7 +730,25 @@ def plan(
         ),
         default=None,
     )  # fmt: skip
-    return n, rows, best
+
+
+def _no_split(bench, tier, gpus: int, left_out: list[str]) -> UserError:
+    """`plan`'s one line where the search found no row: the batch splits over no layout it tries."""
+    gbs = tier.global_batch_size
+    # where it splits, the task may refuse the share (GRPO: whole groups per rank): say why
+    why = _refused_share(bench, tier, gbs // gpus, gpus) if gbs % gpus == 0 else ""
+    why = f" ({why})" if why else ""
+    if left_out:
+        why += (
+            f"; layouts with FSDP2 over more than the model's {tier.model.n_experts} experts, whose "
+            "expert weights no dimension splits evenly over, are left out (their padded expert shards "
+            "are not counted: see `padded_experts`)"
+        )
+    return UserError(
+        f"--gpus {gpus}: global_batch_size {gbs} does not split over {gpus} data-parallel ranks{why} (nor "
+        "over the fsdp ranks of a tensor-, context- or pipeline-parallel layout): change --gpus or "
+        "--set global_batch_size"
+    )
 
 
 def _tensor_parallel_rows(bench, tier, gpus: int, gpus_per_node: int, rows_of) -> list[Estimate]:
