@@ -338,6 +338,8 @@ def test_the_step_peaks_at_the_larger_end_of_its_backward():
     def parts(name, gpus, spec, micro, shards):
         bench = get(name)
         tier = bench.tier("reference")
+        if tier.eval_samples % gpus:  # `ttt run` takes ep where the eval splits evenly (check_eval_split)
+            tier = dataclasses.replace(tier, eval_samples=gpus)
         cfg = tier.model
         _, rows, _ = plan(bench, tier, gpus, 80, spec)
         r = next(r for r in rows if r.ac and r.micro_batch == micro)
@@ -523,12 +525,16 @@ def test_grpo_reference_says_what_one_sample_needs(capsys):
     fixed = r.states + r.compute_copies + r.margin
     act = r.activations - r.overlap
     assert -(-act // (cap - fixed)) > 1  # the sequence must be split: cp
-    # The RCPs' 256 x 288 GiB: at the tier's GBS 256, one rollout a rank of ep=256,fsdp=256 (a group over 16
-    # ranks); fsdp=256's gathered blocks hold their experts, and through the backward a block's unsharded fp32
-    # gradient (24.5 GiB): 264.9 GiB with AC, over the line.
+    # The RCPs' 256 x 288 GiB at the tier's GBS 256: fsdp=256's gathered blocks hold their experts, and
+    # through the backward a block's unsharded fp32 gradient (24.5 GiB): 264.9 GiB with AC, over the line;
+    # no ep row (its 251 eval samples split over no expert-parallel ranks: `parallel.check_eval_split`,
+    # which `ttt run` applies), so a sample's sequence over 2 GPUs: fsdp=128,cp=2, AC, ~180 GiB.
     _, rows, best = plan(bench, ref, 256, 288, None)
-    assert best.parallel == "ep=256,fsdp=256" and best.ac and best.total <= 0.9 * 288 * GiB
+    assert (best.parallel, best.ac, best.micro_batch) == ("fsdp=128,cp=2", True, 1)
+    assert best.total <= 0.9 * 288 * GiB and not any("ep=" in r.parallel for r in rows)
     assert all(r.total > 0.9 * 288 * GiB for r in rows if r.parallel == "fsdp=256")
+    with pytest.raises(UserError, match="eval_samples 251 must divide over 256 expert-parallel ranks"):
+        plan(bench, ref, 256, 288, "ep=256,fsdp=256")
 
 
 def test_grpo_phases_beside_the_step_are_the_decode_and_the_logprob_check():

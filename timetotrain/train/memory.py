@@ -633,6 +633,8 @@ def plan(
     ) -> list[Estimate]:
         if _refused_share(bench, tier, local, gbs // local):  # no row `ttt run` takes (GRPO: whole groups)
             return []
+        if (ep or kind.startswith("ep")) and tier.eval_samples % (gbs // local):
+            return []  # `ttt run` refuses it: every rank in every eval forward (`parallel.check_eval_split`)
         if (searching or searched) and padded_experts(tier, kind, gpus, tp, ep, replicas):
             left_out.append(kind)
             return []
@@ -670,6 +672,7 @@ def plan(
             )
         if given.ep > 1:
             _check_experts(tier.model, parallel_spec, given.ep)
+            parallel.check_eval_split(tier.eval_samples, given)
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp, bench.task)
         bench.task.check_share(tier, local, given.data_parallel)  # (GRPO: whole groups per rank)

@@ -370,6 +370,17 @@ def check_batch_split(global_batch_size: int, plan: Plan) -> int:
     return batch_share(global_batch_size, plan).local
 
 
+def check_eval_split(eval_samples: int, plan: Plan) -> None:
+    """Under expert parallelism every rank takes part in every eval forward (its all-to-alls), so the eval
+    samples split evenly over the data-parallel ranks or `ttt run` refuses in one line (`ttt plan` asks here
+    too, so that it never suggests such a layout)."""
+    if plan.ep > 1 and eval_samples % plan.data_parallel:
+        raise UserError(
+            f"eval_samples {eval_samples} must divide over {plan.data_parallel} expert-parallel ranks: change "
+            "--set eval_samples or the layout"
+        )
+
+
 def apply(model: nn.Module, plan: Plan, device: torch.device, family):
     """Wrap `model` per plan. Returns (the module to call: the same object for FSDP2, a DDP wrapper else;
     the expert-parallel process group or None). Tensor parallelism is the family's own plan

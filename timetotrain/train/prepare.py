@@ -88,11 +88,7 @@ def preflight(
     local = share.local
     bench.task.check_share(tier, local, plan.data_parallel)
     micro = settle_micro_batch(bench, tier, plan, local, micro_batch, micro_flag)
-    if plan.ep > 1 and tier.eval_samples % plan.data_parallel:
-        # Expert all-to-alls need every rank in every eval forward: equal eval shares.
-        raise UserError(
-            f"eval_samples {tier.eval_samples} must divide over {plan.data_parallel} expert-parallel ranks"
-        )
+    parallel.check_eval_split(tier.eval_samples, plan)
     if bench.family.embedding_tables is not None and plan.dp != plan.world:
         # Embedding tables shard over the data-parallel ranks themselves (train/embedding_parallel.py).
         raise UserError(
