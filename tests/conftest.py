@@ -4,9 +4,17 @@ import importlib
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from forked import run_ranks, run_ttt
+# OpenMP threads (torch's intra-op pool: 2 on 2 cores) spin a while after each parallel region before they
+# sleep. With two xdist workers on two cores a spinning thread takes the core the other process needs, and
+# tests of many tiny ops (decode loops, evals) burned 2.7x the CPU: tests/test_untrained_misses_target.py
+# 120 against 44 CPU-s, two sessions side by side. PASSIVE sleeps at once; the same threads split the same
+# work, so no result changes (a llama31_8b tiny run's losses are identical). Set before torch loads libgomp,
+# which reads it once; the workers, the fork server and every process a test starts inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from forked import run_ranks, run_ttt  # noqa: E402
 
 
 def require(name: str):
