@@ -4,9 +4,17 @@ import importlib
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from forked import run_ranks, run_ttt
+# OpenMP threads (torch's intra-op pool: 2 on 2 cores) spin a while after each parallel region before they
+# sleep. With two xdist workers on two cores a spinning thread takes the core the other process needs, and
+# tests of many tiny ops (decode loops, evals) burned 2.7x the CPU: tests/test_untrained_misses_target.py
+# 120 against 44 CPU-s, two sessions side by side. PASSIVE sleeps at once; the same threads split the same
+# work, so no result changes (a llama31_8b tiny run's losses are identical). Set before torch loads libgomp,
+# which reads it once; the workers, the fork server and every process a test starts inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from forked import run_ranks, run_ttt  # noqa: E402
 
 
 def require(name: str):
@@ -358,6 +366,8 @@ def launch_llama_tiny(data, logdir, nproc, *extra, env_extra=None, wait=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     args = ["run", "llama31_8b", "--tier", "tiny", "--data", str(data), "--logdir", str(logdir), "--quiet"]
     args += ["--seed", str(LLAMA_SEED), *extra]
+    if nproc == 1 and wait:  # forked: no fresh interpreter (3.5 s of imports) where no process is tested
+        return ttt_run(*args, env=env, timeout=600)
     cmd = ttt_command(*args, nproc=nproc)
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

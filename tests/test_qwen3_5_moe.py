@@ -33,13 +33,12 @@ CONFIGS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def one_thread():
-    # Tiny ops: on a loaded 2-core machine, two intra-op threads wait on each other far longer than they compute.
-    before = torch.get_num_threads()
+    # Tiny ops: on a loaded 2-core machine, two intra-op threads wait on each other far longer than they
+    # compute. Per test, not per module: conftest's `_threads_restored` puts the session's count back after
+    # every test, which had left all but the first test on two threads (60x the CPU under load).
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def small_cfg(name="a", **overrides) -> q.Qwen35MoeConfig:
