@@ -672,9 +672,9 @@ def plan(
             )
         if given.ep > 1:
             _check_experts(tier.model, parallel_spec, given.ep)
-            parallel.check_eval_split(tier.eval_samples, given)
         if given.tp > 1:
             parallel.check_tensor_parallel(bench.family, tier.model, parallel_spec, given.tp, bench.task)
+        parallel.check_eval_split(tier.eval_samples, given)  # (as `ttt run`'s preflight, after the tp checks)
         bench.task.check_share(tier, local, given.data_parallel)  # (GRPO: whole groups per rank)
         rows = rows_of(
             kind, local, given.tp, given.ep if given.ep > 1 else None, given.dp_replicate, given.cp
