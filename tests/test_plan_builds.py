@@ -1,9 +1,12 @@
 """Every kind of layout `ttt plan` suggests is one ttt builds: for each benchmark, the kinds its search
 suggests or offers for the reference tier (8 to 1,024 GPUs of 80, 141 and 192 GiB) are built and stepped for one rank
 under the fake process group at the benchmark's tiny tier, on 4 ranks (train/simulate.py), so a kind that
-cannot build (LoRA under TP did not, before its plan) fails here. DDP (`dp`) is not among them: its
-constructor reads parameter data, which fake tensors have none of; the gloo tests build it
-(tests/test_reproducible.py, tests/test_distributed.py).
+cannot build (LoRA under TP did not, before its plan) fails here. DDP (`dp`) is walked past: under fake
+tensors the simulator runs a stand-in that holds DDP's buckets (`fakes.data_parallel`) around each family's
+plain unsharded build, and the gloo tests build the real one (tests/test_reproducible.py,
+tests/test_distributed.py); the one family whose build differs under it, LoRA's (its adapters created
+beside a frozen base: a fake tensor's `to_empty` did not build), is built by name below (`NAMED`), as the
+grid suggests it on 8 x 192 GiB.
 
 Context parallelism (`cp=C,fsdp=F`) is the search's last resort, suggested on none of those devices but on
 smaller ones (gpt_oss_20b on 64 x 16 GiB): it is built for every benchmark whose reference tier
@@ -175,6 +178,7 @@ def test_every_suggested_kind_builds(name, kind):
 # the search tries TP only where nothing without it fits or splits the batch). qwen35_397b_grpo refuses tp
 # (its rollouts decode: train/parallel.py).
 NAMED = [
+    ("llama2_70b_lora", "dp=4", "bf16"),
     ("llama2_70b_lora", "pp=2,fsdp=2", "fp32"),
     ("llama2_70b_lora", "pp=2,tp=2,fsdp=2", "fp32"),
     ("llama31_8b", "pp=2,fsdp=2", "fp8"),

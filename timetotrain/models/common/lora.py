@@ -58,13 +58,18 @@ def _check_args(rank: int, dropout: float) -> None:
 
 def _adapter_pair(base: nn.Linear, rank: int, out_features: int) -> tuple[nn.Linear, nn.Linear]:
     """A `[rank, in]` and B `[out, rank]`, fp32, allocated on the base's device but not initialised. Built on
-    meta and then materialised, so that nn.Linear's own init does not draw from the global RNG (the caller's
-    seed would shift); `reset_parameters` fills them."""
-    with torch.device("meta"):
-        lora_A = nn.Linear(base.in_features, rank, bias=False, dtype=torch.float32)
-        lora_B = nn.Linear(rank, out_features, bias=False, dtype=torch.float32)
+    meta with fresh empty weights assigned, so that nn.Linear's own init does not draw from the global RNG
+    (the caller's seed would shift); `reset_parameters` fills them. Assigned, not `to_empty`: that swaps a
+    fake tensor's parameters in place, which `ttt plan --simulate`'s fake tensors refuse."""
     device = base.weight.device
-    return lora_A.to_empty(device=device), lora_B.to_empty(device=device)
+
+    def empty(in_features: int, out: int) -> nn.Linear:
+        with torch.device("meta"):
+            layer = nn.Linear(in_features, out, bias=False, dtype=torch.float32)
+        layer.weight = nn.Parameter(torch.empty(out, in_features, dtype=torch.float32, device=device))
+        return layer
+
+    return empty(base.in_features, rank), empty(rank, out_features)
 
 
 def _dropout(p: float) -> nn.Module:
