@@ -685,12 +685,7 @@ def plan(
     else:
 
         def named(spec: str) -> list[Estimate]:
-            """The rows of `spec` planned as `--parallel` names it, through every check of `ttt run`'s
-            preflight; none where those refuse it."""
-            try:
-                return plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
-            except UserError:
-                return []
+            return _named_rows(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)
 
         rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of, named)
         if not any(r.total <= cap for r in rows):
@@ -711,6 +706,15 @@ def plan(
         if not rows:
             raise _no_split(bench, tier, gpus, left_out)
     return n, rows, _pick([r for r in rows if r.total <= cap])
+
+
+def _named_rows(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac) -> list[Estimate]:
+    """The rows of `spec`, a layout the search tries, planned as `--parallel` names it, so through every check
+    of `ttt run`'s preflight; none where those refuse it."""
+    try:
+        return plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
+    except UserError:
+        return []
 
 
 def _pick(fitting: list[Estimate]) -> Estimate | None:
@@ -884,10 +888,7 @@ def _context_parallel_rows(
                 f = gpus // (c * t)
                 specs.append(f"cp={c},tp={t}" + (f",fsdp={f}" if f > 1 else ""))
     for spec in specs:
-        try:
-            rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
-        except UserError:
-            continue
+        rows += _named_rows(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)
     return rows
 
 
@@ -928,10 +929,7 @@ def _pipeline_search_rows(
                 for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node, bench.task))
             ]
         for spec in specs:
-            try:
-                rows += plan(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac, True)[1]
-            except UserError:
-                continue
+            rows += _named_rows(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)
         if any(r.total <= cap for r in rows):
             break
     return rows
