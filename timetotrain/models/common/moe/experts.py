@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from timetotrain.fakes import host_sizes, real_host
 from timetotrain.models.common import weight_cast
-from timetotrain.models.common.fused import swiglu
+from timetotrain.models.common.fused import swiglu, weight_by_probs
 
 
 def permute(
@@ -68,7 +68,7 @@ def _swiglu(h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     if probs is None:
         return a
     # Megatron's `activation_func_with_probs`: weight in the probs' dtype (fp32), round back once.
-    return (a * probs.unsqueeze(-1)).to(a.dtype)
+    return weight_by_probs(a, probs)
 
 
 def _experts_grouped_mm(x, counts, w1, w2, probs):
