@@ -410,6 +410,17 @@ def test_nothing_fits_says_from_how_many_gpus_it_would():
     assert fits_from(BENCH, REF, 1, 0.01, None) is None
 
 
+def test_fits_from_reaches_worlds_above_eight_samples_a_gpu():
+    # llama31_405b at GBS 16 on 48 GiB: no layout of a TP group a rank (up to 16 x 8 = 128 GPUs) fits; the CP
+    # pair across nodes does, on 256 GPUs (`cp=2,tp=8,fsdp=16`): 16 GPUs a data-parallel rank.
+    bench = get("llama31_405b")
+    tier = dataclasses.replace(bench.tier("reference"), global_batch_size=16)
+    assert plan(bench, tier, 128, 48, None)[2] is None
+    w, best = fits_from(bench, tier, 16, 48, None)
+    assert (w, best.parallel) == (256, "fsdp=16,cp=2,tp=8")
+    assert best.total <= 0.9 * 48 * GiB
+
+
 def test_moe_benchmarks_get_ep_rows_by_default():
     for name, gpus in (("gpt_oss_20b", 8), ("deepseekv3_671b", 256)):
         bench = get(name)

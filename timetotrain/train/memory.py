@@ -1140,8 +1140,7 @@ def _gbs_note(bench, tier, at, gpus: int, refused, what: str) -> str:
     )
 
 
-# TP groups are at most 8 wide (one node's NVLink domain), so a world above 8 x the global batch leaves a
-# data-parallel rank without a sample: `fits_from` stops there.
+# TP groups are at most 8 wide (one node's NVLink domain).
 MAX_TP = 8
 
 
@@ -1166,6 +1165,20 @@ def _spec_at(kind: str, given: parallel.Plan | None, world: int) -> str | None:
     return f"{kind}={world}"
 
 
+def _sample_splits(gpus_per_node: int) -> list[int]:
+    """The GPUs one data-parallel rank's samples can span in a layout the search tries (`plan`): a TP group
+    (1, 2, 4 or `MAX_TP`), cp x tp within a node (up to the node), the CP pair across nodes where TP fills
+    each (`CROSS_NODE_CP`), or a pipeline's `PP_DEGREES` stages of a TP group each. A world is the
+    data-parallel ranks (a divisor of the global batch) times one of these, so above 8 x the global batch
+    only the pair across nodes and the pipeline reach (llama31_405b at GBS 16: `cp=2,tp=8,fsdp=16` on 256)."""
+    tps = (1, 2, 4, MAX_TP)
+    node = max(gpus_per_node, MAX_TP)
+    within = {t * c for t in tps for c in (1, *CP_DEGREES) if t * c <= node}
+    across = {c * gpus_per_node for c in CROSS_NODE_CP}
+    stages = {p * t for p in PP_DEGREES for t in tps}
+    return sorted(within | across | stages)
+
+
 def fits_from(
     bench, tier, gpus: int, gpu_mem_gib: float, parallel_spec: str | None, bf16: bool = True,
     gpus_per_node: int = 8, fp8: Fp8 | None = None, ac: int | None = None,
@@ -1173,8 +1186,9 @@ def fits_from(
     """When nothing fits on --gpus: the smallest larger world size on which the same estimates suggest a
     layout (of the kind --parallel names, grown with the world; else the default candidates), with that
     suggestion; None when none does. Only worlds `ttt run` could take are tried: the batch splits over the
-    data-parallel ranks (a divisor of the global batch, times a TP degree of 1, 2, 4 or 8) and the world is
-    whole nodes of --gpus-per-node (or fits in one), so the search is a few dozen plans, not a scan."""
+    data-parallel ranks (a divisor of the global batch, times the GPUs a rank's samples span in a layout the
+    search tries, `_sample_splits`) and the world is whole nodes of --gpus-per-node (or fits in one), so the
+    search is some dozens of plans, not a scan."""
     for w, (_, _, best) in _larger_plans(
         bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_node, fp8, ac
     ):
@@ -1190,7 +1204,7 @@ def _larger_plans(bench, tier, gpus, gpu_mem_gib, parallel_spec, bf16, gpus_per_
     kind = _kind(given) if given is not None else ""
     divisors = [d for d in range(1, math.isqrt(gbs) + 1) if gbs % d == 0]
     divisors += [gbs // d for d in divisors]
-    worlds = sorted({d * t for d in divisors for t in (1, 2, 4, MAX_TP)})
+    worlds = sorted({d * m for d in divisors for m in _sample_splits(gpus_per_node)})
     for w in worlds:
         if given is not None and w % (given.pp * given.tp * given.cp):
             continue
