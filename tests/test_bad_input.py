@@ -447,6 +447,12 @@ CASES = [
         "0.01 x the base LR",
     ),
     C(
+        "llama31_405b-gbs-whose-rule-lr-is-below-the-end-lr",
+        "plan llama31_405b --tier reference --gpus 16 --gpu-mem 80 --set global_batch_size=8",
+        "--set global_batch_size=8",
+        "below the end LR 8e-07",
+    ),
+    C(
         "llama31_405b-synth-tensor-parallel-one-process",
         "synth llama31_405b --logdir {w}/logs --parallel tp=2",
         "--parallel tp=2",

@@ -459,6 +459,13 @@ def validate(bench: Benchmark, t: Tier) -> None:
             "before it"
         )
     if t.lr <= 0 or t.end_lr < 0 or t.end_lr > t.lr:
+        if "global_batch_size" in t.user_set and not {"lr", "end_lr"} & t.user_set:
+            # The LR came with the GBS (the rules' function of it, or the RCP table's), not from the user.
+            raise UserError(
+                f"--set global_batch_size={t.global_batch_size}: the LR that comes with it, {t.lr:g}, is below "
+                f"the end LR {t.end_lr:g}; choose a larger GBS, or give --set lr=... end_lr=... "
+                "(--set division=open)"
+            )
         raise UserError(f"--set lr={t.lr} end_lr={t.end_lr}: need 0 <= end_lr <= lr and lr > 0")
     if t.division not in ("closed", "open"):
         raise UserError(f"--set division={t.division!r}: choose closed or open")
