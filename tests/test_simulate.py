@@ -197,3 +197,18 @@ def test_a_peak_moved_where_no_moment_holds_it_is_refused():
 
 if __name__ == "__main__":
     _measure_real(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))
+
+
+@pytest.mark.slow
+def test_the_simulated_verdict_is_against_the_plans_own_line(capsys):
+    # A tiny model's peak is a few MiB: at --gpu-mem 1.15 (GiB, as the plan reads it) the plan's margin (5% +
+    # 1 GiB) does not fit its 90% line, on 80 GiB and more it does (the verdict once used "GB", 1e9 bytes, and
+    # so disagreed with the plan's own line).
+    main(["plan", "llama31_8b", "--tier", "tiny", "--gpus", "2", "--gpu-mem", "1.15", "--parallel", "fsdp=2",
+          "--simulate"])  # fmt: skip
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if s.startswith("fits --gpu-mem 1.15 "))
+    need = float(line.split("peaks, ")[1].split(" GiB")[0])
+    margin = float(line.split("margin ")[1].split(",")[0])
+    assert 0 < need < 0.1 and margin == pytest.approx(0.05 * 1.15 + 1, abs=0.01)
+    assert line.endswith(f"within the line {0.9 * 1.15:.2f}): no; on 80 GiB: yes, 141 GiB: yes, 192 GiB: yes")
