@@ -73,7 +73,10 @@ def expert_mesh(device_type: str, plan, device_mesh):
     """(expert-parallel group, replica group or None, this stage's ("replica", "ep") mesh where FSDP2 shards
     the slices over their replicas, else None) of this rank: the (pp, N / E, E) mesh (module docstring)."""
     data = plan.dp * plan.fsdp
-    mesh = device_mesh(device_type, (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep"))
+    shape, names = (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep")
+    if plan.tp > 1:  # one expert-parallel group per TP index, TP innermost (`Plan.coords`)
+        shape, names = (*shape, plan.tp), (*names, "tp")
+    mesh = device_mesh(device_type, shape, names)
     with real_host():
         stage = mesh["replica", "ep"] if plan.expert_shards > 1 else None
         return mesh["ep"].get_group(), mesh["replica"].get_group() if data > plan.ep else None, stage
