@@ -900,8 +900,8 @@ def _pipeline_search_rows(
     bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap
 ) -> list[Estimate]:  # fmt: skip
     """`pp=P[,tp=T][,fsdp=F]` (P x T x F = gpus; T as `_tp_degrees` allows within a node, none too; no `dp`,
-    which the pipeline does not compose with; an MoE model `pp=P[,tp=T],ep=E,fsdp=F`) for P in `PP_DEGREES`, fewest stages first, stopping after the
-    first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
+    which the pipeline does not compose with; an MoE model `pp=P[,tp=T],ep=E,fsdp=F`) for P in `PP_DEGREES`,
+    fewest stages first, stopping after the first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
     `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
     (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
     have a stage split, P stages within the layers, a micro-batch count the 1F1B schedule takes); a layout

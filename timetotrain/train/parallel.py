@@ -287,8 +287,8 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
         if degrees["ep"] > 1 and degrees["pp"] > 1:
             if any(degrees[k] > 1 for k in ("dp", "dp_replicate", "vpp")):
                 raise UserError(
-                    f"--parallel {spec!r}: pipeline with expert parallelism is built as pp=P[,tp=T],ep=E[,fsdp=N] "
-                    "only (not with dp, dp_replicate or vpp yet)"
+                    f"--parallel {spec!r}: pipeline with expert parallelism is built as "
+                    "pp=P[,tp=T],ep=E[,fsdp=N] only (not with dp, dp_replicate or vpp yet)"
                 )
             # A stage's data-parallel ranks are FSDP2's (a pipeline has no DDP): `pp=P[,tp=T],ep=E` is
             # `fsdp=world/(P x T)` (train/pipeline_moe.py); at least E, so a world too small is refused by the

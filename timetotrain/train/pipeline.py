@@ -46,8 +46,8 @@ the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the l
 CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
 flattened (data, cp) ranks, which averages the CP ranks' gradients.
 
-Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
-train/pipeline_moe.py.
+Mixture of experts (`pp=P[,tp=T],ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
+train/pipeline_moe.py. Under TP the boundaries carry DeepSeek's MTP inputs as each rank's sequence shard too.
 
 LoRA (llama2_70b_lora). The task adapts the meta model before anything else (`Task.adapt_model`: adapters in
 the blocks, the base frozen), so a stage carries its blocks' adapters and FSDP2 groups them with the block;
@@ -63,7 +63,7 @@ of 8,192 tokens, 8,191 positions, which do not divide.
 fp8 (`--precision fp8`): the block linears of the meta model are converted (`float8.convert`) before TP,
 checkpointing, compile and FSDP2 see them, as `parallel.apply` does; each rank's stages then hold theirs.
 
-Not built: pp with dp / dp_replicate, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or without
+Not built: pp with dp / dp_replicate, ep with vpp or cp, MoE families other than `MOE_FAMILIES` or without
 ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks that roll out on the
 model (GRPO) or adapt it without `Task.init_adapters`.
 """
@@ -133,7 +133,7 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
         what = f"the {bench.family.name} family" if plan.ep > 1 else f"{bench.name} without ep"
         raise UserError(
             f"--parallel {spec}: pipeline parallelism for mixture-of-experts models is built for {built} "
-            f"with expert parallelism (pp=P,ep=E[,fsdp=N]) only, not for {what}"
+            f"with expert parallelism (pp=P[,tp=T],ep=E[,fsdp=N]) only, not for {what}"
         )
     if plan.ep > 1 and not hasattr(tier.model, "n_experts"):
         raise UserError(
