@@ -20,6 +20,7 @@ from test_layouts_pp_moe import MODELS, assemble, one_process, train
 pytestmark = pytest.mark.distributed
 
 WORLD, SPEC = 8, "pp=2,tp=2,ep=2,fsdp=2"
+REDUCE = {"gpt_oss_20b": "stage"}  # (the worker's tier: see `_worker`)
 
 
 @functools.cache
@@ -57,9 +58,23 @@ def test_pipeline_with_tensor_and_expert_parallelism_trains_as_one_process(root,
 
 
 def _worker(out: Path) -> None:
+    import dataclasses
+
+    import test_layouts_pp_moe
     import torch.distributed as dist
 
     from timetotrain.train import parallel
+
+    # gpt_oss_20b with every wrap of a stage reduced and resharded per micro-batch (`--set pp_reduce=stage`,
+    # train/pipeline_reduce.py), DeepSeek at the default (`experts`, which under tp, the slices whole, is
+    # torch's schedule as `step`): the one-process run has no such setting.
+    small = test_layouts_pp_moe.tier
+
+    def tier(name: str = "deepseekv3_671b"):
+        bench, t = small(name)
+        return bench, dataclasses.replace(t, pp_reduce=REDUCE.get(name, t.pp_reduce))
+
+    test_layouts_pp_moe.tier = tier
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,7 +83,10 @@ def _worker(out: Path) -> None:
     results, weights = {}, {}
     for name in MODELS:
         got = train(name, plan, rank)
-        del got["training"]
+        # The wraps reduced per micro-batch: every one of the stage's under `stage`, none under `experts`
+        # (no slice is sharded under tp).
+        per_micro = got.pop("training").model.schedule._stage.per_micro
+        assert (len(per_micro) > 0) == (name in REDUCE), (name, per_micro)
         results[name] = got["losses"]
         results[f"{name} bias"] = got["bias"]
         results[f"{name} placements"] = got["placements"]
