@@ -99,3 +99,22 @@ def _worker(out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.bad_input
+def test_pipeline_with_tensor_and_expert_parallelism_flags():
+    from conftest import assert_parse_refuses
+
+    from timetotrain.train import parallel
+
+    plan = parallel.parse("pp=2,tp=2,ep=2", WORLD)  # a stage's data-parallel ranks: world / (pp x tp)
+    assert (plan.pp, plan.tp, plan.ep, plan.fsdp, plan.data_parallel) == (2, 2, 2, 2, 2)
+    assert [plan.coords(r)["tp"] for r in range(WORLD)] == [0, 1] * 4
+    assert parallel.parse("pp=4,tp=2,ep=32,fsdp=64", 512).world == 512
+    assert_parse_refuses(
+        [
+            ("pp=2,tp=2,ep=4,fsdp=6", 24, "ep must divide fsdp"),
+            ("pp=2,tp=2,ep=2,vpp=2", WORLD, r"built as pp=P\[,tp=T\],ep=E\[,fsdp=N\] only"),
+            ("pp=2,tp=2,ep=4", WORLD, "needs 16 processes"),
+        ]
+    )

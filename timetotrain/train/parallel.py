@@ -252,10 +252,10 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 f"--parallel {spec!r}: tp does not combine with dp (DDP takes no DTensors); use tp=T,fsdp=F "
                 "or tp=T,ep=E"
             )
-        if degrees["tp"] > 1 and degrees["ep"] > 1 and degrees["fsdp"] == 1:
+        if degrees["tp"] > 1 and degrees["ep"] > 1 and degrees["fsdp"] == 1 and degrees["pp"] == 1:
             # The data-parallel ranks of a TP layout are FSDP2's (DDP takes no DTensors): `tp=T,ep=E` is
-            # `tp=T,ep=E,fsdp=world/T` (module docstring), `pp=P,tp=T,ep=E` is `fsdp=world/(P x T)`.
-            degrees["fsdp"] = max(1, world // (degrees["tp"] * degrees["pp"]))
+            # `tp=T,ep=E,fsdp=world/T` (module docstring; with pp: below).
+            degrees["fsdp"] = max(1, world // degrees["tp"])
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(
                 f"--parallel {spec!r}: for dp x fsdp use HSDP, dp_replicate=R,fsdp=S (FSDP2 shards over S and "
