@@ -230,7 +230,7 @@ def test_parallel_flag_places_pipeline_and_context_ranks():
     assert_parse_refuses(
         [
             ("vpp=2,fsdp=2", 2, "use it with pp"),
-            ("pp=2,ep=2,tp=2", 8, "not with dp, dp_replicate, tp or vpp yet"),
+            ("pp=2,ep=2,tp=2,vpp=2", 16, "not with dp, dp_replicate or vpp yet"),
             ("cp=2", 4, "needs 2 processes"),
         ]
     )

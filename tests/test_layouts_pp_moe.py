@@ -77,18 +77,20 @@ def batches(data_rank: int, data_world: int) -> list[torch.Tensor]:
 
 
 def whole(model, grads: bool) -> dict:
-    """This rank's parameters (or their gradients): DTensors gathered over their stage's ranks, expert
-    slices as (first expert, rows) for rank 0 to put together; another stage's (meta) left out."""
+    """This rank's parameters (or their gradients): DTensors gathered over their stage's ranks (a TP plan's
+    stacked rows put back), expert slices as (first expert, rows) for rank 0 to put together; another
+    stage's (meta) left out."""
     from torch.distributed.tensor import DTensor
 
     from timetotrain.train.expert_parallel import expert_slice
+    from timetotrain.train.tensor_parallel import unstack
 
     out = {}
     for n, p in model.named_parameters():
         if p.device.type == "meta":
             continue
         t = p.grad if grads else p
-        t = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        t = (unstack(t.full_tensor(), p) if isinstance(t, DTensor) else t).detach().clone()
         out[n] = (expert_slice(p)[1], t) if expert_slice(p) else (0, t)
     return out
 
@@ -260,8 +262,8 @@ def test_pipeline_with_expert_parallelism_flags():
     assert parallel.parse("pp=4,ep=32,fsdp=64", 256).world == 256
     assert_parse_refuses(
         [
-            ("pp=2,ep=2,tp=2", 8, "built as pp=P,ep=E.,fsdp=N. only"),
-            ("pp=2,vpp=2,ep=2", 4, "built as pp=P,ep=E.,fsdp=N. only"),
+            ("pp=2,ep=2,dp=2", 8, r"built as pp=P\[,tp=T\],ep=E\[,fsdp=N\] only"),
+            ("pp=2,vpp=2,ep=2", 4, r"built as pp=P\[,tp=T\],ep=E\[,fsdp=N\] only"),
             ("pp=2,ep=4", 4, "needs 8 processes"),
             ("pp=2,ep=2", 1, "needs 4 processes"),
             ("pp=2,ep=4,fsdp=6", 12, "ep must divide fsdp"),

@@ -66,6 +66,7 @@ SMALL = {
     "fsdp,pp": "pp=2,fsdp=2",
     "dp,pp": "pp=2",
     "ep,fsdp,pp": "pp=2,ep=2",  # fsdp=2 implied (train/pipeline_moe.py)
+    "tp,ep,pp": "pp=2,tp=2,ep=2,fsdp=2",  # on 8 ranks
 }
 
 
@@ -194,6 +195,9 @@ NAMED = [
     ("gpt_oss_20b", "pp=2,ep=2", "fp32"),
     # and with each stage's expert slices sharded over their 2 holders (8 ranks)
     ("gpt_oss_20b", "pp=2,ep=2,fsdp=4", "bf16"),
+    # and with tensor parallelism within each stage (8 ranks: the kind `tp,ep,pp` of `SMALL`)
+    ("deepseekv3_671b", "pp=2,tp=2,ep=2,fsdp=2", "fp32"),
+    ("gpt_oss_20b", "pp=2,tp=2,ep=2,fsdp=2", "bf16"),
 ]
 
 

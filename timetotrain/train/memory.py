@@ -900,8 +900,8 @@ def _pipeline_search_rows(
     bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac, cap
 ) -> list[Estimate]:  # fmt: skip
     """`pp=P[,tp=T][,fsdp=F]` (P x T x F = gpus; T as `_tp_degrees` allows within a node, none too; no `dp`,
-    which the pipeline does not compose with; an MoE model `pp=P,ep=E,fsdp=F`, no tp) for P in `PP_DEGREES`, fewest stages first, stopping after the
-    first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
+    which the pipeline does not compose with; an MoE model `pp=P[,tp=T],ep=E,fsdp=F`) for P in `PP_DEGREES`,
+    fewest stages first, stopping after the first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
     `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
     (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
     have a stage split, P stages within the layers, a micro-batch count the 1F1B schedule takes); a layout
@@ -914,13 +914,17 @@ def _pipeline_search_rows(
         if gpus % p or p > tier.model.n_layers:
             continue
         if experts:
-            # An MoE model: `pp=P,ep=E,fsdp=F` (train/pipeline_moe.py; not with tp), E the largest dividing
-            # the experts and a stage's F ranks, the expert slices sharded over its F / E groups, as the
-            # hybrid without a pipeline. E = 1 (one GPU a stage, or experts that share no factor with F)
-            # is what `pipeline.check` refuses for an MoE model.
-            f = gpus // p
-            e = math.gcd(experts, f)
-            specs = [f"pp={p},ep={e},fsdp={f}"] if e > 1 else []
+            # An MoE model: `pp=P[,tp=T],ep=E,fsdp=F` (train/pipeline_moe.py), E the largest dividing the
+            # experts and a stage's F data-parallel ranks; without tp the expert slices sharded over its F / E
+            # groups, as the hybrid without a pipeline; with tp (as `_tp_degrees` allows within a node) whole
+            # on each of them. E = 1 (one GPU a stage, or experts that share no factor with F) is what
+            # `pipeline.check` refuses for an MoE model.
+            specs = []
+            for t in (1, *_tp_degrees(bench.family, tier.model, gpus // p, gpus_per_node, bench.task)):
+                f = gpus // p // t
+                e = math.gcd(experts, f)
+                if e > 1:
+                    specs.append(f"pp={p}" + (f",tp={t}" if t > 1 else "") + f",ep={e},fsdp={f}")
         else:
             specs = [
                 f"pp={p}"

@@ -252,9 +252,9 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                 f"--parallel {spec!r}: tp does not combine with dp (DDP takes no DTensors); use tp=T,fsdp=F "
                 "or tp=T,ep=E"
             )
-        if degrees["tp"] > 1 and degrees["ep"] > 1 and degrees["fsdp"] == 1:
+        if degrees["tp"] > 1 and degrees["ep"] > 1 and degrees["fsdp"] == 1 and degrees["pp"] == 1:
             # The data-parallel ranks of a TP layout are FSDP2's (DDP takes no DTensors): `tp=T,ep=E` is
-            # `tp=T,ep=E,fsdp=world/T` (module docstring).
+            # `tp=T,ep=E,fsdp=world/T` (module docstring; with pp: below).
             degrees["fsdp"] = max(1, world // degrees["tp"])
         if degrees["dp"] > 1 and degrees["fsdp"] > 1:
             raise UserError(
@@ -285,16 +285,16 @@ def parse(spec: str | None, world: int, world_from: str = "torchrun started", **
                     "experts are split over groups of ep of them); use an ep that divides dp x cp or fsdp x cp"
                 )
         if degrees["ep"] > 1 and degrees["pp"] > 1:
-            if any(degrees[k] > 1 for k in ("dp", "dp_replicate", "tp", "vpp")):
+            if any(degrees[k] > 1 for k in ("dp", "dp_replicate", "vpp")):
                 raise UserError(
-                    f"--parallel {spec!r}: pipeline with expert parallelism is built as pp=P,ep=E[,fsdp=N] only "
-                    "(not with dp, dp_replicate, tp or vpp yet)"
+                    f"--parallel {spec!r}: pipeline with expert parallelism is built as "
+                    "pp=P[,tp=T],ep=E[,fsdp=N] only (not with dp, dp_replicate or vpp yet)"
                 )
-            # A stage's data-parallel ranks are FSDP2's (a pipeline has no DDP): `pp=P,ep=E` is
-            # `pp=P,ep=E,fsdp=world/P` (train/pipeline_moe.py); at least E, so a world too small is
-            # refused by the process count below.
+            # A stage's data-parallel ranks are FSDP2's (a pipeline has no DDP): `pp=P[,tp=T],ep=E` is
+            # `fsdp=world/(P x T)` (train/pipeline_moe.py); at least E, so a world too small is refused by the
+            # process count below.
             if degrees["fsdp"] == 1:
-                degrees["fsdp"] = max(degrees["ep"], world // degrees["pp"])
+                degrees["fsdp"] = max(degrees["ep"], world // (degrees["pp"] * degrees["tp"]))
         solo = degrees["ep"] > 1 and degrees["cp"] == 1  # (with cp: checked above)
         if solo and (degrees["fsdp"] > 1 or degrees["tp"] > 1):
             if degrees["fsdp"] % degrees["ep"]:

@@ -46,8 +46,8 @@ the boundaries carry `[micro, T / (cp x tp), dim]`, the last stage returns the l
 CP group (the micro-batch's one-process mean on every CP rank), and FSDP2 shards a stage over the
 flattened (data, cp) ranks, which averages the CP ranks' gradients.
 
-Mixture of experts (`pp=P,ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
-train/pipeline_moe.py.
+Mixture of experts (`pp=P[,tp=T],ep=E[,fsdp=N]`, deepseek_v3 with its MTP on the last stage, and gpt_oss):
+train/pipeline_moe.py. Under TP the boundaries carry DeepSeek's MTP inputs as each rank's sequence shard too.
 
 LoRA (llama2_70b_lora). The task adapts the meta model before anything else (`Task.adapt_model`: adapters in
 the blocks, the base frozen), so a stage carries its blocks' adapters and FSDP2 groups them with the block;
@@ -63,7 +63,7 @@ of 8,192 tokens, 8,191 positions, which do not divide.
 fp8 (`--precision fp8`): the block linears of the meta model are converted (`float8.convert`) before TP,
 checkpointing, compile and FSDP2 see them, as `parallel.apply` does; each rank's stages then hold theirs.
 
-Not built: pp with dp / dp_replicate, ep with tp or vpp, MoE families other than `MOE_FAMILIES` or without
+Not built: pp with dp / dp_replicate, ep with vpp or cp, MoE families other than `MOE_FAMILIES` or without
 ep, families whose stack is not the plain `Decoder` (Qwen3.5's DeltaNet state), tasks that roll out on the
 model (GRPO) or adapt it without `Task.init_adapters`.
 """
@@ -133,7 +133,7 @@ def check(bench, tier, plan: parallel.Plan, local: int, micro: int, explicit: bo
         what = f"the {bench.family.name} family" if plan.ep > 1 else f"{bench.name} without ep"
         raise UserError(
             f"--parallel {spec}: pipeline parallelism for mixture-of-experts models is built for {built} "
-            f"with expert parallelism (pp=P,ep=E[,fsdp=N]) only, not for {what}"
+            f"with expert parallelism (pp=P[,tp=T],ep=E[,fsdp=N]) only, not for {what}"
         )
     if plan.ep > 1 and not hasattr(tier.model, "n_experts"):
         raise UserError(
@@ -251,24 +251,19 @@ class Stage(nn.Module):
             if carry:
                 ahead = self.decoder.mtp_inputs(x)
             x = self.embed(x if shard is None else shard.local(x))
-        elif self.tp_mesh is not None:  # this rank's sequence shard of the residual stream
-            # The whole length from the labels: where the sequence does not divide, the shards differ.
-            whole = None
-            if labels is not None:
-                length = labels.shape[1] // (self.sequence.cp if self.sequence is not None else 1)
-                whole = dict(
-                    shape=(x.shape[0], length, x.shape[2]), stride=(length * x.shape[2], x.shape[2], 1)
-                )
-            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False, **(whole or {}))
-        elif carry:
-            x, *ahead = x.chunk(1 + carry, dim=-1)
+        else:
+            if carry:
+                x, *ahead = x.chunk(1 + carry, dim=-1)
+            if self.tp_mesh is not None:  # this rank's sequence shard of the residual stream (and MTP's)
+                x, *ahead = [self._sequence_shard(t, labels) for t in (x, *ahead)]
         x = self.decoder.blocks(x, self.layers.values(), shard)
         aux = aux_losses(self.layers.values()) if self.moe and self.training else None
         if self.norm is None:
             if aux is not None:
                 self.aux_total = self.aux_total + aux.detach().float()
+            # The boundary carries plain tensors: under TP each rank's sequence shard of each.
+            x, *ahead = [t.to_local() if isinstance(t, DTensor) else t for t in (x, *ahead)]
             x = aux_into_backward(x, aux)
-            x = x.to_local() if isinstance(x, DTensor) else x
             return torch.cat([x, *ahead], dim=-1) if carry else x
         h = self.norm(x)
         loss = head_loss(h, self.head, labels, reduction, shard)  # (a share of it under cp)
@@ -283,6 +278,15 @@ class Stage(nn.Module):
         if aux is not None:  # a per-token mean already; a summed loss scales it by the labelled tokens
             extra.append(aux if reduction == "mean" else aux * labelled(labels))
         return loss + sum(extra[1:], extra[0]) if extra else loss
+
+    def _sequence_shard(self, x: torch.Tensor, labels: torch.Tensor | None) -> DTensor:
+        """`x`, this rank's sequence shard off a boundary, as the TP plan's `Shard(1)` DTensor; the whole
+        length from the labels: where the sequence does not divide, the shards differ."""
+        whole = None
+        if labels is not None:
+            length = labels.shape[1] // (self.sequence.cp if self.sequence is not None else 1)
+            whole = dict(shape=(x.shape[0], length, x.shape[2]), stride=(length * x.shape[2], x.shape[2], 1))
+        return DTensor.from_local(x.contiguous(), self.tp_mesh, [Shard(1)], run_check=False, **(whole or {}))
 
 
 class _Capture:

@@ -1,6 +1,6 @@
-"""Mixture-of-experts under pipeline parallelism (`--parallel pp=P,ep=E[,fsdp=N]`, train/pipeline.py): what a
-stage of an MoE model needs beyond a dense decoder's. Built for deepseek_v3 and gpt_oss (whose plain decoder
-forward, routers without aux loss or bias, need only the expert parallelism and the telemetry below).
+"""Mixture-of-experts under pipeline parallelism (`--parallel pp=P[,tp=T],ep=E[,fsdp=N]`, train/pipeline.py):
+what a stage of an MoE model needs beyond a dense decoder's. Built for deepseek_v3 and gpt_oss (whose plain
+decoder forward, routers without aux loss or bias, need only the expert parallelism and the telemetry below).
 
 Expert parallelism within a stage. The ranks are laid out pipeline outermost (`parallel.Plan.coords`): rank
 p x N + d is data-parallel rank d of stage p. The experts of every MoE layer are split over groups of E
@@ -11,6 +11,13 @@ resharding and gradient reduction off until the step's last micro-batch; the sli
 on for every micro-batch (`--set pp_reduce=experts`, the default: train/pipeline_reduce.py), so a rank holds
 one layer's slice gathered at a time and the slices' gradients as shards, not every slice gathered (compute
 precision) with its fp32 gradient whole through the step (`ttt plan`'s pp rows).
+
+With tensor parallelism (`pp=P,tp=T,ep=E[,fsdp=N]`): the family's TP plan cuts each stage's attention and
+leaves its MoE whole on each TP rank's whole tokens (models/gpt_oss/parallelize.py), as `tp=T,ep=E,fsdp=N`
+does without a pipeline; the experts split over the stage's data-parallel ranks, one expert-parallel group
+per TP index: a (pp, N / E, E, T) mesh in `parallel.Plan.coords` order, TP innermost. The N / E holders of a
+slice keep it whole and average its gradient (`expert_parallel.average_expert_replicas`; not sharded under
+tp, `Plan.expert_shards`). A boundary carries each rank's sequence shard of the stream and of MTP's inputs.
 
 The loss. One process's training loss is LM + MTP + the sum of every MoE layer's sequence aux loss. The
 routers live on different stages; only the last stage's output reaches the schedule's loss. An earlier
@@ -71,9 +78,13 @@ def aux_losses(modules) -> torch.Tensor | None:
 
 def expert_mesh(device_type: str, plan, device_mesh):
     """(expert-parallel group, replica group or None, this stage's ("replica", "ep") mesh where FSDP2 shards
-    the slices over their replicas, else None) of this rank: the (pp, N / E, E) mesh (module docstring)."""
+    the slices over their replicas, else None) of this rank: the (pp, N / E, E[, T]) mesh (module
+    docstring)."""
     data = plan.dp * plan.fsdp
-    mesh = device_mesh(device_type, (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep"))
+    shape, names = (plan.pp, data // plan.ep, plan.ep), ("pp", "replica", "ep")
+    if plan.tp > 1:  # one expert-parallel group per TP index, TP innermost (`Plan.coords`)
+        shape, names = (*shape, plan.tp), (*names, "tp")
+    mesh = device_mesh(device_type, shape, names)
     with real_host():
         stage = mesh["replica", "ep"] if plan.expert_shards > 1 else None
         return mesh["ep"].get_group(), mesh["replica"].get_group() if data > plan.ep else None, stage
