@@ -22,10 +22,26 @@ the unsharded build would give:
   initialises its fp32 model before `apply_lora` casts the base.
 
 Expert slices (`ep=N,fsdp=N`: plain tensors holding rows `[first, first + L)` of a full `[E, ...]` expert
-stack, `expert_parallel.expert_slice`) are parts of a full tensor too: `full_init` draws the whole stack and
-keeps the rows, `local_shard` / `copy_full` cut them, so a rank's experts equal the same rows of the
-one-process model's. Under `ep=E,fsdp=N` (E < N) FSDP2 shards each slice over its replicas: a DTensor of the
-slice's shape, whose part of the rows is cut as any DTensor's.
+stack, `expert_parallel.expert_slice`) are parts of a full tensor too: `local_shard` / `copy_full` cut their
+rows, so a rank's experts equal the same rows of the one-process model's. Under `ep=E,fsdp=N` (E < N) FSDP2
+shards each slice over its replicas: a DTensor of the slice's shape, whose part of the rows is cut as any
+DTensor's.
+
+Expert stacks are drawn an expert at a time. The MoE layer initialises its stacks with
+`models/common/rows.by_rows` (one `[a, b]` draw per expert, in order) on every build, one process or
+sharded; under `full_init` a sharded stack is then drawn one full row at a time, and the rank copies its
+part of each row (`row_part`: where `local_shard` of a meta tensor of the full shape puts the local tensor,
+read from that view's offset and strides; it covers FSDP2's Shard(0) (a range of rows), train/expert_fsdp.py's
+Shard(1) (a part of every row), expert slices and slices FSDP2 shards again). The transient is one expert
+in fp32 (deepseekv3_671b: `[4096, 7168]`, 112 MiB) instead of the stack (`[256, 4096, 7168]`, 28 GiB, on
+every rank); where the local tensor is no such view (strided sharding, a tensor-parallel row order: not
+used for experts today) the stack is drawn whole, still row by row, and cut by `copy_full`. Values: on
+the CPU a row-by-row draw equals the whole stack's for `uniform_`, and for `normal_` where a row holds a
+multiple of 16 elements (every expert stack of our families; torch's CPU `normal_` makes normals in blocks
+of 16 and re-draws a short tail), so CPU initial weights did not change (tests/test_init_rows.py). On CUDA
+each call starts at its own Philox offset, so the values differ from the whole draw's of before, but they
+are equal between the one-process build and every layout, the invariant that matters: a sharded run starts
+from the weights a one-process run starts from.
 """
 
 from __future__ import annotations
@@ -213,8 +229,8 @@ def _draw_rows(args, kwargs, target: torch.Tensor, device, keep: bool) -> None:
     first, n, shape, stride, within = part
     local = target.to_local() if isinstance(target, DTensor) else target
     full = full_shape(target)
+    row = torch.empty(full[1:], dtype=_draw_dtype(target), device=device)  # each draw fills all of it
     for e in range(full[0]):
-        row = torch.empty(full[1:], dtype=_draw_dtype(target), device=device)
         init(row, *rest, **kwargs)
         if first <= e < first + n:
             local[e - first].copy_(row.as_strided(shape, stride, within))
