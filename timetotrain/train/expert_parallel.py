@@ -63,8 +63,8 @@ the group, replicated gradients once; a slice sharded over its replicas is a DTe
 Where the whole model exists (DDP), apply EP to the bare model after its weights are initialised
 (identically on every rank: slicing the same full tensors keeps the same model), before activation
 checkpointing, compile, DDP and the optimizer. The sharded build (FSDP2) applies it on the meta device
-and fills the slices afterwards: `shards.full_init` draws each expert stack whole and keeps this rank's
-rows, the checkpoint loaders copy this rank's rows, so both builds start from the same weights. Anything
+and fills the slices afterwards: `shards.full_init` draws each expert stack an expert at a time and keeps
+this rank's rows, the checkpoint loaders copy this rank's rows, so both builds start from the same weights. Anything
 that replaces parameter objects (`to_empty` from the meta device) drops the marks and the gradient scaling
 hooks: `mark_expert_slices` puts them back. State dicts hold only the local slice.
 """

@@ -94,7 +94,7 @@ from timetotrain.train.context_parallel import SequenceGroup
 from timetotrain.train.expert_parallel import apply_expert_parallel, is_expert_sharded, shard_expert_replicas
 from timetotrain.train.pipeline_moe import Owned, aux_into_backward, aux_losses, expert_mesh
 from timetotrain.train.pipeline_reduce import ReducingStage, per_micro_batch
-from timetotrain.train.shards import _FILLS, draw_full, full_init
+from timetotrain.train.shards import draw_dropped, fill_target, full_init
 
 _MODULES = ("embed", "layers", "norm", "head")  # a plain Decoder's parameters live under these
 # MoE families with a stage build (train/pipeline_moe.py: expert parallelism within a stage, router state and
@@ -433,10 +433,10 @@ class _DrawnElsewhere(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-        if func not in _FILLS or not isinstance(target, torch.Tensor) or target.device.type != "meta":
+        target = fill_target(func, args, kwargs)
+        if target is None or target.device.type != "meta":
             return func(*args, **kwargs)
-        draw_full(func, args, kwargs, target, self.device)  # and dropped
+        draw_dropped(func, args, kwargs, target, self.device)
         return target
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from timetotrain.models.common.moe.experts import GroupedExperts, permute, unpermute
+from timetotrain.models.common.rows import by_rows
 
 
 class MoE(nn.Module):
@@ -57,10 +58,12 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def init_weights(self, normal, std: float, residual_std: float) -> None:
-        """Router and expert fc1 N(0, std); expert fc2 (writes into the residual stream) N(0, residual_std)."""
+        """Router and expert fc1 N(0, std); expert fc2 (writes into the residual stream) N(0, residual_std).
+        The expert stacks an expert at a time (`by_rows`: a sharded build then draws one expert, not the
+        stack)."""
         normal(self.router.weight, std)
-        normal(self.experts.w1, std)
-        normal(self.experts.w2, residual_std)
+        by_rows(normal, self.experts.w1, std)
+        by_rows(normal, self.experts.w2, residual_std)
         if self.shared is not None:
             self.shared.init_weights(normal, std, residual_std)
         if hasattr(self.router, "reset_state"):  # routers with state (a balancing bias) start from zero
