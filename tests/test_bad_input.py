@@ -448,7 +448,7 @@ CASES = [
     ),
     C(
         "llama31_405b-gbs-whose-rule-lr-is-below-the-end-lr",
-        "plan llama31_405b --tier reference --gpus 16 --gpu-mem 80 --set global_batch_size=8",
+        "run llama31_405b --tier reference --data {w}/empty --logdir {w}/logs --set global_batch_size=8",
         "--set global_batch_size=8",
         "below the end LR 8e-07",
     ),
