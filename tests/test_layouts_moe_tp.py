@@ -8,7 +8,8 @@ rtol 1e-5 and every trained weight gathered whole, with the placements asserted.
 
 The small shapes keep what the plans have to get right: 2 attention heads (one per TP rank) whose MLA
 down-projections are replicated and whose one rotary key is read by both ranks' heads (its gradient summed
-over TP); a dense SwiGLU layer cut column/row-wise; DeltaNet with 2 key heads serving 4 value heads, its
+over TP); a dense SwiGLU layer cut column/row-wise, and so the shared experts (their outputs summed over
+TP, Qwen's sigmoid gate replicated); DeltaNet with 2 key heads serving 4 value heads, its
 fused input projection and short convolution cut by heads (unequal parts stacked per rank), its per-head
 decay parameters sharded and its gated norm's weight shared by the heads (gradient summed over TP); top-2 of
 4 experts routed on whole tokens. Run as a script (by torchrun) this file is the worker, both models in one
@@ -56,7 +57,9 @@ LAYOUT = {
         "layers.0.ffn.fc1.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
         "layers.0.ffn.fc2.weight": "(Shard(dim=0), Shard(dim=1))",
         "layers.1.ffn.router.weight": "(Shard(dim=0),)",
-        "layers.1.ffn.shared.fc1.weight": "(Shard(dim=0),)",
+        "layers.1.ffn.shared.fc1.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+        "layers.1.ffn.shared.fc2.weight": "(Shard(dim=0), Shard(dim=1))",
+        "mtp.0.block.ffn.shared.fc1.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
         "layers.1.ffn.experts.w1": "plain",
         "mtp.0.eh_proj.weight": "(Shard(dim=0),)",
         "mtp.0.block.attn.kv_up.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
@@ -72,10 +75,12 @@ LAYOUT = {
         "layers.1.attn.q_norm.weight": "(Shard(dim=0), Replicate())",
         "layers.1.attn.o_proj.weight": "(Shard(dim=0), Shard(dim=1))",
         "layers.1.ffn.shared.gate.weight": "(Shard(dim=0),)",
+        "layers.0.ffn.shared.ffn.fc1.weight": "(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+        "layers.1.ffn.shared.ffn.fc2.weight": "(Shard(dim=0), Shard(dim=1))",
         "layers.1.ffn.experts.w1": "plain",
     },
 }
-# The final weights' absolute tolerance (seen: DeepSeek 1.2e-7, Qwen 1.1e-6 at the DeltaNet layer's input
+# The final weights' absolute tolerance (seen: DeepSeek 1.2e-7, Qwen 6.6e-7 at the DeltaNet layer's input
 # side, whose small gradients Adam scales up; a weight whose gradient misses its other TP rank's part is off by
 # ~1e-3).
 WEIGHT_ATOL = 1e-5
@@ -200,13 +205,18 @@ def test_tp_shape_checks_and_decoding_task_refuse_in_one_line():
     deepseek, qwen = get("deepseekv3_671b").family, get("qwen35_397b_grpo").family
     with pytest.raises(
         UserError,
-        match=r"^--parallel tp=4: n_heads 2 \(layers.\*.attn.q_up.weight\) and ffn_dim 50 .* divide by 4$",
+        match=r"^--parallel tp=4: n_heads 2 \(layers.\*.attn.q_up.weight\) and ffn_dim 50 .* and the shared "
+        r"experts' width 18 \(layers.\*.ffn.shared.fc1.weight\) of the model do not divide by 4$",
     ):
-        deepseek.tensor_parallel_check(dataclasses.replace(DEEPSEEK, ffn_dim=50), 4)
+        deepseek.tensor_parallel_check(dataclasses.replace(DEEPSEEK, ffn_dim=50, expert_ffn_dim=18), 4)
     with pytest.raises(
         UserError, match=r"^--parallel tp=4: n_kv_heads 2 .* and lin_k_heads 2 .* do not divide by 4$"
     ):
         qwen.tensor_parallel_check(QWEN, 4)
+    with pytest.raises(
+        UserError, match=r"^--parallel tp=2: shared_ffn_dim 17 \(layers.\*.ffn.shared.ffn.fc1"
+    ):
+        qwen.tensor_parallel_check(dataclasses.replace(QWEN, shared_ffn_dim=17), 2)
     deepseek.tensor_parallel_check(DEEPSEEK, 2), qwen.tensor_parallel_check(QWEN, 2)  # these divide
     # GRPO decodes its rollouts through the model, which the TP plans do not cut (training only).
     bench = get("qwen35_397b_grpo")
@@ -218,8 +228,8 @@ def test_tp_shape_checks_and_decoding_task_refuse_in_one_line():
 
 def test_plan_counts_deepseek_tp_with_ep_per_rank():
     """`ttt plan deepseekv3_671b --gpus 1024 --parallel tp=2,ep=256`: TP halves what it cuts (MLA's
-    up-projections and output, the dense-first FFNs, the block norms) and nothing else: the rest (the
-    latent down-projections, routers, shared experts, embedding, head, MTP projections) is that of
+    up-projections and output, the dense-first FFNs, the shared experts, the block norms) and nothing else:
+    the rest (the latent down-projections, routers, embedding, head, MTP projections) is that of
     `ep=256,fsdp=512` on 512 GPUs, where each rank's data-parallel share is the same; the expert slices are
     1/256 of the experts there and here, but whole under tp, where the hybrid shards each over its 2
     holders (train/parallel.py `Plan.expert_shards`)."""
@@ -236,6 +246,7 @@ def test_plan_counts_deepseek_tp_with_ep_per_rank():
     cut = (
         layers * (heads + H * cfg.v_head_dim * cfg.dim + 2 * cfg.dim)
         + cfg.first_dense * 3 * cfg.dim * cfg.ffn_dim
+        + (layers - cfg.first_dense) * cfg.n_shared_experts * 3 * cfg.dim * cfg.expert_ffn_dim
     )
     whole = 16 * expert_params(bench.family, cfg)[0] * (1 / 256 - 1 / 512)  # a slice whole, not half
     for tp, one in zip(rows, hybrid, strict=True):

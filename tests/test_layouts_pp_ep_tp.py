@@ -48,10 +48,13 @@ def test_pipeline_with_tensor_and_expert_parallelism_trains_as_one_process(root,
             torch.testing.assert_close(
                 torch.tensor(r[f"{name} bias"]), torch.tensor(one["bias"]), rtol=0, atol=1e-7
             )
-    # The layout is the one named: attention cut by TP (and sharded by FSDP2), experts plain slices.
+    # The layout is the one named: attention (and DeepSeek's shared expert) cut by TP and sharded by FSDP2,
+    # experts plain slices.
     placed = ranks[0][f"{name} placements"]
     attn = "layers.0.attn.qkv.weight" if name == "gpt_oss_20b" else "layers.0.attn.q_up.weight"
     assert placed[attn] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    if name != "gpt_oss_20b":
+        assert placed["layers.1.ffn.shared.fc1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert (
         placed["layers.0.ffn.experts.w1" if name == "gpt_oss_20b" else "layers.1.ffn.experts.w1"] == "plain"
     )

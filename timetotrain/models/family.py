@@ -29,11 +29,12 @@ All of them take the family's config dataclass (a tier's `model`):
   naming what does not divide), which `ttt plan` asks before it estimates a TP layout;
 - `tensor_parallel_elements(cfg, tp)`: optional, `activation_elements` per token on one rank under the
   family's TP plan, for a plan that does not cut the whole block (gpt_oss: the MoE runs whole on every TP
-  rank); None: the memory model's Megatron count (1/tp, the column-wise inputs whole);
+  rank; deepseek_v3, qwen3_5_moe: all of it but the shared experts); None: the memory model's Megatron count
+  (1/tp, the column-wise inputs whole);
 - `tensor_parallel_whole(cfg)`: optional, (the model's parameters besides the routed experts that the family's
   TP plan leaves whole on every TP rank, so that FSDP2 shards them over its ranks only: the embedding, head
-  and final norm, the routers, and DeepSeek-V3's MLA down-projections, latent norms, shared experts and MTP
-  projections, qwen3_5_moe's gated shared experts; those of one MoE block), for `ttt plan`'s tp x ep count;
+  and final norm, the routers, and DeepSeek-V3's MLA down-projections, latent norms and MTP projections,
+  qwen3_5_moe's shared-expert gates; those of one MoE block; the shared experts' SwiGLUs are cut), for `ttt plan`'s tp x ep count;
   None: the embedding, head and final norm (the total less `n_layers` blocks) and the routers (gpt_oss);
 - `peak_block_elements(cfg)`: optional, for a stack of unlike blocks (qwen3_5_moe's hybrid layers), the
   largest block's `activation_elements`: activation checkpointing recomputes one block at a time, so the

@@ -1548,8 +1548,8 @@ def _row_notes(bench, tier, rows) -> list[str]:
         )
     if any(",ep=" in r.parallel and tp_degree(r) > 1 for r in rows):
         out.append(
-            "tp x ep rows: attention cut by tp; the router, shared and routed experts not (every TP rank of a "
-            "group runs the MoE on its whole tokens: activations of the MoE whole), nor MLA's latent "
-            "down-projections; the experts 1/ep per GPU."
+            "tp x ep rows: attention and the shared experts cut by tp; the router and routed experts not "
+            "(every TP rank of a group routes its whole tokens: the routed experts' activations whole), nor "
+            "MLA's latent down-projections; the experts 1/ep per GPU."
         )
     return out

@@ -17,6 +17,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from timetotrain.models.family import TP_STACKED_OVER
+
 
 def gathered(n_inputs: int = 1) -> PrepareModuleInput:
     """The style of a module whose first input arrives cut along the sequence and must be whole (an
@@ -28,11 +30,12 @@ def gathered(n_inputs: int = 1) -> PrepareModuleInput:
 
 
 def moe_gathered() -> PrepareModuleInputOutput:
-    """The style of an MoE block that TP does not cut (models/gpt_oss/parallelize.py says why): its input
-    all-gathered along the sequence, so that every TP rank of a group routes the same whole tokens the same
-    way and runs the same (shared and routed) experts on them; its output, whole and equal on the TP ranks,
-    cut back along the sequence (a local slice, whose backward all-gathers the gradient: the router's and
-    the experts' gradients are whole and equal on the TP ranks, with no TP collective of their own)."""
+    """The style of an MoE block whose router and routed experts TP does not cut (models/gpt_oss/
+    parallelize.py says why): its input all-gathered along the sequence, so that every TP rank of a group
+    routes the same whole tokens the same way and runs the same routed experts on them; its output, whole
+    and equal on the TP ranks, cut back along the sequence (a local slice, whose backward all-gathers the
+    gradient: the router's and the experts' gradients are whole and equal on the TP ranks, with no TP
+    collective of their own). A shared expert inside may be cut (`shared_expert_cut`)."""
     return PrepareModuleInputOutput(
         input_layouts=(Shard(1),),
         desired_input_layouts=(Replicate(),),
@@ -41,6 +44,18 @@ def moe_gathered() -> PrepareModuleInputOutput:
         desired_output_layouts=(Shard(1),),
         use_local_output=False,
     )
+
+
+def shared_expert_cut(ffn: nn.Module, path: str, tp: int, colwise, rowwise) -> dict:
+    """The plan entries of an MoE's shared SwiGLU `ffn` (at `path` in the block) cut as a dense one, on the
+    whole tokens `moe_gathered` hands the MoE (Megatron's TP SharedExpertMLP): `fc1` column-wise with this
+    rank's gate and up rows side by side (a stacked layout, train/tensor_parallel.py), `fc2` row-wise with
+    its partial outputs all-reduced, so the MoE adds a whole output, equal on the TP ranks, to the routed
+    one. An all-reduce rather than a reduce-scatter into this rank's sequence part: the MoE's output is one
+    whole tensor that `moe_gathered` slices, so the sum must be whole there. The column cut's input
+    gradient is all-reduced by its style, so the tokens' gradient is whole, as the router's path needs."""
+    setattr(ffn.fc1, TP_STACKED_OVER, tp)  # gate and up rows side by side per rank
+    return {f"{path}.fc1": colwise(), f"{path}.fc2": rowwise()}
 
 
 def sequence_parallel_ends(model: nn.Module, tp_mesh) -> None:

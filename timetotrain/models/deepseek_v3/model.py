@@ -378,22 +378,25 @@ def activation_elements(cfg: DeepSeekV3Config) -> float:
 def tensor_parallel_elements(cfg: DeepSeekV3Config, tp: int) -> float:
     """`activation_elements` per token on one rank under the TP plan (parallelize.py): the block norms 1/tp
     (sequence parallelism) and the per-head tensors 1/tp (heads split), but the attention's input gathered
-    whole (h, kept by the replicated down-projections), the latents whole (every TP rank computes them) and
-    the MoE whole (every TP rank of a group runs it on all the group's tokens)."""
+    whole (h, kept by the replicated down-projections), the latents whole (every TP rank computes them), the
+    router and routed experts whole (every TP rank of a group runs them on all the group's tokens) and the
+    shared experts' 1/tp (their width cut; their input is the routed experts' whole one)."""
     h, f, k, H = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.n_heads
     latents = RMSNORM_SAVED * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_dim)
     heads = H * (2 * cfg.qk_head_dim + 3 * cfg.v_head_dim)
-    moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 3 * cfg.n_shared_experts * f
-    return (2 * RMSNORM_SAVED * h + heads) / tp + h + latents + moe
+    routed = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h
+    shared = 3 * cfg.n_shared_experts * f
+    return (2 * RMSNORM_SAVED * h + heads + shared) / tp + h + latents + routed
 
 
 def tensor_parallel_whole(cfg: DeepSeekV3Config) -> tuple[int, int]:
     """(The model's parameters besides the routed experts that the TP plan keeps whole, those of one MoE
     block): the embedding, head and final norm, MTP's projections and norms; in every layer MLA's
-    down-projections to the latents and their norms; in every MoE layer the router and the shared experts."""
+    down-projections to the latents and their norms; in every MoE layer the router (the shared experts are
+    cut)."""
     q = 0 if cfg.q_lora_rank is None else cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank
     mla = q + cfg.dim * (cfg.kv_lora_rank + cfg.qk_rope_dim) + cfg.kv_lora_rank
-    moe = cfg.dim * cfg.n_experts + cfg.n_shared_experts * 3 * cfg.dim * cfg.expert_ffn_dim
+    moe = cfg.dim * cfg.n_experts
     moe_layers = sum(cfg.is_moe(i) for i in _all_layers(cfg))
     outside = 2 * cfg.vocab_size * cfg.dim + cfg.dim + cfg.mtp_layers * (2 * cfg.dim * cfg.dim + 3 * cfg.dim)
     return outside + len(_all_layers(cfg)) * mla + moe_layers * moe, mla + moe

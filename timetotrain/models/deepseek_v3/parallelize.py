@@ -13,10 +13,12 @@ dense-first layers and MTP:
   (`grad_summed`, a hook on `kv_down`; without it the replicated `kv_down` would train on 1/T of it);
 - the dense-first layers' SwiGLU as the llama plan cuts it (`fc1` column-wise, gate and up rows stacked per
   rank, `fc2` row-wise: ffn_dim must divide by T);
-- the MoE blocks (group-limited router with its balancing bias, the shared expert, the routed experts) are
-  NOT cut by TP: their input is all-gathered along the sequence (`moe_gathered`), so every TP rank routes the
-  same whole tokens the same way, the shared expert runs whole, and expert parallelism splits the routed
-  experts over the data-parallel ranks, one expert-parallel group per TP index. The routers' loads, summed
+- the MoE blocks' router (group-limited, with its balancing bias) and routed experts are NOT cut by TP:
+  their input is all-gathered along the sequence (`moe_gathered`), so every TP rank routes the same whole
+  tokens the same way, and expert parallelism splits the routed experts over the data-parallel ranks, one
+  expert-parallel group per TP index. The shared expert is cut as the dense SwiGLU (`shared_expert_cut`,
+  Megatron's TP SharedExpertMLP: its width must divide by T) on those whole tokens, its output summed over
+  the TP ranks before it joins the routed output. The routers' loads, summed
   over all ranks for the auxiliary-loss-free bias step, count each token T times: the step is the sign of
   (mean load - load), the same for any common factor; the sequence aux loss is computed on whole tokens;
 - the block norms sequence-parallel, the residual stream cut along the sequence between blocks; the
@@ -37,11 +39,14 @@ from timetotrain.models.family import TP_STACKED_OVER, check_divides
 
 
 def check_shape(cfg, tp: int) -> None:
-    """One line naming what does not divide: MLA's heads, and the dense-first layers' FFN width (the
-    experts are not cut by TP)."""
+    """One line naming what does not divide: MLA's heads, the dense-first layers' FFN width and the shared
+    experts' width (the routed experts are not cut by TP)."""
     sizes = [("n_heads", cfg.n_heads, "layers.*.attn.q_up.weight")]
     if cfg.first_dense:
         sizes.append(("ffn_dim", cfg.ffn_dim, "layers.0.ffn.fc1.weight"))
+    if cfg.n_shared_experts:
+        shared = cfg.n_shared_experts * cfg.expert_ffn_dim
+        sizes.append(("the shared experts' width", shared, "layers.*.ffn.shared.fc1.weight"))
     check_divides(tp, sizes)
 
 
@@ -87,7 +92,12 @@ def _block(block: nn.Module, tp_mesh, colwise, rowwise) -> None:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    from timetotrain.models.common.sequence_parallel import gathered, grad_summed, moe_gathered
+    from timetotrain.models.common.sequence_parallel import (
+        gathered,
+        grad_summed,
+        moe_gathered,
+        shared_expert_cut,
+    )
 
     tp = tp_mesh.size()
     plan = {
@@ -100,6 +110,8 @@ def _block(block: nn.Module, tp_mesh, colwise, rowwise) -> None:
     }
     if isinstance(block.ffn, MoE):
         plan["ffn"] = moe_gathered()
+        if block.ffn.shared is not None:
+            plan.update(shared_expert_cut(block.ffn.shared, "ffn.shared", tp, colwise, rowwise))
     else:
         plan["ffn"] = gathered()
         plan["ffn.fc1"] = colwise()

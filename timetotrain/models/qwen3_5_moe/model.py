@@ -333,19 +333,22 @@ def activation_elements(cfg: Qwen35MoeConfig) -> float:
 def tensor_parallel_elements(cfg: Qwen35MoeConfig, tp: int) -> float:
     """`activation_elements` per token on one rank under the TP plan (parallelize.py), averaged over the layer
     pattern: the block norms 1/tp (sequence parallelism), the mixer's per-head tensors 1/tp (heads split) but
-    its input gathered whole (h), the MoE whole (every TP rank of a group runs it on all the group's tokens)."""
+    its input gathered whole (h), the router, routed experts and shared gate whole (every TP rank of a group
+    runs them on all the group's tokens), the shared expert's SwiGLU 1/tp (its width cut)."""
     h, f, k, fs = cfg.dim, cfg.expert_ffn_dim, cfg.top_k, cfg.shared_ffn_dim
-    moe = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 3 * fs + 2
+    whole = 2 * cfg.n_experts + 2 * k + k * (h + 2 * f + f + h) + k * h + 2
+    shared = 3 * fs
     norms = 2 * 5 * h
     # what the whole count holds besides the norms and the MoE: the mixer, its input among them
-    mixer = activation_elements(cfg) - norms - moe
-    return (norms + mixer - h) / tp + h + moe
+    mixer = activation_elements(cfg) - norms - whole - shared
+    return (norms + mixer - h + shared) / tp + h + whole
 
 
 def tensor_parallel_whole(cfg: Qwen35MoeConfig) -> tuple[int, int]:
     """(The model's parameters besides the routed experts that the TP plan keeps whole, those of one block):
-    the embedding, head and final norm; in every layer the router and the shared expert with its gate."""
-    moe = _moe_params(cfg, 0)
+    the embedding, head and final norm; in every layer the router and the shared expert's gate (its SwiGLU
+    is cut)."""
+    moe = _moe_params(cfg, 0) - 3 * cfg.dim * cfg.shared_ffn_dim
     return 2 * cfg.vocab_size * cfg.dim + cfg.dim + cfg.n_layers * moe, moe
 
 

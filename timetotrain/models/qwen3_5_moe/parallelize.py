@@ -17,10 +17,13 @@ two token mixers, whole heads per TP rank in both:
   `Partial()` sum); `out_proj` row-wise. The model reads the convolution and decay parameters as plain
   tensors: during the DeltaNet's forward they are this rank's local shards (`_local_parameters`), whose
   gradients autograd hands back to the sharded parameters;
-- the MoE (softmax router, gated shared expert, routed experts) is NOT cut by TP: its input is
-  all-gathered along the sequence (`moe_gathered`), every TP rank routes the same whole tokens the same way
-  and runs the shared expert whole, expert parallelism splits the routed experts over the data-parallel
-  ranks, one expert-parallel group per TP index;
+- the MoE's softmax router and routed experts are NOT cut by TP: its input is all-gathered along the
+  sequence (`moe_gathered`), every TP rank routes the same whole tokens the same way, expert parallelism
+  splits the routed experts over the data-parallel ranks, one expert-parallel group per TP index. The gated
+  shared expert's SwiGLU is cut as a dense one (`shared_expert_cut`: shared_ffn_dim must divide by T), its
+  output summed over the TP ranks; its gate (`[dim] -> 1`, a sigmoid per token) stays replicated: it reads
+  the whole tokens and scales the summed output, so its gradient is whole and equal on the TP ranks, as
+  the router's;
 - the block norms sequence-parallel, the residual stream cut along the sequence between blocks; the
   embedding whole, its output cut, the final norm gathering it (models/common/sequence_parallel.py).
 
@@ -39,13 +42,15 @@ _DELTANET_SHARDED = ("conv_weight", "dt_bias", "A_log")
 
 
 def check_shape(cfg, tp: int) -> None:
-    """One line naming what does not divide: the full attention's KV heads and the DeltaNet's key heads
-    (their value heads then divide too; the experts are not cut by TP)."""
+    """One line naming what does not divide: the full attention's KV heads, the DeltaNet's key heads
+    (their value heads then divide too) and the shared expert's width (the routed experts are not cut by
+    TP)."""
     check_divides(
         tp,
         [
             ("n_kv_heads", cfg.n_kv_heads, "layers.*.attn.qkv.weight"),
             ("lin_k_heads", cfg.lin_k_heads, "layers.*.attn.in_proj.weight"),
+            ("shared_ffn_dim", cfg.shared_ffn_dim, "layers.*.ffn.shared.ffn.fc1.weight"),
         ],
     )
 
@@ -63,7 +68,12 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
         parallelize_module,
     )
 
-    from timetotrain.models.common.sequence_parallel import gathered, moe_gathered, sequence_parallel_ends
+    from timetotrain.models.common.sequence_parallel import (
+        gathered,
+        moe_gathered,
+        sequence_parallel_ends,
+        shared_expert_cut,
+    )
 
     colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     tp = tp_mesh.size()
@@ -75,6 +85,7 @@ def tensor_parallel(model: nn.Module, tp_mesh, colwise=None, rowwise=None) -> No
             "attn_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
             "ffn": moe_gathered(),
+            **shared_expert_cut(block.ffn.shared.ffn, "ffn.shared.ffn", tp, colwise, rowwise),
         }
         if block.full_attention:  # attn(x, cos, sin, cache, mask)
             plan["attn"] = gathered(5)
