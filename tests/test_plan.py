@@ -17,6 +17,7 @@ from timetotrain.train.memory import (
     GiB,
     _root_copies,
     activation_bytes,
+    degree,
     estimate,
     fits_from,
     format_plan,
@@ -24,6 +25,7 @@ from timetotrain.train.memory import (
     padded_experts,
     plan,
     plan_doc,
+    tp_degree,
 )
 
 BENCH = get("llama31_8b")
@@ -706,10 +708,12 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     search's last resort, cp (train/memory.py module docstring), is tried with each C that splits the batch:
     `cp=C,fsdp=64/C` (FSDP2 over 64 ranks cuts the 32 experts' stacks on their FFN rows, no padded shard:
     train/expert_fsdp.py) and `cp=C,ep=32,fsdp=64/C`; only the latter fits, with AC (the former's gathered
-    blocks hold their experts, and their unsharded fp32 gradients through the backward). At a legal larger GBS
-    `ep=32,fsdp=64` fits without cp (GBS 64, its expert slices sharded over their 2 holders), and `ttt plan`
-    suggests it. Where a layout without CP
-    fits (8 x 80 GiB, 32 x 24 GiB at GBS 32: ep=32,fsdp=32) the suggestion is that one; GRPO's reference on
+    blocks hold their experts, and their unsharded fp32 gradients through the backward). For an MoE model CP
+    within a node stands where TP stands for the others (the MoE TP plans run the MoE whole on every TP
+    rank), so `ttt plan` keeps the tier's GBS with it and offers, beside it, the rows of the legal larger GBS
+    where a layout without TP or CP fits (`ep=32,fsdp=64` at GBS 64, its expert slices sharded over their 2
+    holders). Where a layout without CP
+    fits (8 x 80 GiB) the suggestion is that one; GRPO's reference on
     256 x 141 GiB gets cp=8, and `ttt run`'s preflight takes it."""
     from timetotrain.train import context_parallel, parallel
 
@@ -726,13 +730,19 @@ def test_context_parallel_is_searched_where_nothing_else_fits(capsys):
     assert cp_rows == {"fsdp=16,cp=4", "fsdp=8,cp=8", "fsdp=16,ep=32,cp=4", "fsdp=8,ep=32,cp=8"}
     assert main(["plan", bench.name, "--gpus", "64", "--gpu-mem", "18", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
-    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (64, "ep=32,fsdp=64")
-    assert "--parallel ep=32,fsdp=64 " in doc["suggestion"]["launch"]["command"]
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (16, "fsdp=16,ep=32,cp=4")
+    assert "--parallel fsdp=16,ep=32,cp=4 " in doc["suggestion"]["launch"]["command"]
+    beside = {r["parallel"] for r in doc["rows"] if r["global_batch_size"] == 64 and r["fits"] == "yes"}
+    assert beside == {"ep=32,fsdp=64"}
     # Where a layout without CP fits, no CP row is even estimated.
     assert not any("cp=" in r.parallel for r in plan(bench, tier, 8, 80, None)[1])
+    # On 32 GPUs the tier's GBS 16 splits only with a sample on 2 GPUs: CP (for an MoE model where TP would
+    # stand for the others), with the legal GBS 32's layout without either beside it.
     assert main(["plan", bench.name, "--gpus", "32", "--gpu-mem", "24", "--json"]) == 0
     doc = strict_loads(capsys.readouterr().out)
-    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (32, "ep=32,fsdp=32")
+    assert (doc["global_batch_size"], doc["suggestion"]["parallel"]) == (16, "fsdp=16,ep=32,cp=2")
+    beside = {r["parallel"] for r in doc["rows"] if r["global_batch_size"] == 32 and r["fits"] == "yes"}
+    assert "ep=32,fsdp=32" in beside
     # GRPO (its per-token log-probabilities in parts, tasks/grpo.py): nothing without cp fits 256 x 141 GiB,
     # nor cp=4 (129.9 GiB with AC, over the 126.9 usable); cp=8 with checkpointing does.
     grpo = get("qwen35_397b_grpo")
@@ -945,3 +955,15 @@ def test_cp_with_tp_across_nodes_where_tp_fills_a_node():
     # where nothing within a node fits, the pair across the 2 nodes is estimated (and does not fit either)
     _, rows, best = plan(BENCH, ref, 16, 24, None)
     assert best is None and "cp=2,tp=8" in {r.parallel for r in rows}
+
+
+def test_an_moe_model_tries_context_before_tensor_parallelism():
+    # The MoE TP plans run the router and routed experts whole on every TP rank of a group (the same MoE T
+    # times over); CP splits the experts' tokens too. gpt_oss_20b on 64 x 80 GiB at the tier's GBS 16 (a sample
+    # on 4 GPUs): `fsdp=16,cp=4`, no TP row estimated; a dense model keeps TP first (llama31_8b: no CP row).
+    bench = get("gpt_oss_20b")
+    _, rows, best = plan(bench, bench.tier("reference"), 64, 80, None)
+    assert best.parallel == "fsdp=16,cp=4" and not any(tp_degree(r) > 1 for r in rows)
+    llama = get("llama31_8b")
+    _, rows, best = plan(llama, llama.tier("reference"), 64, 80, None)
+    assert tp_degree(best) > 1 and not any(degree(r, "cp") > 1 for r in rows)

@@ -186,6 +186,9 @@ NAMED = [
     ("llama31_8b", "pp=2,tp=2,fsdp=2", "fp8"),
     ("deepseekv3_671b", "tp=2,ep=2", "fp32"),
     ("deepseekv3_671b", "tp=2,fsdp=2", "fp32"),
+    # gpt_oss's TP x EP: suggested where no CP layout fits or splits the batch (an MoE model tries CP first,
+    # so no grid cell reaches it since)
+    ("gpt_oss_20b", "tp=2,ep=2", "bf16"),
     # the hybrid with its expert slices sharded over their 2 replicas (FSDP2 wraps of their own, bf16
     # gathers), which the search offers only where GPUs outnumber the experts (1,024 for DeepSeek-V3)
     ("deepseekv3_671b", "ep=2,fsdp=4", "bf16"),

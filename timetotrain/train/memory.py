@@ -73,17 +73,20 @@ Where the numbers come from (an estimate, not a measurement):
   slices' bf16 copies, so a tie goes to HSDP, without all-to-all);
   where none of those fits or splits the batch, tp x fsdp (tp x ep); where none of those either, context
   parallelism `cp=C,fsdp=gpus/C` with C in 2, 4, 8 within a node (`_context_parallel_rows`; for an MoE model
-  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs; for the llama family
+  `cp=C,ep=E,fsdp=gpus/C` too, E the largest dividing the experts and the GPUs, and CP is tried before TP:
+  the MoE TP plans run the router and routed experts whole on every TP rank of a group, where CP splits
+  the experts' tokens too; for the llama family
   `cp=C,tp=T[,fsdp=F]` with C x T within a node, fewer TP first; where none of those fits or splits the
   batch either, across nodes `cp=2,tp=node[,fsdp=F]`, TP filling each of the CP pair's two nodes, NVIDIA's
   llama31_405b layout: `CROSS_NODE_CP`), each planned
   as if --parallel named it, so through the checks of `ttt run`'s preflight (`parallel.parse`, the batch
   split, `context_parallel.check`: causal-LM pretraining with a context-parallel attention, not GRPO, a
   sequence that cuts into 2C chunks). Of these the smallest C that fits. `ttt plan` (`plan_at_legal_gbs`)
-  prefers a legal larger GBS where a layout without CP fits to CP at the tier's GBS, so a suggestion made
-  before the search had CP stays; where the tier's GBS takes a TP suggestion (it splits over no layout
-  without TP), the rows of the smallest larger legal GBS where one without TP fits are offered beside it,
-  each row naming its GBS (`_with_legal_rows`). Pipeline parallelism last of all, where no layout above (CP included)
+  prefers a legal larger GBS where a layout without CP fits to CP at the tier's GBS (an MoE model's CP
+  within a node excepted: it stands where TP stands for the others), so a suggestion made before the
+  search had CP stays; where the tier's GBS takes a TP suggestion (or an MoE model's CP one: it splits over
+  no layout without them), the rows of the smallest larger legal GBS where one without TP and CP fits are
+  offered beside it, each row naming its GBS (`_with_legal_rows`). Pipeline parallelism last of all, where no layout above (CP included)
   fits or splits the batch (`_pipeline_search_rows`): `pp=P[,tp=T][,fsdp=F]` for P in 2, 4, 8, 16, 32 (an
   MoE family, deepseek_v3 and gpt_oss: `pp=P,ep=E,fsdp=gpus/P`, E the largest dividing the experts and F), each
   planned as --parallel names it (`_pipeline_rows`), so through `pipeline.check` (decoders whose task
@@ -688,12 +691,18 @@ def plan(
             return _named_rows(bench, tier, gpus, gpu_mem_gib, spec, bf16, gpus_per_node, fp8, ac)
 
         rows = _data_parallel_rows(tier, gpus, gpus_per_node, rows_of, named)
-        if not any(r.total <= cap for r in rows):
-            # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block.
-            rows += _tensor_parallel_rows(bench, tier, gpus, gpus_per_node, rows_of)
-        if not any(r.total <= cap for r in rows):
-            # Context parallelism only where nothing above fits or splits the batch (module docstring).
-            rows += _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac)
+        # Tensor parallelism only where sharding alone cannot fit: it adds collectives to every block. Context
+        # parallelism only where nothing before it fits or splits the batch (module docstring). An MoE model
+        # tries CP first (`_moe`): its TP plans leave the router and routed experts whole on every TP rank of
+        # a group, run on all the group's tokens (the same MoE T times over), where CP splits every layer's
+        # tokens, the experts' included, for one K/V exchange per attention layer.
+        stages = [
+            lambda: _tensor_parallel_rows(bench, tier, gpus, gpus_per_node, rows_of),
+            lambda: _context_parallel_rows(bench, tier, gpus, gpu_mem_gib, bf16, gpus_per_node, fp8, ac),
+        ]
+        for stage in reversed(stages) if _moe(tier) else stages:
+            if not any(r.total <= cap for r in rows):
+                rows += stage()
         if not any(r.total <= cap for r in rows):
             # Then a sample's C x T ranks across nodes, TP filling each node (NVIDIA's 405B layout): before a
             # pipeline, whose bubble costs more than CP's K/V exchange over the network (`CROSS_NODE_CP`).
@@ -1070,13 +1079,15 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
     the plan at the smallest larger GBS of the benchmark's RCP table (a legal closed-division batch size)
     where a layout without tensor, context or pipeline parallelism fits, else where one without context or
     pipeline parallelism fits, said in the note; then a context- or pipeline-parallel layout at the tier's
-    GBS, else at the smallest legal GBS (CP and PP are searched last, `plan`). At 256 GPUs real submissions
-    run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
+    GBS, else at the smallest legal GBS (CP and PP are searched last, `plan`). An MoE model's CP within a
+    node counts as TP does here (`_last_resort`): its search tries CP before TP. At 256 GPUs real
+    submissions run llama31_8b at such a GBS, where the tier's 16 splits over no layout."""
     try:
         own, refused = plan_at(tier), None
     except UserError as e:
         own, refused = None, e
-    if own is not None and own[2] is not None and not _last_resort(own[2]):
+    moe = _moe(tier)
+    if own is not None and own[2] is not None and not _last_resort(own[2], moe):
         return tier, _with_legal_rows(bench, tier, own, plan_at, retier), None
     legal = sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size) if retier else []
     fallback = None  # the smallest legal GBS where a layout with TP fits
@@ -1089,12 +1100,13 @@ def plan_at_legal_gbs(bench, tier, gpus: int, plan_at, retier=None):
             continue
         if found[2] is None:
             continue
-        if _last_resort(found[2]):
+        if _last_resort(found[2], moe):
             later_cp = later_cp or (at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout"))
-        elif tp_degree(found[2]) == 1:
+        elif not _shares_samples(found[2]):
             return at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without TP or CP")
         elif fallback is None:
-            fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, "a layout without CP")
+            what = "a layout without CP" if degree(found[2], "cp") == 1 else "a layout without TP"
+            fallback = at, found, _gbs_note(bench, tier, at, gpus, refused, what)
     # Context and pipeline parallelism last: the search tries them only where nothing else fits (`plan`),
     # and a legal GBS where something else fits is that search's answer too.
     if fallback:
@@ -1115,7 +1127,7 @@ def _with_legal_rows(bench, tier, found, plan_at, retier):
     size (llama31_8b on 64 GPUs: fsdp=64 or dp_replicate=8,fsdp=8 at GBS 64), offered beside the
     suggestion, which keeps the tier's GBS (`plan_at_legal_gbs`)."""
     n, rows, best = found
-    if retier is None or tp_degree(best) == 1:
+    if retier is None or not _shares_samples(best):
         return found
     have = {r.parallel for r in rows}
     for gbs in sorted(g for g in bench.rcp_hparams if g > tier.global_batch_size):
@@ -1123,16 +1135,30 @@ def _with_legal_rows(bench, tier, found, plan_at, retier):
             _, more, other = plan_at(retier(gbs))
         except UserError:
             continue
-        if other is not None and tp_degree(other) == 1 and not _last_resort(other):
-            plain = [r for r in more if tp_degree(r) == 1 and not _last_resort(r) and r.parallel not in have]
+        if other is not None and not _shares_samples(other) and not _last_resort(other):
+            plain = [
+                r for r in more if not _shares_samples(r) and not _last_resort(r) and r.parallel not in have
+            ]
             return n, rows + plain, best
     return found
 
 
-def _last_resort(r: Estimate) -> bool:
+def _last_resort(r: Estimate, moe: bool = False) -> bool:
     """A context- or pipeline-parallel suggestion: the search's last resorts (`plan`), which a legal larger
-    GBS where a layout without them fits goes before (`plan_at_legal_gbs`)."""
-    return degree(r, "cp") > 1 or degree(r, "pp") > 1
+    GBS where a layout without them fits goes before (`plan_at_legal_gbs`). For an MoE model (`moe`) CP
+    within a node is not: the search tries it before TP (`plan`), and it takes TP's place in these rules."""
+    return (degree(r, "cp") > 1 and not moe) or degree(r, "pp") > 1
+
+
+def _shares_samples(r: Estimate) -> bool:
+    """Whether a sample spans several GPUs (TP or CP), so that a legal larger GBS would let a layout without
+    them split the batch (`plan_at_legal_gbs`, `_with_legal_rows`)."""
+    return tp_degree(r) > 1 or degree(r, "cp") > 1
+
+
+def _moe(tier) -> bool:
+    """An MoE model: its TP plans cut the attention only, so CP goes before TP (`plan`)."""
+    return bool(getattr(tier.model, "n_experts", 0))
 
 
 def _gbs_note(bench, tier, at, gpus: int, refused, what: str) -> str:
@@ -1519,8 +1545,8 @@ def _row_notes(bench, tier, rows) -> list[str]:
     if other:
         out.append(
             f"GBS {', '.join(map(str, other))} rows: a legal GBS of the RCP table "
-            f"({', '.join(map(str, sorted(bench.rcp_hparams)))}) where a layout without tensor parallelism "
-            f"fits, offered beside the suggestion at the tier's GBS; run one with --set global_batch_size=N "
+            f"({', '.join(map(str, sorted(bench.rcp_hparams)))}) where a layout without tensor or context "
+            f"parallelism fits, offered beside the suggestion at the tier's GBS; run one with --set global_batch_size=N "
             "(its RCP's LR and warmup follow)."
         )
     if any(tp_degree(r) > 1 and degree(r, "pp") == 1 for r in rows):
