@@ -55,6 +55,31 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if named else min(2, os.cpu_count() or 1)
 
 
+# The files that take longest (a minute or more of a worker on 2 cores: the runs to target, the multi-rank
+# layouts), collected first. Under `--dist loadfile` (pyproject's addopts) xdist hands whole files to the
+# workers in collection order, so a long file collected late runs on while the other worker has finished;
+# longest first keeps the two workers' ends close. Every other file keeps its (alphabetical) place.
+FIRST = (
+    "test_gpt_oss.py",
+    "test_e2e_tiny.py",
+    "test_distributed.py",
+    "test_synth.py",
+    "test_plan_builds.py",
+    "test_simulate.py",
+    "test_reproducible.py",
+    "test_layouts_pp_moe.py",
+    "test_flux_tiny.py",
+    "test_lora_tiny.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(
+        key=lambda item: rank.get(item.path.name, len(FIRST))
+    )  # stable: a file's tests keep their order
+
+
 # The fast lane (`-m "not slow"`) stays under 3 minutes only while every test over about 3 s is marked slow.
 # Timing depends on the host and its load, so a slow unmarked test is named at the end of the session (and
 # under TTT_SLOW_MARKS=strict fails it) rather than in a test of its own.
