@@ -338,7 +338,8 @@ def backward_overlap(local: int, micro: int, grads: float, act: float, end: floa
 MARGIN_SHARE = 0.05  # of the device, plus 1 GiB: allocator, NCCL buffers, workspaces (module docstring)
 
 
-def _margin(gpu_mem_gib: float) -> float:
+def margin_bytes(gpu_mem_gib: float) -> float:
+    """The plan's margin on a device of `gpu_mem_gib` GiB, in bytes (what the count leaves out)."""
     return MARGIN_SHARE * gpu_mem_gib * GiB + GiB
 
 
@@ -426,7 +427,7 @@ def estimate(
     # A task phase counts whole samples: under cp a rank holds cp x as many, 1/cp of each, as many tokens
     # as gbs / gpus whole ones (at least one: conservative where fewer).
     act, peak = _peak(bench, tier, act, max(tier.global_batch_size // gpus, 1), 2 if bf16 else 4, cp)
-    margin = _margin(gpu_mem_gib)
+    margin = margin_bytes(gpu_mem_gib)
     label = f"ep={ep},fsdp={gpus}" if kind == "ep,fsdp" else f"{kind}={gpus}"
     if kind == "hsdp":
         label = f"dp_replicate={replicas},fsdp={shards}"
@@ -546,7 +547,7 @@ def _estimate_tp(
     act += context_parallel_bytes(cfg, micro, seq, cp, 2 if bf16 else 4, ac) / tp  # (the masks too: small)
     end = backward_end_bytes(family, cfg, tokens, 2 if bf16 else 4, ac, tp)
     act, peak = _peak(bench, tier, act, max(tier.global_batch_size // data, 1), 2 if bf16 else 4, cp)
-    margin = _margin(gpu_mem_gib)
+    margin = margin_bytes(gpu_mem_gib)
     # A rank's samples: those of its data-parallel rank (data / cp of them), 1/cp of each.
     overlap = backward_overlap(tier.global_batch_size * cp // data, micro, grads, act, end, peak)
     label = f"tp={tp},ep={ep},fsdp={fsdp}" if ep else f"tp={tp},fsdp={fsdp}"
@@ -910,8 +911,8 @@ def _pipeline_search_rows(
 ) -> list[Estimate]:  # fmt: skip
     """`pp=P[,tp=T][,fsdp=F]` (P x T x F = gpus; T as `_tp_degrees` allows within a node, none too; no `dp`,
     which the pipeline does not compose with; an MoE model `pp=P[,tp=T],ep=E,fsdp=F`) for P in `PP_DEGREES`,
-    fewest stages first, stopping after the first P with a layout that fits: more stages only add to the bubble (`plan`'s order). Each is planned as
-    `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
+    fewest stages first, stopping after the first P with a layout that fits: more stages only add to the
+    bubble (`plan`'s order). Each is planned as `--parallel` names it (`_pipeline_rows`), so through the checks of `ttt run`'s preflight
     (`parallel.parse`, the batch split over the F data-parallel ranks, `pipeline.check`: the family and task
     have a stage split, P stages within the layers, a micro-batch count the 1F1B schedule takes); a layout
     those refuse is left out."""
@@ -1199,8 +1200,9 @@ def _sample_splits(gpus_per_node: int) -> list[int]:
     """The GPUs one data-parallel rank's samples can span in a layout the search tries (`plan`): a TP group
     (1, 2, 4 or `MAX_TP`), cp x tp within a node (up to the node), the CP pair across nodes where TP fills
     each (`CROSS_NODE_CP`), or a pipeline's `PP_DEGREES` stages of a TP group each. A world is the
-    data-parallel ranks (a divisor of the global batch) times one of these, so above 8 x the global batch
-    only the pair across nodes and the pipeline reach (llama31_405b at GBS 16: `cp=2,tp=8,fsdp=16` on 256)."""
+    data-parallel ranks (a divisor of the global batch) times one of these, so on nodes of 8 only the pair
+    across nodes and the pipeline reach above 8 x the global batch (llama31_405b at GBS 16: `cp=2,tp=8,
+    fsdp=16` on 256)."""
     tps = (1, 2, 4, MAX_TP)
     node = max(gpus_per_node, MAX_TP)
     within = {t * c for t in tps for c in (1, *CP_DEGREES) if t * c <= node}

@@ -12,9 +12,9 @@ on for every micro-batch (`--set pp_reduce=experts`, the default: train/pipeline
 one layer's slice gathered at a time and the slices' gradients as shards, not every slice gathered (compute
 precision) with its fp32 gradient whole through the step (`ttt plan`'s pp rows).
 
-With tensor parallelism (`pp=P,tp=T,ep=E[,fsdp=N]`): the family's TP plan cuts each stage's attention and
-leaves its MoE whole on each TP rank's whole tokens (models/gpt_oss/parallelize.py), as `tp=T,ep=E,fsdp=N`
-does without a pipeline; the experts split over the stage's data-parallel ranks, one expert-parallel group
+With tensor parallelism (`pp=P,tp=T,ep=E[,fsdp=N]`): the family's TP plan cuts each stage's attention (and
+DeepSeek's shared expert) and leaves the router and routed experts whole on each TP rank's whole tokens
+(models/gpt_oss/parallelize.py), as `tp=T,ep=E,fsdp=N` does without a pipeline; the experts split over the stage's data-parallel ranks, one expert-parallel group
 per TP index: a (pp, N / E, E, T) mesh in `parallel.Plan.coords` order, TP innermost. The N / E holders of a
 slice keep it whole and average its gradient (`expert_parallel.average_expert_replicas`; not sharded under
 tp, `Plan.expert_shards`). A boundary carries each rank's sequence shard of the stream and of MTP's inputs.

@@ -115,7 +115,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from timetotrain import fakes
 from timetotrain.errors import UserError
 from timetotrain.train import distributed, parallel, pipeline, prepare
-from timetotrain.train.memory import HEADROOM, MARGIN_SHARE
+from timetotrain.train.memory import HEADROOM, margin_bytes
 from timetotrain.train.parallel import ac_words
 from timetotrain.train.synth import with_layers
 
@@ -877,8 +877,7 @@ def fits_text(peak: float) -> str:
     added, within its 90% line)."""
     G = 2**30
     return ", ".join(
-        f"{g} GiB: {'yes' if peak + MARGIN_SHARE * g * G + G <= HEADROOM * g * G else 'no'}"
-        for g in (80, 141, 192)
+        f"{g} GiB: {'yes' if peak + margin_bytes(g) <= HEADROOM * g * G else 'no'}" for g in (80, 141, 192)
     )
 
 
